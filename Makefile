@@ -1,0 +1,45 @@
+# Everything bootstraps itself: a fresh machine needs only python3 (>= 3.11) and a C compiler.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+DEPS   := $(VENV)/.deps-installed
+EXT    := $(VENV)/.ext-built
+EXT_SRC := $(wildcard cext/*.pyx cext/*.pxd) setup.py
+
+.PHONY: run test test-debug build lint bench clean
+
+run: $(EXT)
+	$(VENV)/bin/leasehold simulate engine/examples/trace.jsonl --config engine/examples/leasehold.toml
+
+test: $(EXT)
+	$(PY) -m pytest
+
+# The same suite against a build with bounds/wraparound/initialisation checks on;
+# the release build is restored afterwards.
+test-debug: $(DEPS)
+	LEASEHOLD_DEBUG=1 $(PY) setup.py -q build_ext --inplace
+	$(PY) -m pytest; status=$$?; rm -f $(EXT); $(MAKE) --no-print-directory build; exit $$status
+
+build: $(EXT)
+
+lint: $(DEPS)
+	$(VENV)/bin/ruff check engine transport storage tests bench setup.py
+	$(VENV)/bin/cython-lint cext
+
+bench: $(EXT)
+	$(PY) bench/tick.py
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): setup.py pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel cython numpy
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $@
+
+$(EXT): $(DEPS) $(EXT_SRC)
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+clean:
+	rm -rf build $(VENV) *.egg-info cext/*.c cext/*.so cext/*.html

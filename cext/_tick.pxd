@@ -1,0 +1,146 @@
+# The tick: one scheduling pass of a shard over structure-of-arrays state.
+# Every array is a numpy buffer allocated (and grown) by engine/_state.py and bound here
+# with bind(); the kernel never allocates. Counters named *_adm / *_rel are monotonic
+# (admitted / released); in flight is always their difference, never a separate count.
+cimport cython
+
+from cext._types cimport i32, i64, u8, u64
+
+
+@cython.final
+cdef class TickKernel:
+    # --- dimensions and settings ---
+    cdef Py_ssize_t n_res              # R: configured resources
+    cdef Py_ssize_t n_clusters         # C: clusters (<= 64, a bitmask)
+    cdef Py_ssize_t n_queues           # Q: queues
+    cdef Py_ssize_t n_workers          # workers rows in use
+    cdef Py_ssize_t n_envs             # environment (warm pool) rows in use
+    cdef i64 n_pools_live              # pools currently holding a footprint (reap skips at 0)
+    cdef readonly i64 tick_no          # ticks run so far (wait reasons are stamped with it)
+    cdef i64 max_candidates            # candidates examined per queue per tick
+    cdef bint gate_on                  # resource gate: enforce (1) or count caps only (0)
+    cdef int cpu_dim                   # index of cpu in vectors, -1 if not configured
+
+    cdef u8[::1] res_accel             # [R] 1 where the resource is an accelerator
+
+    # --- actions (one row per action; its run lease lives in the same row) ---
+    cdef u8[::1] a_state               # ActionState
+    cdef i32[::1] a_queue              # queue row
+    cdef i32[::1] a_run                # run row
+    cdef i32[::1] a_qrun               # (queue, run) row; lane = 2 * qrun + fast
+    cdef i32[::1] a_lane               # lane row it waits in
+    cdef i32[::1] a_env                # environment row, -1 when not reusable
+    cdef i32[::1] a_next               # next action in its lane, -1 at the tail
+    cdef i32[::1] a_prev               # previous action in its lane, -1 at the head
+    cdef u64[::1] a_fit                # clusters that could ever hold it (shapes, capacity)
+    cdef i64[:, ::1] a_demand          # [N, R] total demand (a pool's footprint if reusable)
+    cdef i64[::1] a_gen                # lease generation, +1 per assignment
+    cdef i64[::1] a_released_gen       # generation whose in-flight counts were released
+    cdef u8[::1] a_charged             # 1 when its demand was charged to queue and cluster
+    cdef i32[::1] a_cluster            # cluster of the current assignment, -1 none
+    cdef i32[::1] a_worker             # worker of the current assignment, -1 none
+    cdef u8[::1] a_wait_code           # WaitCode from the last tick that examined it
+    cdef i64[::1] a_wait_tick          # tick_no of that examination
+    cdef i32[::1] a_wait_cluster       # cluster the wait is about, -1 none
+    cdef i32[::1] a_wait_dim           # resource the wait is about, -1 none
+    cdef i32[::1] a_wait_blocker       # action row blocking it (head of line), -1 none
+
+    # --- (queue, run) pairs and their two lanes (regular, fast) ---
+    cdef i32[::1] qr_queue             # queue row of the pair
+    cdef i32[::1] qr_run               # run row of the pair
+    cdef u64[::1] qr_adm               # actions of this run admitted in this queue
+    cdef u64[::1] qr_rel               # ... and released
+    cdef i32[::1] ln_head              # oldest pending action of the lane, -1 empty
+    cdef i32[::1] ln_tail              # newest pending action, -1 empty
+    cdef i32[::1] ln_next              # next lane in the queue's round-robin ring
+    cdef i32[::1] ln_prev              # previous lane in that ring
+    cdef u8[::1] ln_in_ring            # 1 while linked in the ring
+    cdef i32[::1] ln_scan              # next action to examine in this tick
+    cdef i64[::1] ln_scan_tick         # tick_no ln_scan belongs to (lazy reset)
+    cdef i32[::1] ln_park              # next lane in the tick-local parked list
+
+    # --- queues ---
+    cdef i32[::1] q_order              # queue rows by priority, highest first
+    cdef u8[::1] q_strict              # 1 = STRICT_FIFO, 0 = GREEDY_CAPACITY
+    cdef i64[::1] q_action_cap         # action_concurrency, 0 = unlimited
+    cdef i64[::1] q_run_cap            # run_concurrency, 0 = unlimited
+    cdef i64[:, ::1] q_max             # [Q, R] max_resources, UNLIMITED where none
+    cdef u64[::1] q_clusters           # clusters the queue may use (bitmask)
+    cdef u64[::1] q_adm                # actions admitted
+    cdef u64[::1] q_rel                # actions released
+    cdef u64[::1] q_runs_adm           # runs that went from 0 to >0 in flight
+    cdef u64[::1] q_runs_rel           # runs that went back to 0
+    cdef u64[:, ::1] q_res_adm         # [Q, R] resources charged
+    cdef u64[:, ::1] q_res_rel         # [Q, R] resources released
+    cdef i64[::1] q_pending            # queued actions (depth)
+    cdef i32[:, ::1] q_ring            # [Q, 2] ring cursor lane per lane kind, -1 empty
+    cdef u8[::1] q_stop_code           # why the last tick stopped scanning the queue
+    cdef i32[::1] q_stop_blocker       # action behind that stop, -1 none
+    cdef i32[::1] q_head               # head blocked on resources in the last tick, -1 none
+    cdef u8[::1] q_head_code           # its WaitCode
+    cdef i64[::1] q_head_since         # when that head was first seen blocked (ns)
+
+    # --- clusters ---
+    cdef i64[:, ::1] c_cap             # [C, R] capacity, UNLIMITED when unknown
+    cdef u64[:, ::1] c_adm             # [C, R] resources charged
+    cdef u64[:, ::1] c_rel             # [C, R] resources released
+
+    # --- workers ---
+    cdef i32[::1] w_cluster            # cluster row
+    cdef i64[::1] w_slots              # slots it offers
+    cdef u64[::1] w_adm                # leases assigned to it
+    cdef u64[::1] w_rel                # leases released from it
+    cdef u8[::1] w_connected           # 1 while registered
+
+    # --- runs ---
+    cdef i64[::1] u_cap                # max_action_concurrency, 0 = unlimited
+    cdef u64[::1] u_adm                # actions admitted
+    cdef u64[::1] u_rel                # actions released
+
+    # --- environments (warm pools) ---
+    cdef i32[::1] e_queue              # queue the pool is charged to
+    cdef i32[::1] e_cluster            # cluster it runs on, -1 when not running
+    cdef i64[::1] e_slots              # replicas x concurrency
+    cdef i64[::1] e_idle_ttl           # idle time (ns) before its footprint is released
+    cdef i64[::1] e_last_active        # last admission or release (ns)
+    cdef u64[::1] e_adm                # actions admitted into it
+    cdef u64[::1] e_rel                # actions released from it
+    cdef i64[:, ::1] e_footprint       # [E, R] replicas x per-pod vector, charged once
+    cdef i64[::1] e_gen                # +1 each time the pool starts
+    cdef i64[::1] e_released_gen       # pool generation whose footprint was released
+
+    # --- outputs ---
+    cdef i32[::1] d_action             # dispatch ring: action row
+    cdef i64[::1] d_gen                # ... lease generation
+    cdef i32[::1] d_cluster            # ... cluster
+    cdef i32[::1] d_worker             # ... worker
+    cdef readonly i64 d_head           # next entry to consume (monotonic)
+    cdef readonly i64 d_tail           # next entry to fill (monotonic)
+    cdef i32[::1] f_action             # actions failed UNSCHEDULABLE this tick
+    cdef u8[::1] f_code                # ... and why
+    cdef readonly i64 f_count          # entries in f_action
+
+    # --- tick scratch (allocated once) ---
+    cdef i64[::1] s_budget             # [R] queue budget left
+    cdef i64[::1] s_free               # [R] cluster free vector
+    cdef i64[::1] s_slots              # [C] free worker slots
+    cdef i32[::1] s_held_by            # [C] action holding the cluster (STRICT_FIFO head)
+    cdef i32[::1] s_cursor             # [C] last worker picked (round robin)
+
+    cdef void _ring_insert(self, i32 lane) noexcept nogil
+    cdef void _ring_remove(self, i32 lane) noexcept nogil
+    cdef void _link(self, i32 a) noexcept nogil
+    cdef void _unlink(self, i32 a) noexcept nogil
+    cdef bint _release(self, i32 a, i64 now) noexcept nogil
+    cdef void _reap_pools(self, i64 now) noexcept nogil
+    cdef u64 _count_slots(self) noexcept nogil
+    cdef int _tick_queue(self, i32 q, i64 now, u64* held, u64* avail) noexcept nogil
+    cdef int _try_place(self, i32 q, i32 a, i64 now, u64* held, u64* avail,
+                        i64* actions_left, i64* runs_left) noexcept nogil
+    cdef int _choose_cluster(self, i32 a, u64 candidates) noexcept nogil
+    cdef i32 _pick_worker(self, int c) noexcept nogil
+    cdef void _place(self, i32 a, int c, int mode, i64 now, u64* avail,
+                     i64* actions_left, i64* runs_left) noexcept nogil
+    cdef void _wait(self, i32 a, u8 code, i32 cluster, i32 dim, i32 blocker) noexcept nogil
+    cdef void _fail(self, i32 a, u8 code) noexcept nogil
+    cdef i64 _run(self, i64 now) noexcept nogil

@@ -1,0 +1,675 @@
+"""The tick: one scheduling pass over a shard's numpy-backed state, without the GIL.
+
+Order, as in DESIGN.md: reap idle warm pools; snapshot free worker slots per cluster; then
+for each queue by priority, candidates round-robin across its runs (oldest first within a
+run), regular and fast lane interleaved 1:1; caps first, then the resource gate (queue
+budget; a cluster whose capacity minus in-flight covers the total and whose node shapes
+hold every pod; the one with most free accelerators, then cpu); a worker slot reserved and
+the assignment pushed to the bounded dispatch ring. STRICT_FIFO heads that do not fit hold
+their clusters against everything later in the tick; GREEDY_CAPACITY skips and packs.
+"""
+
+cimport cython
+
+from cext._gate cimport covers, first_short_dim, lowest_bit
+from cext._types cimport (
+    ST_DONE, ST_QUEUED, ST_SENT, W_CANDIDATE_LIMIT, W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
+    W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY,
+    W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
+    W_UNSCHEDULABLE_SHAPE, i32, i64, u8, u64,
+)
+
+cdef i64 UNLIMITED = 1 << 62
+cdef i64 NO_CAP = 1 << 62
+
+# Outcomes of one candidate.
+cdef enum:
+    R_PLACED = 0        # reserved and dispatched
+    R_SKIP_ACTION = 1   # this action waits; the lane's next action may still go
+    R_SKIP_LANE = 2     # nothing of this run can go this tick
+    R_FAILED = 3        # can never fit: removed and reported UNSCHEDULABLE
+    R_STOP_QUEUE = 4    # nothing more of this queue this tick
+    R_STOP_TICK = 5     # dispatch ring full: stop the whole tick
+
+# How a placement is charged.
+cdef enum:
+    M_REGULAR = 0       # the action's demand is charged
+    M_POOL_START = 1    # the pool's footprint is charged once, on the pool
+    M_FAST = 2          # warm pool already charged: nothing more
+
+
+@cython.final
+cdef class TickKernel:
+    """Scheduling kernel bound to the arrays of an ``engine._state.State``."""
+
+    def __cinit__(self):
+        self.tick_no = 0
+        self.d_head = 0
+        self.d_tail = 0
+        self.f_count = 0
+        self.n_pools_live = 0
+
+    def bind(self, state):
+        """(Re)bind every array from ``state``; called once and after every growth."""
+        self.n_res = state.n_res
+        self.n_clusters = state.n_clusters
+        self.n_queues = state.n_queues
+        self.n_workers = state.n_workers
+        self.n_envs = state.n_envs
+        self.max_candidates = state.max_candidates
+        self.gate_on = state.gate_on
+        self.cpu_dim = state.cpu_dim
+        self.res_accel = state.res_accel
+        self.a_state = state.a_state
+        self.a_queue = state.a_queue
+        self.a_run = state.a_run
+        self.a_qrun = state.a_qrun
+        self.a_lane = state.a_lane
+        self.a_env = state.a_env
+        self.a_next = state.a_next
+        self.a_prev = state.a_prev
+        self.a_fit = state.a_fit
+        self.a_demand = state.a_demand
+        self.a_gen = state.a_gen
+        self.a_released_gen = state.a_released_gen
+        self.a_charged = state.a_charged
+        self.a_cluster = state.a_cluster
+        self.a_worker = state.a_worker
+        self.a_wait_code = state.a_wait_code
+        self.a_wait_tick = state.a_wait_tick
+        self.a_wait_cluster = state.a_wait_cluster
+        self.a_wait_dim = state.a_wait_dim
+        self.a_wait_blocker = state.a_wait_blocker
+        self.qr_queue = state.qr_queue
+        self.qr_run = state.qr_run
+        self.qr_adm = state.qr_adm
+        self.qr_rel = state.qr_rel
+        self.ln_head = state.ln_head
+        self.ln_tail = state.ln_tail
+        self.ln_next = state.ln_next
+        self.ln_prev = state.ln_prev
+        self.ln_in_ring = state.ln_in_ring
+        self.ln_scan = state.ln_scan
+        self.ln_scan_tick = state.ln_scan_tick
+        self.ln_park = state.ln_park
+        self.q_order = state.q_order
+        self.q_strict = state.q_strict
+        self.q_action_cap = state.q_action_cap
+        self.q_run_cap = state.q_run_cap
+        self.q_max = state.q_max
+        self.q_clusters = state.q_clusters
+        self.q_adm = state.q_adm
+        self.q_rel = state.q_rel
+        self.q_runs_adm = state.q_runs_adm
+        self.q_runs_rel = state.q_runs_rel
+        self.q_res_adm = state.q_res_adm
+        self.q_res_rel = state.q_res_rel
+        self.q_pending = state.q_pending
+        self.q_ring = state.q_ring
+        self.q_stop_code = state.q_stop_code
+        self.q_stop_blocker = state.q_stop_blocker
+        self.q_head = state.q_head
+        self.q_head_code = state.q_head_code
+        self.q_head_since = state.q_head_since
+        self.c_cap = state.c_cap
+        self.c_adm = state.c_adm
+        self.c_rel = state.c_rel
+        self.w_cluster = state.w_cluster
+        self.w_slots = state.w_slots
+        self.w_adm = state.w_adm
+        self.w_rel = state.w_rel
+        self.w_connected = state.w_connected
+        self.u_cap = state.u_cap
+        self.u_adm = state.u_adm
+        self.u_rel = state.u_rel
+        self.e_queue = state.e_queue
+        self.e_cluster = state.e_cluster
+        self.e_slots = state.e_slots
+        self.e_idle_ttl = state.e_idle_ttl
+        self.e_last_active = state.e_last_active
+        self.e_adm = state.e_adm
+        self.e_rel = state.e_rel
+        self.e_footprint = state.e_footprint
+        self.e_gen = state.e_gen
+        self.e_released_gen = state.e_released_gen
+        self.d_action = state.d_action
+        self.d_gen = state.d_gen
+        self.d_cluster = state.d_cluster
+        self.d_worker = state.d_worker
+        self.f_action = state.f_action
+        self.f_code = state.f_code
+        self.s_budget = state.s_budget
+        self.s_free = state.s_free
+        self.s_slots = state.s_slots
+        self.s_held_by = state.s_held_by
+        self.s_cursor = state.s_cursor
+
+    def set_counts(self, Py_ssize_t n_workers, Py_ssize_t n_envs):
+        """Rows in use in the worker and environment tables."""
+        self.n_workers = n_workers
+        self.n_envs = n_envs
+
+    def set_gate(self, bint gate_on, i64 max_candidates):
+        """Switch the resource gate and the per-queue candidate budget."""
+        if max_candidates < 1:
+            raise ValueError("max_candidates must be >= 1")
+        self.gate_on = gate_on
+        self.max_candidates = max_candidates
+
+    # ---------------------------------------------------------------- lanes and rings
+
+    cdef void _ring_insert(self, i32 lane) noexcept nogil:
+        # A lane joins its queue's ring just before the cursor: last in the rotation.
+        cdef i32 q = self.qr_queue[lane >> 1]
+        cdef int kind = lane & 1
+        cdef i32 cur = self.q_ring[q, kind]
+        cdef i32 p
+        if cur < 0:
+            self.ln_next[lane] = lane
+            self.ln_prev[lane] = lane
+            self.q_ring[q, kind] = lane
+        else:
+            p = self.ln_prev[cur]
+            self.ln_next[p] = lane
+            self.ln_prev[lane] = p
+            self.ln_next[lane] = cur
+            self.ln_prev[cur] = lane
+        self.ln_in_ring[lane] = 1
+
+    cdef void _ring_remove(self, i32 lane) noexcept nogil:
+        cdef i32 q = self.qr_queue[lane >> 1]
+        cdef int kind = lane & 1
+        cdef i32 n = self.ln_next[lane]
+        cdef i32 p
+        if n == lane:
+            self.q_ring[q, kind] = -1
+        else:
+            p = self.ln_prev[lane]
+            self.ln_next[p] = n
+            self.ln_prev[n] = p
+            if self.q_ring[q, kind] == lane:
+                self.q_ring[q, kind] = n
+        self.ln_in_ring[lane] = 0
+
+    cdef void _link(self, i32 a) noexcept nogil:
+        cdef i32 lane = self.a_lane[a]
+        cdef i32 tail = self.ln_tail[lane]
+        self.a_next[a] = -1
+        self.a_prev[a] = tail
+        if tail >= 0:
+            self.a_next[tail] = a
+        else:
+            self.ln_head[lane] = a
+        self.ln_tail[lane] = a
+        # A lane scanned to its end this tick must see the newcomer next tick only.
+        if not self.ln_in_ring[lane]:
+            self._ring_insert(lane)
+        self.q_pending[self.a_queue[a]] += 1
+        self.a_state[a] = ST_QUEUED
+        self.a_wait_code[a] = W_NONE
+        self.a_wait_tick[a] = -1
+
+    cdef void _unlink(self, i32 a) noexcept nogil:
+        cdef i32 lane = self.a_lane[a]
+        cdef i32 n = self.a_next[a]
+        cdef i32 p = self.a_prev[a]
+        if p >= 0:
+            self.a_next[p] = n
+        else:
+            self.ln_head[lane] = n
+        if n >= 0:
+            self.a_prev[n] = p
+        else:
+            self.ln_tail[lane] = p
+        if self.ln_scan[lane] == a:
+            self.ln_scan[lane] = n
+        self.a_next[a] = -1
+        self.a_prev[a] = -1
+        if self.ln_head[lane] < 0 and self.ln_in_ring[lane]:
+            self._ring_remove(lane)
+        self.q_pending[self.a_queue[a]] -= 1
+
+    def push(self, i32 a):
+        """Append queued action ``a`` to the tail of its lane (its row must be filled in)."""
+        self._link(a)
+
+    def push_many(self, i32[::1] rows not None):
+        """Append many filled-in rows, in order."""
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(rows.shape[0]):
+                self._link(rows[i])
+
+    def remove(self, i32 a):
+        """Take queued action ``a`` out of its lane (abort, deadline, unschedulable)."""
+        if self.a_state[a] != ST_QUEUED:
+            raise ValueError(f"action row {a} is not queued")
+        self._unlink(a)
+
+    # ---------------------------------------------------------------- release
+
+    cdef bint _release(self, i32 a, i64 now) noexcept nogil:
+        # Applied once per (lease, generation): a second release of the same generation,
+        # or of a never-assigned row, changes nothing.
+        cdef i64 gen = self.a_gen[a]
+        if gen == 0 or self.a_released_gen[a] == gen:
+            return False
+        self.a_released_gen[a] = gen
+        cdef i32 q = self.a_queue[a]
+        cdef i32 c = self.a_cluster[a]
+        cdef i32 qr = self.a_qrun[a]
+        cdef i32 e = self.a_env[a]
+        cdef Py_ssize_t r
+        if self.a_charged[a]:
+            for r in range(self.n_res):
+                self.q_res_rel[q, r] += <u64>self.a_demand[a, r]
+                self.c_rel[c, r] += <u64>self.a_demand[a, r]
+        self.q_rel[q] += 1
+        self.qr_rel[qr] += 1
+        if self.qr_adm[qr] == self.qr_rel[qr]:
+            self.q_runs_rel[q] += 1
+        self.u_rel[self.a_run[a]] += 1
+        self.w_rel[self.a_worker[a]] += 1
+        if e >= 0:
+            self.e_rel[e] += 1
+            self.e_last_active[e] = now
+        return True
+
+    def release(self, i32 a, i64 now):
+        """Release the in-flight counts of ``a``'s current generation; False if already done."""
+        return self._release(a, now)
+
+    cdef void _reap_pools(self, i64 now) noexcept nogil:
+        # An idle warm pool past its idle_ttl gives its footprint back, once per pool start.
+        cdef Py_ssize_t e, r
+        cdef i32 q, c
+        for e in range(self.n_envs):
+            c = self.e_cluster[e]
+            if c < 0 or self.e_adm[e] != self.e_rel[e]:
+                continue
+            if now - self.e_last_active[e] < self.e_idle_ttl[e]:
+                continue
+            if self.e_released_gen[e] != self.e_gen[e]:
+                q = self.e_queue[e]
+                for r in range(self.n_res):
+                    self.q_res_rel[q, r] += <u64>self.e_footprint[e, r]
+                    self.c_rel[c, r] += <u64>self.e_footprint[e, r]
+                self.e_released_gen[e] = self.e_gen[e]
+                self.n_pools_live -= 1
+            self.e_cluster[e] = -1
+
+    def reap_pools(self, i64 now):
+        """Release idle pools now (the tick also does this first thing)."""
+        self._reap_pools(now)
+
+    # ---------------------------------------------------------------- the tick
+
+    cdef u64 _count_slots(self) noexcept nogil:
+        cdef Py_ssize_t w
+        cdef i64 free
+        cdef u64 avail = 0
+        for w in range(self.n_clusters):
+            self.s_slots[w] = 0
+        for w in range(self.n_workers):
+            if not self.w_connected[w]:
+                continue
+            free = self.w_slots[w] - <i64>(self.w_adm[w] - self.w_rel[w])
+            if free > 0:
+                self.s_slots[self.w_cluster[w]] += free
+        for w in range(self.n_clusters):
+            if self.s_slots[w] > 0:
+                avail |= (<u64>1) << w
+        return avail
+
+    cdef i64 _run(self, i64 now) noexcept nogil:
+        cdef Py_ssize_t i, j
+        cdef i32 q
+        cdef u64 held = 0
+        cdef u64 avail
+        cdef i64 before = self.d_tail
+        self.tick_no += 1
+        self.f_count = 0
+        if self.n_pools_live > 0:
+            self._reap_pools(now)
+        avail = self._count_slots()
+        for i in range(self.n_clusters):
+            self.s_held_by[i] = -1
+        for i in range(self.n_queues):
+            q = self.q_order[i]
+            if self._tick_queue(q, now, &held, &avail):
+                # Dispatch ring full: every later queue waits for the next tick.
+                for j in range(i + 1, self.n_queues):
+                    q = self.q_order[j]
+                    if self.q_pending[q] > 0:
+                        self.q_stop_code[q] = W_DISPATCH_FULL
+                        self.q_stop_blocker[q] = -1
+                break
+        return self.d_tail - before
+
+    def run(self, i64 now):
+        """Run one tick at time ``now`` (ns); returns the number of assignments made."""
+        cdef i64 placed
+        with nogil:
+            placed = self._run(now)
+        return placed
+
+    cdef int _tick_queue(self, i32 q, i64 now, u64* held, u64* avail) noexcept nogil:
+        cdef Py_ssize_t r
+        cdef i64 actions_left, runs_left, inflight
+        cdef i64 cand = 0
+        cdef int kind = 0
+        cdef int res
+        cdef i32 lane, a
+        cdef i32 park_head = -1, park_tail = -1
+        cdef u8 stop = W_NONE
+        cdef i32 stop_blocker = -1
+        cdef i32 head = -1
+        cdef u8 head_code = W_NONE
+        cdef int stop_tick = 0
+
+        self.q_stop_code[q] = W_NONE
+        self.q_stop_blocker[q] = -1
+        if self.q_pending[q] == 0:
+            self.q_head[q] = -1
+            return 0
+        actions_left = NO_CAP
+        if self.q_action_cap[q] > 0:
+            actions_left = self.q_action_cap[q] - <i64>(self.q_adm[q] - self.q_rel[q])
+        runs_left = NO_CAP
+        if self.q_run_cap[q] > 0:
+            runs_left = self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
+        for r in range(self.n_res):
+            if self.q_max[q, r] >= UNLIMITED:
+                self.s_budget[r] = UNLIMITED
+            else:
+                inflight = <i64>(self.q_res_adm[q, r] - self.q_res_rel[q, r])
+                self.s_budget[r] = self.q_max[q, r] - inflight
+
+        while True:
+            if self.q_ring[q, kind] < 0:
+                kind ^= 1
+                if self.q_ring[q, kind] < 0:
+                    break
+            if actions_left <= 0:
+                stop = W_QUEUE_ACTIONS
+                break
+            if cand >= self.max_candidates:
+                stop = W_CANDIDATE_LIMIT
+                break
+            lane = self.q_ring[q, kind]
+            if self.ln_scan_tick[lane] != self.tick_no:
+                self.ln_scan_tick[lane] = self.tick_no
+                self.ln_scan[lane] = self.ln_head[lane]
+            a = self.ln_scan[lane]
+            if a < 0:
+                # Every action of this lane was examined this tick: park it.
+                self._ring_remove(lane)
+                self.ln_park[lane] = -1
+                if park_tail >= 0:
+                    self.ln_park[park_tail] = lane
+                else:
+                    park_head = lane
+                park_tail = lane
+                continue
+            cand += 1
+            res = self._try_place(q, a, now, held, avail, &actions_left, &runs_left)
+            if res == R_PLACED or res == R_FAILED:
+                self._unlink(a)
+                if self.ln_in_ring[lane]:
+                    self.q_ring[q, kind] = self.ln_next[lane]
+            elif res == R_SKIP_ACTION:
+                if head < 0 and self.a_wait_code[a] != W_NO_WORKER:
+                    head = a
+                    head_code = self.a_wait_code[a]
+                self.ln_scan[lane] = self.a_next[a]
+                self.q_ring[q, kind] = self.ln_next[lane]
+            elif res == R_SKIP_LANE:
+                self._ring_remove(lane)
+                self.ln_park[lane] = -1
+                if park_tail >= 0:
+                    self.ln_park[park_tail] = lane
+                else:
+                    park_head = lane
+                park_tail = lane
+            elif res == R_STOP_QUEUE:
+                if head < 0:
+                    head = a
+                    head_code = self.a_wait_code[a]
+                stop = W_HEAD_BUDGET
+                stop_blocker = a
+                break
+            else:
+                stop = W_DISPATCH_FULL
+                stop_tick = 1
+                break
+            kind ^= 1
+
+        # Parked lanes rejoin at the end of the rotation, in the order they were parked.
+        while park_head >= 0:
+            lane = park_head
+            park_head = self.ln_park[lane]
+            if self.ln_head[lane] >= 0:
+                self._ring_insert(lane)
+
+        self.q_stop_code[q] = stop
+        self.q_stop_blocker[q] = stop_blocker
+        if head != self.q_head[q]:
+            self.q_head_since[q] = now
+        self.q_head[q] = head
+        self.q_head_code[q] = head_code
+        return stop_tick
+
+    cdef void _wait(self, i32 a, u8 code, i32 cluster, i32 dim, i32 blocker) noexcept nogil:
+        self.a_wait_code[a] = code
+        self.a_wait_tick[a] = self.tick_no
+        self.a_wait_cluster[a] = cluster
+        self.a_wait_dim[a] = dim
+        self.a_wait_blocker[a] = blocker
+
+    cdef int _try_place(self, i32 q, i32 a, i64 now, u64* held, u64* avail,
+                        i64* actions_left, i64* runs_left) noexcept nogil:
+        cdef i32 qr = self.a_qrun[a]
+        cdef i32 u = self.a_run[a]
+        cdef i32 e = self.a_env[a]
+        cdef i32 ec
+        cdef u64 fit, open_, bit
+        cdef int c, dim
+        cdef Py_ssize_t r
+        cdef const i64* demand = &self.a_demand[a, 0]
+
+        # Caps first: they are about counts, not resources.
+        if self.qr_adm[qr] == self.qr_rel[qr] and runs_left[0] <= 0:
+            self._wait(a, W_QUEUE_RUNS, -1, -1, -1)
+            return R_SKIP_LANE
+        if self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
+            self._wait(a, W_RUN_ACTIONS, -1, -1, -1)
+            return R_SKIP_LANE
+        if self.d_tail - self.d_head >= self.d_action.shape[0]:
+            # Checked before reserving, so a full channel never leaves a reservation behind.
+            self._wait(a, W_DISPATCH_FULL, -1, -1, -1)
+            return R_STOP_TICK
+
+        # Fast lane: a warm pool of its environment already runs; its footprint is charged.
+        if e >= 0 and self.e_cluster[e] >= 0:
+            ec = self.e_cluster[e]
+            if not (self.q_clusters[q] >> ec) & 1:
+                self._wait(a, W_NO_WORKER, ec, -1, -1)
+                return R_SKIP_ACTION
+            if <i64>(self.e_adm[e] - self.e_rel[e]) >= self.e_slots[e]:
+                self._wait(a, W_POOL_BUSY, ec, -1, -1)
+                return R_SKIP_ACTION
+            if not (avail[0] >> ec) & 1:
+                self._wait(a, W_NO_WORKER, ec, -1, -1)
+                return R_SKIP_ACTION
+            self._place(a, ec, M_FAST, now, avail, actions_left, runs_left)
+            return R_PLACED
+
+        if not self.gate_on:
+            open_ = self.q_clusters[q] & avail[0]
+            if open_ == 0:
+                self._wait(a, W_NO_WORKER, -1, -1, -1)
+                return R_SKIP_ACTION
+            c = self._choose_cluster(a, open_)
+            self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
+                        actions_left, runs_left)
+            return R_PLACED
+
+        # Never fits: no allowed cluster could ever hold it, or it exceeds the hard cap.
+        fit = self.a_fit[a] & self.q_clusters[q]
+        if fit == 0:
+            self._wait(a, W_UNSCHEDULABLE_SHAPE, -1, -1, -1)
+            self._fail(a, W_UNSCHEDULABLE_SHAPE)
+            return R_FAILED
+        dim = first_short_dim(demand, &self.q_max[q, 0], self.n_res)
+        if dim >= 0:
+            self._wait(a, W_UNSCHEDULABLE_CAP, -1, dim, -1)
+            self._fail(a, W_UNSCHEDULABLE_CAP)
+            return R_FAILED
+
+        # Question 1: the queue's remaining budget.
+        dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
+        if dim >= 0:
+            self._wait(a, W_QUEUE_BUDGET, -1, dim, -1)
+            return R_STOP_QUEUE if self.q_strict[q] else R_SKIP_ACTION
+
+        # Questions 2 and 3: capacity minus in-flight covers the total, on a cluster whose
+        # node shapes hold every pod (a_fit), with a free worker slot, not held by a head.
+        open_ = fit & avail[0] & ~held[0]
+        if open_ != 0:
+            c = self._choose_cluster(a, open_)
+            if c >= 0:
+                self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
+                            actions_left, runs_left)
+                return R_PLACED
+
+        # Not placed: say why, and under STRICT_FIFO hold what it could use.
+        if (fit & avail[0]) == 0:
+            self._wait(a, W_NO_WORKER, -1, -1, -1)
+            return R_SKIP_ACTION
+        # Blocked by a head only if a held cluster would otherwise have room for it now.
+        c = self._choose_cluster(a, fit & avail[0] & held[0])
+        if c >= 0:
+            self._wait(a, W_HEAD_OF_LINE, c, -1, self.s_held_by[c])
+        else:
+            c = lowest_bit(fit & avail[0])
+            for r in range(self.n_res):
+                self.s_free[r] = self.c_cap[c, r] - <i64>(self.c_adm[c, r] - self.c_rel[c, r])
+            dim = first_short_dim(demand, &self.s_free[0], self.n_res)
+            self._wait(a, W_CLUSTER_CAPACITY, c, dim, -1)
+        if self.q_strict[q]:
+            open_ = fit & ~held[0]
+            while open_ != 0:
+                c = lowest_bit(open_)
+                bit = (<u64>1) << c
+                open_ &= ~bit
+                self.s_held_by[c] = a
+            held[0] |= fit
+        return R_SKIP_ACTION
+
+    cdef int _choose_cluster(self, i32 a, u64 candidates) noexcept nogil:
+        # Among clusters that cover the demand: most free accelerators of the kinds it asks
+        # for, then most free cpu. With the gate off: most free worker slots.
+        cdef int best = -1, c
+        cdef i64 best_acc = -1, best_cpu = -1, acc, cpu, free
+        cdef Py_ssize_t r
+        cdef u64 bit
+        cdef const i64* demand = &self.a_demand[a, 0]
+        while candidates != 0:
+            c = lowest_bit(candidates)
+            bit = (<u64>1) << c
+            candidates &= ~bit
+            if not self.gate_on:
+                if self.s_slots[c] > best_cpu:
+                    best_cpu = self.s_slots[c]
+                    best = c
+                continue
+            for r in range(self.n_res):
+                self.s_free[r] = self.c_cap[c, r] - <i64>(self.c_adm[c, r] - self.c_rel[c, r])
+            if not covers(demand, &self.s_free[0], self.n_res):
+                continue
+            acc = 0
+            for r in range(self.n_res):
+                if self.res_accel[r] and demand[r] > 0:
+                    acc += self.s_free[r]
+            cpu = self.s_free[self.cpu_dim] if self.cpu_dim >= 0 else 0
+            if acc > best_acc or (acc == best_acc and cpu > best_cpu):
+                best_acc = acc
+                best_cpu = cpu
+                best = c
+        return best
+
+    cdef i32 _pick_worker(self, int c) noexcept nogil:
+        # Round robin over the cluster's connected workers with a free slot.
+        cdef Py_ssize_t n = self.n_workers, k
+        cdef i32 w = self.s_cursor[c]
+        for k in range(n):
+            w += 1
+            if w >= n:
+                w = 0
+            if (self.w_cluster[w] == c and self.w_connected[w]
+                    and self.w_slots[w] > <i64>(self.w_adm[w] - self.w_rel[w])):
+                self.s_cursor[c] = w
+                return w
+        return -1
+
+    cdef void _place(self, i32 a, int c, int mode, i64 now, u64* avail,
+                     i64* actions_left, i64* runs_left) noexcept nogil:
+        cdef i32 q = self.a_queue[a]
+        cdef i32 qr = self.a_qrun[a]
+        cdef i32 e = self.a_env[a]
+        cdef i32 w = self._pick_worker(c)
+        cdef Py_ssize_t r
+        cdef i64 slot
+        cdef i64 d
+        self.a_gen[a] += 1
+        self.a_charged[a] = mode == M_REGULAR
+        if mode != M_FAST:
+            for r in range(self.n_res):
+                d = self.a_demand[a, r]
+                self.q_res_adm[q, r] += <u64>d
+                self.c_adm[c, r] += <u64>d
+                if self.s_budget[r] < UNLIMITED:
+                    self.s_budget[r] -= d
+        if mode == M_POOL_START:
+            self.e_cluster[e] = c
+            self.e_gen[e] += 1
+            self.n_pools_live += 1
+        if self.qr_adm[qr] == self.qr_rel[qr]:
+            self.q_runs_adm[q] += 1
+            runs_left[0] -= 1
+        self.qr_adm[qr] += 1
+        self.q_adm[q] += 1
+        self.u_adm[self.a_run[a]] += 1
+        self.w_adm[w] += 1
+        if e >= 0:
+            self.e_adm[e] += 1
+            self.e_last_active[e] = now
+        actions_left[0] -= 1
+        self.s_slots[c] -= 1
+        if self.s_slots[c] <= 0:
+            avail[0] &= ~((<u64>1) << c)
+        self.a_state[a] = ST_SENT
+        self.a_cluster[a] = c
+        self.a_worker[a] = w
+        self._wait(a, W_PLACED, c, -1, -1)
+        slot = self.d_tail % self.d_action.shape[0]
+        self.d_action[slot] = a
+        self.d_gen[slot] = self.a_gen[a]
+        self.d_cluster[slot] = c
+        self.d_worker[slot] = w
+        self.d_tail += 1
+
+    cdef void _fail(self, i32 a, u8 code) noexcept nogil:
+        # f_action has one row per action row, so it cannot overflow within a tick.
+        self.a_state[a] = ST_DONE
+        self.f_action[self.f_count] = a
+        self.f_code[self.f_count] = code
+        self.f_count += 1
+
+    # ---------------------------------------------------------------- outputs
+
+    def consume_dispatch(self, i64 n):
+        """Mark ``n`` dispatch entries consumed (after the caller copied them)."""
+        if n < 0 or n > self.d_tail - self.d_head:
+            raise ValueError("cannot consume more than the ring holds")
+        self.d_head += n

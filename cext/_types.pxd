@@ -1,0 +1,34 @@
+# Shared dtype-named typedefs and codes for every Cython module of Leasehold.
+# Codes are mirrored in engine/_codes.py; keep the two in step.
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
+ctypedef int64_t i64    # counts, quantities, nanosecond times (numpy int64)
+ctypedef int32_t i32    # row indices (numpy int32); -1 = none
+ctypedef uint8_t u8     # states, codes, flags (numpy uint8)
+ctypedef uint64_t u64   # monotonic counters and cluster bitmasks (numpy uint64)
+
+# Row state of an action / its run lease.
+cdef enum ActionState:
+    ST_FREE = 0        # row unused
+    ST_QUEUED = 1      # pending: in a lane, waiting for the tick
+    ST_SENT = 2        # assigned to a worker by the tick, not yet reported running
+    ST_RUNNING = 3     # the worker reported it running
+    ST_DONE = 4        # terminal; row kept for history
+
+# Why the tick did not place a queued action (or stopped a queue).
+cdef enum WaitCode:
+    W_NONE = 0                 # never examined
+    W_PLACED = 1               # placed by the tick
+    W_QUEUE_ACTIONS = 2        # queue action_concurrency reached
+    W_QUEUE_RUNS = 3           # queue run_concurrency reached (run has nothing in flight)
+    W_RUN_ACTIONS = 4          # the run's max_action_concurrency reached
+    W_QUEUE_BUDGET = 5         # demand exceeds the queue's remaining max_resources
+    W_CLUSTER_CAPACITY = 6     # no allowed cluster has that much free now
+    W_HEAD_OF_LINE = 7         # the clusters it could use are held by a blocked head
+    W_NO_WORKER = 8            # no connected worker with a free slot on an allowed cluster
+    W_POOL_BUSY = 9            # its warm pool has no free slot
+    W_DISPATCH_FULL = 10       # dispatch channel full; reservation not taken
+    W_CANDIDATE_LIMIT = 11     # the tick's per-queue candidate budget ran out first
+    W_UNSCHEDULABLE_SHAPE = 12 # no allowed cluster can ever hold its pods / total
+    W_UNSCHEDULABLE_CAP = 13   # demand exceeds the queue's hard cap
+    W_HEAD_BUDGET = 14         # STRICT_FIFO: behind a head blocked on the queue budget

@@ -1,0 +1,34 @@
+"""Leasehold: a resource-aware, lease-based scheduling engine (in-process core)."""
+
+from engine._clock import ManualClock, SystemClock
+from engine._codes import Phase, WaitCode
+from engine._config import Config, QueueConfig, load_config, parse_config
+from engine._engine import AlreadyExists, Assignment, Engine, Explanation
+from engine._errors import ConfigError, LeaseholdError, NotFound, ResourceExhausted, SpecError
+from engine._model import ActionId, ActionSpec, PodGroup, RetryPolicy, ReusePolicy, Timeouts
+
+__all__ = [
+    "ActionId",
+    "ActionSpec",
+    "AlreadyExists",
+    "Assignment",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "Explanation",
+    "LeaseholdError",
+    "ManualClock",
+    "NotFound",
+    "Phase",
+    "PodGroup",
+    "QueueConfig",
+    "ResourceExhausted",
+    "RetryPolicy",
+    "ReusePolicy",
+    "SpecError",
+    "SystemClock",
+    "Timeouts",
+    "WaitCode",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,64 @@
+"""Codes shared with the Cython kernel (mirror of cext/_types.pxd; keep them in step)."""
+
+import enum
+
+__all__ = ["RowState", "WaitCode", "Phase"]
+
+
+class RowState(enum.IntEnum):
+    """State of an action row (and of its run lease)."""
+
+    FREE = 0
+    QUEUED = 1
+    SENT = 2
+    RUNNING = 3
+    DONE = 4
+
+
+class WaitCode(enum.IntEnum):
+    """Why the tick did not place a queued action (or stopped scanning a queue)."""
+
+    NONE = 0
+    PLACED = 1
+    QUEUE_ACTIONS = 2
+    QUEUE_RUNS = 3
+    RUN_ACTIONS = 4
+    QUEUE_BUDGET = 5
+    CLUSTER_CAPACITY = 6
+    HEAD_OF_LINE = 7
+    NO_WORKER = 8
+    POOL_BUSY = 9
+    DISPATCH_FULL = 10
+    CANDIDATE_LIMIT = 11
+    UNSCHEDULABLE_SHAPE = 12
+    UNSCHEDULABLE_CAP = 13
+    HEAD_BUDGET = 14
+
+
+# Waits that are about resources (the phase is WAITING_FOR_RESOURCES, not QUEUED).
+RESOURCE_WAITS = frozenset(
+    {
+        WaitCode.QUEUE_BUDGET,
+        WaitCode.CLUSTER_CAPACITY,
+        WaitCode.HEAD_OF_LINE,
+        WaitCode.NO_WORKER,
+        WaitCode.POOL_BUSY,
+        WaitCode.HEAD_BUDGET,
+    }
+)
+
+
+class Phase(enum.StrEnum):
+    """Phases shown to users."""
+
+    QUEUED = "QUEUED"
+    WAITING_FOR_RESOURCES = "WAITING_FOR_RESOURCES"
+    INITIALIZING = "INITIALIZING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    ABORTED = "ABORTED"
+    TIMED_OUT = "TIMED_OUT"
+
+
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.ABORTED, Phase.TIMED_OUT})

@@ -1,0 +1,536 @@
+"""The Leasehold config file: resources, clusters, queues and engine settings.
+
+A config is a TOML file (see ``engine/examples/leasehold.toml`` and ``docs/configuration.md``).
+:func:`load_config` reads one, :func:`parse_config` validates an already-parsed mapping, and
+:func:`update_queue` validates a live change to one queue. Everything is checked up front: any
+problem raises :class:`~engine._errors.ConfigError` with a message of the form
+``"{source}: {key.path}: {bad value!r} is invalid; allowed: {what}"``, and nothing is applied.
+
+Vectors (capacities, node shapes, queue budgets) are read-only ``int64`` arrays in the order of
+``Config.resources``; :data:`~engine._units.UNLIMITED` marks "no limit".
+"""
+
+import re
+import tomllib
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engine._errors import ConfigError
+from engine._units import DEVICE, UNLIMITED, ResourceSet
+
+__all__ = [
+    "Config",
+    "ClusterConfig",
+    "NodeShape",
+    "QueueConfig",
+    "EngineSettings",
+    "load_config",
+    "parse_config",
+    "update_queue",
+    "STRICT_FIFO",
+    "GREEDY_CAPACITY",
+    "PRIORITY_NAMES",
+    "MAX_CLUSTERS",
+]
+
+STRICT_FIFO = "STRICT_FIFO"
+GREEDY_CAPACITY = "GREEDY_CAPACITY"
+SCHEDULING_POLICIES = (STRICT_FIFO, GREEDY_CAPACITY)
+PRIORITY_NAMES = {"MIN": 0, "MEDIUM": 500, "MAX": 1000}
+MAX_PRIORITY = 1000
+# Clusters are a uint64 bitmask in the tick.
+MAX_CLUSTERS = 64
+RESOURCE_GATES = ("enforce", "off")
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
+_ALL_CLUSTERS = "*"
+
+_TOP_KEYS = ("resources", "engine", "clusters", "queues")
+_ENGINE_KEYS = (
+    "default_queue",
+    "max_candidates",
+    "dispatch_capacity",
+    "resource_gate",
+    "initial_capacity",
+)
+_CLUSTER_KEYS = ("capacity", "node_shapes")
+_SHAPE_KEYS = ("name", "count", "allocatable")
+_QUEUE_KEYS = (
+    "priority",
+    "scheduling",
+    "run_concurrency",
+    "action_concurrency",
+    "depth",
+    "max_resources",
+    "max_accelerators",
+    "clusters",
+)
+_DEFAULT_DEPTH = 10000
+
+
+@dataclass(frozen=True, eq=False)
+class NodeShape:
+    """One kind of node in a cluster: how many there are and what each can allocate."""
+
+    name: str
+    count: int  # >= 1
+    allocatable: np.ndarray  # int64[R]; resources not given = 0
+
+
+@dataclass(frozen=True, eq=False)
+class ClusterConfig:
+    """A place that runs pods.
+
+    ``capacity`` is None when neither ``capacity`` nor ``node_shapes`` is configured: unknown
+    capacity, treated as unlimited. Without a ``capacity`` table but with node shapes, the
+    capacity is the sum of ``count * allocatable``. A resource omitted from a given capacity
+    table is 0 (the cluster has none of it). Empty ``node_shapes`` = shapes unknown (every pod
+    fits).
+    """
+
+    name: str
+    capacity: np.ndarray | None  # int64[R] or None = unknown = unlimited
+    node_shapes: tuple  # tuple[NodeShape]
+
+
+@dataclass(frozen=True, eq=False)
+class QueueConfig:
+    """A named backlog and its policy."""
+
+    name: str
+    priority: int  # 0..1000 (MIN=0, MEDIUM=500, MAX=1000)
+    scheduling: str  # STRICT_FIFO | GREEDY_CAPACITY
+    run_concurrency: int  # max runs with work in flight; 0 = unlimited
+    action_concurrency: int  # max actions in flight; 0 = unlimited
+    depth: int  # max queued (not yet running) actions; >= 1
+    max_resources: np.ndarray  # int64[R]; UNLIMITED where no limit (max_accelerators merged in)
+    clusters: tuple  # tuple[str] of cluster names the queue may use
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The ``[engine]`` table."""
+
+    default_queue: str = "default"  # queue for actions that name none
+    max_candidates: int = 4096  # candidates the tick examines per queue per tick (>= 1)
+    dispatch_capacity: int = 65536  # bounded dispatch channel size (>= 1)
+    resource_gate: str = "enforce"  # "enforce" | "off" (off = count caps only)
+    initial_capacity: int = 4096  # initial action-table rows (grows by doubling), >= 16
+
+
+@dataclass(frozen=True, eq=False)
+class Config:
+    """A validated configuration. Clusters and queues are in file order."""
+
+    source: str  # file path or "<config>"
+    resources: ResourceSet
+    clusters: tuple  # tuple[ClusterConfig]
+    queues: tuple  # tuple[QueueConfig]
+    engine: EngineSettings
+
+    def __post_init__(self):
+        by_name = {
+            "cluster": {c.name: c for c in self.clusters},
+            "queue": {q.name: q for q in self.queues},
+        }
+        object.__setattr__(self, "_by_name", by_name)
+
+    def queue(self, name):
+        """The queue called ``name``; ``KeyError`` if there is none."""
+        return self._by_name["queue"][name]
+
+    def cluster(self, name):
+        """The cluster called ``name``; ``KeyError`` if there is none."""
+        return self._by_name["cluster"][name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_config(path):
+    """Read and validate the TOML config file at ``path``.
+
+    A missing or unreadable file, invalid TOML, or any invalid setting raises ``ConfigError``
+    naming the file.
+    """
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the config file: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    return parse_config(data, source)
+
+
+def parse_config(data, source="<config>"):
+    """Validate an already-parsed config mapping (the TOML document) into a :class:`Config`.
+
+    ``source`` names where the data came from in error messages.
+    """
+    if not isinstance(data, dict):
+        raise _invalid(source, "(top level)", data, "a table")
+    _check_keys(source, "", data, _TOP_KEYS)
+    resources = _parse_resources(source, data)
+    engine = _parse_engine(source, _table(source, "engine", data.get("engine", {})))
+
+    clusters_table = _table(source, "clusters", data.get("clusters"), required=True)
+    if not clusters_table:
+        raise _invalid(source, "clusters", clusters_table, "at least one [clusters.NAME] table")
+    if len(clusters_table) > MAX_CLUSTERS:
+        raise ConfigError(
+            f"{source}: clusters: {len(clusters_table)} clusters configured; "
+            f"allowed: at most {MAX_CLUSTERS}"
+        )
+    clusters = tuple(
+        _parse_cluster(source, resources, name, table) for name, table in clusters_table.items()
+    )
+    cluster_names = tuple(c.name for c in clusters)
+
+    queues_table = _table(source, "queues", data.get("queues", {}))
+    queues = [
+        _build_queue(source, resources, cluster_names, _check_name(source, "queues", name), table)
+        for name, table in queues_table.items()
+    ]
+    if engine.default_queue not in queues_table:
+        if engine.default_queue != "default":
+            raise _invalid(
+                source,
+                "engine.default_queue",
+                engine.default_queue,
+                f"a configured queue ({_listing(queues_table)}), "
+                "or 'default' for an implicit default queue",
+            )
+        queues.append(_build_queue(source, resources, cluster_names, "default", {}))
+    return Config(
+        source=source,
+        resources=resources,
+        clusters=clusters,
+        queues=tuple(queues),
+        engine=engine,
+    )
+
+
+def update_queue(existing, changes, config, source="<queue update>"):
+    """Validate a live change to one queue and return the updated :class:`QueueConfig`.
+
+    ``changes`` uses the keys of a ``[queues.NAME]`` table; keys not given keep their current
+    value. A queue cannot be renamed. ``max_resources`` and ``max_accelerators`` each replace
+    their part of the budget when given: the current budget's device entries count as its
+    ``max_accelerators`` and the others as its ``max_resources``. Nothing is changed on error.
+    """
+    path = f"queues.{existing.name}"
+    if not isinstance(changes, dict):
+        raise _invalid(source, path, changes, "a table of queue settings")
+    changes = dict(changes)
+    if "name" in changes:
+        new_name = changes.pop("name")
+        if new_name != existing.name:
+            raise _invalid(
+                source, f"{path}.name", new_name,
+                f"{existing.name!r} (a queue cannot be renamed)",
+            )
+    cluster_names = tuple(c.name for c in config.clusters)
+    return _build_queue(source, config.resources, cluster_names, existing.name, changes, existing)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+def _parse_resources(source, data):
+    if "resources" not in data:
+        raise ConfigError(
+            f"{source}: resources: missing; allowed: a non-empty list of resource names, "
+            'e.g. ["cpu", "memory", "gpu:H100"]'
+        )
+    names = data["resources"]
+    allowed = 'a non-empty list of resource names, e.g. ["cpu", "memory", "gpu:H100"]'
+    if not isinstance(names, list) or not names:
+        raise _invalid(source, "resources", names, allowed)
+    try:
+        return ResourceSet(tuple(names))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: resources: {exc}") from exc
+
+
+def _parse_engine(source, table):
+    _check_keys(source, "engine", table, _ENGINE_KEYS)
+    values = {}
+    if "default_queue" in table:
+        values["default_queue"] = _check_name(
+            source, "engine.default_queue", table["default_queue"], key_is_name=False
+        )
+    for key, minimum in (("max_candidates", 1), ("dispatch_capacity", 1), ("initial_capacity", 16)):
+        if key in table:
+            values[key] = _int(source, f"engine.{key}", table[key], minimum)
+    if "resource_gate" in table:
+        values["resource_gate"] = _choice(
+            source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
+        )
+    return replace(EngineSettings(), **values)
+
+
+def _parse_cluster(source, resources, name, table):
+    path = f"clusters.{name}"
+    _check_name(source, "clusters", name)
+    table = _table(source, path, table)
+    _check_keys(source, path, table, _CLUSTER_KEYS)
+
+    shapes_list = table.get("node_shapes", [])
+    if not isinstance(shapes_list, list):
+        raise _invalid(
+            source, f"{path}.node_shapes", shapes_list, "a list of [[node_shapes]] tables"
+        )
+    shapes = []
+    seen = set()
+    for i, shape_table in enumerate(shapes_list):
+        shape = _parse_shape(source, resources, name, i, shape_table)
+        if shape.name in seen:
+            raise _invalid(
+                source, f"{path}.node_shapes[{i}].name", shape.name,
+                "a name not used by another node shape of this cluster",
+            )
+        seen.add(shape.name)
+        shapes.append(shape)
+
+    if "capacity" in table:
+        capacity = _vector(source, f"{path}.capacity", resources, table["capacity"], unset=0)
+    elif shapes:
+        totals = [
+            sum(s.count * int(s.allocatable[r]) for s in shapes) for r in range(len(resources))
+        ]
+        for r, total in enumerate(totals):
+            if total > UNLIMITED:
+                raise ConfigError(
+                    f"{source}: {path}.node_shapes: the derived {resources.names[r]} capacity "
+                    f"{total} is too large; allowed: at most {UNLIMITED}"
+                )
+        capacity = _frozen(np.array(totals, dtype=np.int64))
+    else:
+        capacity = None
+    return ClusterConfig(name=name, capacity=capacity, node_shapes=tuple(shapes))
+
+
+def _parse_shape(source, resources, cluster, i, table):
+    path = f"clusters.{cluster}.node_shapes[{i}]"
+    table = _table(source, path, table)
+    _check_keys(source, path, table, _SHAPE_KEYS)
+    name = (
+        _check_name(source, f"{path}.name", table["name"], key_is_name=False)
+        if "name" in table else f"{cluster}-{i}"
+    )
+    if "count" not in table:
+        raise ConfigError(f"{source}: {path}.count: missing; allowed: an integer >= 1")
+    count = _int(source, f"{path}.count", table["count"], 1)
+    if "allocatable" not in table:
+        raise ConfigError(
+            f"{source}: {path}.allocatable: missing; allowed: a table of resource = quantity"
+        )
+    allocatable = table["allocatable"]
+    if isinstance(allocatable, dict) and not allocatable:
+        raise _invalid(
+            source, f"{path}.allocatable", allocatable,
+            f"a non-empty table of resource = quantity ({_listing(resources.names)})",
+        )
+    vec = _vector(source, f"{path}.allocatable", resources, allocatable, unset=0)
+    return NodeShape(name=name, count=count, allocatable=vec)
+
+
+def _build_queue(source, resources, cluster_names, name, table, existing=None):
+    """A queue from its table; keys not given take ``existing``'s values, else the defaults."""
+    path = f"queues.{name}"
+    table = _table(source, path, table)
+    _check_keys(source, path, table, _QUEUE_KEYS)
+    parsers = {
+        "priority": _parse_priority,
+        "scheduling": lambda s, p, v: _choice(s, p, v, SCHEDULING_POLICIES),
+        "run_concurrency": lambda s, p, v: _int(s, p, v, 0),
+        "action_concurrency": lambda s, p, v: _int(s, p, v, 0),
+        "depth": lambda s, p, v: _int(s, p, v, 1),
+        "clusters": lambda s, p, v: _parse_queue_clusters(s, p, v, cluster_names),
+    }
+    defaults = {
+        "priority": PRIORITY_NAMES["MEDIUM"],
+        "scheduling": STRICT_FIFO,
+        "run_concurrency": 0,
+        "action_concurrency": 0,
+        "depth": _DEFAULT_DEPTH,
+        "clusters": tuple(cluster_names),
+    }
+    values = {}
+    for key, parse in parsers.items():
+        if key in table:
+            values[key] = parse(source, f"{path}.{key}", table[key])
+        elif existing is not None:
+            values[key] = getattr(existing, key)
+        else:
+            values[key] = defaults[key]
+    base = existing.max_resources if existing is not None else None
+    budget = _parse_budget(source, path, resources, table, base=base)
+    return QueueConfig(name=name, max_resources=budget, **values)
+
+
+def _parse_priority(source, path, value):
+    allowed = f"an integer 0..{MAX_PRIORITY} or {', '.join(PRIORITY_NAMES)}"
+    if isinstance(value, str):
+        if value in PRIORITY_NAMES:
+            return PRIORITY_NAMES[value]
+        raise _invalid(source, path, value, allowed)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(source, path, value, allowed)
+    if not 0 <= value <= MAX_PRIORITY:
+        raise _invalid(source, path, value, allowed)
+    return value
+
+
+def _parse_queue_clusters(source, path, value, cluster_names):
+    allowed = (
+        f'["*"] (all clusters) or a non-empty list of cluster names ({_listing(cluster_names)})'
+    )
+    if not isinstance(value, list) or not value:
+        raise _invalid(source, path, value, allowed)
+    if value == [_ALL_CLUSTERS]:
+        return tuple(cluster_names)
+    seen = []
+    for name in value:
+        if name == _ALL_CLUSTERS:
+            raise _invalid(source, path, value, '"*" alone, or cluster names without "*"')
+        if name not in cluster_names:
+            raise _invalid(source, path, name, f"a configured cluster ({_listing(cluster_names)})")
+        if name in seen:
+            raise _invalid(source, path, name, "each cluster named once")
+        seen.append(name)
+    return tuple(seen)
+
+
+def _parse_budget(source, path, resources, table, base):
+    """Merge ``max_resources`` and ``max_accelerators`` into one int64 budget vector.
+
+    Resources no table limits are UNLIMITED. With ``base`` (a live update), a table that is not
+    given keeps its part of ``base``: device entries for ``max_accelerators``, the others for
+    ``max_resources``.
+    """
+    devices = np.array([resources.kind(n) == DEVICE for n in resources.names], dtype=bool)
+    budget = np.full(len(resources), UNLIMITED, dtype=np.int64)
+    if base is not None:
+        if "max_resources" not in table:
+            budget[~devices] = base[~devices]
+        if "max_accelerators" not in table:
+            budget[devices] = base[devices]
+
+    given = np.zeros(len(resources), dtype=bool)
+    if "max_resources" in table:
+        vec = _vector(source, f"{path}.max_resources", resources, table["max_resources"], unset=-1)
+        given = vec >= 0
+        budget[given] = vec[given]
+    if "max_accelerators" in table:
+        key = f"{path}.max_accelerators"
+        accel = _table(source, key, table["max_accelerators"])
+        device_names = [n for n, d in zip(resources.names, devices, strict=True) if d]
+        for name in accel:
+            if name not in device_names:
+                raise _invalid(
+                    source, key, name,
+                    f"a configured device resource ({_listing(device_names) or 'none configured'})",
+                )
+        vec = _vector(source, key, resources, accel, unset=-1, flyte_spellings=False)
+        for r in np.flatnonzero(vec >= 0):
+            if given[r]:
+                raise _invalid(
+                    source, key, resources.names[r],
+                    "a device not also limited in max_resources (give each device once)",
+                )
+            budget[r] = vec[r]
+    return _frozen(budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small checks
+
+
+def _invalid(source, path, value, allowed):
+    return ConfigError(f"{source}: {path}: {value!r} is invalid; allowed: {allowed}")
+
+
+def _listing(names):
+    return ", ".join(str(n) for n in names)
+
+
+def _check_keys(source, path, table, allowed):
+    for key in table:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else key
+            raise ConfigError(
+                f"{source}: {where}: unknown key {key!r}; allowed keys: {_listing(allowed)}"
+            )
+
+
+def _table(source, path, value, required=False):
+    if value is None and required:
+        raise ConfigError(f"{source}: {path}: missing; allowed: a table")
+    if not isinstance(value, dict):
+        raise _invalid(source, path, value, "a table")
+    return value
+
+
+def _check_name(source, path, name, key_is_name=True):
+    """Validate a cluster/queue/shape name; ``path`` is its parent table (or its own key)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        where = f"{path}.{name}" if key_is_name and isinstance(name, str) and name else path
+        raise _invalid(source, where, name, _NAME_RULE)
+    return name
+
+
+def _int(source, path, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(source, path, value, f"an integer >= {minimum}")
+    if value < minimum or value > UNLIMITED:
+        raise _invalid(source, path, value, f"an integer >= {minimum}")
+    return value
+
+
+def _choice(source, path, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise _invalid(source, path, value, _listing(choices))
+    return value
+
+
+def _vector(source, path, resources, mapping, unset, flyte_spellings=True):
+    """A ``{resource: quantity}`` table as a read-only int64 vector (``unset`` where absent).
+
+    Entries are parsed one by one so that errors name the entry; a resource given twice (e.g.
+    ``memory`` and ``mem``) is refused.
+    """
+    mapping = _table(source, path, mapping)
+    vec = np.full(len(resources), unset, dtype=np.int64)
+    given = set()
+    for key, value in mapping.items():
+        if isinstance(value, float) and value != value:  # NaN
+            raise _invalid(source, f"{path}.{key}", value, "a non-negative quantity")
+        try:
+            one = resources.vector({key: value}, unset=-1, flyte_spellings=flyte_spellings)
+        except OverflowError as exc:
+            raise _invalid(source, f"{path}.{key}", value, f"a quantity <= {UNLIMITED}") from exc
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {path}: {exc}") from exc
+        r = int(np.flatnonzero(one >= 0)[0])
+        if r in given:
+            raise _invalid(
+                source, f"{path}.{key}", value,
+                f"each resource once ({resources.names[r]!r} is already given)",
+            )
+        if one[r] > UNLIMITED:
+            raise _invalid(source, f"{path}.{key}", value, f"a quantity <= {UNLIMITED}")
+        given.add(r)
+        vec[r] = one[r]
+    return _frozen(vec)
+
+
+def _frozen(arr):
+    arr.flags.writeable = False
+    return arr

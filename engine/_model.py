@@ -1,0 +1,318 @@
+"""The action model: identifiers, the spec an action is enqueued with, and its compiled form.
+
+A spec is data, checked once at enqueue: a bad spec raises ``SpecError`` saying what is
+wrong and nothing is stored. Compiling turns it into what the tick needs: the queue, the total
+demand vector, the per-pod vectors (a gang), and for reusable environments a stable identity,
+the pool footprint (replicas x per-pod vector) and its slots (replicas x concurrency).
+"""
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+
+import numpy as np
+
+from engine._errors import SpecError
+
+__all__ = [
+    "ActionId",
+    "PodGroup",
+    "ReusePolicy",
+    "RetryPolicy",
+    "Timeouts",
+    "ActionSpec",
+    "CompiledAction",
+    "compile_spec",
+]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, order=True)
+class ActionId:
+    """``tenant/project/domain/run/action``."""
+
+    tenant: str
+    project: str
+    domain: str
+    run: str
+    action: str
+
+    @classmethod
+    def parse(cls, text):
+        """Parse ``t/p/d/r/a``; raises ``SpecError`` naming the bad part."""
+        if isinstance(text, ActionId):
+            return text
+        if not isinstance(text, str):
+            raise SpecError(f"action id must be a string tenant/project/domain/run/action, "
+                            f"not {text!r}")
+        parts = text.split("/")
+        if len(parts) != 5:
+            raise SpecError(f"action id {text!r} must have 5 parts "
+                            f"tenant/project/domain/run/action, it has {len(parts)}")
+        names = ("tenant", "project", "domain", "run", "action")
+        for name, part in zip(names, parts, strict=True):
+            if not _SEGMENT.match(part):
+                raise SpecError(f"action id {text!r}: {name} {part!r} is invalid "
+                                f"(letters, digits, '_', '.', '-'; not empty)")
+        return cls(*parts)
+
+    @property
+    def run_key(self):
+        """``tenant/project/domain/run``: the run this action belongs to."""
+        return f"{self.tenant}/{self.project}/{self.domain}/{self.run}"
+
+    def __str__(self):
+        return f"{self.run_key}/{self.action}"
+
+
+def _seconds(value, what, allow_none=True):
+    if value is None:
+        if allow_none:
+            return None
+        raise SpecError(f"{what} is required")
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(f"{what}: {value!r} is not a duration (seconds or timedelta)")
+    if value <= 0:
+        raise SpecError(f"{what}: {value!r} must be positive")
+    return float(value)
+
+
+def _count(value, what, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{what}: {value!r} is not an integer")
+    if value < minimum:
+        raise SpecError(f"{what}: {value!r} must be >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class PodGroup:
+    """Pods of one role in a workload shape (Ray head/workers, Spark driver/executors...)."""
+
+    role: str
+    replicas: int
+    resources: dict
+
+
+@dataclass(frozen=True)
+class ReusePolicy:
+    """A reusable warm pool: ``replicas`` containers, each running ``concurrency`` actions."""
+
+    replicas: int = 1
+    concurrency: int = 1
+    idle_ttl: float = 300.0  # seconds idle before the pool is freed
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries and their backoff ``min(base * factor**n, cap)`` seconds."""
+
+    count: int = 0
+    backoff_base: float = 1.0
+    backoff_factor: float = 2.0
+    backoff_cap: float = 300.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The three bounds, in seconds (``None`` = unbounded)."""
+
+    deadline: float | None = None
+    max_queued_time: float | None = None
+    max_runtime: float | None = None
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """Everything an action is enqueued with (its full infrastructure declaration).
+
+    Exactly one of ``resources`` (one pod) or ``pods`` (a gang of pod groups) describes the
+    workload. The queue resolves environment -> task -> run: the most specific given wins,
+    else the engine's default queue.
+    """
+
+    id: str
+    task: str
+    parent: str | None = None
+    environment: str | None = None
+    image: str | None = None
+    resources: dict | None = None
+    pods: tuple | None = None
+    reuse: ReusePolicy | None = None
+    retries: RetryPolicy = field(default_factory=RetryPolicy)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    environment_queue: str | None = None
+    task_queue: str | None = None
+    run_queue: str | None = None
+    run_max_action_concurrency: int = 0
+
+    @classmethod
+    def from_dict(cls, data):
+        """Build a spec from plain data (JSON/msgpack); unknown keys are refused."""
+        if not isinstance(data, dict):
+            raise SpecError(f"action spec must be a table, not {type(data).__name__}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise SpecError(f"action spec: unknown key(s) {', '.join(unknown)} "
+                            f"(allowed: {', '.join(sorted(allowed))})")
+        kw = dict(data)
+        if kw.get("pods") is not None:
+            if not isinstance(kw["pods"], (list, tuple)):
+                raise SpecError("pods must be a list of {role, replicas, resources}")
+            kw["pods"] = tuple(_sub(PodGroup, p, "pods[]") for p in kw["pods"])
+        for key, typ in (("reuse", ReusePolicy), ("retries", RetryPolicy),
+                         ("timeouts", Timeouts)):
+            if isinstance(kw.get(key), dict):
+                kw[key] = _sub(typ, kw[key], key)
+        return cls(**kw)
+
+
+def _sub(cls, data, what):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise SpecError(f"{what} must be a table, not {data!r}")
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise SpecError(f"{what}: unknown key(s) {', '.join(unknown)} "
+                        f"(allowed: {', '.join(sorted(allowed))})")
+    return cls(**data)
+
+
+@dataclass
+class CompiledAction:
+    """A checked spec in the form the engine stores and the tick reads."""
+
+    id: ActionId
+    spec: ActionSpec
+    queue: str
+    demand: np.ndarray          # int64[R]: total (the pool footprint when reusable)
+    pods: np.ndarray            # int64[P, R]: one row per pod group
+    pod_counts: np.ndarray      # int64[P]: replicas per group
+    parent: ActionId | None
+    env_key: str | None         # stable identity of the warm pool, None if not reusable
+    env_slots: int              # replicas x concurrency
+    env_idle_ttl_ns: int
+
+
+def compile_spec(spec, resources, queue_names, default_queue):
+    """Check ``spec`` against the shard's resources and queues and compile it.
+
+    Raises ``SpecError`` with a message naming the action and what is wrong.
+    """
+    if isinstance(spec, dict):
+        spec = ActionSpec.from_dict(spec)
+    if not isinstance(spec, ActionSpec):
+        raise SpecError(f"expected an ActionSpec, got {type(spec).__name__}")
+    aid = ActionId.parse(spec.id)
+    try:
+        return _compile(spec, aid, resources, queue_names, default_queue)
+    except SpecError as exc:
+        raise SpecError(f"action {aid}: {exc}") from None
+
+
+def _compile(spec, aid, resources, queue_names, default_queue):
+    if not isinstance(spec.task, str) or not spec.task:
+        raise SpecError("task name is required (a non-empty string)")
+    parent = None
+    if spec.parent is not None:
+        parent = ActionId.parse(spec.parent)
+        if parent.run_key != aid.run_key:
+            raise SpecError(f"parent {parent} is in another run")
+        if parent == aid:
+            raise SpecError("an action cannot be its own parent")
+
+    queue = None
+    for level in ("environment_queue", "task_queue", "run_queue"):
+        name = getattr(spec, level)
+        if name is not None:
+            if name not in queue_names:
+                raise SpecError(f"{level} {name!r} does not exist "
+                                f"(queues: {', '.join(sorted(queue_names))})")
+            queue = queue or name
+    queue = queue or default_queue
+
+    if spec.pods is not None and spec.resources is not None:
+        raise SpecError("give either resources (one pod) or pods (a gang), not both")
+    if spec.pods is not None:
+        if not spec.pods:
+            raise SpecError("pods must list at least one pod group")
+        roles = set()
+        rows, counts = [], []
+        for group in spec.pods:
+            if not isinstance(group, PodGroup):
+                raise SpecError(f"pods: {group!r} is not a PodGroup")
+            if not isinstance(group.role, str) or not group.role:
+                raise SpecError("pods: every group needs a role")
+            if group.role in roles:
+                raise SpecError(f"pods: role {group.role!r} appears twice")
+            roles.add(group.role)
+            counts.append(_count(group.replicas, f"pods[{group.role}].replicas", 1))
+            rows.append(_vector(resources, group.resources, f"pods[{group.role}].resources"))
+        pods = np.stack(rows)
+        pod_counts = np.array(counts, dtype=np.int64)
+    else:
+        pods = _vector(resources, spec.resources, "resources")[None, :]
+        pod_counts = np.ones(1, dtype=np.int64)
+    demand = (pods * pod_counts[:, None]).sum(axis=0).astype(np.int64)
+
+    env_key, env_slots, idle_ns = None, 0, 0
+    if spec.reuse is not None:
+        reuse = spec.reuse
+        if not isinstance(reuse, ReusePolicy):
+            raise SpecError(f"reuse: {reuse!r} is not a ReusePolicy")
+        if spec.pods is not None:
+            raise SpecError("reuse applies to single-pod environments; a gang cannot be reused")
+        if not spec.environment:
+            raise SpecError("reuse needs an environment name (its pool is shared by name)")
+        replicas = _count(reuse.replicas, "reuse.replicas", 1)
+        concurrency = _count(reuse.concurrency, "reuse.concurrency", 1)
+        idle = _seconds(reuse.idle_ttl, "reuse.idle_ttl", allow_none=False)
+        env_slots = replicas * concurrency
+        idle_ns = int(idle * 1e9)
+        demand = pods[0] * replicas
+        ident = hashlib.blake2b(digest_size=12)
+        for part in (aid.tenant, aid.project, aid.domain, queue, spec.environment,
+                     spec.image or "", pods[0].tobytes(), replicas, concurrency, idle):
+            ident.update(repr(part).encode())
+            ident.update(b"\0")
+        env_key = ident.hexdigest()
+
+    retries = spec.retries
+    if not isinstance(retries, RetryPolicy):
+        raise SpecError(f"retries: {retries!r} is not a RetryPolicy")
+    _count(retries.count, "retries.count", 0)
+    _seconds(retries.backoff_base, "retries.backoff_base", allow_none=False)
+    if isinstance(retries.backoff_factor, bool) or not isinstance(
+            retries.backoff_factor, (int, float)) or not retries.backoff_factor >= 1:
+        raise SpecError(f"retries.backoff_factor: {retries.backoff_factor!r} must be >= 1")
+    _seconds(retries.backoff_cap, "retries.backoff_cap", allow_none=False)
+
+    timeouts = spec.timeouts
+    if not isinstance(timeouts, Timeouts):
+        raise SpecError(f"timeouts: {timeouts!r} is not a Timeouts")
+    for name in ("deadline", "max_queued_time", "max_runtime"):
+        _seconds(getattr(timeouts, name), f"timeouts.{name}")
+
+    mac = spec.run_max_action_concurrency
+    if isinstance(mac, bool) or not isinstance(mac, int) or mac < 0 or mac == 1:
+        raise SpecError(f"run_max_action_concurrency: {mac!r} must be 0 (unlimited) or >= 2")
+
+    return CompiledAction(
+        id=aid, spec=spec, queue=queue, demand=demand, pods=pods, pod_counts=pod_counts,
+        parent=parent, env_key=env_key, env_slots=env_slots, env_idle_ttl_ns=idle_ns,
+    )
+
+
+def _vector(resources, mapping, what):
+    try:
+        return resources.vector(mapping)
+    except ValueError as exc:
+        raise SpecError(f"{what}: {exc}") from None

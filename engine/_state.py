@@ -1,0 +1,184 @@
+"""The shard's state as structure-of-arrays: numpy buffers the Cython kernel binds to.
+
+Tables (actions, (queue, run) pairs and their lanes, runs, workers, environments) start at a
+configured size and grow by doubling; rows are recycled through free lists kept here, at the
+edge, in Python. Queue and cluster tables are sized by the config.
+"""
+
+import numpy as np
+
+from engine._units import UNLIMITED
+
+__all__ = ["State", "grown"]
+
+I64, I32, U8, U64 = np.int64, np.int32, np.uint8, np.uint64
+
+# name -> (dtype, fill, per-row shape suffix ("R" = one entry per resource)) for each table.
+ACTION_FIELDS = {
+    "a_state": (U8, 0, ()),
+    "a_queue": (I32, -1, ()),
+    "a_run": (I32, -1, ()),
+    "a_qrun": (I32, -1, ()),
+    "a_lane": (I32, -1, ()),
+    "a_env": (I32, -1, ()),
+    "a_next": (I32, -1, ()),
+    "a_prev": (I32, -1, ()),
+    "a_fit": (U64, 0, ()),
+    "a_demand": (I64, 0, ("R",)),
+    "a_gen": (I64, 0, ()),
+    "a_released_gen": (I64, 0, ()),
+    "a_charged": (U8, 0, ()),
+    "a_cluster": (I32, -1, ()),
+    "a_worker": (I32, -1, ()),
+    "a_wait_code": (U8, 0, ()),
+    "a_wait_tick": (I64, -1, ()),
+    "a_wait_cluster": (I32, -1, ()),
+    "a_wait_dim": (I32, -1, ()),
+    "a_wait_blocker": (I32, -1, ()),
+    "a_enqueued": (I64, 0, ()),
+    "f_action": (I32, -1, ()),
+    "f_code": (U8, 0, ()),
+}
+QRUN_FIELDS = {
+    "qr_queue": (I32, -1, ()),
+    "qr_run": (I32, -1, ()),
+    "qr_adm": (U64, 0, ()),
+    "qr_rel": (U64, 0, ()),
+}
+# Two lanes per (queue, run) pair: lane = 2 * qrun + fast.
+LANE_FIELDS = {
+    "ln_head": (I32, -1, ()),
+    "ln_tail": (I32, -1, ()),
+    "ln_next": (I32, -1, ()),
+    "ln_prev": (I32, -1, ()),
+    "ln_in_ring": (U8, 0, ()),
+    "ln_scan": (I32, -1, ()),
+    "ln_scan_tick": (I64, -1, ()),
+    "ln_park": (I32, -1, ()),
+}
+RUN_FIELDS = {
+    "u_cap": (I64, 0, ()),
+    "u_adm": (U64, 0, ()),
+    "u_rel": (U64, 0, ()),
+}
+WORKER_FIELDS = {
+    "w_cluster": (I32, -1, ()),
+    "w_slots": (I64, 0, ()),
+    "w_adm": (U64, 0, ()),
+    "w_rel": (U64, 0, ()),
+    "w_connected": (U8, 0, ()),
+}
+ENV_FIELDS = {
+    "e_queue": (I32, -1, ()),
+    "e_cluster": (I32, -1, ()),
+    "e_slots": (I64, 0, ()),
+    "e_idle_ttl": (I64, 0, ()),
+    "e_last_active": (I64, 0, ()),
+    "e_adm": (U64, 0, ()),
+    "e_rel": (U64, 0, ()),
+    "e_footprint": (I64, 0, ("R",)),
+    "e_gen": (I64, 0, ()),
+    "e_released_gen": (I64, 0, ()),
+}
+TABLES = {
+    "actions": ACTION_FIELDS,
+    "qruns": QRUN_FIELDS,
+    "lanes": LANE_FIELDS,
+    "runs": RUN_FIELDS,
+    "workers": WORKER_FIELDS,
+    "envs": ENV_FIELDS,
+}
+
+
+def _alloc(fields, rows, n_res):
+    out = {}
+    for name, (dtype, fill, suffix) in fields.items():
+        shape = (rows,) + tuple(n_res if s == "R" else s for s in suffix)
+        out[name] = np.full(shape, fill, dtype=dtype)
+    return out
+
+
+def grown(array, rows, fill):
+    """A copy of ``array`` with ``rows`` rows, new rows set to ``fill``."""
+    out = np.full((rows,) + array.shape[1:], fill, dtype=array.dtype)
+    out[: array.shape[0]] = array
+    return out
+
+
+class State:
+    """All arrays of one shard. Attribute names are the kernel's field names."""
+
+    def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
+                 max_candidates, gate_on, cpu_dim, res_accel):
+        self.n_res = n_res
+        self.n_clusters = n_clusters
+        self.n_queues = n_queues
+        self.n_workers = 0
+        self.n_envs = 0
+        self.max_candidates = max_candidates
+        self.gate_on = gate_on
+        self.cpu_dim = cpu_dim
+        self.res_accel = np.asarray(res_accel, dtype=U8)
+        small = max(16, initial_rows // 4)
+        sizes = {"actions": initial_rows, "qruns": small, "lanes": 2 * small, "runs": small,
+                 "workers": 16, "envs": small}
+        self.rows = {}
+        for table, fields in TABLES.items():
+            self.rows[table] = sizes[table]
+            self.__dict__.update(_alloc(fields, sizes[table], n_res))
+
+        q, c, r = n_queues, n_clusters, n_res
+        self.q_order = np.arange(q, dtype=I32)
+        self.q_strict = np.ones(q, dtype=U8)
+        self.q_action_cap = np.zeros(q, dtype=I64)
+        self.q_run_cap = np.zeros(q, dtype=I64)
+        self.q_max = np.full((q, r), UNLIMITED, dtype=I64)
+        self.q_clusters = np.zeros(q, dtype=U64)
+        self.q_adm = np.zeros(q, dtype=U64)
+        self.q_rel = np.zeros(q, dtype=U64)
+        self.q_runs_adm = np.zeros(q, dtype=U64)
+        self.q_runs_rel = np.zeros(q, dtype=U64)
+        self.q_res_adm = np.zeros((q, r), dtype=U64)
+        self.q_res_rel = np.zeros((q, r), dtype=U64)
+        self.q_pending = np.zeros(q, dtype=I64)
+        self.q_ring = np.full((q, 2), -1, dtype=I32)
+        self.q_stop_code = np.zeros(q, dtype=U8)
+        self.q_stop_blocker = np.full(q, -1, dtype=I32)
+        self.q_head = np.full(q, -1, dtype=I32)
+        self.q_head_code = np.zeros(q, dtype=U8)
+        self.q_head_since = np.zeros(q, dtype=I64)
+
+        self.c_cap = np.full((c, r), UNLIMITED, dtype=I64)
+        self.c_adm = np.zeros((c, r), dtype=U64)
+        self.c_rel = np.zeros((c, r), dtype=U64)
+
+        self.d_action = np.full(dispatch_capacity, -1, dtype=I32)
+        self.d_gen = np.zeros(dispatch_capacity, dtype=I64)
+        self.d_cluster = np.full(dispatch_capacity, -1, dtype=I32)
+        self.d_worker = np.full(dispatch_capacity, -1, dtype=I32)
+
+        self.s_budget = np.zeros(r, dtype=I64)
+        self.s_free = np.zeros(r, dtype=I64)
+        self.s_slots = np.zeros(c, dtype=I64)
+        self.s_held_by = np.full(c, -1, dtype=I32)
+        self.s_cursor = np.full(c, -1, dtype=I32)
+
+    def _resize(self, table, rows):
+        for name, (_dtype, fill, _suffix) in TABLES[table].items():
+            setattr(self, name, grown(getattr(self, name), rows, fill))
+        self.rows[table] = rows
+
+    def ensure(self, table, needed):
+        """Grow ``table`` by doubling until it has ``needed`` rows; True if it grew.
+
+        The caller must rebind the kernel after a growth (arrays were replaced).
+        """
+        rows = self.rows[table]
+        if needed <= rows:
+            return False
+        while rows < needed:
+            rows *= 2
+        self._resize(table, rows)
+        if table == "qruns":
+            self._resize("lanes", rows * 2)
+        return True

@@ -1,0 +1,3 @@
+"""storage (to come)."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""transport (to come)."""
+
+__all__ = []
