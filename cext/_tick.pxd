@@ -135,6 +135,8 @@ cdef class TickKernel:
     cdef void _reap_pools(self, i64 now) noexcept nogil
     cdef u64 _count_slots(self) noexcept nogil
     cdef int _tick_queue(self, i32 q, i64 now, u64* held, u64* avail) noexcept nogil
+    cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
+                         u8 head_code) noexcept nogil
     cdef int _try_place(self, i32 q, i32 a, i64 now, u64* held, u64* avail,
                         i64* actions_left, i64* runs_left) noexcept nogil
     cdef int _choose_cluster(self, i32 a, u64 candidates) noexcept nogil

@@ -359,7 +359,7 @@ cdef class TickKernel:
         cdef i64 cand = 0
         cdef int kind = 0
         cdef int res
-        cdef i32 lane, a
+        cdef i32 lane, a, first
         cdef i32 park_head = -1, park_tail = -1
         cdef u8 stop = W_NONE
         cdef i32 stop_blocker = -1
@@ -384,6 +384,30 @@ cdef class TickKernel:
             else:
                 inflight = <i64>(self.q_res_adm[q, r] - self.q_res_rel[q, r])
                 self.s_budget[r] = self.q_max[q, r] - inflight
+
+        # STRICT_FIFO: the head blocked in an earlier tick goes first, before the round robin,
+        # so capacity freed since then accumulates for it instead of going to whichever run
+        # the rotation reaches first. If it still does not fit, it holds its clusters now.
+        first = -1
+        if self.q_strict[q] and self.q_head[q] >= 0 and self.a_state[self.q_head[q]] == ST_QUEUED:
+            first = self.q_head[q]
+            cand += 1
+            res = self._try_place(q, first, now, held, avail, &actions_left, &runs_left)
+            if res == R_PLACED or res == R_FAILED:
+                self._unlink(first)
+                first = -1
+            elif res == R_STOP_TICK:
+                self._end_queue(q, now, W_DISPATCH_FULL, -1, -1, W_NONE)
+                return 1
+            elif res == R_STOP_QUEUE:
+                self._end_queue(q, now, W_HEAD_BUDGET, first, first, self.a_wait_code[first])
+                return 0
+            elif res == R_SKIP_ACTION:
+                head = first
+                head_code = self.a_wait_code[first]
+            else:
+                # Its run is capped: the head is not blocked on resources any more.
+                first = -1
 
         while True:
             if self.q_ring[q, kind] < 0:
@@ -410,6 +434,11 @@ cdef class TickKernel:
                 else:
                     park_head = lane
                 park_tail = lane
+                continue
+            if a == first:
+                # Already examined first this tick.
+                self.ln_scan[lane] = self.a_next[a]
+                self.q_ring[q, kind] = self.ln_next[lane]
                 continue
             cand += 1
             res = self._try_place(q, a, now, held, avail, &actions_left, &runs_left)
@@ -451,13 +480,17 @@ cdef class TickKernel:
             if self.ln_head[lane] >= 0:
                 self._ring_insert(lane)
 
+        self._end_queue(q, now, stop, stop_blocker, head, head_code)
+        return stop_tick
+
+    cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
+                         u8 head_code) noexcept nogil:
         self.q_stop_code[q] = stop
         self.q_stop_blocker[q] = stop_blocker
         if head != self.q_head[q]:
             self.q_head_since[q] = now
         self.q_head[q] = head
         self.q_head_code[q] = head_code
-        return stop_tick
 
     cdef void _wait(self, i32 a, u8 code, i32 cluster, i32 dim, i32 blocker) noexcept nogil:
         self.a_wait_code[a] = code

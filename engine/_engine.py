@@ -382,8 +382,9 @@ class Engine:
             q = self._queues[qname]
             dim = int(self._state.a_wait_dim[row])
             name = self._resources.names[dim]
+            cap = format_quantity(name, int(q.max_resources[dim]))
             why = (f"needs {name}={format_quantity(name, int(c.demand[dim]))}, more than "
-                   f"queue {qname}'s max {format_quantity(name, int(q.max_resources[dim]))}")
+                   f"queue {qname}'s max {name}={cap}")
         else:
             allowed = [self._cluster_index[n] for n in self._queues[qname].clusters]
             why = "; ".join(self._never_fits(c, i) or f"cluster {self._clusters[i]}: ?"

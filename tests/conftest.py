@@ -1,0 +1,24 @@
+"""Shared helpers: small configs and engines on a manual clock."""
+
+import pytest
+
+from engine import Engine, ManualClock
+from engine._config import parse_config
+
+
+def make_engine(config, workers=None):
+    """An Engine over ``config`` (a dict) on a ManualClock, with ``workers`` registered as
+    ``{worker_id: (cluster, slots)}`` (default: one 1000-slot worker per cluster)."""
+    cfg = parse_config(config, source="<test>")
+    clock = ManualClock()
+    eng = Engine(cfg, clock=clock)
+    if workers is None:
+        workers = {f"w-{c.name}": (c.name, 1000) for c in cfg.clusters}
+    for wid, (cluster, slots) in workers.items():
+        eng.register_worker(wid, cluster, slots)
+    return eng, clock
+
+
+@pytest.fixture
+def engine_factory():
+    return make_engine
