@@ -9,7 +9,7 @@ EXT_SRC := $(wildcard cext/*.pyx cext/*.pxd) setup.py
 .PHONY: run test test-debug build lint bench clean
 
 run: $(EXT)
-	$(VENV)/bin/leasehold simulate engine/examples/trace.jsonl --config engine/examples/leasehold.toml
+	$(VENV)/bin/leasehold demo
 
 test: $(EXT)
 	$(PY) -m pytest

@@ -59,6 +59,7 @@ setup(
             "hypothesis>=6.100",
             "ruff>=0.5",
             "cython-lint>=0.16",
+            "pycodestyle>=2.11",
             "matplotlib>=3.8",
         ],
     },

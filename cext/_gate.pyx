@@ -23,13 +23,13 @@ def admission_check_bench(i64[:, ::1] demands not None, i64[::1] budget_left not
         raise ValueError("budget_left must have one entry per resource")
     if rows == 0 or iterations <= 0:
         raise ValueError("need at least one demand row and one iteration")
-    cdef long i
+    cdef long _i
     cdef Py_ssize_t row = 0
     cdef long admitted = 0
     cdef i64 start, end
     with nogil:
         start = _now_ns()
-        for i in range(iterations):
+        for _i in range(iterations):
             admitted += queue_admits(actions_left, &demands[row, 0], &budget_left[0], n)
             row += 1
             if row == rows:

@@ -603,7 +603,7 @@ cdef class TickKernel:
         # Among clusters that cover the demand: most free accelerators of the kinds it asks
         # for, then most free cpu. With the gate off: most free worker slots.
         cdef int best = -1, c
-        cdef i64 best_acc = -1, best_cpu = -1, acc, cpu, free
+        cdef i64 best_acc = -1, best_cpu = -1, acc, cpu
         cdef Py_ssize_t r
         cdef u64 bit
         cdef const i64* demand = &self.a_demand[a, 0]
@@ -633,9 +633,9 @@ cdef class TickKernel:
 
     cdef i32 _pick_worker(self, int c) noexcept nogil:
         # Round robin over the cluster's connected workers with a free slot.
-        cdef Py_ssize_t n = self.n_workers, k
+        cdef Py_ssize_t n = self.n_workers, _k
         cdef i32 w = self.s_cursor[c]
-        for k in range(n):
+        for _k in range(n):
             w += 1
             if w >= n:
                 w = 0

@@ -29,6 +29,6 @@ cdef enum WaitCode:
     W_POOL_BUSY = 9            # its warm pool has no free slot
     W_DISPATCH_FULL = 10       # dispatch channel full; reservation not taken
     W_CANDIDATE_LIMIT = 11     # the tick's per-queue candidate budget ran out first
-    W_UNSCHEDULABLE_SHAPE = 12 # no allowed cluster can ever hold its pods / total
+    W_UNSCHEDULABLE_SHAPE = 12  # no allowed cluster can ever hold its pods / total
     W_UNSCHEDULABLE_CAP = 13   # demand exceeds the queue's hard cap
     W_HEAD_BUDGET = 14         # STRICT_FIFO: behind a head blocked on the queue budget
