@@ -20,6 +20,7 @@ cdef class TickKernel:
     cdef i64 max_candidates            # candidates examined per queue per tick
     cdef bint gate_on                  # resource gate: enforce (1) or count caps only (0)
     cdef int cpu_dim                   # index of cpu in vectors, -1 if not configured
+    cdef readonly i64 lease_ttl        # ns a lease lives without a heartbeat
 
     cdef u8[::1] res_accel             # [R] 1 where the resource is an accelerator
 
@@ -44,6 +45,8 @@ cdef class TickKernel:
     cdef i32[::1] a_wait_cluster       # cluster the wait is about, -1 none
     cdef i32[::1] a_wait_dim           # resource the wait is about, -1 none
     cdef i32[::1] a_wait_blocker       # action row blocking it (head of line), -1 none
+    cdef i64[::1] a_expiry             # run lease expiry (ns) while sent or running
+    cdef u8[::1] a_end                 # LeaseEnd of the current generation
 
     # --- (queue, run) pairs and their two lanes (regular, fast) ---
     cdef i32[::1] qr_queue             # queue row of the pair
@@ -84,6 +87,8 @@ cdef class TickKernel:
     cdef i64[:, ::1] c_cap             # [C, R] capacity, UNLIMITED when unknown
     cdef u64[:, ::1] c_adm             # [C, R] resources charged
     cdef u64[:, ::1] c_rel             # [C, R] resources released
+    cdef i64[:, ::1] c_obs             # [C, R] free capacity last reported by a worker
+    cdef u64[:, ::1] c_obs_mark        # [C, R] c_adm when it was reported
 
     # --- workers ---
     cdef i32[::1] w_cluster            # cluster row
@@ -91,6 +96,7 @@ cdef class TickKernel:
     cdef u64[::1] w_adm                # leases assigned to it
     cdef u64[::1] w_rel                # leases released from it
     cdef u8[::1] w_connected           # 1 while registered
+    cdef i32[::1] w_ident              # the worker's stable identity (rows are sessions)
 
     # --- runs ---
     cdef i64[::1] u_cap                # max_action_concurrency, 0 = unlimited
@@ -109,11 +115,26 @@ cdef class TickKernel:
     cdef i64[::1] e_gen                # +1 each time the pool starts
     cdef i64[::1] e_released_gen       # pool generation whose footprint was released
 
+    # --- finalize leases (cleanup of an attempt, sticky to its cluster and worker) ---
+    cdef u8[::1] fz_state              # ActionState (QUEUED, SENT, DONE)
+    cdef i32[::1] fz_action            # action row whose attempt it cleans up
+    cdef i32[::1] fz_cluster           # cluster that ran the attempt
+    cdef i32[::1] fz_pref              # worker that ran it (preferred while connected)
+    cdef i32[::1] fz_worker            # worker of the current assignment, -1 none
+    cdef i64[::1] fz_gen               # generation, +1 per assignment
+    cdef i64[::1] fz_released_gen      # generation whose worker slot was released
+    cdef i64[::1] fz_expiry            # expiry (ns) while sent
+    cdef u8[::1] fz_end                # LeaseEnd of the current generation
+    cdef i32[::1] fz_next              # next pending finalize lease, -1 at the tail
+    cdef i32 fz_head                   # oldest pending finalize lease, -1 none
+    cdef i32 fz_tail                   # newest pending finalize lease, -1 none
+
     # --- outputs ---
     cdef i32[::1] d_action             # dispatch ring: action row
     cdef i64[::1] d_gen                # ... lease generation
     cdef i32[::1] d_cluster            # ... cluster
     cdef i32[::1] d_worker             # ... worker
+    cdef u8[::1] d_kind                # ... LeaseKind
     cdef readonly i64 d_head           # next entry to consume (monotonic)
     cdef readonly i64 d_tail           # next entry to fill (monotonic)
     cdef i32[::1] f_action             # actions failed UNSCHEDULABLE this tick
@@ -127,6 +148,9 @@ cdef class TickKernel:
     cdef i32[::1] s_held_by            # [C] action holding the cluster (STRICT_FIFO head)
     cdef i32[::1] s_cursor             # [C] last worker picked (round robin)
 
+    cdef void _cluster_free(self, int c) noexcept nogil
+    cdef int _place_finalize(self, i64 now, u64* avail) noexcept nogil
+    cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil
     cdef void _ring_insert(self, i32 lane) noexcept nogil
     cdef void _ring_remove(self, i32 lane) noexcept nogil
     cdef void _link(self, i32 a) noexcept nogil

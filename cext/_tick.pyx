@@ -13,7 +13,8 @@ cimport cython
 
 from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
-    ST_DONE, ST_QUEUED, ST_SENT, W_CANDIDATE_LIMIT, W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
+    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_SENT, W_CANDIDATE_LIMIT,
+    W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
     W_UNSCHEDULABLE_SHAPE, i32, i64, u8, u64,
@@ -48,6 +49,9 @@ cdef class TickKernel:
         self.d_tail = 0
         self.f_count = 0
         self.n_pools_live = 0
+        self.fz_head = -1
+        self.fz_tail = -1
+        self.lease_ttl = 0
 
     def bind(self, state):
         """(Re)bind every array from ``state``; called once and after every growth."""
@@ -80,6 +84,8 @@ cdef class TickKernel:
         self.a_wait_cluster = state.a_wait_cluster
         self.a_wait_dim = state.a_wait_dim
         self.a_wait_blocker = state.a_wait_blocker
+        self.a_expiry = state.a_expiry
+        self.a_end = state.a_end
         self.qr_queue = state.qr_queue
         self.qr_run = state.qr_run
         self.qr_adm = state.qr_adm
@@ -114,11 +120,24 @@ cdef class TickKernel:
         self.c_cap = state.c_cap
         self.c_adm = state.c_adm
         self.c_rel = state.c_rel
+        self.c_obs = state.c_obs
+        self.c_obs_mark = state.c_obs_mark
+        self.fz_state = state.fz_state
+        self.fz_action = state.fz_action
+        self.fz_cluster = state.fz_cluster
+        self.fz_pref = state.fz_pref
+        self.fz_worker = state.fz_worker
+        self.fz_gen = state.fz_gen
+        self.fz_released_gen = state.fz_released_gen
+        self.fz_expiry = state.fz_expiry
+        self.fz_end = state.fz_end
+        self.fz_next = state.fz_next
         self.w_cluster = state.w_cluster
         self.w_slots = state.w_slots
         self.w_adm = state.w_adm
         self.w_rel = state.w_rel
         self.w_connected = state.w_connected
+        self.w_ident = state.w_ident
         self.u_cap = state.u_cap
         self.u_adm = state.u_adm
         self.u_rel = state.u_rel
@@ -136,6 +155,7 @@ cdef class TickKernel:
         self.d_gen = state.d_gen
         self.d_cluster = state.d_cluster
         self.d_worker = state.d_worker
+        self.d_kind = state.d_kind
         self.f_action = state.f_action
         self.f_code = state.f_code
         self.s_budget = state.s_budget
@@ -149,12 +169,40 @@ cdef class TickKernel:
         self.n_workers = n_workers
         self.n_envs = n_envs
 
+    def set_lease_ttl(self, i64 ttl_ns):
+        """How long a lease lives without a heartbeat (ns), from its assignment on."""
+        if ttl_ns <= 0:
+            raise ValueError("lease ttl must be positive")
+        self.lease_ttl = ttl_ns
+
     def set_gate(self, bint gate_on, i64 max_candidates):
         """Switch the resource gate and the per-queue candidate budget."""
         if max_candidates < 1:
             raise ValueError("max_candidates must be >= 1")
         self.gate_on = gate_on
         self.max_candidates = max_candidates
+
+    # ---------------------------------------------------------------- capacity
+
+    cdef void _cluster_free(self, int c) noexcept nogil:
+        # Free = capacity minus in flight, and no more than what a worker last reported free
+        # minus what was admitted since that report (UNLIMITED until a report arrives).
+        cdef Py_ssize_t r
+        cdef i64 free, seen
+        for r in range(self.n_res):
+            free = self.c_cap[c, r] - <i64>(self.c_adm[c, r] - self.c_rel[c, r])
+            if self.c_obs[c, r] < UNLIMITED:
+                seen = self.c_obs[c, r] - <i64>(self.c_adm[c, r] - self.c_obs_mark[c, r])
+                if seen < free:
+                    free = seen
+            self.s_free[r] = free
+
+    def cluster_free(self, int c):
+        """The free vector of cluster ``c`` as the gate sees it now (a copy)."""
+        if c < 0 or c >= self.n_clusters:
+            raise IndexError(f"no cluster row {c}")
+        self._cluster_free(c)
+        return [self.s_free[r] for r in range(self.n_res)]
 
     # ---------------------------------------------------------------- lanes and rings
 
@@ -334,6 +382,13 @@ cdef class TickKernel:
         avail = self._count_slots()
         for i in range(self.n_clusters):
             self.s_held_by[i] = -1
+        if self.fz_head >= 0 and self._place_finalize(now, &avail):
+            for j in range(self.n_queues):
+                q = self.q_order[j]
+                if self.q_pending[q] > 0:
+                    self.q_stop_code[q] = W_DISPATCH_FULL
+                    self.q_stop_blocker[q] = -1
+            return self.d_tail - before
         for i in range(self.n_queues):
             q = self.q_order[i]
             if self._tick_queue(q, now, &held, &avail):
@@ -352,6 +407,84 @@ cdef class TickKernel:
         with nogil:
             placed = self._run(now)
         return placed
+
+    cdef int _place_finalize(self, i64 now, u64* avail) noexcept nogil:
+        # Cleanup never waits behind new work: finalize leases go first, to the worker that
+        # ran the attempt while it is connected with a free slot, else to any worker of
+        # that cluster. One that cannot be placed now stays pending without blocking others.
+        # Returns 1 when the dispatch ring is full.
+        cdef i32 f = self.fz_head, prev = -1, nxt, w, p
+        cdef int c
+        while f >= 0:
+            nxt = self.fz_next[f]
+            if self.d_tail - self.d_head >= self.d_action.shape[0]:
+                return 1
+            c = self.fz_cluster[f]
+            p = self.fz_pref[f]
+            w = -1
+            if (p >= 0 and self.w_connected[p]
+                    and self.w_slots[p] > <i64>(self.w_adm[p] - self.w_rel[p])):
+                w = p
+            elif self.s_slots[c] > 0:
+                w = self._pick_worker(c)
+            if w < 0:
+                prev = f
+                f = nxt
+                continue
+            if prev >= 0:
+                self.fz_next[prev] = nxt
+            else:
+                self.fz_head = nxt
+            if self.fz_tail == f:
+                self.fz_tail = prev
+            self.fz_next[f] = -1
+            self.fz_gen[f] += 1
+            self.fz_state[f] = ST_SENT
+            self.fz_worker[f] = w
+            self.fz_expiry[f] = now + self.lease_ttl
+            self.fz_end[f] = END_LIVE
+            self.w_adm[w] += 1
+            self.s_slots[c] -= 1
+            if self.s_slots[c] <= 0:
+                avail[0] &= ~((<u64>1) << c)
+            self._push_dispatch(KIND_FINALIZE, f, self.fz_gen[f], c, w)
+            f = nxt
+        return 0
+
+    def push_finalize(self, i32 f):
+        """Queue finalize lease ``f`` (its row filled in) for placement first next tick."""
+        self.fz_state[f] = ST_QUEUED
+        self.fz_next[f] = -1
+        if self.fz_tail >= 0:
+            self.fz_next[self.fz_tail] = f
+        else:
+            self.fz_head = f
+        self.fz_tail = f
+
+    def remove_finalize(self, i32 f):
+        """Take pending finalize lease ``f`` out of the pending list."""
+        cdef i32 g = self.fz_head, prev = -1
+        while g >= 0 and g != f:
+            prev = g
+            g = self.fz_next[g]
+        if g < 0:
+            raise ValueError(f"finalize lease {f} is not pending")
+        if prev >= 0:
+            self.fz_next[prev] = self.fz_next[f]
+        else:
+            self.fz_head = self.fz_next[f]
+        if self.fz_tail == f:
+            self.fz_tail = prev
+        self.fz_next[f] = -1
+
+    def release_finalize(self, i32 f):
+        """Release the worker slot of ``f``'s current generation once; False if done."""
+        cdef i64 gen = self.fz_gen[f]
+        if gen == 0 or self.fz_released_gen[f] == gen:
+            return False
+        self.fz_released_gen[f] = gen
+        self.w_rel[self.fz_worker[f]] += 1
+        return True
 
     cdef int _tick_queue(self, i32 q, i64 now, u64* held, u64* avail) noexcept nogil:
         cdef Py_ssize_t r
@@ -507,7 +640,6 @@ cdef class TickKernel:
         cdef i32 ec
         cdef u64 fit, open_, bit
         cdef int c, dim
-        cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
         # Caps first: they are about counts, not resources.
@@ -585,8 +717,7 @@ cdef class TickKernel:
             self._wait(a, W_HEAD_OF_LINE, c, -1, self.s_held_by[c])
         else:
             c = lowest_bit(fit & avail[0])
-            for r in range(self.n_res):
-                self.s_free[r] = self.c_cap[c, r] - <i64>(self.c_adm[c, r] - self.c_rel[c, r])
+            self._cluster_free(c)
             dim = first_short_dim(demand, &self.s_free[0], self.n_res)
             self._wait(a, W_CLUSTER_CAPACITY, c, dim, -1)
         if self.q_strict[q]:
@@ -616,8 +747,7 @@ cdef class TickKernel:
                     best_cpu = self.s_slots[c]
                     best = c
                 continue
-            for r in range(self.n_res):
-                self.s_free[r] = self.c_cap[c, r] - <i64>(self.c_adm[c, r] - self.c_rel[c, r])
+            self._cluster_free(c)
             if not covers(demand, &self.s_free[0], self.n_res):
                 continue
             acc = 0
@@ -652,7 +782,6 @@ cdef class TickKernel:
         cdef i32 e = self.a_env[a]
         cdef i32 w = self._pick_worker(c)
         cdef Py_ssize_t r
-        cdef i64 slot
         cdef i64 d
         self.a_gen[a] += 1
         self.a_charged[a] = mode == M_REGULAR
@@ -684,10 +813,16 @@ cdef class TickKernel:
         self.a_state[a] = ST_SENT
         self.a_cluster[a] = c
         self.a_worker[a] = w
+        self.a_expiry[a] = now + self.lease_ttl
+        self.a_end[a] = END_LIVE
         self._wait(a, W_PLACED, c, -1, -1)
-        slot = self.d_tail % self.d_action.shape[0]
-        self.d_action[slot] = a
-        self.d_gen[slot] = self.a_gen[a]
+        self._push_dispatch(KIND_RUN, a, self.a_gen[a], c, w)
+
+    cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil:
+        cdef i64 slot = self.d_tail % self.d_action.shape[0]
+        self.d_kind[slot] = kind
+        self.d_action[slot] = row
+        self.d_gen[slot] = gen
         self.d_cluster[slot] = c
         self.d_worker[slot] = w
         self.d_tail += 1

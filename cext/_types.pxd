@@ -14,6 +14,7 @@ cdef enum ActionState:
     ST_SENT = 2        # assigned to a worker by the tick, not yet reported running
     ST_RUNNING = 3     # the worker reported it running
     ST_DONE = 4        # terminal; row kept for history
+    ST_BACKOFF = 5     # between attempts: waiting out its retry backoff (not in a lane)
 
 # Why the tick did not place a queued action (or stopped a queue).
 cdef enum WaitCode:
@@ -32,3 +33,24 @@ cdef enum WaitCode:
     W_UNSCHEDULABLE_SHAPE = 12  # no allowed cluster can ever hold its pods / total
     W_UNSCHEDULABLE_CAP = 13   # demand exceeds the queue's hard cap
     W_HEAD_BUDGET = 14         # STRICT_FIFO: behind a head blocked on the queue budget
+
+# How the current generation of a lease ended (a heartbeat for it is refused with this).
+cdef enum LeaseEnd:
+    END_LIVE = 0        # still held
+    END_COMPLETED = 1   # a terminal report was recorded
+    END_EXPIRED = 2     # heartbeats stopped; expired by the engine
+    END_ABORTED = 3     # the action (or an ancestor) was aborted
+
+# Verdict on one presented token.
+cdef enum TokenVerdict:
+    TOK_OK = 0          # valid: the lease is extended
+    TOK_STALE = 1       # an older generation: the lease moved on
+    TOK_EXPIRED = 2     # this generation expired
+    TOK_COMPLETED = 3   # this generation already completed
+    TOK_ABORTED = 4     # this generation was aborted: stop now
+    TOK_UNKNOWN = 5     # forged, altered, not this worker's, or no such lease
+
+# Lease kinds, in the top bit of a token's lease id.
+cdef enum LeaseKind:
+    KIND_RUN = 0        # the run lease of an action (id = action row)
+    KIND_FINALIZE = 1   # a finalize lease (id = finalize row)

@@ -2,7 +2,7 @@
 
 import enum
 
-__all__ = ["RowState", "WaitCode", "Phase"]
+__all__ = ["RowState", "WaitCode", "Phase", "LeaseEnd", "Verdict", "LeaseKind"]
 
 
 class RowState(enum.IntEnum):
@@ -13,6 +13,7 @@ class RowState(enum.IntEnum):
     SENT = 2
     RUNNING = 3
     DONE = 4
+    BACKOFF = 5
 
 
 class WaitCode(enum.IntEnum):
@@ -62,3 +63,30 @@ class Phase(enum.StrEnum):
 
 
 TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.ABORTED, Phase.TIMED_OUT})
+
+
+class LeaseEnd(enum.IntEnum):
+    """How the current generation of a lease ended."""
+
+    LIVE = 0
+    COMPLETED = 1
+    EXPIRED = 2
+    ABORTED = 3
+
+
+class Verdict(enum.IntEnum):
+    """The engine's answer to a presented token (heartbeat or report)."""
+
+    OK = 0
+    STALE = 1       # an older generation: the lease moved on
+    EXPIRED = 2     # this generation expired
+    COMPLETED = 3   # this generation already completed
+    ABORTED = 4     # aborted: the worker must stop now
+    UNKNOWN = 5     # forged, altered, not this worker's, or no such lease
+
+
+class LeaseKind(enum.IntEnum):
+    """Run lease (one per action) or finalize lease (cleanup of one attempt)."""
+
+    RUN = 0
+    FINALIZE = 1

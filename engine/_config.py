@@ -10,6 +10,7 @@ Vectors (capacities, node shapes, queue budgets) are read-only ``int64`` arrays 
 ``Config.resources``; :data:`~engine._units.UNLIMITED` marks "no limit".
 """
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, replace
@@ -54,6 +55,12 @@ _ENGINE_KEYS = (
     "dispatch_capacity",
     "resource_gate",
     "initial_capacity",
+    "heartbeat_interval",
+    "expiry_missed_beats",
+    "expiry_jitter",
+    "system_retries",
+    "runtime_grace",
+    "finalize_timeout",
 )
 _CLUSTER_KEYS = ("capacity", "node_shapes")
 _SHAPE_KEYS = ("name", "count", "allocatable")
@@ -118,6 +125,18 @@ class EngineSettings:
     dispatch_capacity: int = 65536  # bounded dispatch channel size (>= 1)
     resource_gate: str = "enforce"  # "enforce" | "off" (off = count caps only)
     initial_capacity: int = 4096  # initial action-table rows (grows by doubling), >= 16
+    heartbeat_interval: float = 10.0  # seconds between a worker's heartbeat batches (> 0)
+    expiry_missed_beats: int = 3  # beats a lease may miss before it expires (>= 1)
+    expiry_jitter: float = 2.0  # seconds of slack on top of the missed beats (>= 0)
+    system_retries: int = 3  # retries of system errors (EXPIRED, OOM, ...) per action (>= 0)
+    runtime_grace: float = 60.0  # engine backstop: seconds past max_runtime before expiry
+    finalize_timeout: float = 3600.0  # a finalize lease's own bound, in seconds (> 0)
+
+    @property
+    def lease_ttl_ns(self):
+        """How long a lease lives without a heartbeat: missed beats x interval + jitter."""
+        return int((self.heartbeat_interval * self.expiry_missed_beats + self.expiry_jitter)
+                   * 1e9)
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,7 +291,23 @@ def _parse_engine(source, table):
         values["resource_gate"] = _choice(
             source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
         )
+    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0)):
+        if key in table:
+            values[key] = _int(source, f"engine.{key}", table[key], minimum)
+    for key, positive in (("heartbeat_interval", True), ("expiry_jitter", False),
+                          ("runtime_grace", False), ("finalize_timeout", True)):
+        if key in table:
+            values[key] = _seconds(source, f"engine.{key}", table[key], positive)
     return replace(EngineSettings(), **values)
+
+
+def _seconds(source, path, value, positive):
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value > 0 if positive else value >= 0))
+    if not ok:
+        raise _invalid(source, path, value,
+                       "a number of seconds " + ("> 0" if positive else ">= 0"))
+    return float(value)
 
 
 def _parse_cluster(source, resources, name, table):

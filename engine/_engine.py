@@ -5,20 +5,39 @@ scheduling. Python keeps the edges (names to rows, specs, history); the arrays a
 keep the decision state. Time comes from an injectable clock.
 """
 
-from dataclasses import dataclass, field
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from cext import TickKernel
+from cext._lease import validate
 from engine._clock import SystemClock
-from engine._codes import RESOURCE_WAITS, TERMINAL_PHASES, Phase, RowState, WaitCode
+from engine._codes import (
+    RESOURCE_WAITS,
+    TERMINAL_PHASES,
+    LeaseEnd,
+    LeaseKind,
+    Phase,
+    RowState,
+    Verdict,
+    WaitCode,
+)
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import NotFound, ResourceExhausted, SpecError
+from engine._leases import Attempt, ErrorKind, TokenCodec
 from engine._model import ActionId, compile_spec
 from engine._state import State
 from engine._units import format_quantity
 
-__all__ = ["Engine", "Assignment", "Explanation", "AlreadyExists"]
+# Timer kinds (a heap of (due_ns, seq, kind, row, ref); ref detects a timer that no longer
+# applies: the attempt number, or the lease generation).
+T_DEADLINE, T_QUEUED, T_RETRY, T_RUNTIME, T_FINALIZE = range(5)
+LIVE_STATES = (RowState.SENT, RowState.RUNNING)
+BOUNDS = ("deadline", "max_queued_time", "max_runtime")
+
+__all__ = ["Engine", "Assignment", "Explanation", "AlreadyExists", "Refusal"]
 
 
 class AlreadyExists(SpecError):
@@ -29,13 +48,30 @@ class AlreadyExists(SpecError):
 
 @dataclass(frozen=True)
 class Assignment:
-    """A decision of the tick: run ``action`` (lease ``generation``) on ``worker``."""
+    """A decision of the tick, pushed to ``worker``: run ``action`` (kind ``run``) or clean
+    up one of its attempts (kind ``finalize``) under lease ``generation``. The worker presents
+    ``token`` on every heartbeat and report; the bounds let it enforce max_queued_time (until
+    running), max_runtime and the deadline."""
 
     action: ActionId
     generation: int
     queue: str
     cluster: str
     worker: str
+    kind: LeaseKind = LeaseKind.RUN
+    token: bytes = b""
+    attempt: int = 1
+    deadline_ns: int | None = None
+    queued_deadline_ns: int | None = None
+    max_runtime_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A token the engine refused, and why (the worker stops the attempt behind it)."""
+
+    token: bytes
+    verdict: Verdict
 
 
 @dataclass(frozen=True)
@@ -54,22 +90,35 @@ class _Action:
 
     compiled: object
     row: int
+    first_enqueued_ns: int = 0
     phase: Phase = Phase.QUEUED
     message: str = ""
     error_kind: str | None = None
     cause: str | None = None
-    attempts: int = 0
-    history: list = field(default_factory=list)
+    attempts: list = field(default_factory=list)   # Attempt records, oldest first
+    user_retries: int = 0
+    system_retries: int = 0
+    children: list = field(default_factory=list)   # ActionIds of direct children
+
+    @property
+    def attempt(self):
+        return self.attempts[-1]
 
 
 class Engine:
     """One shard's scheduling engine.
 
     ``config`` is a :class:`~engine._config.Config` or a path to a TOML file; ``clock`` any
-    object with ``now_ns()`` (default: wall clock).
+    object with ``now_ns()`` (default: wall clock); ``secret`` the shard's 16-byte token key
+    (random when not given; storage persists it so tokens survive a restart).
+
+    Guarantees: assignment is at-most-once (only the holder of a lease's current generation
+    can heartbeat or report it); execution is at-least-once (after an expiry or a partition an
+    attempt may run twice, so tasks should be idempotent or carry the action name and
+    generation into external writes).
     """
 
-    def __init__(self, config, *, clock=None):
+    def __init__(self, config, *, clock=None, secret=None):
         if not isinstance(config, Config):
             config = load_config(config)
         self.config = config
@@ -109,8 +158,15 @@ class Engine:
         self._worker_names = []     # worker row -> id
         self._fit_cache = {}        # pod matrix bytes -> cluster bitmask
         self._next_row = 0
+        self._codec = TokenCodec(secret)
+        self._timers = []           # heap of (due_ns, seq, kind, row, ref)
+        self._seq = itertools.count()
+        self._finalize = {}         # finalize row -> (ActionId, attempt number, give-up ns)
+        self._next_sweep_ns = 0
+        self._sweep_period_ns = int(settings.heartbeat_interval * 1e9 / 4)
         self._kernel = TickKernel()
         self._kernel.bind(st)
+        self._kernel.set_lease_ttl(settings.lease_ttl_ns)
 
     # ------------------------------------------------------------------ queues
 
@@ -153,18 +209,24 @@ class Engine:
             raise SpecError(f"worker {worker_id}: slots {slots!r} must be an integer >= 1")
         st = self._state
         c = self._cluster_index[cluster]
-        row = self._workers.get(worker_id)
-        if row is None:
-            row = len(self._worker_names)
-            if st.ensure("workers", row + 1):
-                self._kernel.bind(st)
-            self._workers[worker_id] = row
-            self._worker_names.append(worker_id)
-            st.n_workers = row + 1
-            self._kernel.set_counts(st.n_workers, st.n_envs)
-        elif st.w_cluster[row] != c:
+        old = self._workers.get(worker_id)
+        if old is not None and st.w_cluster[old] != c:
             raise SpecError(f"worker {worker_id} is registered in cluster "
-                            f"{self._clusters[st.w_cluster[row]]}, not {cluster}")
+                            f"{self._clusters[st.w_cluster[old]]}, not {cluster}")
+        # Every connection is a new session row: leases of an earlier session are refused
+        # as stale when the worker presents them again, and expire.
+        row = len(self._worker_names)
+        if st.ensure("workers", row + 1):
+            self._kernel.bind(st)
+        if old is not None:
+            st.w_connected[old] = 0
+            st.w_ident[row] = st.w_ident[old]
+        else:
+            st.w_ident[row] = len(self._workers)
+        self._workers[worker_id] = row
+        self._worker_names.append(worker_id)
+        st.n_workers = row + 1
+        self._kernel.set_counts(st.n_workers, st.n_envs)
         st.w_cluster[row] = c
         st.w_slots[row] = slots
         st.w_connected[row] = 1
@@ -175,8 +237,8 @@ class Engine:
         row = self._worker_row(worker_id)
         st = self._state
         st.w_connected[row] = 0
-        held = np.nonzero((st.a_worker == row) & ((st.a_state == RowState.SENT)
-                                                  | (st.a_state == RowState.RUNNING)))[0]
+        n = self._next_row
+        held = np.nonzero((st.a_worker[:n] == row) & np.isin(st.a_state[:n], LIVE_STATES))[0]
         return [self._row_action[int(a)] for a in held]
 
     def _worker_row(self, worker_id):
@@ -256,9 +318,26 @@ class Engine:
         st.a_gen[row] = 0
         st.a_released_gen[row] = 0
         st.a_enqueued[row] = now
-        self._actions[c.id] = _Action(compiled=c, row=row)
+        rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
+        self._actions[c.id] = rec
         self._row_action[row] = c.id
+        if c.parent is not None:
+            self._actions[c.parent].children.append(c.id)
+        t = c.spec.timeouts
+        if t.deadline is not None:
+            self._timer(now + int(t.deadline * 1e9), T_DEADLINE, row, 0)
+        self._new_attempt(rec, now)
         return row
+
+    def _new_attempt(self, rec, now):
+        rec.attempts.append(Attempt(number=len(rec.attempts) + 1, enqueued_ns=now))
+        t = rec.compiled.spec.timeouts
+        if t.max_queued_time is not None:
+            self._timer(now + int(t.max_queued_time * 1e9), T_QUEUED, rec.row,
+                        len(rec.attempts))
+
+    def _timer(self, due_ns, kind, row, ref):
+        heapq.heappush(self._timers, (due_ns, next(self._seq), kind, row, ref))
 
     def _run_row(self, c):
         st = self._state
@@ -334,10 +413,16 @@ class Engine:
     # ------------------------------------------------------------------ the tick
 
     def schedule(self):
-        """Run one tick now. Assignments wait in the dispatch channel (:meth:`drain_dispatch`);
-        actions that can never fit end as FAILED (SYSTEM, UNSCHEDULABLE). Returns the number
-        of assignments made."""
+        """Run one tick now: fire due timers (deadline, max_queued_time, retry backoff,
+        runtime backstop), expire leases whose heartbeats stopped, then the Cython tick.
+        Assignments wait in the dispatch channel (:meth:`drain_dispatch`); actions that can
+        never fit end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
         now = self.clock.now_ns()
+        self._fire_timers(now)
+        if now >= self._next_sweep_ns:
+            for lease in self.expired_leases():
+                self.expire(lease)
+            self._next_sweep_ns = now + self._sweep_period_ns
         kernel = self._kernel
         placed = kernel.run(now)
         st = self._state
@@ -346,7 +431,7 @@ class Engine:
         return placed
 
     def drain_dispatch(self, limit=None):
-        """Take assignments out of the dispatch channel, oldest first."""
+        """Take assignments out of the dispatch channel, oldest first, with their tokens."""
         k, st = self._kernel, self._state
         n = k.d_tail - k.d_head
         if limit is not None:
@@ -355,15 +440,33 @@ class Engine:
         out = []
         for j in range(k.d_head, k.d_head + n):
             slot = j % cap
-            aid = self._row_action[int(st.d_action[slot])]
+            row, gen = int(st.d_action[slot]), int(st.d_gen[slot])
+            cluster = self._clusters[st.d_cluster[slot]]
+            worker = self._worker_names[st.d_worker[slot]]
+            if st.d_kind[slot] == LeaseKind.FINALIZE:
+                aid, number, _ = self._finalize[row]
+                rec = self._actions[aid]
+                rec.attempts[number - 1].finalize = "SENT"
+                out.append(Assignment(
+                    action=aid, generation=gen, queue=rec.compiled.queue, cluster=cluster,
+                    worker=worker, kind=LeaseKind.FINALIZE, attempt=number,
+                    token=self._codec.mint(LeaseKind.FINALIZE, row, gen)))
+                continue
+            aid = self._row_action[row]
             rec = self._actions[aid]
-            rec.phase = Phase.INITIALIZING
-            rec.attempts += 1
+            att = self._stamp_attempt(rec)
+            if rec.phase not in TERMINAL_PHASES and st.a_state[row] == RowState.SENT:
+                rec.phase = Phase.INITIALIZING
+            t = rec.compiled.spec.timeouts
             out.append(Assignment(
-                action=aid, generation=int(st.d_gen[slot]),
-                queue=rec.compiled.queue,
-                cluster=self._clusters[st.d_cluster[slot]],
-                worker=self._worker_names[st.d_worker[slot]],
+                action=aid, generation=gen, queue=rec.compiled.queue, cluster=cluster,
+                worker=worker, kind=LeaseKind.RUN, attempt=att.number,
+                token=self._codec.mint(LeaseKind.RUN, row, gen),
+                deadline_ns=(rec.first_enqueued_ns + int(t.deadline * 1e9)
+                             if t.deadline is not None else None),
+                queued_deadline_ns=(att.enqueued_ns + int(t.max_queued_time * 1e9)
+                                    if t.max_queued_time is not None else None),
+                max_runtime_s=t.max_runtime,
             ))
         k.consume_dispatch(n)
         return out
@@ -372,6 +475,312 @@ class Engine:
         """Schedule once and return the assignments made (the in-process dispatcher)."""
         self.schedule()
         return self.drain_dispatch()
+
+    def _stamp_attempt(self, rec):
+        # Record where the current attempt went, once per generation.
+        st = self._state
+        att = rec.attempt
+        gen = int(st.a_gen[rec.row])
+        if att.generation != gen:
+            att.generation = gen
+            att.cluster = self._clusters[st.a_cluster[rec.row]]
+            att.worker = self._worker_names[st.a_worker[rec.row]]
+            att.start_ns = self.clock.now_ns()
+        return att
+
+    # ------------------------------------------------------------------ timers
+
+    def _fire_timers(self, now):
+        st = self._state
+        while self._timers and self._timers[0][0] <= now:
+            _due, _seq, kind, row, ref = heapq.heappop(self._timers)
+            if kind == T_FINALIZE:
+                self._finalize_give_up(row, ref)
+                continue
+            rec = self._actions[self._row_action[row]]
+            if rec.phase in TERMINAL_PHASES:
+                continue
+            state = st.a_state[row]
+            if kind == T_DEADLINE:
+                # The engine enforces the deadline before dispatch; a running attempt is
+                # bounded by its worker, which was given the deadline with the lease.
+                if state in (RowState.QUEUED, RowState.BACKOFF):
+                    self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
+                                      message="deadline passed before dispatch")
+                    self._finish(rec, Phase.TIMED_OUT, "deadline passed before dispatch",
+                                 cause="deadline")
+            elif kind == T_QUEUED:
+                if state == RowState.QUEUED and len(rec.attempts) == ref:
+                    self._kernel.remove(row)
+                    self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
+                                         "max_queued_time passed while queued", True)
+            elif kind == T_RETRY:
+                if state == RowState.BACKOFF and len(rec.attempts) == ref:
+                    self._kernel.push(row)
+            elif kind == T_RUNTIME:
+                # Engine backstop for max_runtime: the worker should have ended it.
+                if (state == RowState.RUNNING and int(st.a_gen[row]) == ref
+                        and st.a_end[row] == LeaseEnd.LIVE):
+                    self._end_lease(row, LeaseEnd.EXPIRED)
+                    self._attempt_failed(
+                        rec, Phase.TIMED_OUT, None, "max_runtime",
+                        "engine backstop: still running past max_runtime plus grace", True,
+                        cleanup=True)
+
+    # ------------------------------------------------------------------ expiry
+
+    def expired_leases(self, now=None):
+        """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``.
+        Apply each with :meth:`expire`, which refuses a lease that moved on since."""
+        now = self.clock.now_ns() if now is None else now
+        st = self._state
+        n = self._next_row
+        rows = np.nonzero(np.isin(st.a_state[:n], LIVE_STATES) & (st.a_end[:n] == LeaseEnd.LIVE)
+                          & (st.a_expiry[:n] < now))[0]
+        out = [(LeaseKind.RUN, int(r), int(st.a_gen[r]), int(st.a_worker[r])) for r in rows]
+        nf = len(self._finalize)
+        frows = np.nonzero((st.fz_state[:nf] == RowState.SENT)
+                           & (st.fz_end[:nf] == LeaseEnd.LIVE) & (st.fz_expiry[:nf] < now))[0]
+        out += [(LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), int(st.fz_worker[f]))
+                for f in frows]
+        return out
+
+    def expire(self, lease):
+        """Expire one lease from :meth:`expired_leases`; True if applied. Refused (False)
+        when its generation or holder is no longer the one observed, or it already ended."""
+        kind, row, gen, worker = lease
+        st = self._state
+        if kind == LeaseKind.FINALIZE:
+            if (int(st.fz_gen[row]) != gen or int(st.fz_worker[row]) != worker
+                    or st.fz_state[row] != RowState.SENT or st.fz_end[row] != LeaseEnd.LIVE):
+                return False
+            st.fz_end[row] = LeaseEnd.EXPIRED
+            self._kernel.release_finalize(row)
+            aid, number, _give_up = self._finalize[row]
+            self._actions[aid].attempts[number - 1].finalize = "PENDING"
+            self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
+            return True
+        if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
+                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE):
+            return False
+        rec = self._actions[self._row_action[row]]
+        self._end_lease(row, LeaseEnd.EXPIRED)
+        self._attempt_failed(rec, Phase.FAILED, ErrorKind.SYSTEM, "EXPIRED",
+                             "lease expired: heartbeats stopped", True, cleanup=True)
+        return True
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def heartbeat(self, worker_id, tokens, free_capacity=None):
+        """Validate and extend a batch of tokens from one worker in one Cython pass (check
+        all, then extend the valid ones); record the free capacity it sees in its cluster
+        (``{resource: quantity}``) for the gate. Returns the refused tokens with verdicts;
+        the worker stops the attempt behind each one. Extension is best-effort."""
+        row = self._worker_row(worker_id)
+        st = self._state
+        if not st.w_connected[row]:
+            raise NotFound(f"worker {worker_id!r} is not connected")
+        arr = self._codec.parse(tokens)
+        if free_capacity is not None:
+            try:
+                vec = self._resources.vector(free_capacity, unset=-1)
+            except ValueError as exc:
+                raise SpecError(f"worker {worker_id}: free_capacity: {exc}") from None
+            c = int(st.w_cluster[row])
+            given = vec >= 0
+            st.c_obs[c, given] = vec[given]
+            st.c_obs_mark[c, given] = st.c_adm[c, given]
+        verdicts = np.empty(arr.shape[0], dtype=np.uint8)
+        validate(self._kernel, arr, row, self.clock.now_ns(), self._codec.k0,
+                 self._codec.k1, verdicts, True)
+        bad = np.nonzero(verdicts)[0]
+        return [Refusal(arr[i].astype("<u8").tobytes(), Verdict(int(verdicts[i]))) for i in bad]
+
+    def _check_token(self, token):
+        arr = self._codec.parse(token)
+        if arr.shape[0] != 1:
+            raise SpecError(f"a report carries exactly one token, not {arr.shape[0]}")
+        verdict = np.empty(1, dtype=np.uint8)
+        validate(self._kernel, arr, -1, self.clock.now_ns(), self._codec.k0, self._codec.k1,
+                 verdict, False)
+        lease = int(arr[0, 0])
+        return Verdict(int(verdict[0])), LeaseKind(lease >> 63), lease & ((1 << 63) - 1)
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, token, phase, *, error_kind=None, cause=None, recoverable=True,
+               message="", cleanup=False):
+        """A worker's report on the lease behind ``token``: progress (INITIALIZING, RUNNING)
+        or a terminal outcome (SUCCEEDED; FAILED with ``error_kind`` USER (``recoverable``
+        or not) or SYSTEM with a ``cause`` such as OOM, EVICTED, NODE_LOST; TIMED_OUT with
+        ``cause`` naming the bound). ``cleanup`` asks for a finalize lease for this attempt.
+        Returns the verdict: anything but ``Verdict.OK`` means the report was refused (for
+        example a late report from an older generation) and changed nothing."""
+        try:
+            phase = Phase(phase)
+        except ValueError:
+            raise SpecError(f"unknown phase {phase!r}") from None
+        verdict, kind, row = self._check_token(token)
+        if verdict != Verdict.OK:
+            return verdict
+        if kind == LeaseKind.FINALIZE:
+            if phase not in (Phase.SUCCEEDED, Phase.FAILED):
+                if phase in (Phase.INITIALIZING, Phase.RUNNING):
+                    return verdict
+                raise SpecError(f"a finalize lease ends SUCCEEDED or FAILED, not {phase}")
+            self._end_finalize(row, LeaseEnd.COMPLETED, phase.value)
+            return verdict
+        rec = self._actions[self._row_action[row]]
+        st = self._state
+        now = self.clock.now_ns()
+        att = self._stamp_attempt(rec)
+        if phase == Phase.INITIALIZING:
+            rec.phase = Phase.INITIALIZING
+            return verdict
+        if phase == Phase.RUNNING:
+            if st.a_state[row] != RowState.RUNNING:
+                st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
+                att.running_ns = now
+                rec.phase = Phase.RUNNING
+                t = rec.compiled.spec.timeouts
+                if t.max_runtime is not None:
+                    grace = self.config.engine.runtime_grace
+                    self._timer(now + int((t.max_runtime + grace) * 1e9), T_RUNTIME, row,
+                                int(st.a_gen[row]))
+            return verdict
+        if phase == Phase.SUCCEEDED:
+            self._end_lease(row, LeaseEnd.COMPLETED)
+            self._end_attempt(rec, Phase.SUCCEEDED, message=message, cleanup=cleanup)
+            self._finish(rec, Phase.SUCCEEDED, message)
+            return verdict
+        if phase == Phase.FAILED:
+            try:
+                kind_ = ErrorKind(error_kind)
+            except ValueError:
+                raise SpecError(f"FAILED needs error_kind USER or SYSTEM, not "
+                                f"{error_kind!r}") from None
+            if kind_ == ErrorKind.SYSTEM and not cause:
+                raise SpecError("a SYSTEM failure needs a cause (OOM, EVICTED, ...)")
+            self._end_lease(row, LeaseEnd.COMPLETED)
+            self._attempt_failed(rec, Phase.FAILED, kind_, cause, message,
+                                 bool(recoverable), cleanup=cleanup)
+            return verdict
+        if phase == Phase.TIMED_OUT:
+            if cause not in BOUNDS:
+                raise SpecError(f"TIMED_OUT needs cause naming the bound "
+                                f"({', '.join(BOUNDS)}), not {cause!r}")
+            self._end_lease(row, LeaseEnd.COMPLETED)
+            self._attempt_failed(rec, Phase.TIMED_OUT, None, cause, message, True,
+                                 cleanup=cleanup)
+            return verdict
+        raise SpecError(f"a worker cannot report {phase}")
+
+    def mark_running(self, action, generation):
+        """In-process convenience: the holder of ``generation`` reports RUNNING."""
+        self._report_as_holder(action, generation, Phase.RUNNING)
+
+    def complete(self, action, generation, phase=Phase.SUCCEEDED, message="", **kw):
+        """In-process convenience: the holder of ``generation`` reports a terminal phase
+        (same rules as :meth:`report`); a refused report raises ``SpecError``."""
+        phase = Phase(phase)
+        if phase not in TERMINAL_PHASES:
+            raise SpecError(f"{phase} is not a terminal phase")
+        if phase == Phase.FAILED and "error_kind" not in kw:
+            kw["error_kind"] = ErrorKind.USER
+        self._report_as_holder(action, generation, phase, message=message, **kw)
+
+    def _report_as_holder(self, action, generation, phase, **kw):
+        rec = self._record(action)
+        token = self._codec.mint(LeaseKind.RUN, rec.row, generation)
+        verdict = self.report(token, phase, **kw)
+        if verdict != Verdict.OK:
+            raise SpecError(f"action {rec.compiled.id}: report for generation {generation} "
+                            f"refused: {verdict.name}")
+
+    # ------------------------------------------------------------------ abort
+
+    def abort(self, action, reason="aborted"):
+        """Abort ``action`` and every descendant: queued ones end at once; sent or running
+        ones are refused at their next heartbeat (their worker stops them) and get a
+        finalize lease for cleanup. Returns the ids that ended."""
+        ended = []
+        stack = [ActionId.parse(action)]
+        if stack[0] not in self._actions:
+            raise NotFound(f"action {stack[0]} not found")
+        while stack:
+            aid = stack.pop()
+            rec = self._actions[aid]
+            stack.extend(rec.children)
+            if rec.phase in TERMINAL_PHASES:
+                continue
+            row = rec.row
+            state = self._state.a_state[row]
+            cleanup = False
+            if state in LIVE_STATES:
+                self._stamp_attempt(rec)
+                self._end_lease(row, LeaseEnd.ABORTED)
+                cleanup = True
+            self._end_attempt(rec, Phase.ABORTED, message=reason, cleanup=cleanup)
+            self._finish(rec, Phase.ABORTED, reason)
+            ended.append(aid)
+        return ended
+
+    # ------------------------------------------------------------------ transitions
+
+    def _end_lease(self, row, end):
+        # The current generation ends: later tokens for it get `end` as their verdict, and
+        # its in-flight counts are released (once per generation).
+        st = self._state
+        st.a_end[row] = end
+        self._kernel.release(row, self.clock.now_ns())
+        st.a_state[row] = RowState.DONE
+
+    def _end_attempt(self, rec, phase, kind=None, cause=None, message="", recoverable=None,
+                     cleanup=False):
+        att = rec.attempt
+        att.end_ns = self.clock.now_ns()
+        att.phase = phase.value
+        att.error_kind = kind.value if kind is not None else None
+        att.cause = cause
+        att.message = message
+        att.recoverable = recoverable
+        if cleanup and att.generation:
+            self._new_finalize(rec, att)
+
+    def _attempt_failed(self, rec, phase, kind, cause, message, recoverable, cleanup=False):
+        """End the current attempt and retry it if its budget allows, else finish."""
+        self._end_attempt(rec, phase, kind, cause, message, recoverable, cleanup)
+        spec = rec.compiled.spec
+        if phase == Phase.TIMED_OUT and cause == "deadline":
+            retry = False
+        elif kind == ErrorKind.SYSTEM:
+            retry = cause != "UNSCHEDULABLE" and (
+                rec.system_retries < self.config.engine.system_retries)
+            if retry:
+                rec.system_retries += 1
+        else:
+            # USER errors and the per-attempt bounds spend the user's retries.
+            retry = recoverable and rec.user_retries < spec.retries.count
+            if retry:
+                rec.user_retries += 1
+        if not retry:
+            text = f"{cause}: {message}" if cause else message
+            self._finish(rec, phase, text, kind=kind.value if kind else None, cause=cause)
+            return
+        now = self.clock.now_ns()
+        r = spec.retries
+        n = rec.user_retries + rec.system_retries - 1
+        delay = min(r.backoff_base * r.backoff_factor ** n, r.backoff_cap)
+        ready = now + int(delay * 1e9)
+        t = spec.timeouts
+        if t.deadline is not None and ready >= rec.first_enqueued_ns + int(t.deadline * 1e9):
+            self._finish(rec, Phase.TIMED_OUT, "deadline passes before the retry is due",
+                         cause="deadline")
+            return
+        self._state.a_state[rec.row] = RowState.BACKOFF
+        rec.phase = Phase.QUEUED
+        self._new_attempt(rec, ready)
+        self._timer(ready, T_RETRY, rec.row, len(rec.attempts))
 
     def _fail_unschedulable(self, row, code):
         aid = self._row_action[row]
@@ -389,13 +798,14 @@ class Engine:
             allowed = [self._cluster_index[n] for n in self._queues[qname].clusters]
             why = "; ".join(self._never_fits(c, i) or f"cluster {self._clusters[i]}: ?"
                             for i in allowed) or f"queue {qname} allows no cluster"
-        self._finish(row, Phase.FAILED, f"UNSCHEDULABLE: {why}", kind="SYSTEM",
+        message = f"UNSCHEDULABLE: {why}"
+        self._end_attempt(rec, Phase.FAILED, ErrorKind.SYSTEM, "UNSCHEDULABLE", message, False)
+        self._finish(rec, Phase.FAILED, message, kind=ErrorKind.SYSTEM.value,
                      cause="UNSCHEDULABLE")
 
-    def _finish(self, row, phase, message, kind=None, cause=None):
+    def _finish(self, rec, phase, message, kind=None, cause=None):
         st = self._state
-        aid = self._row_action[row]
-        rec = self._actions[aid]
+        row = rec.row
         if st.a_state[row] == RowState.QUEUED:
             self._kernel.remove(row)
         self._kernel.release(row, self.clock.now_ns())
@@ -405,36 +815,39 @@ class Engine:
         rec.error_kind = kind
         rec.cause = cause
 
-    # ------------------------------------------------------------------ reports
+    # ------------------------------------------------------------------ finalize leases
 
-    def _current(self, action, generation):
-        aid = ActionId.parse(action)
-        rec = self._actions.get(aid)
-        if rec is None:
-            raise NotFound(f"action {aid} not found")
+    def _new_finalize(self, rec, att):
         st = self._state
+        f = len(self._finalize)
+        if st.ensure("finalize", f + 1):
+            self._kernel.bind(st)
         row = rec.row
-        if st.a_state[row] not in (RowState.SENT, RowState.RUNNING):
-            raise SpecError(f"action {aid} is not assigned (phase {rec.phase})")
-        if int(st.a_gen[row]) != generation:
-            raise SpecError(f"action {aid}: generation {generation} is stale "
-                            f"(current {int(st.a_gen[row])})")
-        return rec
+        st.fz_action[f] = row
+        st.fz_cluster[f] = self._cluster_index[att.cluster]
+        st.fz_pref[f] = st.a_worker[row]
+        give_up = self.clock.now_ns() + int(self.config.engine.finalize_timeout * 1e9)
+        self._finalize[f] = (rec.compiled.id, att.number, give_up)
+        att.finalize = "PENDING"
+        self._kernel.push_finalize(f)
+        self._timer(give_up, T_FINALIZE, f, 0)
 
-    def mark_running(self, action, generation):
-        """The holder of ``generation`` reports the action running."""
-        rec = self._current(action, generation)
-        self._state.a_state[rec.row] = RowState.RUNNING
-        rec.phase = Phase.RUNNING
+    def _end_finalize(self, f, end, outcome):
+        st = self._state
+        st.fz_end[f] = end
+        self._kernel.release_finalize(f)
+        st.fz_state[f] = RowState.DONE
+        aid, number, _ = self._finalize[f]
+        self._actions[aid].attempts[number - 1].finalize = outcome
 
-    def complete(self, action, generation, phase=Phase.SUCCEEDED, message=""):
-        """The holder of ``generation`` reports a terminal phase; its in-flight counts are
-        released exactly once."""
-        phase = Phase(phase)
-        if phase not in TERMINAL_PHASES:
-            raise SpecError(f"{phase} is not a terminal phase")
-        rec = self._current(action, generation)
-        self._finish(rec.row, phase, message)
+    def _finalize_give_up(self, f, _ref):
+        # Its own generous bound passed: record the leak loudly rather than retry forever.
+        st = self._state
+        if st.fz_state[f] == RowState.DONE:
+            return
+        if st.fz_state[f] == RowState.QUEUED:
+            self._kernel.remove_finalize(f)
+        self._end_finalize(f, LeaseEnd.ABORTED, "ABANDONED")
 
     # ------------------------------------------------------------------ queries
 
@@ -442,14 +855,26 @@ class Engine:
         """The action's phase."""
         return self.explain(action).phase
 
-    def explain(self, action):
-        """The action's phase and, while it waits, the reason (code and message)."""
+    def _record(self, action):
         aid = ActionId.parse(action)
         rec = self._actions.get(aid)
         if rec is None:
             raise NotFound(f"action {aid} not found")
+        return rec
+
+    def explain(self, action):
+        """The action's phase and, while it waits, the reason (code and message)."""
+        rec = self._record(action)
+        aid = rec.compiled.id
         st = self._state
         row = rec.row
+        if st.a_state[row] == RowState.BACKOFF:
+            att = rec.attempt
+            wait_s = max(0.0, (att.enqueued_ns - self.clock.now_ns()) / 1e9)
+            prev = rec.attempts[-2]
+            return Explanation(aid, Phase.QUEUED, None,
+                               f"attempt {att.number} waits {wait_s:.1f}s of retry backoff "
+                               f"(attempt {prev.number}: {prev.phase} {prev.cause or ''})")
         if st.a_state[row] != RowState.QUEUED:
             return Explanation(aid, rec.phase, None, rec.message)
         q = int(st.a_queue[row])
@@ -462,6 +887,11 @@ class Engine:
             reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
         phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
         return Explanation(aid, phase, code, reason)
+
+    def attempts(self, action):
+        """The action's attempts, oldest first (copies): cluster, worker, start, end,
+        phase, error kind, cause, message, finalize outcome."""
+        return [replace(a) for a in self._record(action).attempts]
 
     def _reason(self, row, code, cluster, dim, blocker):
         st = self._state
@@ -522,9 +952,8 @@ class Engine:
         return f"queue {qname}: {code.name}"
 
     def _short_dim(self, row, cluster):
-        st = self._state
-        free = st.c_cap[cluster] - (st.c_adm[cluster] - st.c_rel[cluster]).astype(np.int64)
-        short = np.nonzero(st.a_demand[row] > free)[0]
+        free = np.array(self._kernel.cluster_free(cluster), dtype=np.int64)
+        short = np.nonzero(self._state.a_demand[row] > free)[0]
         return int(short[0]) if short.size else -1
 
     def _need(self, row, cluster, dim):
@@ -533,7 +962,7 @@ class Engine:
         if cluster < 0 or dim < 0:
             return f"needs {res.describe(st.a_demand[row])}"
         name = res.names[dim]
-        free = int(st.c_cap[cluster, dim]) - int(st.c_adm[cluster, dim] - st.c_rel[cluster, dim])
+        free = int(self._kernel.cluster_free(cluster)[dim])
         return (f"needs {name}={format_quantity(name, int(st.a_demand[row, dim]))}; "
                 f"cluster {self._clusters[cluster]} has {format_quantity(name, free)} free")
 

@@ -36,6 +36,8 @@ ACTION_FIELDS = {
     "a_wait_dim": (I32, -1, ()),
     "a_wait_blocker": (I32, -1, ()),
     "a_enqueued": (I64, 0, ()),
+    "a_expiry": (I64, 0, ()),
+    "a_end": (U8, 0, ()),
     "f_action": (I32, -1, ()),
     "f_code": (U8, 0, ()),
 }
@@ -67,6 +69,7 @@ WORKER_FIELDS = {
     "w_adm": (U64, 0, ()),
     "w_rel": (U64, 0, ()),
     "w_connected": (U8, 0, ()),
+    "w_ident": (I32, -1, ()),
 }
 ENV_FIELDS = {
     "e_queue": (I32, -1, ()),
@@ -80,6 +83,18 @@ ENV_FIELDS = {
     "e_gen": (I64, 0, ()),
     "e_released_gen": (I64, 0, ()),
 }
+FINALIZE_FIELDS = {
+    "fz_state": (U8, 0, ()),
+    "fz_action": (I32, -1, ()),
+    "fz_cluster": (I32, -1, ()),
+    "fz_pref": (I32, -1, ()),
+    "fz_worker": (I32, -1, ()),
+    "fz_gen": (I64, 0, ()),
+    "fz_released_gen": (I64, 0, ()),
+    "fz_expiry": (I64, 0, ()),
+    "fz_end": (U8, 0, ()),
+    "fz_next": (I32, -1, ()),
+}
 TABLES = {
     "actions": ACTION_FIELDS,
     "qruns": QRUN_FIELDS,
@@ -87,6 +102,7 @@ TABLES = {
     "runs": RUN_FIELDS,
     "workers": WORKER_FIELDS,
     "envs": ENV_FIELDS,
+    "finalize": FINALIZE_FIELDS,
 }
 
 
@@ -121,7 +137,7 @@ class State:
         self.res_accel = np.asarray(res_accel, dtype=U8)
         small = max(16, initial_rows // 4)
         sizes = {"actions": initial_rows, "qruns": small, "lanes": 2 * small, "runs": small,
-                 "workers": 16, "envs": small}
+                 "workers": 16, "envs": small, "finalize": small}
         self.rows = {}
         for table, fields in TABLES.items():
             self.rows[table] = sizes[table]
@@ -151,11 +167,14 @@ class State:
         self.c_cap = np.full((c, r), UNLIMITED, dtype=I64)
         self.c_adm = np.zeros((c, r), dtype=U64)
         self.c_rel = np.zeros((c, r), dtype=U64)
+        self.c_obs = np.full((c, r), UNLIMITED, dtype=I64)
+        self.c_obs_mark = np.zeros((c, r), dtype=U64)
 
         self.d_action = np.full(dispatch_capacity, -1, dtype=I32)
         self.d_gen = np.zeros(dispatch_capacity, dtype=I64)
         self.d_cluster = np.full(dispatch_capacity, -1, dtype=I32)
         self.d_worker = np.full(dispatch_capacity, -1, dtype=I32)
+        self.d_kind = np.zeros(dispatch_capacity, dtype=U8)
 
         self.s_budget = np.zeros(r, dtype=I64)
         self.s_free = np.zeros(r, dtype=I64)

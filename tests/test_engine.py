@@ -197,10 +197,10 @@ def test_release_is_applied_once_per_generation():
     [a] = eng.tick()
     eng.mark_running(a.action, a.generation)
     assert eng.phase(a.action) == Phase.RUNNING
-    with pytest.raises(SpecError, match="generation 7 is stale"):
+    with pytest.raises(SpecError, match="generation 7 refused: UNKNOWN"):
         eng.complete(a.action, 7)
     eng.complete(a.action, a.generation)
-    with pytest.raises(SpecError, match="not assigned"):
+    with pytest.raises(SpecError, match="refused: COMPLETED"):
         eng.complete(a.action, a.generation)
     m = eng.queue_metrics("q")
     assert m["actions_in_flight"] == 0 and m["in_flight_resources"]["gpu:H100"] == 0

@@ -1,0 +1,114 @@
+"""Lease tokens and heartbeat validation (the C side of engine._leases)."""
+
+from cext._tick cimport TickKernel
+from cext._types cimport (
+    END_ABORTED, END_COMPLETED, END_EXPIRED, ST_SENT, TOK_ABORTED,
+    TOK_COMPLETED, TOK_EXPIRED, TOK_OK, TOK_STALE, TOK_UNKNOWN, i32, i64, u8, u64,
+)
+
+cdef u64 KIND_BIT = (<u64>1) << 63
+
+
+def mac(u64 k0, u64 k1, u64 lease, u64 generation):
+    """The MAC of one (lease id, generation) under key (k0, k1)."""
+    return siphash24(k0, k1, lease, generation)
+
+
+def mint(u64[:, ::1] tokens not None, u64 k0, u64 k1):
+    """Fill column 2 of ``tokens`` (n x 3: lease id, generation, MAC) with the MACs."""
+    if tokens.shape[1] != 3:
+        raise ValueError("tokens must be an n x 3 uint64 array")
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(tokens.shape[0]):
+            tokens[i, 2] = siphash24(k0, k1, tokens[i, 0], tokens[i, 1])
+
+
+cdef inline u8 _not_holder(TickKernel k, i32 holder, i32 worker) noexcept nogil:
+    # Held by an earlier connection of the same worker: that session's leases moved on.
+    if holder >= 0 and k.w_ident[holder] == k.w_ident[worker]:
+        return TOK_STALE
+    return TOK_UNKNOWN
+
+
+cdef inline u8 _verdict_run(TickKernel k, u64 row, i64 gen, i32 worker, i64 now) noexcept nogil:
+    if row >= <u64>k.a_gen.shape[0] or k.a_gen[row] == 0:
+        return TOK_UNKNOWN
+    cdef i64 current = k.a_gen[row]
+    if gen < current:
+        return TOK_STALE
+    if gen > current:
+        return TOK_UNKNOWN
+    if k.a_end[row] == END_COMPLETED:
+        return TOK_COMPLETED
+    if k.a_end[row] == END_ABORTED:
+        return TOK_ABORTED
+    if k.a_end[row] == END_EXPIRED or k.a_expiry[row] < now:
+        return TOK_EXPIRED
+    if worker >= 0 and k.a_worker[row] != worker:
+        return _not_holder(k, k.a_worker[row], worker)
+    return TOK_OK
+
+
+cdef inline u8 _verdict_finalize(TickKernel k, u64 row, i64 gen, i32 worker,
+                                 i64 now) noexcept nogil:
+    if row >= <u64>k.fz_gen.shape[0] or k.fz_gen[row] == 0:
+        return TOK_UNKNOWN
+    cdef i64 current = k.fz_gen[row]
+    if gen < current:
+        return TOK_STALE
+    if gen > current:
+        return TOK_UNKNOWN
+    if k.fz_end[row] == END_COMPLETED:
+        return TOK_COMPLETED
+    if k.fz_end[row] == END_ABORTED:
+        return TOK_ABORTED
+    if k.fz_end[row] == END_EXPIRED or k.fz_state[row] != ST_SENT or k.fz_expiry[row] < now:
+        return TOK_EXPIRED
+    if worker >= 0 and k.fz_worker[row] != worker:
+        return _not_holder(k, k.fz_worker[row], worker)
+    return TOK_OK
+
+
+def validate(TickKernel k not None, const u64[:, ::1] tokens not None, i32 worker, i64 now,
+             u64 k0, u64 k1, u8[::1] verdicts not None, bint extend):
+    """Check every token (phase 1), then extend the valid ones by the lease ttl (phase 2).
+
+    ``worker`` is the presenting worker's row (-1: any holder). ``verdicts[i]`` receives the
+    TokenVerdict of token ``i``. Returns the number of valid tokens. Extension is the only
+    best-effort transition: nothing here is persisted.
+    """
+    cdef Py_ssize_t n = tokens.shape[0], i
+    if tokens.shape[1] != 3:
+        raise ValueError("tokens must be an n x 3 uint64 array")
+    if verdicts.shape[0] < n:
+        raise ValueError("verdicts is shorter than tokens")
+    cdef u64 lease, row
+    cdef i64 gen, until
+    cdef u8 v
+    cdef i64 valid = 0
+    with nogil:
+        for i in range(n):
+            lease = tokens[i, 0]
+            gen = <i64>tokens[i, 1]
+            if siphash24(k0, k1, lease, tokens[i, 1]) != tokens[i, 2]:
+                v = TOK_UNKNOWN
+            else:
+                row = lease & ~KIND_BIT
+                if lease & KIND_BIT:
+                    v = _verdict_finalize(k, row, gen, worker, now)
+                else:
+                    v = _verdict_run(k, row, gen, worker, now)
+            verdicts[i] = v
+            valid += v == TOK_OK
+        if extend and valid:
+            until = now + k.lease_ttl
+            for i in range(n):
+                if verdicts[i] != TOK_OK:
+                    continue
+                row = tokens[i, 0] & ~KIND_BIT
+                if tokens[i, 0] & KIND_BIT:
+                    k.fz_expiry[row] = until
+                else:
+                    k.a_expiry[row] = until
+    return valid
