@@ -547,12 +547,15 @@ class Engine:
 
     def expire(self, lease):
         """Expire one lease from :meth:`expired_leases`; True if applied. Refused (False)
-        when its generation or holder is no longer the one observed, or it already ended."""
+        when its generation or holder is no longer the one observed, it already ended, or a
+        heartbeat extended it since the snapshot."""
         kind, row, gen, worker = lease
         st = self._state
+        now = self.clock.now_ns()
         if kind == LeaseKind.FINALIZE:
             if (int(st.fz_gen[row]) != gen or int(st.fz_worker[row]) != worker
-                    or st.fz_state[row] != RowState.SENT or st.fz_end[row] != LeaseEnd.LIVE):
+                    or st.fz_state[row] != RowState.SENT or st.fz_end[row] != LeaseEnd.LIVE
+                    or st.fz_expiry[row] >= now):
                 return False
             st.fz_end[row] = LeaseEnd.EXPIRED
             self._kernel.release_finalize(row)
@@ -561,7 +564,8 @@ class Engine:
             self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
             return True
         if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
-                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE):
+                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE
+                or st.a_expiry[row] >= now):
             return False
         rec = self._actions[self._row_action[row]]
         self._end_lease(row, LeaseEnd.EXPIRED)
