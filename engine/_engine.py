@@ -624,15 +624,28 @@ class Engine:
             phase = Phase(phase)
         except ValueError:
             raise SpecError(f"unknown phase {phase!r}") from None
+        if phase in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES, Phase.ABORTED):
+            raise SpecError(f"a worker cannot report {phase}")
+        kind_ = None
+        if phase == Phase.FAILED:
+            try:
+                kind_ = ErrorKind(error_kind)
+            except ValueError:
+                raise SpecError(f"FAILED needs error_kind USER or SYSTEM, not "
+                                f"{error_kind!r}") from None
+            if kind_ == ErrorKind.SYSTEM and not cause:
+                raise SpecError("a SYSTEM failure needs a cause (OOM, EVICTED, ...)")
+        if phase == Phase.TIMED_OUT and cause not in BOUNDS:
+            raise SpecError(f"TIMED_OUT needs cause naming the bound "
+                            f"({', '.join(BOUNDS)}), not {cause!r}")
         verdict, kind, row = self._check_token(token)
         if verdict != Verdict.OK:
             return verdict
         if kind == LeaseKind.FINALIZE:
-            if phase not in (Phase.SUCCEEDED, Phase.FAILED):
-                if phase in (Phase.INITIALIZING, Phase.RUNNING):
-                    return verdict
-                raise SpecError(f"a finalize lease ends SUCCEEDED or FAILED, not {phase}")
-            self._end_finalize(row, LeaseEnd.COMPLETED, phase.value)
+            if phase in (Phase.SUCCEEDED, Phase.FAILED):
+                self._end_finalize(row, LeaseEnd.COMPLETED, phase.value)
+            elif phase == Phase.TIMED_OUT:
+                raise SpecError("a finalize lease ends SUCCEEDED or FAILED")
             return verdict
         rec = self._actions[self._row_action[row]]
         st = self._state
@@ -658,26 +671,14 @@ class Engine:
             self._finish(rec, Phase.SUCCEEDED, message)
             return verdict
         if phase == Phase.FAILED:
-            try:
-                kind_ = ErrorKind(error_kind)
-            except ValueError:
-                raise SpecError(f"FAILED needs error_kind USER or SYSTEM, not "
-                                f"{error_kind!r}") from None
-            if kind_ == ErrorKind.SYSTEM and not cause:
-                raise SpecError("a SYSTEM failure needs a cause (OOM, EVICTED, ...)")
             self._end_lease(row, LeaseEnd.COMPLETED)
             self._attempt_failed(rec, Phase.FAILED, kind_, cause, message,
                                  bool(recoverable), cleanup=cleanup)
             return verdict
-        if phase == Phase.TIMED_OUT:
-            if cause not in BOUNDS:
-                raise SpecError(f"TIMED_OUT needs cause naming the bound "
-                                f"({', '.join(BOUNDS)}), not {cause!r}")
-            self._end_lease(row, LeaseEnd.COMPLETED)
-            self._attempt_failed(rec, Phase.TIMED_OUT, None, cause, message, True,
-                                 cleanup=cleanup)
-            return verdict
-        raise SpecError(f"a worker cannot report {phase}")
+        # TIMED_OUT, with the bound the worker enforced.
+        self._end_lease(row, LeaseEnd.COMPLETED)
+        self._attempt_failed(rec, Phase.TIMED_OUT, None, cause, message, True, cleanup=cleanup)
+        return verdict
 
     def mark_running(self, action, generation):
         """In-process convenience: the holder of ``generation`` reports RUNNING."""
