@@ -143,7 +143,8 @@ cdef class TickKernel:
 
     # --- tick scratch (allocated once) ---
     cdef i64[::1] s_budget             # [R] queue budget left
-    cdef i64[::1] s_free               # [R] cluster free vector
+    cdef i64[::1] s_free               # [R] cluster free vector (explain, cluster_free)
+    cdef i64[:, ::1] s_cfree           # [C, R] each cluster's free vector, this tick
     cdef i64[::1] s_slots              # [C] free worker slots
     cdef i32[::1] s_held_by            # [C] action holding the cluster (STRICT_FIFO head)
     cdef i32[::1] s_cursor             # [C] last worker picked (round robin)

@@ -160,6 +160,7 @@ cdef class TickKernel:
         self.f_code = state.f_code
         self.s_budget = state.s_budget
         self.s_free = state.s_free
+        self.s_cfree = state.s_cfree
         self.s_slots = state.s_slots
         self.s_held_by = state.s_held_by
         self.s_cursor = state.s_cursor
@@ -382,6 +383,10 @@ cdef class TickKernel:
         avail = self._count_slots()
         for i in range(self.n_clusters):
             self.s_held_by[i] = -1
+            # Free vectors once per tick; placements below subtract what they charge.
+            self._cluster_free(<int>i)
+            for j in range(self.n_res):
+                self.s_cfree[i, j] = self.s_free[j]
         if self.fz_head >= 0 and self._place_finalize(now, &avail):
             for j in range(self.n_queues):
                 q = self.q_order[j]
@@ -717,8 +722,7 @@ cdef class TickKernel:
             self._wait(a, W_HEAD_OF_LINE, c, -1, self.s_held_by[c])
         else:
             c = lowest_bit(fit & avail[0])
-            self._cluster_free(c)
-            dim = first_short_dim(demand, &self.s_free[0], self.n_res)
+            dim = first_short_dim(demand, &self.s_cfree[c, 0], self.n_res)
             self._wait(a, W_CLUSTER_CAPACITY, c, dim, -1)
         if self.q_strict[q]:
             open_ = fit & ~held[0]
@@ -738,6 +742,7 @@ cdef class TickKernel:
         cdef Py_ssize_t r
         cdef u64 bit
         cdef const i64* demand = &self.a_demand[a, 0]
+        cdef const i64* free
         while candidates != 0:
             c = lowest_bit(candidates)
             bit = (<u64>1) << c
@@ -747,14 +752,14 @@ cdef class TickKernel:
                     best_cpu = self.s_slots[c]
                     best = c
                 continue
-            self._cluster_free(c)
-            if not covers(demand, &self.s_free[0], self.n_res):
+            free = &self.s_cfree[c, 0]
+            if not covers(demand, free, self.n_res):
                 continue
             acc = 0
             for r in range(self.n_res):
                 if self.res_accel[r] and demand[r] > 0:
-                    acc += self.s_free[r]
-            cpu = self.s_free[self.cpu_dim] if self.cpu_dim >= 0 else 0
+                    acc += free[r]
+            cpu = free[self.cpu_dim] if self.cpu_dim >= 0 else 0
             if acc > best_acc or (acc == best_acc and cpu > best_cpu):
                 best_acc = acc
                 best_cpu = cpu
@@ -790,6 +795,7 @@ cdef class TickKernel:
                 d = self.a_demand[a, r]
                 self.q_res_adm[q, r] += <u64>d
                 self.c_adm[c, r] += <u64>d
+                self.s_cfree[c, r] -= d
                 if self.s_budget[r] < UNLIMITED:
                     self.s_budget[r] -= d
         if mode == M_POOL_START:

@@ -178,6 +178,7 @@ class State:
 
         self.s_budget = np.zeros(r, dtype=I64)
         self.s_free = np.zeros(r, dtype=I64)
+        self.s_cfree = np.zeros((c, r), dtype=I64)
         self.s_slots = np.zeros(c, dtype=I64)
         self.s_held_by = np.full(c, -1, dtype=I32)
         self.s_cursor = np.full(c, -1, dtype=I32)
