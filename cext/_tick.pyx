@@ -644,7 +644,7 @@ cdef class TickKernel:
         cdef i32 e = self.a_env[a]
         cdef i32 ec
         cdef u64 fit, open_, bit
-        cdef int c, dim
+        cdef int c, dim, cap_dim
         cdef const i64* demand = &self.a_demand[a, 0]
 
         # Caps first: they are about counts, not resources.
@@ -684,21 +684,21 @@ cdef class TickKernel:
                         actions_left, runs_left)
             return R_PLACED
 
-        # Never fits: no allowed cluster could ever hold it, or it exceeds the hard cap.
+        # Never fits: no allowed cluster could ever hold it (or, below, over the hard cap).
         fit = self.a_fit[a] & self.q_clusters[q]
         if fit == 0:
             self._wait(a, W_UNSCHEDULABLE_SHAPE, -1, -1, -1)
             self._fail(a, W_UNSCHEDULABLE_SHAPE)
             return R_FAILED
-        dim = first_short_dim(demand, &self.q_max[q, 0], self.n_res)
-        if dim >= 0:
-            self._wait(a, W_UNSCHEDULABLE_CAP, -1, dim, -1)
-            self._fail(a, W_UNSCHEDULABLE_CAP)
-            return R_FAILED
-
-        # Question 1: the queue's remaining budget.
+        # Question 1: the queue's remaining budget. The budget left never exceeds the hard
+        # cap, so the cap is only consulted when the budget says no.
         dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
         if dim >= 0:
+            cap_dim = first_short_dim(demand, &self.q_max[q, 0], self.n_res)
+            if cap_dim >= 0:
+                self._wait(a, W_UNSCHEDULABLE_CAP, -1, cap_dim, -1)
+                self._fail(a, W_UNSCHEDULABLE_CAP)
+                return R_FAILED
             self._wait(a, W_QUEUE_BUDGET, -1, dim, -1)
             return R_STOP_QUEUE if self.q_strict[q] else R_SKIP_ACTION
 
