@@ -164,6 +164,7 @@ cdef class TickKernel:
                          u8 head_code) noexcept nogil
     cdef int _try_place(self, i32 q, i32 a, i64 now, u64* held, u64* avail,
                         i64* actions_left, i64* runs_left) noexcept nogil
+    cdef int _gate(self, i32 a, u64 fit, u64 held, u64 avail, int* dim) noexcept nogil
     cdef int _choose_cluster(self, i32 a, u64 candidates) noexcept nogil
     cdef i32 _pick_worker(self, int c) noexcept nogil
     cdef void _place(self, i32 a, int c, int mode, i64 now, u64* avail,

@@ -20,6 +20,8 @@ from cext._types cimport (
     W_UNSCHEDULABLE_SHAPE, i32, i64, u8, u64,
 )
 
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
 cdef i64 UNLIMITED = 1 << 62
 cdef i64 NO_CAP = 1 << 62
 
@@ -32,11 +34,22 @@ cdef enum:
     R_STOP_QUEUE = 4    # nothing more of this queue this tick
     R_STOP_TICK = 5     # dispatch ring full: stop the whole tick
 
+# What the gate says when it chooses no cluster.
+cdef enum:
+    GATE_BUDGET = -1        # over the queue's remaining budget
+    GATE_NO_CLUSTER = -2    # no open cluster covers it
+
 # How a placement is charged.
 cdef enum:
     M_REGULAR = 0       # the action's demand is charged
     M_POOL_START = 1    # the pool's footprint is charged once, on the pool
     M_FAST = 2          # warm pool already charged: nothing more
+
+
+cdef inline i64 _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <i64>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
 @cython.final
@@ -690,10 +703,14 @@ cdef class TickKernel:
             self._wait(a, W_UNSCHEDULABLE_SHAPE, -1, -1, -1)
             self._fail(a, W_UNSCHEDULABLE_SHAPE)
             return R_FAILED
-        # Question 1: the queue's remaining budget. The budget left never exceeds the hard
-        # cap, so the cap is only consulted when the budget says no.
-        dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
-        if dim >= 0:
+        c = self._gate(a, fit, held[0], avail[0], &dim)
+        if c >= 0:
+            self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
+                        actions_left, runs_left)
+            return R_PLACED
+        if c == GATE_BUDGET:
+            # The budget left never exceeds the hard cap, so the cap is only consulted
+            # when the budget says no.
             cap_dim = first_short_dim(demand, &self.q_max[q, 0], self.n_res)
             if cap_dim >= 0:
                 self._wait(a, W_UNSCHEDULABLE_CAP, -1, cap_dim, -1)
@@ -701,16 +718,6 @@ cdef class TickKernel:
                 return R_FAILED
             self._wait(a, W_QUEUE_BUDGET, -1, dim, -1)
             return R_STOP_QUEUE if self.q_strict[q] else R_SKIP_ACTION
-
-        # Questions 2 and 3: capacity minus in-flight covers the total, on a cluster whose
-        # node shapes hold every pod (a_fit), with a free worker slot, not held by a head.
-        open_ = fit & avail[0] & ~held[0]
-        if open_ != 0:
-            c = self._choose_cluster(a, open_)
-            if c >= 0:
-                self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
-                            actions_left, runs_left)
-                return R_PLACED
 
         # Not placed: say why, and under STRICT_FIFO hold what it could use.
         if (fit & avail[0]) == 0:
@@ -733,6 +740,53 @@ cdef class TickKernel:
                 self.s_held_by[c] = a
             held[0] |= fit
         return R_SKIP_ACTION
+
+    cdef inline int _gate(self, i32 a, u64 fit, u64 held, u64 avail, int* dim) noexcept nogil:
+        # The resource gate, in order: (1) the demand within the queue's remaining budget
+        # (s_budget); (2) a cluster with a free worker, not held by a head, whose capacity
+        # minus in-flight covers the total; (3) whose node shapes hold every pod (a_fit).
+        # Returns the chosen cluster, GATE_BUDGET (dim set) or GATE_NO_CLUSTER.
+        dim[0] = first_short_dim(&self.a_demand[a, 0], &self.s_budget[0], self.n_res)
+        if dim[0] >= 0:
+            return GATE_BUDGET
+        cdef u64 open_ = fit & avail & ~held
+        if open_ == 0:
+            return GATE_NO_CLUSTER
+        cdef int c = self._choose_cluster(a, open_)
+        return c if c >= 0 else GATE_NO_CLUSTER
+
+    def gate_bench(self, i32 q, i32[::1] rows not None, long iterations):
+        """Time the gate on queued ``rows`` of queue ``q`` in a C loop, against the current
+        state (budget left, free vectors, every cluster with a connected worker; nothing is
+        placed). Returns (elapsed_ns, evaluations, passed)."""
+        cdef Py_ssize_t i, n = rows.shape[0], r
+        cdef long _it
+        cdef long passed = 0
+        cdef int dim
+        cdef u64 avail
+        cdef i64 start, end, inflight
+        for i in range(n):
+            if rows[i] < 0 or rows[i] >= self.a_state.shape[0] or self.a_queue[rows[i]] != q:
+                raise ValueError(f"row {rows[i]} is not an action of queue {q}")
+        with nogil:
+            for r in range(self.n_res):
+                if self.q_max[q, r] >= UNLIMITED:
+                    self.s_budget[r] = UNLIMITED
+                else:
+                    inflight = <i64>(self.q_res_adm[q, r] - self.q_res_rel[q, r])
+                    self.s_budget[r] = self.q_max[q, r] - inflight
+            avail = self._count_slots()
+            for i in range(self.n_clusters):
+                self._cluster_free(<int>i)
+                for r in range(self.n_res):
+                    self.s_cfree[i, r] = self.s_free[r]
+            start = _now_ns()
+            for _it in range(iterations):
+                for i in range(n):
+                    passed += self._gate(rows[i], self.a_fit[rows[i]] & self.q_clusters[q], 0,
+                                         avail, &dim) >= 0
+            end = _now_ns()
+        return end - start, iterations * n, passed
 
     cdef int _choose_cluster(self, i32 a, u64 candidates) noexcept nogil:
         # Among clusters that cover the demand: most free accelerators of the kinds it asks
