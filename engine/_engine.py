@@ -28,7 +28,7 @@ from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import NotFound, ResourceExhausted, SpecError
 from engine._leases import Attempt, ErrorKind, TokenCodec
 from engine._model import ActionId, compile_spec
-from engine._state import State
+from engine._state import NEVER, State
 from engine._units import format_quantity
 
 # Timer kinds (a heap of (due_ns, seq, kind, row, ref); ref detects a timer that no longer
@@ -534,13 +534,12 @@ class Engine:
         Apply each with :meth:`expire`, which refuses a lease that moved on since."""
         now = self.clock.now_ns() if now is None else now
         st = self._state
-        n = self._next_row
-        rows = np.nonzero(np.isin(st.a_state[:n], LIVE_STATES) & (st.a_end[:n] == LeaseEnd.LIVE)
-                          & (st.a_expiry[:n] < now))[0]
+        # Rows that are not live carry expiry NEVER, so this is one compare per row.
+        rows = np.flatnonzero(st.a_expiry[:self._next_row] < now)
+        rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == LeaseEnd.LIVE)]
         out = [(LeaseKind.RUN, int(r), int(st.a_gen[r]), int(st.a_worker[r])) for r in rows]
-        nf = len(self._finalize)
-        frows = np.nonzero((st.fz_state[:nf] == RowState.SENT)
-                           & (st.fz_end[:nf] == LeaseEnd.LIVE) & (st.fz_expiry[:nf] < now))[0]
+        frows = np.flatnonzero(st.fz_expiry[:len(self._finalize)] < now)
+        frows = frows[(st.fz_state[frows] == RowState.SENT) & (st.fz_end[frows] == LeaseEnd.LIVE)]
         out += [(LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), int(st.fz_worker[f]))
                 for f in frows]
         return out
@@ -558,6 +557,7 @@ class Engine:
                     or st.fz_expiry[row] >= now):
                 return False
             st.fz_end[row] = LeaseEnd.EXPIRED
+            st.fz_expiry[row] = NEVER
             self._kernel.release_finalize(row)
             aid, number, _give_up = self._finalize[row]
             self._actions[aid].attempts[number - 1].finalize = "PENDING"
@@ -737,6 +737,7 @@ class Engine:
         # its in-flight counts are released (once per generation).
         st = self._state
         st.a_end[row] = end
+        st.a_expiry[row] = NEVER
         self._kernel.release(row, self.clock.now_ns())
         st.a_state[row] = RowState.DONE
 
@@ -840,6 +841,7 @@ class Engine:
     def _end_finalize(self, f, end, outcome):
         st = self._state
         st.fz_end[f] = end
+        st.fz_expiry[f] = NEVER
         self._kernel.release_finalize(f)
         st.fz_state[f] = RowState.DONE
         aid, number, _ = self._finalize[f]

@@ -12,6 +12,8 @@ from engine._units import UNLIMITED
 __all__ = ["State", "grown"]
 
 I64, I32, U8, U64 = np.int64, np.int32, np.uint8, np.uint64
+# Expiry of a lease that is not live: the expiry sweep is then one compare per row.
+NEVER = np.iinfo(np.int64).max
 
 # name -> (dtype, fill, per-row shape suffix ("R" = one entry per resource)) for each table.
 ACTION_FIELDS = {
@@ -36,7 +38,7 @@ ACTION_FIELDS = {
     "a_wait_dim": (I32, -1, ()),
     "a_wait_blocker": (I32, -1, ()),
     "a_enqueued": (I64, 0, ()),
-    "a_expiry": (I64, 0, ()),
+    "a_expiry": (I64, NEVER, ()),
     "a_end": (U8, 0, ()),
     "f_action": (I32, -1, ()),
     "f_code": (U8, 0, ()),
@@ -91,7 +93,7 @@ FINALIZE_FIELDS = {
     "fz_worker": (I32, -1, ()),
     "fz_gen": (I64, 0, ()),
     "fz_released_gen": (I64, 0, ()),
-    "fz_expiry": (I64, 0, ()),
+    "fz_expiry": (I64, NEVER, ()),
     "fz_end": (U8, 0, ()),
     "fz_next": (I32, -1, ()),
 }
