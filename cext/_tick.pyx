@@ -303,10 +303,12 @@ cdef class TickKernel:
                 self._link(rows[i])
 
     def remove(self, i32 a):
-        """Take queued action ``a`` out of its lane (abort, deadline, unschedulable)."""
+        """Take queued action ``a`` out of its lane (abort, deadline, timeout); the row is
+        left in state DONE for the caller to set what comes next."""
         if self.a_state[a] != ST_QUEUED:
             raise ValueError(f"action row {a} is not queued")
         self._unlink(a)
+        self.a_state[a] = ST_DONE
 
     # ---------------------------------------------------------------- release
 

@@ -230,6 +230,18 @@ class Engine:
         st.w_cluster[row] = c
         st.w_slots[row] = slots
         st.w_connected[row] = 1
+        if old is not None:
+            self._end_session(old)
+
+    def _end_session(self, old):
+        # A new session proves the old one is gone: its leases expire now (the tokens it
+        # still presents are refused on heartbeat and report alike) and are reassigned.
+        st = self._state
+        n, nf = self._next_row, len(self._finalize)
+        for r in np.flatnonzero((st.a_worker[:n] == old) & (st.a_expiry[:n] != NEVER)):
+            self._expire_lease((LeaseKind.RUN, int(r), int(st.a_gen[r]), old))
+        for f in np.flatnonzero((st.fz_worker[:nf] == old) & (st.fz_expiry[:nf] != NEVER)):
+            self._expire_lease((LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), old))
 
     def unregister_worker(self, worker_id):
         """Disconnect a worker: nothing new is placed on it. Its leases stay in flight until
@@ -275,6 +287,8 @@ class Engine:
                 raise SpecError(f"batch item {i}: action {c.id} appears twice in the batch")
             if c.parent is not None and c.parent not in self._actions and c.parent not in seen:
                 raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} not found")
+            if c.parent in self._actions and self._actions[c.parent].phase == Phase.ABORTED:
+                raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} was aborted")
             run = self._runs.get(c.id.run_key)
             mac = c.spec.run_max_action_concurrency
             if run is not None and mac and self._state.u_cap[run] != mac:
@@ -511,7 +525,7 @@ class Engine:
                                  cause="deadline")
             elif kind == T_QUEUED:
                 if state == RowState.QUEUED and len(rec.attempts) == ref:
-                    self._kernel.remove(row)
+                    self._kernel.remove(row)          # leaves the row in state DONE
                     self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
                                          "max_queued_time passed while queued", True)
             elif kind == T_RETRY:
@@ -548,13 +562,19 @@ class Engine:
         """Expire one lease from :meth:`expired_leases`; True if applied. Refused (False)
         when its generation or holder is no longer the one observed, it already ended, or a
         heartbeat extended it since the snapshot."""
+        kind, row, _gen, _worker = lease
+        st = self._state
+        expiry = st.fz_expiry[row] if kind == LeaseKind.FINALIZE else st.a_expiry[row]
+        if expiry >= self.clock.now_ns():
+            return False
+        return self._expire_lease(lease)
+
+    def _expire_lease(self, lease):
         kind, row, gen, worker = lease
         st = self._state
-        now = self.clock.now_ns()
         if kind == LeaseKind.FINALIZE:
             if (int(st.fz_gen[row]) != gen or int(st.fz_worker[row]) != worker
-                    or st.fz_state[row] != RowState.SENT or st.fz_end[row] != LeaseEnd.LIVE
-                    or st.fz_expiry[row] >= now):
+                    or st.fz_state[row] != RowState.SENT or st.fz_end[row] != LeaseEnd.LIVE):
                 return False
             st.fz_end[row] = LeaseEnd.EXPIRED
             st.fz_expiry[row] = NEVER
@@ -564,8 +584,7 @@ class Engine:
             self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
             return True
         if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
-                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE
-                or st.a_expiry[row] >= now):
+                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE):
             return False
         rec = self._actions[self._row_action[row]]
         self._end_lease(row, LeaseEnd.EXPIRED)
@@ -652,7 +671,9 @@ class Engine:
         now = self.clock.now_ns()
         att = self._stamp_attempt(rec)
         if phase == Phase.INITIALIZING:
-            rec.phase = Phase.INITIALIZING
+            # Reports may arrive out of order: a running attempt never goes back.
+            if st.a_state[row] != RowState.RUNNING:
+                rec.phase = Phase.INITIALIZING
             return verdict
         if phase == Phase.RUNNING:
             if st.a_state[row] != RowState.RUNNING:

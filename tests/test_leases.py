@@ -47,18 +47,31 @@ def test_worker_reconnecting_within_the_expiry_window_is_refused_and_its_lease_r
     a1 = only(eng.tick())
     assert eng.heartbeat("A", [a1.token]) == []
     clock.advance(5)
-    eng.register_worker("A", "east", 10)            # crashed and came back: a new session
+    # Crashed and came back within the window: the new session proves the old one gone,
+    # so the old session's lease expires now instead of after its ttl.
+    eng.register_worker("A", "east", 10)
     [refused] = eng.heartbeat("A", a1.token)
-    assert refused.verdict == Verdict.STALE
-    clock.advance(TTL)                               # its lease stops being extended
-    eng.tick()
+    assert refused.verdict == Verdict.EXPIRED
+    assert eng.report(a1.token, Phase.SUCCEEDED) == Verdict.EXPIRED
     att = eng.attempts(a1.action)
     assert (att[0].phase, att[0].error_kind, att[0].cause) == ("FAILED", "SYSTEM", "EXPIRED")
+    assert eng.queue_metrics("q")["actions_in_flight"] == 0
     clock.advance(1)                                 # system retry backoff (base 1 s)
-    a2 = only(eng.tick())
+    placed = eng.tick()
+    a2 = only(placed)
     assert a2.action == a1.action and a2.generation == a1.generation + 1
+    assert only(placed, LeaseKind.FINALIZE).worker == "A"   # cleanup of the old attempt
     assert eng.heartbeat("A", [a2.token]) == []
     assert [r.verdict for r in eng.heartbeat("A", [a1.token])] == [Verdict.STALE]
+    assert eng.report(a1.token, Phase.SUCCEEDED) == Verdict.STALE
+
+
+def test_a_child_of_an_aborted_parent_is_refused():
+    eng, _ = engine()
+    eng.enqueue(spec("r", "parent"))
+    eng.abort("acme/p/d/r/parent")
+    with pytest.raises(SpecError, match="parent acme/p/d/r/parent was aborted"):
+        eng.enqueue(spec("r", "child", parent="acme/p/d/r/parent"))
 
 
 def test_late_success_from_a_partitioned_worker_is_dropped_and_the_new_holders_result_wins():
