@@ -445,7 +445,9 @@ class Engine:
         return placed
 
     def drain_dispatch(self, limit=None):
-        """Take assignments out of the dispatch channel, oldest first, with their tokens."""
+        """Take assignments out of the dispatch channel, oldest first, with their tokens. An
+        entry whose lease ended before it was drained (expired, aborted) is dropped: it is
+        never delivered, so nothing can run under a generation that already ended."""
         k, st = self._kernel, self._state
         n = k.d_tail - k.d_head
         if limit is not None:
@@ -458,6 +460,8 @@ class Engine:
             cluster = self._clusters[st.d_cluster[slot]]
             worker = self._worker_names[st.d_worker[slot]]
             if st.d_kind[slot] == LeaseKind.FINALIZE:
+                if int(st.fz_gen[row]) != gen or st.fz_end[row] != LeaseEnd.LIVE:
+                    continue   # ended before it was dispatched: nothing to send
                 aid, number, _ = self._finalize[row]
                 rec = self._actions[aid]
                 rec.attempts[number - 1].finalize = "SENT"
@@ -466,6 +470,9 @@ class Engine:
                     worker=worker, kind=LeaseKind.FINALIZE, attempt=number,
                     token=self._codec.mint(LeaseKind.FINALIZE, row, gen)))
                 continue
+            if (int(st.a_gen[row]) != gen or st.a_end[row] != LeaseEnd.LIVE
+                    or st.a_state[row] not in LIVE_STATES):
+                continue   # ended (expired, aborted) before it was dispatched
             aid = self._row_action[row]
             rec = self._actions[aid]
             att = self._stamp_attempt(rec)
@@ -535,6 +542,7 @@ class Engine:
                 # Engine backstop for max_runtime: the worker should have ended it.
                 if (state == RowState.RUNNING and int(st.a_gen[row]) == ref
                         and st.a_end[row] == LeaseEnd.LIVE):
+                    self._stamp_attempt(rec)
                     self._end_lease(row, LeaseEnd.EXPIRED)
                     self._attempt_failed(
                         rec, Phase.TIMED_OUT, None, "max_runtime",
@@ -587,6 +595,7 @@ class Engine:
                 or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE):
             return False
         rec = self._actions[self._row_action[row]]
+        self._stamp_attempt(rec)
         self._end_lease(row, LeaseEnd.EXPIRED)
         self._attempt_failed(rec, Phase.FAILED, ErrorKind.SYSTEM, "EXPIRED",
                              "lease expired: heartbeats stopped", True, cleanup=True)

@@ -359,3 +359,18 @@ def test_a_system_failure_with_a_cause_retries_and_history_records_everything():
         eng.report(b.token, Phase.FAILED, error_kind="SYSTEM")
     with pytest.raises(SpecError, match="error_kind USER or SYSTEM"):
         eng.report(b.token, Phase.FAILED, error_kind="OOPS")
+
+
+def test_an_assignment_whose_lease_ended_before_dispatch_is_never_delivered():
+    eng, clock = engine({"A": ("east", 10)})
+    eng.enqueue(spec())
+    assert eng.schedule() == 1                       # decided, still in the channel
+    eng.register_worker("A", "east", 10)            # the worker's session ends meanwhile
+    assert eng.drain_dispatch() == []
+    att, retry = eng.attempts("acme/p/d/r/a")
+    assert (att.generation, att.worker, att.cause) == (1, "A", "EXPIRED")
+    assert (retry.number, retry.generation) == (2, 0)
+    clock.advance(1)
+    placed = eng.tick()
+    assert [(a.kind, a.generation, a.attempt) for a in placed] == [
+        (LeaseKind.FINALIZE, 1, 1), (LeaseKind.RUN, 2, 2)]
