@@ -542,7 +542,8 @@ cdef class TickKernel:
         # so capacity freed since then accumulates for it instead of going to whichever run
         # the rotation reaches first. If it still does not fit, it holds its clusters now.
         first = -1
-        if self.q_strict[q] and self.q_head[q] >= 0 and self.a_state[self.q_head[q]] == ST_QUEUED:
+        if (self.q_strict[q] and actions_left > 0 and self.q_head[q] >= 0
+                and self.a_state[self.q_head[q]] == ST_QUEUED):
             first = self.q_head[q]
             cand += 1
             res = self._try_place(q, first, now, held, avail, &actions_left, &runs_left)

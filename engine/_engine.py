@@ -271,7 +271,7 @@ class Engine:
         same spec is a no-op (clients may retry); with another spec it is ``AlreadyExists``.
         """
         cfg = self.config
-        compiled, ids, seen, per_queue = [], [], set(), {}
+        compiled, ids, seen, per_queue, batch_run_caps = [], [], set(), {}, {}
         for i, spec in enumerate(specs):
             try:
                 c = compile_spec(spec, self._resources, self._queues, cfg.engine.default_queue)
@@ -291,9 +291,14 @@ class Engine:
                 raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} was aborted")
             run = self._runs.get(c.id.run_key)
             mac = c.spec.run_max_action_concurrency
-            if run is not None and mac and self._state.u_cap[run] != mac:
-                raise SpecError(f"action {c.id}: run {c.id.run_key} already has "
-                                f"max_action_concurrency {self._state.u_cap[run]}")
+            if run is not None:
+                run_cap = int(self._state.u_cap[run])
+            else:
+                # A run new in this batch takes the cap of its first action here.
+                run_cap = batch_run_caps.setdefault(c.id.run_key, mac)
+            if mac and run_cap != mac:
+                raise SpecError(f"batch item {i}: action {c.id}: run {c.id.run_key} already "
+                                f"has max_action_concurrency {run_cap}")
             seen.add(c.id)
             per_queue[c.queue] = per_queue.get(c.queue, 0) + 1
             compiled.append(c)
