@@ -2,7 +2,7 @@
 
 from cext._tick cimport TickKernel
 from cext._types cimport (
-    END_ABORTED, END_COMPLETED, END_EXPIRED, ST_SENT, TOK_ABORTED,
+    END_ABORTED, END_COMPLETED, END_EXPIRED, TOK_ABORTED,
     TOK_COMPLETED, TOK_EXPIRED, TOK_OK, TOK_STALE, TOK_UNKNOWN, i32, i64, u8, u64,
 )
 
@@ -31,42 +31,25 @@ cdef inline u8 _not_holder(TickKernel k, i32 holder, i32 worker) noexcept nogil:
     return TOK_UNKNOWN
 
 
-cdef inline u8 _verdict_run(TickKernel k, u64 row, i64 gen, i32 worker, i64 now) noexcept nogil:
-    if row >= <u64>k.a_gen.shape[0] or k.a_gen[row] == 0:
+cdef inline u8 _verdict(TickKernel k, const i64* gens, const u8* ends, const i64* expiries,
+                        const i32* holders, u64 rows, u64 row, i64 gen, i32 worker,
+                        i64 now) noexcept nogil:
+    # One lease table's columns (run leases: a_*, finalize leases: fz_*). The order is the
+    # documented one: existence, generation, how it ended, expiry, holder.
+    if row >= rows or gens[row] == 0:
         return TOK_UNKNOWN
-    cdef i64 current = k.a_gen[row]
-    if gen < current:
+    if gen < gens[row]:
         return TOK_STALE
-    if gen > current:
+    if gen > gens[row]:
         return TOK_UNKNOWN
-    if k.a_end[row] == END_COMPLETED:
+    if ends[row] == END_COMPLETED:
         return TOK_COMPLETED
-    if k.a_end[row] == END_ABORTED:
+    if ends[row] == END_ABORTED:
         return TOK_ABORTED
-    if k.a_end[row] == END_EXPIRED or k.a_expiry[row] < now:
+    if ends[row] == END_EXPIRED or expiries[row] < now:
         return TOK_EXPIRED
-    if worker >= 0 and k.a_worker[row] != worker:
-        return _not_holder(k, k.a_worker[row], worker)
-    return TOK_OK
-
-
-cdef inline u8 _verdict_finalize(TickKernel k, u64 row, i64 gen, i32 worker,
-                                 i64 now) noexcept nogil:
-    if row >= <u64>k.fz_gen.shape[0] or k.fz_gen[row] == 0:
-        return TOK_UNKNOWN
-    cdef i64 current = k.fz_gen[row]
-    if gen < current:
-        return TOK_STALE
-    if gen > current:
-        return TOK_UNKNOWN
-    if k.fz_end[row] == END_COMPLETED:
-        return TOK_COMPLETED
-    if k.fz_end[row] == END_ABORTED:
-        return TOK_ABORTED
-    if k.fz_end[row] == END_EXPIRED or k.fz_state[row] != ST_SENT or k.fz_expiry[row] < now:
-        return TOK_EXPIRED
-    if worker >= 0 and k.fz_worker[row] != worker:
-        return _not_holder(k, k.fz_worker[row], worker)
+    if worker >= 0 and holders[row] != worker:
+        return _not_holder(k, holders[row], worker)
     return TOK_OK
 
 
@@ -96,9 +79,11 @@ def validate(TickKernel k not None, const u64[:, ::1] tokens not None, i32 worke
             else:
                 row = lease & ~KIND_BIT
                 if lease & KIND_BIT:
-                    v = _verdict_finalize(k, row, gen, worker, now)
+                    v = _verdict(k, &k.fz_gen[0], &k.fz_end[0], &k.fz_expiry[0],
+                                 &k.fz_worker[0], k.fz_gen.shape[0], row, gen, worker, now)
                 else:
-                    v = _verdict_run(k, row, gen, worker, now)
+                    v = _verdict(k, &k.a_gen[0], &k.a_end[0], &k.a_expiry[0],
+                                 &k.a_worker[0], k.a_gen.shape[0], row, gen, worker, now)
             verdicts[i] = v
             valid += v == TOK_OK
         if extend and valid:

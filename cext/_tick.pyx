@@ -211,6 +211,26 @@ cdef class TickKernel:
                     free = seen
             self.s_free[r] = free
 
+    cdef void _snapshot_free(self) noexcept nogil:
+        # Free vectors once per tick; placements subtract what they charge (exact: nothing
+        # is released during a tick).
+        cdef Py_ssize_t c, r
+        for c in range(self.n_clusters):
+            self._cluster_free(<int>c)
+            for r in range(self.n_res):
+                self.s_cfree[c, r] = self.s_free[r]
+
+    cdef void _queue_budget(self, i32 q) noexcept nogil:
+        # The queue's remaining budget: max_resources minus its in-flight resources.
+        cdef Py_ssize_t r
+        cdef i64 inflight
+        for r in range(self.n_res):
+            if self.q_max[q, r] >= UNLIMITED:
+                self.s_budget[r] = UNLIMITED
+            else:
+                inflight = <i64>(self.q_res_adm[q, r] - self.q_res_rel[q, r])
+                self.s_budget[r] = self.q_max[q, r] - inflight
+
     def cluster_free(self, int c):
         """The free vector of cluster ``c`` as the gate sees it now (a copy)."""
         if c < 0 or c >= self.n_clusters:
@@ -398,10 +418,7 @@ cdef class TickKernel:
         avail = self._count_slots()
         for i in range(self.n_clusters):
             self.s_held_by[i] = -1
-            # Free vectors once per tick; placements below subtract what they charge.
-            self._cluster_free(<int>i)
-            for j in range(self.n_res):
-                self.s_cfree[i, j] = self.s_free[j]
+        self._snapshot_free()
         if self.fz_head >= 0 and self._place_finalize(now, &avail):
             for j in range(self.n_queues):
                 q = self.q_order[j]
@@ -507,8 +524,7 @@ cdef class TickKernel:
         return True
 
     cdef int _tick_queue(self, i32 q, i64 now, u64* held, u64* avail) noexcept nogil:
-        cdef Py_ssize_t r
-        cdef i64 actions_left, runs_left, inflight
+        cdef i64 actions_left, runs_left
         cdef i64 cand = 0
         cdef int kind = 0
         cdef int res
@@ -531,12 +547,7 @@ cdef class TickKernel:
         runs_left = NO_CAP
         if self.q_run_cap[q] > 0:
             runs_left = self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
-        for r in range(self.n_res):
-            if self.q_max[q, r] >= UNLIMITED:
-                self.s_budget[r] = UNLIMITED
-            else:
-                inflight = <i64>(self.q_res_adm[q, r] - self.q_res_rel[q, r])
-                self.s_budget[r] = self.q_max[q, r] - inflight
+        self._queue_budget(q)
 
         # STRICT_FIFO: the head blocked in an earlier tick goes first, before the round robin,
         # so capacity freed since then accumulates for it instead of going to whichever run
@@ -762,27 +773,19 @@ cdef class TickKernel:
         """Time the gate on queued ``rows`` of queue ``q`` in a C loop, against the current
         state (budget left, free vectors, every cluster with a connected worker; nothing is
         placed). Returns (elapsed_ns, evaluations, passed)."""
-        cdef Py_ssize_t i, n = rows.shape[0], r
+        cdef Py_ssize_t i, n = rows.shape[0]
         cdef long _it
         cdef long passed = 0
         cdef int dim
         cdef u64 avail
-        cdef i64 start, end, inflight
+        cdef i64 start, end
         for i in range(n):
             if rows[i] < 0 or rows[i] >= self.a_state.shape[0] or self.a_queue[rows[i]] != q:
                 raise ValueError(f"row {rows[i]} is not an action of queue {q}")
         with nogil:
-            for r in range(self.n_res):
-                if self.q_max[q, r] >= UNLIMITED:
-                    self.s_budget[r] = UNLIMITED
-                else:
-                    inflight = <i64>(self.q_res_adm[q, r] - self.q_res_rel[q, r])
-                    self.s_budget[r] = self.q_max[q, r] - inflight
+            self._queue_budget(q)
             avail = self._count_slots()
-            for i in range(self.n_clusters):
-                self._cluster_free(<int>i)
-                for r in range(self.n_res):
-                    self.s_cfree[i, r] = self.s_free[r]
+            self._snapshot_free()
             start = _now_ns()
             for _it in range(iterations):
                 for i in range(n):
