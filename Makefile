@@ -28,6 +28,7 @@ lint: $(DEPS)
 
 bench: $(EXT)
 	$(PY) bench/tick.py
+	$(PY) bench/heartbeat.py
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
