@@ -1,0 +1,430 @@
+"""The narrow storage interface: ``Store``, its errors, and the claim (ownership) record.
+
+Everything the engine persists goes through :meth:`Store.commit`; everything it reads back at
+start-up comes from :meth:`Store.scan` (or :func:`storage.scan_parallel` for the fixed-size
+records). After start-up nothing on the decision path reads the store.
+
+Data model
+----------
+A store has ``partitions`` partitions (tenants map to them with
+:func:`storage.partition_of`). Each partition holds the named databases in :data:`DBS`; each
+database maps ``bytes`` keys (1 to :data:`MAX_KEY_SIZE` bytes, compared as unsigned bytes, so
+big-endian integers scan in numeric order) to ``bytes`` values. A batch is::
+
+    {partition: [(db_name, key, value_or_None), ...], ...}
+
+applied in list order (a later op on the same key wins); ``None`` deletes (deleting a missing
+key is not an error). Keys and values may be any bytes-like object (``bytes``, ``bytearray``,
+``memoryview``, a contiguous numpy slice); they are copied during :meth:`Store.commit`, so the
+caller may reuse its buffers as soon as the call returns.
+
+The ``meta`` database is shared with the store itself: the keys in
+:data:`RESERVED_META_KEYS` (``schema``, ``layout``, ``claim``, ``applied``) are the store's own
+and a batch that writes one is refused with :class:`InvalidBatch`. Reading them with
+:meth:`Store.get` is fine (``claim`` decodes with :meth:`Claim.decode`).
+
+Errors
+------
+Every failure of a store operation is a :class:`StoreError`; the subclasses say what the caller
+should do:
+
+* :class:`StoreFull` -- the map of a partition (or of the journal) is full. Nothing of the
+  commit was applied; grow the map (``LmdbStore.resize``) and retry, or refuse the transition.
+* :class:`OwnershipError` -- another shard holds (``open``) or took over (``renew``,
+  ``commit``) a partition. Nothing was applied; after ``renew``/``commit`` raise it the caller
+  no longer owns the store and **must stop** (split-brain guard).
+* :class:`CorruptRecord` -- a record that cannot be this store's: a foreign or newer schema, a
+  different partition count, an undecodable claim, a fixed-size record of the wrong size.
+  Names the partition, database and key.
+* :class:`InvalidBatch` (also a ``ValueError``) -- the batch itself is wrong (unknown database,
+  partition out of range, empty or oversized key, non-bytes value, reserved ``meta`` key).
+  Nothing was applied. A programming error.
+* :class:`StoreFailed` -- an I/O (or other) error *at or after the commit point*. The store
+  refuses every further write; close it, reopen it (the reopen finishes or discards the group
+  atomically, see :class:`storage.LmdbStore`) and rebuild memory from disk.
+
+Any other ``StoreError`` raised by ``commit`` (for instance an LMDB error while writing) also
+means nothing was applied.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import msgpack
+
+__all__ = [
+    "DBS",
+    "MAX_KEY_SIZE",
+    "RESERVED_META_KEYS",
+    "SCHEMA_VERSION",
+    "Batch",
+    "Claim",
+    "CorruptRecord",
+    "InvalidBatch",
+    "Op",
+    "OwnershipError",
+    "Store",
+    "StoreError",
+    "StoreFailed",
+    "StoreFull",
+]
+
+#: The named databases of every partition, in a fixed order (the order is part of the journal
+#: format: the journal stores a database by its index in this tuple).
+DBS: tuple[str, ...] = (
+    "actions", "specs", "attempts", "envs", "finalize", "history", "queues", "meta",
+)
+#: On-disk format version, written as ``meta/schema`` in every partition at creation. A store
+#: with another version is refused (:class:`CorruptRecord`), never converted in place.
+SCHEMA_VERSION = 1
+#: LMDB's default key size limit, enforced by every store so that a batch accepted by
+#: ``MemoryStore`` is also accepted by ``LmdbStore``.
+MAX_KEY_SIZE = 511
+
+META_SCHEMA = b"schema"
+META_LAYOUT = b"layout"
+META_CLAIM = b"claim"
+META_APPLIED = b"applied"
+#: ``meta`` keys owned by the store; a batch may not write them.
+RESERVED_META_KEYS: frozenset[bytes] = frozenset(
+    {META_SCHEMA, META_LAYOUT, META_CLAIM, META_APPLIED}
+)
+
+Op = tuple[str, bytes, "bytes | None"]
+Batch = Mapping[int, Sequence[Op]]
+
+DEFAULT_CLAIM_TTL_S = 30.0
+
+_HOST = socket.gethostname()
+
+
+def _fmt_size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % (size // 16) == 0:
+            return f"{n / size:g} {unit}"
+    return f"{n} bytes"
+
+
+def _fmt_ns(ns: int) -> str:
+    """Wall-clock ns since the epoch as an ISO-8601 UTC time (ms precision)."""
+    try:
+        return datetime.fromtimestamp(ns / 1e9, UTC).isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):
+        return f"{ns} ns"
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+class StoreError(Exception):
+    """Base of every storage error. See the module docstring for what each subclass means."""
+
+
+class InvalidBatch(StoreError, ValueError):
+    """The batch is malformed; nothing was applied. ``partition``, ``db`` and ``key`` name the
+    offending op where known."""
+
+    def __init__(self, message: str, partition: int | None = None, db: str | None = None,
+                 key: bytes | None = None):
+        self.partition, self.db, self.key = partition, db, key
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.partition, self.db, self.key))
+
+
+class StoreFull(StoreError):
+    """The LMDB map of ``partition`` (``None``: the journal) is full at ``map_size`` bytes.
+    The transaction was aborted: nothing of the commit was applied, anywhere."""
+
+    def __init__(self, partition: int | None, map_size: int):
+        self.partition, self.map_size = partition, map_size
+        where = "journal" if partition is None else f"partition {partition}"
+        super().__init__(
+            f"map full: {where}, map_size {_fmt_size(map_size)}; raise storage.map_size "
+            f"(LmdbStore(map_size=...)) or grow it with LmdbStore.resize(new_map_size). "
+            f"Nothing of this commit was applied."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.partition, self.map_size))
+
+
+class CorruptRecord(StoreError):
+    """A record that this store cannot have written: ``partition`` (``None``: the journal),
+    database ``db``, ``key`` (``None`` when the whole environment is unreadable), and
+    ``problem`` (what was wrong)."""
+
+    def __init__(self, partition: int | None, db: str, key: bytes | None, problem: str):
+        self.partition, self.db, self.key, self.problem = partition, db, key, problem
+        where = "journal" if partition is None else f"partition {partition}"
+        what = f"key {key!r}" if key is not None else "environment"
+        super().__init__(f"corrupt or foreign record: {where}, db {db!r}, {what}: {problem}")
+
+    def __reduce__(self):
+        return (type(self), (self.partition, self.db, self.key, self.problem))
+
+
+class StoreFailed(StoreError):
+    """An error at or after the commit point of a group commit; the store is now unusable.
+
+    ``outcome`` is ``"unknown"`` (the failure hit the commit point itself: after a reopen the
+    group is either entirely present or entirely absent) or ``"durable"`` (the group had
+    reached the journal: after a reopen it is entirely present). Either way some partitions
+    may show the group and others not *until the store is reopened*, which is why every
+    further ``commit``/``renew`` raises: close, reopen, reload memory from disk."""
+
+    def __init__(self, message: str, partition: int | None = None, outcome: str = "unknown"):
+        self.partition, self.outcome = partition, outcome
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.partition, self.outcome))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A partition's ownership record (``meta/claim``): who holds it, until when.
+
+    ``expiry_ns`` is wall-clock ns since the epoch (the caller's ``now_ns``); ``0`` means
+    released (a clean ``close``). ``token`` is random per :meth:`Store.open`, so two
+    incarnations of the same shard name are told apart: a restarted shard takes over its own
+    old claim, and the old process (if it is somehow still running) is then fenced out.
+    """
+
+    shard: str
+    pid: int
+    host: str
+    expiry_ns: int
+    token: bytes
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {"shard": self.shard, "pid": self.pid, "host": self.host,
+             "expiry_ns": self.expiry_ns, "token": self.token}
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes, partition: int | None = None) -> Claim:
+        """Decode a ``meta/claim`` value; :class:`CorruptRecord` if it is not one."""
+        try:
+            d = msgpack.unpackb(raw)
+            c = cls(d["shard"], d["pid"], d["host"], d["expiry_ns"], d["token"])
+            ok = (type(c.shard) is str and type(c.pid) is int and type(c.host) is str
+                  and type(c.expiry_ns) is int and type(c.token) is bytes)
+        except Exception as e:  # noqa: BLE001 - any decode failure is a corrupt record
+            raise CorruptRecord(partition, "meta", META_CLAIM,
+                                f"undecodable claim ({type(e).__name__}: {e})") from None
+        if not ok:
+            raise CorruptRecord(partition, "meta", META_CLAIM, f"malformed claim {d!r}")
+        return c
+
+    def live(self, now_ns: int) -> bool:
+        return self.expiry_ns > now_ns
+
+    def describe(self, now_ns: int | None = None) -> str:
+        s = f"shard {self.shard!r} (pid {self.pid} on host {self.host!r}), "
+        if self.expiry_ns == 0:
+            return s + "released"
+        s += f"claim expires {_fmt_ns(self.expiry_ns)}"
+        if now_ns is not None:
+            left = (self.expiry_ns - now_ns) / 1e9
+            s += f" (in {left:.3f} s)" if left > 0 else f" (expired {-left:.3f} s ago)"
+        return s
+
+
+def new_claim(shard: str, expiry_ns: int) -> Claim:
+    return Claim(shard, os.getpid(), _HOST, expiry_ns, os.urandom(16))
+
+
+class OwnershipError(StoreError):
+    """Another shard owns a partition: the split-brain guard.
+
+    ``partition``, ``holder`` (the :class:`Claim` found, ``None`` if the claim record is
+    missing), ``shard`` (who we are), ``during`` (``"open"``, ``"renew"`` or ``"commit"``).
+    From ``open``: refuse to start (nothing was claimed). From ``renew`` or ``commit``: this
+    process has lost the store, nothing of the call was applied, and it **must stop** at once;
+    every further write is refused the same way."""
+
+    def __init__(self, partition: int, holder: Claim | None, shard: str, during: str,
+                 now_ns: int | None = None):
+        self.partition, self.holder, self.shard, self.during = partition, holder, shard, during
+        self.now_ns = now_ns
+        who = holder.describe(now_ns) if holder is not None else "nobody (claim record missing)"
+        if during == "open":
+            msg = (f"partition {partition} is claimed by {who}; refusing to open it as shard "
+                   f"{shard!r}. Another shard is running on this store: stop it, or wait until "
+                   f"its claim expires.")
+        else:
+            msg = (f"partition {partition} was taken over: now held by {who}. Shard {shard!r} "
+                   f"no longer owns this store and must stop (detected during {during}; "
+                   f"nothing was written).")
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.partition, self.holder, self.shard, self.during, self.now_ns))
+
+
+def check_open_claim(partition: int, current: Claim | None, shard: str, now_ns: int) -> None:
+    """The claim rule at :meth:`Store.open`: a missing, expired or released claim, or one by
+    the same shard name (a restart), may be taken; a live claim by another shard may not."""
+    if current is None or not current.live(now_ns) or current.shard == shard:
+        return
+    raise OwnershipError(partition, current, shard, "open", now_ns)
+
+
+def check_held(partition: int, current: Claim | None, mine: Claim, during: str,
+               now_ns: int | None = None) -> None:
+    """The fencing rule at :meth:`Store.renew` and :meth:`Store.commit`: the claim record
+    must still be the one this open wrote (same token), expired or not."""
+    if current is None or current.token != mine.token:
+        raise OwnershipError(partition, current, mine.shard, during, now_ns)
+
+
+# --------------------------------------------------------------------------------------------
+# the interface
+
+
+class Store(ABC):
+    """The storage interface the engine writes through (abstract).
+
+    Life cycle: construct, :meth:`open` (claims every partition), then any number of
+    :meth:`commit`, :meth:`get`, :meth:`scan`, with :meth:`renew` before half of
+    :attr:`claim_ttl_ns` has passed since the last ``open``/``renew``, and finally
+    :meth:`close`. A store is used from one thread; it is a context manager (``close`` on
+    exit).
+
+    Time is never read inside a store: ``open`` and ``renew`` take ``now_ns``, wall-clock
+    nanoseconds since the epoch (``time.time_ns()`` in production, a manual clock in tests).
+    It must be comparable between processes (claims written by one are judged by another), so
+    not a monotonic clock.
+    """
+
+    #: Number of partitions; fixed for the life of the store's data.
+    partitions: int
+
+    @property
+    @abstractmethod
+    def claim_ttl_ns(self) -> int:
+        """How long a claim lasts after ``open``/``renew``, in ns."""
+
+    @property
+    @abstractmethod
+    def shard(self) -> str | None:
+        """The shard name given to :meth:`open` (``None`` before)."""
+
+    @abstractmethod
+    def open(self, shard: str, now_ns: int) -> None:
+        """Claim every partition for ``shard`` until ``now_ns + claim_ttl_ns``.
+
+        All or nothing: if any partition has a live claim by another shard name, nothing is
+        claimed and :class:`OwnershipError` names the holder (shard, pid, host, expiry). A
+        missing, expired or released claim is taken over; a claim by the same shard name is
+        taken over too (a restart; the old incarnation is fenced out by the new token).
+        Creates the store if it does not exist; a store of another schema or partition count
+        raises :class:`CorruptRecord`. For ``LmdbStore`` it also finishes any group commit a
+        crash interrupted (journal replay) before returning.
+        """
+
+    @abstractmethod
+    def commit(self, batch: Batch) -> None:
+        """Apply ``batch`` (``{partition: [(db, key, value_or_None), ...]}``) as one group.
+
+        One write transaction per touched partition, then durability (sync) before
+        returning: when ``commit`` returns, the whole group survives a crash; acknowledge
+        nothing before it returns. Groups are atomic across partitions: after any failure,
+        and after a crash at any point, the group is either entirely present or entirely
+        absent (for ``LmdbStore``, as seen after a reopen; see there).
+
+        Every touched partition's claim must still be this store's (a takeover raises
+        :class:`OwnershipError`). If ``commit`` raises any :class:`StoreError` other than
+        :class:`StoreFailed`, nothing of the batch was applied anywhere; on
+        :class:`StoreFailed` the store must be reopened. An empty batch (or only empty op
+        lists) is a no-op that does not sync.
+        """
+
+    @abstractmethod
+    def get(self, partition: int, db: str, key: bytes) -> bytes | None:
+        """The committed value of ``key`` in ``db`` of ``partition``, or ``None``."""
+
+    @abstractmethod
+    def scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:
+        """Every committed ``(partition, key, value)`` of ``db``: partitions in order, keys
+        in unsigned byte order within each. Each partition is read in one consistent
+        snapshot. For the bulk fixed-size records use :func:`storage.scan_parallel`."""
+
+    @abstractmethod
+    def renew(self, now_ns: int) -> int:
+        """Extend every claim to ``now_ns + claim_ttl_ns`` and return that expiry.
+
+        Raises :class:`OwnershipError` if any partition's claim is no longer this store's
+        (another shard took it over after it expired): **the caller must stop at once**; it
+        has no right to write and every further ``commit`` is refused. Call it before half of
+        the TTL has passed since the last ``open``/``renew``. Renewing a claim that expired
+        but was not taken over succeeds.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the claims (expiry 0, only where still ours) and close. Idempotent.
+        A crashed shard's claims are not released: they expire."""
+
+    @abstractmethod
+    def fail_next(self, exc: BaseException) -> None:
+        """Testing hook: the next :meth:`commit` raises ``exc`` and applies nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def check_partition(p, partitions: int) -> int:
+    """``p`` as an ``int`` (numpy integers are accepted, bools are not), if in range."""
+    try:
+        q = operator.index(p) if not isinstance(p, bool) else None
+    except TypeError:
+        q = None
+    if q is None or not 0 <= q < partitions:
+        raise InvalidBatch(f"partition {p!r} out of range 0..{partitions - 1}", partition=None)
+    return q
+
+
+def check_op(p: int, op) -> tuple[str, bytes, bytes | None]:
+    """Validate one op and return it with key and value copied to ``bytes``."""
+    try:
+        db, key, value = op
+    except (TypeError, ValueError):
+        raise InvalidBatch(f"partition {p}: op {op!r} is not a (db, key, value) triple",
+                           partition=p) from None
+    if db not in DBS:
+        raise InvalidBatch(f"partition {p}: unknown database {db!r} (known: {', '.join(DBS)})",
+                           partition=p, db=db)
+    try:
+        key = bytes(memoryview(key))
+    except TypeError:
+        raise InvalidBatch(f"partition {p}, db {db!r}: key {key!r} is not bytes-like",
+                           partition=p, db=db) from None
+    if not 0 < len(key) <= MAX_KEY_SIZE:
+        raise InvalidBatch(f"partition {p}, db {db!r}: key {key[:32]!r} has length {len(key)}, "
+                           f"must be 1..{MAX_KEY_SIZE}", partition=p, db=db, key=key)
+    if db == "meta" and key in RESERVED_META_KEYS:
+        raise InvalidBatch(f"partition {p}: meta key {key!r} is reserved for the store",
+                           partition=p, db=db, key=key)
+    if value is not None:
+        try:
+            value = bytes(memoryview(value))
+        except TypeError:
+            raise InvalidBatch(f"partition {p}, db {db!r}, key {key!r}: value of type "
+                               f"{type(value).__name__} is not bytes-like or None",
+                               partition=p, db=db, key=key) from None
+    return db, key, value

@@ -1,0 +1,581 @@
+"""Storage layer: the Store interface (LmdbStore and MemoryStore), ownership claims, map-full
+handling, corrupt records, the partition hash and the parallel reload scan."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import lmdb
+import msgpack
+import numpy as np
+import pytest
+
+import storage._lmdb as lmdb_store
+from storage import (
+    DBS,
+    Claim,
+    CorruptRecord,
+    InvalidBatch,
+    LmdbStore,
+    MemoryStore,
+    OwnershipError,
+    StoreError,
+    StoreFailed,
+    StoreFull,
+    partition_of,
+    scan_parallel,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+T0 = 1_700_000_000 * 10**9          # a fixed wall clock (ns)
+S = 10**9
+TTL_S = 10.0
+P = 4
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+# --------------------------------------------------------------------------------------------
+# a uniform harness over both stores
+
+
+class Harness:
+    """Builds stores of one kind, reopens them, and plays "another process" on the same
+    store: for LMDB a real subprocess (LMDB allows one open per process), for memory a second
+    MemoryStore on the same backing."""
+
+    def __init__(self, kind, tmp_path):
+        self.kind, self.path = kind, tmp_path / "store"
+        self.backing = None
+
+    def new(self, partitions=P, **kw):
+        kw.setdefault("claim_ttl_s", TTL_S)
+        if self.kind == "lmdb":
+            kw.setdefault("map_size", 1 << 22)
+            return LmdbStore(self.path, partitions=partitions, **kw)
+        store = MemoryStore(partitions, backing=self.backing, **kw)
+        self.backing = store.backing
+        return store
+
+    def other(self, shard, now_ns, partitions=P, then="close"):
+        """Open the store as ``shard`` at ``now_ns`` elsewhere; ``then``: "close" (release)
+        or "vanish" (keep the claim, as a live or crashed process would). Returns
+        ``(ok, message)``."""
+        if self.kind == "memory":
+            store = MemoryStore(partitions, backing=self.backing, claim_ttl_s=TTL_S)
+            try:
+                store.open(shard, now_ns)
+            except OwnershipError as e:
+                return False, str(e)
+            if then == "close":
+                store.close()
+            return True, ""
+        code = textwrap.dedent(f"""
+            import os, sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from storage import LmdbStore, OwnershipError
+            s = LmdbStore({str(self.path)!r}, partitions={partitions}, map_size={1 << 22},
+                          claim_ttl_s={TTL_S})
+            try:
+                s.open({shard!r}, {now_ns})
+            except OwnershipError as e:
+                print("REFUSED", e, flush=True)
+                sys.exit(0)
+            print("OK", os.getpid(), flush=True)
+            if {then!r} == "close":
+                s.close()
+            else:
+                os._exit(0)
+        """)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.startswith("OK"), r.stdout.strip()
+
+    def tamper(self, partition, db, key, value):
+        """Write a raw record behind the store's back (the store must be closed)."""
+        if self.kind == "memory":
+            self.backing.data[partition][db][key] = value
+            return
+        env = lmdb.open(str(self.path / f"p{partition:02d}"), max_dbs=len(DBS),
+                        map_size=1 << 22)
+        try:
+            with env.begin(write=True, db=env.open_db(db.encode())) as txn:
+                txn.put(key, value)
+        finally:
+            env.close()
+
+
+@pytest.fixture(params=["lmdb", "memory"])
+def h(request, tmp_path):
+    return Harness(request.param, tmp_path)
+
+
+@pytest.fixture
+def hl(tmp_path):
+    return Harness("lmdb", tmp_path)
+
+
+def content(store, dbs=("actions", "specs", "queues")):
+    return {db: sorted(store.scan(db)) for db in dbs}
+
+
+# --------------------------------------------------------------------------------------------
+# round trip
+
+
+def test_round_trip_across_partitions(h):
+    s = h.new()
+    s.open("a", T0)
+    arr = np.arange(32, dtype=np.uint8)
+    s.commit({
+        0: [("actions", k(1), b"one"), ("actions", k(2), b"two"), ("specs", b"s1", b"spec")],
+        2: [("actions", k(3), bytearray(b"three")), ("queues", b"q", memoryview(b"qq"))],
+        3: [("actions", k(4), arr[8:16]), ("meta", b"engine-secret", b"x")],
+    })
+    assert s.get(0, "actions", k(1)) == b"one"
+    assert s.get(2, "actions", k(3)) == b"three"
+    assert s.get(3, "actions", k(4)) == bytes(range(8, 16))
+    assert s.get(1, "actions", k(1)) is None
+    assert s.get(3, "meta", b"engine-secret") == b"x"
+    arr[8] = 99                                    # the store copied the buffer
+    assert s.get(3, "actions", k(4))[0] == 8
+    # overwrite, delete, delete of a missing key, later op on the same key wins
+    s.commit({0: [("actions", k(1), b"uno"), ("actions", k(2), None), ("actions", k(9), None),
+                  ("specs", b"s1", b"a"), ("specs", b"s1", b"b")]})
+    assert s.get(0, "actions", k(1)) == b"uno"
+    assert s.get(0, "actions", k(2)) is None
+    assert s.get(0, "specs", b"s1") == b"b"
+    assert list(s.scan("actions")) == [
+        (0, k(1), b"uno"), (2, k(3), b"three"), (3, k(4), bytes(range(8, 16)))]
+    assert list(s.scan("history")) == []
+    before = content(s)
+    s.close()
+    s = h.new()
+    s.open("a", T0 + S)
+    assert content(s) == before
+    s.close()
+
+
+def test_scan_orders_partitions_then_unsigned_keys(h):
+    s = h.new()
+    s.open("a", T0)
+    rows = [0, 1, 255, 256, 2**40, 2**63 + 5]
+    s.commit({p: [("actions", k(r), bytes([p])) for r in reversed(rows)] for p in (3, 1)})
+    assert [(p, int.from_bytes(key, "big")) for p, key, _ in s.scan("actions")] == (
+        [(1, r) for r in rows] + [(3, r) for r in rows])
+    s.close()
+
+
+def test_empty_batch_is_a_no_op_and_closed_store_refuses(h):
+    s = h.new()
+    with pytest.raises(StoreError, match="not open"):
+        s.commit({0: [("actions", k(1), b"x")]})
+    s.open("a", T0)
+    s.commit({})
+    s.commit({0: [], 1: []})
+    s.close()
+    s.close()                                      # idempotent
+    with pytest.raises(StoreError, match="not open"):
+        s.commit({0: [("actions", k(1), b"x")]})
+
+
+def test_claim_record_is_readable(h):
+    s = h.new()
+    s.open("shard-7", T0)
+    c = Claim.decode(s.get(1, "meta", b"claim"))
+    assert (c.shard, c.pid, c.expiry_ns) == ("shard-7", os.getpid(), T0 + int(TTL_S * S))
+    s.close()
+    s = h.new()
+    s.open("shard-7", T0)
+    s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# atomicity
+
+
+def test_group_commit_is_atomic_on_injected_failure(h):
+    s = h.new()
+    s.open("a", T0)
+    s.commit({p: [("actions", k(p), b"old")] for p in range(P)})
+    before = content(s)
+    s.fail_next(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        s.commit({p: [("actions", k(p), b"new"), ("specs", k(p), b"new")] for p in range(P)})
+    assert content(s) == before
+    # the store stays usable, and the injection was one-shot
+    s.commit({p: [("actions", k(p), b"new")] for p in range(P)})
+    assert [v for _, _, v in s.scan("actions")] == [b"new"] * P
+    s.close()
+
+
+BAD_OPS = {
+    "unknown db": ("nope", k(1), b"x"),
+    "empty key": ("actions", b"", b"x"),
+    "oversized key": ("actions", b"k" * 512, b"x"),
+    "str key": ("actions", "key", b"x"),
+    "int value": ("actions", k(1), 5),
+    "reserved meta key": ("meta", b"claim", b"x"),
+    "reserved schema": ("meta", b"schema", b"x"),
+    "not a triple": ("actions", k(1)),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_OPS))
+def test_invalid_batch_applies_nothing(h, bad):
+    s = h.new()
+    s.open("a", T0)
+    before = content(s)
+    batch = {p: [("actions", k(p), b"v"), ("specs", k(p), b"v")] for p in range(P - 1)}
+    batch[P - 1] = [("actions", k(50), b"v"), BAD_OPS[bad]]
+    with pytest.raises(InvalidBatch) as ei:
+        s.commit(batch)
+    assert isinstance(ei.value, ValueError)
+    assert content(s) == before
+    for p in (-1, P, "0"):
+        with pytest.raises(InvalidBatch, match="out of range"):
+            s.commit({0: [("actions", k(1), b"v")], p: [("actions", k(1), b"v")]})
+    assert content(s) == before
+    s.commit(batch | {P - 1: [("actions", k(50), b"v")]})
+    assert len(list(s.scan("actions"))) == P
+    s.close()
+
+
+def test_store_full_applies_nothing_and_resize_lets_it_succeed(hl):
+    s = hl.new(map_size=512 << 10)
+    s.open("a", T0)
+    s.commit({p: [("actions", k(0), b"seed")] for p in range(P)})
+    before = content(s)
+    batch = {p: [("actions", k(1), b"a" * (100 << 10))] for p in range(P - 1)}
+    batch[P - 1] = [("actions", k(i), b"b" * (100 << 10)) for i in range(1, 7)]   # 600 KiB
+    with pytest.raises(StoreFull) as ei:
+        s.commit(batch)
+    e = ei.value
+    assert e.partition == P - 1 and e.map_size == 512 << 10
+    assert f"partition {P - 1}" in str(e) and "512 KiB" in str(e) and "resize" in str(e)
+    assert content(s) == before
+    with pytest.raises(ValueError, match="only grow"):
+        s.resize(256 << 10)
+    s.resize(4 << 20)
+    assert s.map_size == 4 << 20
+    s.commit(batch)
+    assert s.get(P - 1, "actions", k(6)) == b"b" * (100 << 10)
+    assert s.get(0, "actions", k(1)) == b"a" * (100 << 10)
+    s.close()
+    # a store that grew reopens with the small configured size: LMDB keeps the larger one
+    s = hl.new(map_size=512 << 10)
+    s.open("a", T0 + S)
+    assert s.get(P - 1, "actions", k(6)) == b"b" * (100 << 10)
+    s.close()
+
+
+def test_single_partition_store_full(hl):
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0)
+    with pytest.raises(StoreFull, match="partition 2"):
+        s.commit({2: [("actions", k(i), b"x" * 4000) for i in range(200)]})
+    assert list(s.scan("actions")) == []
+    s.commit({2: [("actions", k(1), b"x")]})
+    s.close()
+
+
+@pytest.mark.parametrize("stage", ["journal-committed", "partition-committed"])
+def test_failure_after_commit_point_is_completed_by_reopen(hl, monkeypatch, stage):
+    s = hl.new()
+    s.open("a", T0)
+    s.commit({p: [("actions", k(p), b"old")] for p in range(P)})
+
+    def hook(at):
+        if at == stage:
+            raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
+    with pytest.raises(StoreFailed) as ei:
+        s.commit({p: [("actions", k(p), b"new"), ("specs", k(p), b"new")] for p in range(P)})
+    assert ei.value.outcome == "durable"
+    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
+    with pytest.raises(StoreFailed, match="reopened"):
+        s.commit({0: [("actions", k(9), b"x")]})
+    s.close()
+    s = hl.new()
+    s.open("a", T0 + S)
+    assert [v for _, _, v in s.scan("actions")] == [b"new"] * P
+    assert [v for _, _, v in s.scan("specs")] == [b"new"] * P
+    s.commit({0: [("actions", k(9), b"x")]})
+    s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# ownership
+
+
+def test_second_shard_refused_while_claim_is_live(h):
+    s = h.new()
+    s.open("alpha", T0)
+    ok, msg = h.other("beta", T0 + 2 * S)
+    assert not ok
+    assert "shard 'alpha'" in msg and f"pid {os.getpid()}" in msg and "host" in msg
+    assert "expires" in msg and "refusing to open it as shard 'beta'" in msg
+    # the refused open claimed nothing: alpha still owns everything
+    s.commit({p: [("actions", k(p), b"v")] for p in range(P)})
+    assert Claim.decode(s.get(P - 1, "meta", b"claim")).shard == "alpha"
+    s.close()
+
+
+def test_ownership_error_names_the_holder():
+    s = MemoryStore(P, claim_ttl_s=TTL_S)
+    s.open("alpha", T0)
+    other = MemoryStore(P, backing=s.backing, claim_ttl_s=TTL_S)
+    with pytest.raises(OwnershipError) as ei:
+        other.open("beta", T0 + 2 * S)
+    e = ei.value
+    assert e.partition == 0 and e.during == "open" and e.shard == "beta"
+    assert (e.holder.shard, e.holder.pid, e.holder.expiry_ns) == (
+        "alpha", os.getpid(), T0 + int(TTL_S * S))
+    assert "in 8.000 s" in str(e)
+
+
+def test_takeover_after_expiry_and_renew_detects_it(h):
+    s = h.new()
+    s.open("alpha", T0)
+    s.commit({0: [("actions", k(1), b"v")]})
+    ok, msg = h.other("beta", T0 + int(TTL_S * S) + 1, then="vanish")
+    assert ok, msg
+    with pytest.raises(OwnershipError) as ei:
+        s.renew(T0 + int(TTL_S * S) + 2)
+    assert "shard 'beta'" in str(ei.value) and "must stop" in str(ei.value)
+    assert ei.value.during == "renew"
+    with pytest.raises(OwnershipError):              # every further write is refused
+        s.commit({1: [("actions", k(2), b"v")]})
+    s.close()
+    s = h.new()
+    s.open("beta", T0 + int(TTL_S * S) + 3)         # same shard name: a restart
+    assert s.get(1, "actions", k(2)) is None
+    assert s.get(0, "actions", k(1)) == b"v"
+    s.close()
+
+
+def test_commit_is_fenced_after_a_takeover(h):
+    s = h.new()
+    s.open("alpha", T0)
+    ok, _ = h.other("beta", T0 + int(TTL_S * S) + 1, then="vanish")
+    assert ok
+    with pytest.raises(OwnershipError) as ei:
+        s.commit({2: [("actions", k(1), b"v")], 3: [("actions", k(1), b"v")]})
+    assert ei.value.during == "commit" and ei.value.holder.shard == "beta"
+    s.close()
+
+
+def test_same_shard_restart_takes_over_and_fences_the_old_incarnation(h):
+    s = h.new()
+    s.open("alpha", T0)
+    ok, msg = h.other("alpha", T0 + S, then="vanish")   # live claim, same shard: a restart
+    assert ok, msg
+    with pytest.raises(OwnershipError):
+        s.commit({0: [("actions", k(1), b"v")]})
+    s.close()
+
+
+def test_renew_extends_the_claim(h):
+    s = h.new()
+    s.open("alpha", T0)
+    assert s.renew(T0 + 8 * S) == T0 + 8 * S + int(TTL_S * S)
+    assert not h.other("beta", T0 + 15 * S)[0]
+    # renewing an expired claim nobody took is fine
+    assert s.renew(T0 + 30 * S) == T0 + 30 * S + int(TTL_S * S)
+    assert not h.other("beta", T0 + 39 * S)[0]
+    assert h.other("beta", T0 + 41 * S)[0]
+    s.close()
+
+
+def test_close_releases_the_claims(h):
+    s = h.new()
+    s.open("alpha", T0)
+    s.close()
+    ok, msg = h.other("beta", T0 + S)
+    assert ok, msg
+
+
+# --------------------------------------------------------------------------------------------
+# corrupt and foreign records
+
+
+@pytest.mark.parametrize("key,value,expect", [
+    (b"schema", msgpack.packb(99), "schema 99"),
+    (b"schema", b"\xc1", "undecodable"),
+    (b"claim", b"\x93\x01\x02", "claim"),
+])
+def test_foreign_or_corrupt_meta_raises_corrupt_record(h, key, value, expect):
+    s = h.new()
+    s.open("a", T0)
+    s.close()
+    h.tamper(2, "meta", key, value)
+    s = h.new()
+    with pytest.raises(CorruptRecord) as ei:
+        s.open("a", T0 + S)
+    e = ei.value
+    assert (e.partition, e.db, e.key) == (2, "meta", key)
+    assert "partition 2" in str(e) and repr(key) in str(e) and expect in str(e)
+
+
+def test_partition_count_mismatch_is_refused(hl):
+    s = hl.new(partitions=4)
+    s.open("a", T0)
+    s.close()
+    with pytest.raises(CorruptRecord, match="layout"):
+        hl.new(partitions=8).open("a", T0)
+    with pytest.raises(CorruptRecord, match="partitions=2"):
+        hl.new(partitions=2).open("a", T0)
+
+
+def test_foreign_lmdb_environment_is_refused(hl):
+    d = hl.path / "p01"
+    d.mkdir(parents=True)
+    env = lmdb.open(str(d))
+    with env.begin(write=True) as txn:
+        txn.put(b"hello", b"world")
+    env.close()
+    with pytest.raises(CorruptRecord, match="partition 1.*not a leasehold store"):
+        hl.new().open("a", T0)
+
+
+# --------------------------------------------------------------------------------------------
+# partition hash
+
+
+def test_partition_of_is_pinned():
+    # These values are part of the on-disk format: never change them.
+    assert [partition_of(t, 16) for t in ("", "acme", "tenant-0", "tenant-1", "Zürich", "租户")] \
+        == [4, 1, 2, 3, 8, 10]
+    assert [partition_of(t, 7) for t in ("acme", "tenant-0", "Zürich")] == [4, 3, 5]
+    assert partition_of("acme", 1 << 20) == 893569
+    assert partition_of("anything", 1) == 0
+
+
+def test_partition_of_spreads_tenants():
+    n, parts = 16_000, 16
+    counts = Counter(partition_of(f"tenant-{i}", parts) for i in range(n))
+    assert set(counts) == set(range(parts))
+    mean = n / parts
+    assert all(abs(c - mean) < 0.15 * mean for c in counts.values()), counts
+    chi2 = sum((c - mean) ** 2 / mean for c in counts.values())
+    assert chi2 < 40                                  # 15 dof: p ~ 0.0005
+
+
+def test_partition_of_rejects_bad_input():
+    with pytest.raises(TypeError):
+        partition_of(b"acme", 16)
+    with pytest.raises(ValueError):
+        partition_of("acme", 0)
+    with pytest.raises(ValueError):
+        partition_of("\ud800", 16)
+
+
+# --------------------------------------------------------------------------------------------
+# parallel reload scan
+
+REC = np.dtype([("row", "<u8"), ("gen", "<u4"), ("state", "u1"), ("pad", "V19")])
+
+
+def _fill(store, n, partitions):
+    rec = np.zeros(n, REC)
+    rec["row"] = np.arange(n)
+    rec["gen"] = np.arange(n) * 3
+    for start in range(0, n, 5000):
+        batch = {}
+        for row in range(start, min(n, start + 5000)):
+            batch.setdefault(row % partitions, []).append(
+                ("actions", k(row), rec[row:row + 1].tobytes()))
+        store.commit(batch)
+    return rec
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_scan_parallel_matches_the_records(hl, processes):
+    parts = 8
+    s = hl.new(partitions=parts)
+    s.open("a", T0)
+    rec = _fill(s, 20_000, parts)
+    got = scan_parallel(s, "actions", record_size=REC.itemsize, dtype=REC, processes=processes)
+    order = np.lexsort((np.arange(len(rec)), np.arange(len(rec)) % parts))
+    assert len(got) == len(rec)
+    assert np.array_equal(got.keys, order.astype(np.uint64))
+    assert got.values.tobytes() == rec[order].tobytes()
+    assert np.array_equal(got.partition, order % parts)
+    assert got.counts.tolist() == [len(rec) // parts] * parts
+    raw = scan_parallel(s, "actions", record_size=REC.itemsize, processes=processes)
+    assert raw.values.shape == (len(rec), REC.itemsize)
+    assert len(scan_parallel(s, "specs", record_size=4, processes=processes)) == 0
+    s.close()
+    by_path = scan_parallel(hl.path, "actions", record_size=REC.itemsize, dtype=REC,
+                            processes=processes)
+    assert by_path.values.tobytes() == rec[order].tobytes()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_scan_parallel_names_a_bad_record(hl, processes):
+    s = hl.new()
+    s.open("a", T0)
+    _fill(s, 400, P)
+    s.commit({3: [("actions", k(1001), b"short")]})
+    with pytest.raises(CorruptRecord) as ei:
+        scan_parallel(s, "actions", record_size=REC.itemsize, processes=processes)
+    assert (ei.value.partition, ei.value.db, ei.value.key) == (3, "actions", k(1001))
+    assert "5 bytes, expected 32" in str(ei.value)
+    s.close()
+
+
+def test_scan_parallel_checks_the_schema(hl):
+    s = hl.new()
+    s.open("a", T0)
+    _fill(s, 100, P)
+    s.close()
+    hl.tamper(1, "meta", b"schema", msgpack.packb(2))
+    with pytest.raises(CorruptRecord, match="partition 1.*b'schema'"):
+        scan_parallel(hl.path, "actions", record_size=REC.itemsize, processes=2)
+
+
+def test_journal_is_checkpointed(hl):
+    def journal_entries(store):
+        with store._jenv.begin(db=store._jlog) as txn:
+            return txn.stat(store._jlog)["entries"]
+
+    s = hl.new(journal_checkpoint_bytes=1)
+    s.open("a", T0)
+    for i in range(5):
+        s.commit({p: [("actions", k(i), b"v%d" % i)] for p in range(P)})
+    s.commit({1: [("actions", k(9), b"single")]})       # single partition: not journaled
+    assert journal_entries(s) == 1                      # only the last multi-partition group
+    s.close()
+    s = hl.new()
+    s.open("a", T0 + S)
+    assert journal_entries(s) == 0
+    assert len(list(s.scan("actions"))) == 5 * P + 1
+    for i in range(3):
+        s.commit({p: [("actions", k(i), b"w")] for p in range(P)})
+    assert journal_entries(s) == 3
+    s.close()
+
+
+def test_partition_and_read_argument_checks(h):
+    s = h.new()
+    s.open("a", T0)
+    s.commit({np.int64(1): [("actions", k(1), b"v")]})   # numpy integers are partitions too
+    assert s.get(np.uint8(1), "actions", k(1)) == b"v"
+    with pytest.raises(InvalidBatch):
+        s.commit({True: [("actions", k(1), b"v")]})
+    with pytest.raises(ValueError, match="unknown database"):
+        s.get(0, "nope", k(1))
+    with pytest.raises(ValueError, match="unknown database"):
+        s.scan("nope")
+    with pytest.raises(ValueError, match="out of range"):
+        s.get(P, "actions", k(1))
+    with pytest.raises(ValueError):
+        s.get(0, "actions", b"")
+    s.close()

@@ -1,0 +1,168 @@
+"""Crash test of LmdbStore group commits: a child process commits numbered groups (most of them
+spanning several partitions, some with deletes) and prints each group number after ``commit``
+returns; the parent SIGKILLs it, reopens the store and checks that its whole content equals the
+state after the last acknowledged group, or after one more (the group in flight when the kill
+landed): every acknowledged group fully present, no group partially present.
+
+Kills land at random times, and (through ``storage._lmdb._crash_hook``) exactly inside the
+commit: after the journal commit before any partition commit, and between partition commits.
+
+Run by pytest; the same file is the child (``python tests/test_storage_crash.py child ...``).
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from storage import LmdbStore, OwnershipError  # noqa: E402
+
+P = 8
+SHARD = "crash"
+SEED = 20260509
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def touched(g: int) -> list[int]:
+    """The partitions group ``g`` writes its own records to."""
+    rng = random.Random(g * 7919 + SEED)
+    r = rng.random()
+    if r < 0.25:
+        return [rng.randrange(P)]
+    if r < 0.85:
+        return sorted(rng.sample(range(P), rng.randint(2, 4)))
+    return list(range(P))
+
+
+def group_ops(g: int) -> dict:
+    """Group ``g``: a record of 8..3000 bytes in each touched partition, the partition's
+    ``last`` pointer, and sometimes the deletion of group ``g - 5``'s records."""
+    rng = random.Random(g * 104729 + SEED)
+    batch = {p: [("actions", k(g), bytes([g % 251]) * rng.randint(8, 3000)),
+                 ("queues", b"last", k(g))] for p in touched(g)}
+    if g > 5 and rng.random() < 0.4:
+        for p in touched(g - 5):
+            batch.setdefault(p, []).append(("actions", k(g - 5), None))
+    return batch
+
+
+def apply(model: dict, g: int) -> None:
+    for p, ops in group_ops(g).items():
+        for db, key, value in ops:
+            if value is None:
+                model.pop((p, db, key), None)
+            else:
+                model[(p, db, key)] = value
+
+
+def disk_state(path) -> dict:
+    store = LmdbStore(path, partitions=P, map_size=1 << 26)
+    store.open(SHARD, time.time_ns())
+    try:
+        return {(p, db, key): value for db in ("actions", "queues")
+                for p, key, value in store.scan(db)}
+    finally:
+        store.close()
+
+
+def child(path: str, start: int) -> None:
+    stage, nth = os.environ.get("LH_CRASH_STAGE"), int(os.environ.get("LH_CRASH_N", "0"))
+    if stage:
+        import storage._lmdb as lm
+
+        seen = [0]
+
+        def hook(at):
+            if at == stage:
+                seen[0] += 1
+                if seen[0] == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        lm._crash_hook = hook
+    store = LmdbStore(path, partitions=P, map_size=1 << 26)
+    store.open(SHARD, time.time_ns())
+    g = start
+    while True:
+        store.commit(group_ops(g))
+        sys.stdout.write(f"{g}\n")
+        sys.stdout.flush()
+        g += 1
+
+
+def run_child(path, start, kill_after_s=None, stage=None, nth=0):
+    env = dict(os.environ)
+    if stage:
+        env.update(LH_CRASH_STAGE=stage, LH_CRASH_N=str(nth))
+    proc = subprocess.Popen([sys.executable, __file__, "child", str(path), str(start)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        out, err = proc.communicate(timeout=kill_after_s if kill_after_s else 30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, err.decode()[-2000:])
+    acked = [int(line) for line in out.decode().split("\n")[:-1]]  # complete lines only
+    assert acked == list(range(start, start + len(acked)))
+    return acked[-1] if acked else start - 1
+
+
+def test_sigkill_never_leaves_a_partial_group(tmp_path):
+    path = tmp_path / "store"
+    rng = random.Random(SEED)
+    model: dict = {}
+    done = 0                      # groups applied to `model`
+    plan = [("random", None, 0)] * 7 + [
+        ("hook", "journal-committed", 3), ("hook", "partition-committed", 4),
+        ("hook", "journal-committed", 1), ("hook", "partition-committed", 9),
+    ]
+    rng.shuffle(plan)
+    deadline = time.monotonic() + 60
+    checked_refusal = False
+    in_flight_present = 0         # kills after which the unacknowledged group was complete
+    for mode, stage, nth in plan:
+        assert time.monotonic() < deadline, "crash test ran too long"
+        if mode == "random":
+            last_acked = run_child(path, done + 1, kill_after_s=rng.uniform(0.25, 0.7))
+        else:
+            last_acked = run_child(path, done + 1, stage=stage, nth=nth)
+        if not checked_refusal and last_acked > done:
+            # the killed shard's claim is still live: another shard must be refused
+            other = LmdbStore(path, partitions=P, map_size=1 << 26)
+            try:
+                other.open("intruder", time.time_ns())
+                raise AssertionError("a second shard opened a live store")
+            except OwnershipError as e:
+                assert f"shard {SHARD!r}" in str(e)
+            checked_refusal = True
+        while done < last_acked:
+            done += 1
+            apply(model, done)
+        state = disk_state(path)
+        if state == model:
+            assert not (mode == "hook" and stage == "journal-committed"), (
+                "the journal held the group in flight, the reopen must have completed it")
+            continue
+        apply(model, done + 1)
+        done += 1
+        in_flight_present += 1
+        assert state == model, (
+            f"{mode} kill: disk matches neither group {done - 1} nor {done} "
+            f"(last acknowledged {last_acked})")
+    assert done > 20, "the children hardly committed anything"
+    print(f"{len(plan)} kills, {done} groups, {in_flight_present} with the group in flight "
+          f"complete after the reopen")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "child":
+        child(sys.argv[2], int(sys.argv[3]))
