@@ -100,6 +100,7 @@ from storage._store import (
     check_held,
     check_open_claim,
     check_partition,
+    check_schema,
     new_claim,
 )
 
@@ -282,18 +283,7 @@ class LmdbStore(Store):
             txn.put(META_SCHEMA, msgpack.packb(SCHEMA_VERSION), db=handles["meta"])
             txn.put(META_LAYOUT, msgpack.packb(expected_layout), db=handles["meta"])
             return handles
-        raw = txn.get(META_SCHEMA, db=meta)
-        if raw is None:
-            raise CorruptRecord(where, "meta", META_SCHEMA, "missing schema record")
-        try:
-            schema = msgpack.unpackb(raw)
-        except Exception as e:  # noqa: BLE001
-            raise CorruptRecord(where, "meta", META_SCHEMA,
-                                f"undecodable schema record {raw[:32]!r} ({e})") from None
-        if schema != SCHEMA_VERSION:
-            raise CorruptRecord(where, "meta", META_SCHEMA,
-                                f"schema {schema!r}, this code reads schema {SCHEMA_VERSION} "
-                                f"(a foreign or newer store; it is never converted in place)")
+        check_schema(where, txn.get(META_SCHEMA, db=meta))
         raw = txn.get(META_LAYOUT, db=meta)
         try:
             layout = msgpack.unpackb(raw) if raw is not None else None

@@ -32,6 +32,7 @@ from storage._store import (
     check_op,
     check_open_claim,
     check_partition,
+    check_schema,
     new_claim,
 )
 
@@ -101,19 +102,7 @@ class MemoryStore(Store):
                                 f"layout {{'partitions': {self.backing.partitions}}}, opened "
                                 f"with partitions={self.partitions}")
         for p in range(self.partitions):
-            meta = data[p]["meta"]
-            raw = meta.get(META_SCHEMA)
-            if raw is None:
-                raise CorruptRecord(p, "meta", META_SCHEMA, "missing schema record")
-            try:
-                schema = msgpack.unpackb(raw)
-            except Exception as e:  # noqa: BLE001
-                raise CorruptRecord(p, "meta", META_SCHEMA,
-                                    f"undecodable schema record {raw[:32]!r} ({e})") from None
-            if schema != SCHEMA_VERSION:
-                raise CorruptRecord(p, "meta", META_SCHEMA,
-                                    f"schema {schema!r}, this code reads schema "
-                                    f"{SCHEMA_VERSION} (a foreign or newer store)")
+            check_schema(p, data[p]["meta"].get(META_SCHEMA))
         for p in range(self.partitions):
             check_open_claim(p, self._claim_of(p), shard, int(now_ns))
         claim = new_claim(shard, int(now_ns) + self._ttl_ns)

@@ -388,6 +388,22 @@ class Store(ABC):
         self.close()
 
 
+def check_schema(partition, raw: bytes | None) -> None:
+    """Raise ``CorruptRecord`` unless ``raw`` is this code's ``meta/schema`` record. A store
+    of another schema is foreign or newer; it is never converted in place."""
+    if raw is None:
+        raise CorruptRecord(partition, "meta", META_SCHEMA, "missing schema record")
+    try:
+        schema = msgpack.unpackb(raw)
+    except Exception as e:  # noqa: BLE001 - any decode failure means a corrupt record
+        raise CorruptRecord(partition, "meta", META_SCHEMA,
+                            f"undecodable schema record {raw[:32]!r} ({e})") from None
+    if schema != SCHEMA_VERSION:
+        raise CorruptRecord(partition, "meta", META_SCHEMA,
+                            f"schema {schema!r}, this code reads schema {SCHEMA_VERSION} "
+                            f"(a foreign or newer store; it is never converted in place)")
+
+
 def check_partition(p, partitions: int) -> int:
     """``p`` as an ``int`` (numpy integers are accepted, bools are not), if in range."""
     try:
