@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from engine._clock import ManualClock
+from engine._codes import LeaseKind, Phase
 from engine._config import load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
@@ -63,11 +64,9 @@ def _demo(args):
             reuse=ReusePolicy(replicas=2, concurrency=2, idle_ttl=60),
             resources={"cpu": 4, "memory": "16Gi"}))
     eng.enqueue_many(specs)
+    held = {}   # the leases each worker holds: what it heartbeats
     for t in range(args.ticks):
-        placed = eng.tick()
-        print(f"tick {t + 1}: {len(placed)} assigned")
-        for a in placed:
-            print(f"  {a.action} -> {a.cluster}/{a.worker} (generation {a.generation})")
+        _demo_tick(eng, f"tick {t + 1}", held)
         clock.advance(1)
     print("waiting:")
     for s in specs:
@@ -76,7 +75,47 @@ def _demo(args):
             print(f"  {s.id}: {exp.phase}: {exp.reason}")
     print("queues:")
     print(json.dumps(eng.queue_metrics(), indent=2))
+    if not held:
+        return 0
+
+    print("lease life cycle:")
+    runs = {a.action: a for leases in held.values() for a in leases}
+    for worker, leases in held.items():
+        refused = eng.heartbeat(worker, [a.token for a in leases])
+        print(f"  {worker} heartbeats {len(leases)} leases in one batch: {len(refused)} refused")
+        for a in leases:
+            eng.report(a.token, Phase.RUNNING)
+    first = next(a for a in runs.values() if a.action.run == "etl0")
+    eng.report(first.token, Phase.FAILED, error_kind="SYSTEM", cause="OOM",
+               message="container killed at its memory limit", cleanup=True)
+    print(f"  {first.action}: FAILED SYSTEM OOM -> retried under the system budget")
+    aborted = [a for a in runs.values() if a.action.run == "etl3"]
+    for aid in eng.abort(aborted[0].action.run_key + "/" + aborted[0].action.action):
+        print(f"  {aid}: aborted")
+    worker = aborted[0].worker
+    refused = eng.heartbeat(worker, [a.token for a in held[worker]])
+    print(f"  {worker} heartbeats again: refused "
+          f"{sorted({r.verdict.name for r in refused})} x{len(refused)} (it stops those)")
+    train = next((a for a in runs.values() if a.action.run == "train0"), None)
+    if train is not None:
+        eng.report(train.token, Phase.SUCCEEDED)
+        print(f"  {train.action}: SUCCEEDED; its GPUs return to queue {train.queue}'s budget")
+    clock.advance(2)
+    _demo_tick(eng, "next tick (cleanup first, then the retry and freed capacity)", {})
+    for n, att in enumerate(eng.attempts(first.action), 1):
+        print(f"  {first.action} attempt {n}: cluster {att.cluster}, worker {att.worker}, "
+              f"{att.phase or 'running'} {att.cause or ''}".rstrip())
     return 0
+
+
+def _demo_tick(eng, title, held):
+    placed = eng.tick()
+    print(f"{title}: {len(placed)} assigned")
+    for a in placed:
+        kind = "" if a.kind == LeaseKind.RUN else " [finalize]"
+        print(f"  {a.action}{kind} -> {a.cluster}/{a.worker} (generation {a.generation})")
+        if a.kind == LeaseKind.RUN:
+            held.setdefault(a.worker, []).append(a)
 
 
 def main(argv=None):

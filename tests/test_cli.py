@@ -26,3 +26,6 @@ def test_demo_runs_the_real_tick_and_explains_the_waits(capsys):
     out = capsys.readouterr().out
     assert "tick 1: " in out and " assigned" in out
     assert "WAITING_FOR_RESOURCES: queue gpu:" in out
+    assert "0 refused" in out and "refused ['ABORTED', 'COMPLETED'] x2" in out
+    assert "[finalize] -> cpu-pool/worker-cpu-pool (generation 1)" in out
+    assert "etl0/step0 attempt 1: cluster cpu-pool, worker worker-cpu-pool, FAILED OOM" in out
