@@ -23,8 +23,8 @@ test-debug: $(DEPS)
 build: $(EXT)
 
 lint: $(DEPS)
-	$(VENV)/bin/ruff check engine transport storage tests bench setup.py
-	$(VENV)/bin/cython-lint cext
+	$(VENV)/bin/ruff check engine cext transport storage tests bench setup.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cython-lint cext
 
 bench: $(EXT)
 	$(PY) bench/tick.py
