@@ -549,18 +549,17 @@ def _vector(source, path, resources, mapping, unset, flyte_spellings=True):
             raise _invalid(source, f"{path}.{key}", value, "a non-negative quantity")
         try:
             one = resources.vector({key: value}, unset=-1, flyte_spellings=flyte_spellings)
-        except OverflowError as exc:
-            raise _invalid(source, f"{path}.{key}", value, f"a quantity <= {UNLIMITED}") from exc
         except ValueError as exc:
-            raise ConfigError(f"{source}: {path}: {exc}") from exc
+            # Name the entry; drop the resource name the message already starts with.
+            head, _, rest = str(exc).partition(": ")
+            msg = rest if rest and (head == key or head in resources.names) else str(exc)
+            raise ConfigError(f"{source}: {path}.{key}: {msg}") from exc
         r = int(np.flatnonzero(one >= 0)[0])
         if r in given:
             raise _invalid(
                 source, f"{path}.{key}", value,
                 f"each resource once ({resources.names[r]!r} is already given)",
             )
-        if one[r] > UNLIMITED:
-            raise _invalid(source, f"{path}.{key}", value, f"a quantity <= {UNLIMITED}")
         given.add(r)
         vec[r] = one[r]
     return _frozen(vec)

@@ -15,6 +15,7 @@ from datetime import timedelta
 import numpy as np
 
 from engine._errors import SpecError
+from engine._units import UNLIMITED
 
 __all__ = [
     "ActionId",
@@ -82,12 +83,26 @@ def _seconds(value, what, allow_none=True):
     return float(value)
 
 
+# Replicas, concurrency and retries are bounded so that every product stays far from int64.
+MAX_COUNT = 1_000_000
+
+
 def _count(value, what, minimum):
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"{what}: {value!r} is not an integer")
-    if value < minimum:
-        raise SpecError(f"{what}: {value!r} must be >= {minimum}")
+    if value < minimum or value > MAX_COUNT:
+        raise SpecError(f"{what}: {value!r} must be >= {minimum} and <= {MAX_COUNT}")
     return value
+
+
+def _total(resources, pods, counts, what):
+    # Exact (Python int) totals: a gang's demand must stay below UNLIMITED, never wrap.
+    total = [sum(int(pods[p, r]) * int(counts[p]) for p in range(len(counts)))
+             for r in range(pods.shape[1])]
+    for name, value in zip(resources.names, total, strict=True):
+        if value >= UNLIMITED:
+            raise SpecError(f"{what}: the total {name} ({value}) is too large")
+    return np.array(total, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -261,7 +276,7 @@ def _compile(spec, aid, resources, queue_names, default_queue):
     else:
         pods = _vector(resources, spec.resources, "resources")[None, :]
         pod_counts = np.ones(1, dtype=np.int64)
-    demand = (pods * pod_counts[:, None]).sum(axis=0).astype(np.int64)
+    demand = _total(resources, pods, pod_counts, "pods" if spec.pods is not None else "resources")
 
     env_key, env_slots, idle_ns = None, 0, 0
     if spec.reuse is not None:
@@ -277,7 +292,7 @@ def _compile(spec, aid, resources, queue_names, default_queue):
         idle = _seconds(reuse.idle_ttl, "reuse.idle_ttl", allow_none=False)
         env_slots = replicas * concurrency
         idle_ns = int(idle * 1e9)
-        demand = pods[0] * replicas
+        demand = _total(resources, pods[:1], np.array([replicas]), "reuse")
         ident = hashlib.blake2b(digest_size=12)
         for part in (aid.tenant, aid.project, aid.domain, queue, spec.environment,
                      spec.image or "", pods[0].tobytes(), replicas, concurrency, idle):

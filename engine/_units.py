@@ -6,8 +6,10 @@ cpu in millicores, memory and disk in bytes, accelerators (``kind:model``) in wh
 any other name as a plain count.
 """
 
+import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 import numpy as np
 
@@ -43,21 +45,26 @@ def _kind_of(name):
 def parse_quantity(name, kind, value):
     """Parse one quantity of resource ``name`` (of ``kind``) into its integer unit.
 
-    Raises ``ValueError`` with a message naming the resource and the bad value.
+    Exact (decimal, not float) arithmetic; a result must be a whole unit, finite, and below
+    :data:`UNLIMITED`. Raises ``ValueError`` with a message naming the resource and the value.
     """
     if isinstance(value, bool):
         raise ValueError(f"{name}: {value!r} is not a quantity")
-    if isinstance(value, (int, float)):
-        number, suffix = float(value), ""
-        if value < 0:
-            raise ValueError(f"{name}: {value!r} is negative")
+    if isinstance(value, int):
+        number, suffix = Decimal(value), ""
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name}: {value!r} is not a finite quantity")
+        number, suffix = Decimal(repr(value)), ""
     elif isinstance(value, str):
         m = _QUANTITY.match(value)
         if not m:
             raise ValueError(f"{name}: {value!r} is not a quantity (e.g. 8, \"500m\", \"64Gi\")")
-        number, suffix = float(m.group(1)), m.group(2)
+        number, suffix = Decimal(m.group(1)), m.group(2)
     else:
         raise ValueError(f"{name}: {value!r} is not a quantity")
+    if number < 0:
+        raise ValueError(f"{name}: {value!r} is negative")
     if kind == CPU:
         if suffix == "m":
             result = number
@@ -65,22 +72,24 @@ def parse_quantity(name, kind, value):
             result = number * 1000
         else:
             raise ValueError(f"{name}: {value!r} has unit {suffix!r}; cpu takes cores or 'm'")
-        if result != int(result):
+        if result != result.to_integral_value():
             raise ValueError(f"{name}: {value!r} is finer than one millicore")
-        return int(result)
-    if kind == BYTES:
+    elif kind == BYTES:
         if suffix not in _BYTE_SUFFIX:
             allowed = ", ".join(s for s in _BYTE_SUFFIX if s)
             raise ValueError(f"{name}: {value!r} has unknown unit {suffix!r} (allowed: {allowed})")
         result = number * _BYTE_SUFFIX[suffix]
-        if result != int(result):
+        if result != result.to_integral_value():
             raise ValueError(f"{name}: {value!r} is not a whole number of bytes")
-        return int(result)
-    if suffix:
-        raise ValueError(f"{name}: {value!r} must be a whole count without a unit")
-    if number != int(number):
-        raise ValueError(f"{name}: {value!r} must be a whole count")
-    return int(number)
+    else:
+        if suffix:
+            raise ValueError(f"{name}: {value!r} must be a whole count without a unit")
+        result = number
+        if result != result.to_integral_value():
+            raise ValueError(f"{name}: {value!r} must be a whole count")
+    if result >= UNLIMITED:
+        raise ValueError(f"{name}: {value!r} is too large (the limit is below 2**62 units)")
+    return int(result)
 
 
 @dataclass(frozen=True)

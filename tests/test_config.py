@@ -371,11 +371,11 @@ def test_max_accelerators_needs_a_configured_device(key):
         ('[queues.q]\nmax_resources = { cpu = nan }\n',
          ["queues.q.max_resources.cpu", "nan is invalid", "a non-negative quantity"]),
         ('[queues.q]\nmax_resources = { cpu = inf }\n',
-         ["queues.q.max_resources.cpu", "inf is invalid", f"a quantity <= {UNLIMITED}"]),
+         ["queues.q.max_resources.cpu", "inf is not a finite quantity"]),
         ('[queues.q]\nmax_resources = { memory = "99999999Ei" }\n',
-         ["queues.q.max_resources.memory", "'99999999Ei'", f"a quantity <= {UNLIMITED}"]),
+         ["queues.q.max_resources.memory", "'99999999Ei' is too large"]),
         ('[queues.q]\nmax_resources = { cpu = 4611686018427390 }\n',
-         ["queues.q.max_resources.cpu", "4611686018427390", f"a quantity <= {UNLIMITED}"]),
+         ["queues.q.max_resources.cpu", "4611686018427390 is too large"]),
     ],
 )
 def test_queue_and_engine_errors(snippet, fragments):

@@ -264,3 +264,27 @@ def test_unknown_names_are_not_found():
         eng.register_worker("w", "mars", 1)
     with pytest.raises(NotFound):
         eng.unregister_worker("ghost")
+
+
+def test_an_oversized_item_refuses_the_whole_batch_and_stores_nothing():
+    eng, _ = make_engine(config())
+    huge = spec("r", "b", environment="e", resources={"memory": "1Ei"},
+                reuse=ReusePolicy(replicas=8, concurrency=1))
+    bad = spec("r", "c", resources={"cpu": 2**70})
+    for item in (huge, bad):
+        with pytest.raises(SpecError):
+            eng.enqueue_many([spec("r", "a"), item])
+    with pytest.raises(NotFound):
+        eng.explain("acme/p/d/r/a")
+    eng.enqueue(spec("r", "a"))
+    assert [a.action.action for a in eng.tick()] == ["a"]
+
+
+def test_bad_free_capacity_in_a_heartbeat_is_a_clear_error_and_changes_nothing():
+    eng, _ = make_engine(config())
+    eng.enqueue(spec("r"))
+    [a] = eng.tick()
+    for bad in ({"cpu": float("inf")}, {"cpu": 2**70}, {"tpu": 1}, {"cpu": "lots"}):
+        with pytest.raises(SpecError, match="worker w-east: free_capacity: "):
+            eng.heartbeat("w-east", [a.token], free_capacity=bad)
+    assert eng._kernel.cluster_free(0)[2] == 16          # the gate's view is unchanged

@@ -132,3 +132,17 @@ def test_timedeltas_and_from_dict():
     with pytest.raises(SpecError, match="retries: unknown key\\(s\\) tries"):
         ActionSpec.from_dict({"id": "a/b/c/d/e", "task": "t", "retries": {"tries": 1}})
     assert np.array_equal(compile_(resources=None).demand, np.zeros(5, dtype=np.int64))
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"resources": {"cpu": 2**70}}, "cpu: 1180591620717411303424 is too large"),
+    ({"resources": {"cpu": float("inf")}}, "cpu: inf is not a finite quantity"),
+    ({"resources": {"memory": float("nan")}}, "memory: nan is not a finite quantity"),
+    ({"pods": (PodGroup("w", 8, {"memory": "1Ei"}),)}, r"pods: the total memory .* is too large"),
+    ({"pods": (PodGroup("w", 10**7, {"cpu": 1}),)}, "must be >= 1 and <= 1000000"),
+    ({"environment": "e", "resources": {"cpu": 1},
+      "reuse": ReusePolicy(replicas=10**7, concurrency=1)}, "reuse.replicas"),
+])
+def test_oversized_quantities_are_refused_not_wrapped(kw, message):
+    with pytest.raises(SpecError, match=message):
+        compile_(**kw)
