@@ -61,6 +61,8 @@ cdef class TickKernel:
     cdef i32[::1] ln_scan              # next action to examine in this tick
     cdef i64[::1] ln_scan_tick         # tick_no ln_scan belongs to (lazy reset)
     cdef i32[::1] ln_park              # next lane in the tick-local parked list
+    cdef u8[::1] ln_skip_code          # why the lane was skipped (run caps), for its actions
+    cdef i64[::1] ln_skip_tick         # tick_no of that skip
 
     # --- queues ---
     cdef i32[::1] q_order              # queue rows by priority, highest first

@@ -15,7 +15,7 @@ from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
     END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_SENT, W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
-    W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY,
+    W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
     W_UNSCHEDULABLE_SHAPE, i32, i64, u8, u64,
 )
@@ -111,6 +111,8 @@ cdef class TickKernel:
         self.ln_scan = state.ln_scan
         self.ln_scan_tick = state.ln_scan_tick
         self.ln_park = state.ln_park
+        self.ln_skip_code = state.ln_skip_code
+        self.ln_skip_tick = state.ln_skip_tick
         self.q_order = state.q_order
         self.q_strict = state.q_strict
         self.q_action_cap = state.q_action_cap
@@ -618,6 +620,9 @@ cdef class TickKernel:
                 self.ln_scan[lane] = self.a_next[a]
                 self.q_ring[q, kind] = self.ln_next[lane]
             elif res == R_SKIP_LANE:
+                # The run is capped: every action behind this one waits for the same reason.
+                self.ln_skip_code[lane] = self.a_wait_code[a]
+                self.ln_skip_tick[lane] = self.tick_no
                 self._ring_remove(lane)
                 self.ln_park[lane] = -1
                 if park_tail >= 0:
@@ -690,7 +695,8 @@ cdef class TickKernel:
         if e >= 0 and self.e_cluster[e] >= 0:
             ec = self.e_cluster[e]
             if not (self.q_clusters[q] >> ec) & 1:
-                self._wait(a, W_NO_WORKER, ec, -1, -1)
+                # One pool per environment: it waits until that pool idles out.
+                self._wait(a, W_POOL_ELSEWHERE, ec, -1, -1)
                 return R_SKIP_ACTION
             if <i64>(self.e_adm[e] - self.e_rel[e]) >= self.e_slots[e]:
                 self._wait(a, W_POOL_BUSY, ec, -1, -1)

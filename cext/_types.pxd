@@ -33,6 +33,7 @@ cdef enum WaitCode:
     W_UNSCHEDULABLE_SHAPE = 12  # no allowed cluster can ever hold its pods / total
     W_UNSCHEDULABLE_CAP = 13   # demand exceeds the queue's hard cap
     W_HEAD_BUDGET = 14         # STRICT_FIFO: behind a head blocked on the queue budget
+    W_POOL_ELSEWHERE = 15      # its warm pool runs on a cluster the queue no longer allows
 
 # How the current generation of a lease ended (a heartbeat for it is refused with this).
 cdef enum LeaseEnd:

@@ -34,6 +34,7 @@ class WaitCode(enum.IntEnum):
     UNSCHEDULABLE_SHAPE = 12
     UNSCHEDULABLE_CAP = 13
     HEAD_BUDGET = 14
+    POOL_ELSEWHERE = 15
 
 
 # Waits that are about resources (the phase is WAITING_FOR_RESOURCES, not QUEUED).
@@ -45,6 +46,7 @@ RESOURCE_WAITS = frozenset(
         WaitCode.NO_WORKER,
         WaitCode.POOL_BUSY,
         WaitCode.HEAD_BUDGET,
+        WaitCode.POOL_ELSEWHERE,
     }
 )
 

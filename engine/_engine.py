@@ -917,13 +917,23 @@ class Engine:
             return Explanation(aid, Phase.QUEUED, None,
                                f"attempt {att.number} waits {wait_s:.1f}s of retry backoff "
                                f"(attempt {prev.number}: {prev.phase} {prev.cause or ''})")
+        if st.a_state[row] in LIVE_STATES and rec.phase == Phase.QUEUED:
+            return Explanation(
+                aid, Phase.QUEUED, WaitCode.PLACED,
+                f"queue {rec.compiled.queue}: assigned to "
+                f"{self._clusters[st.a_cluster[row]]}/{self._worker_names[st.a_worker[row]]} "
+                f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
         if st.a_state[row] != RowState.QUEUED:
             return Explanation(aid, rec.phase, None, rec.message)
         q = int(st.a_queue[row])
+        lane = int(st.a_lane[row])
         if int(st.a_wait_tick[row]) == self._kernel.tick_no:
             code = WaitCode(int(st.a_wait_code[row]))
             reason = self._reason(row, code, int(st.a_wait_cluster[row]),
                                   int(st.a_wait_dim[row]), int(st.a_wait_blocker[row]))
+        elif int(st.ln_skip_tick[lane]) == self._kernel.tick_no:
+            code = WaitCode(int(st.ln_skip_code[lane]))   # behind a capped run
+            reason = self._reason(row, code, -1, -1, -1)
         else:
             code = WaitCode(int(st.q_stop_code[q]))
             reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
@@ -983,6 +993,9 @@ class Engine:
             return (f"queue {qname}: warm pool {self._row_action[row].run}/"
                     f"{self._actions[self._row_action[row]].compiled.spec.environment} on "
                     f"{self._clusters[cluster]} has all {int(st.e_slots[e])} slots busy")
+        if code == WaitCode.POOL_ELSEWHERE:
+            return (f"queue {qname}: its warm pool runs on {self._clusters[cluster]}, which the "
+                    f"queue no longer allows; it waits until that pool idles out")
         if code == WaitCode.DISPATCH_FULL:
             return (f"queue {qname}: dispatch channel full "
                     f"({st.d_action.shape[0]} waiting); retried next tick")

@@ -59,6 +59,8 @@ LANE_FIELDS = {
     "ln_scan": (I32, -1, ()),
     "ln_scan_tick": (I64, -1, ()),
     "ln_park": (I32, -1, ()),
+    "ln_skip_code": (U8, 0, ()),
+    "ln_skip_tick": (I64, -1, ()),
 }
 RUN_FIELDS = {
     "u_cap": (I64, 0, ()),

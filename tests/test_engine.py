@@ -288,3 +288,50 @@ def test_bad_free_capacity_in_a_heartbeat_is_a_clear_error_and_changes_nothing()
         with pytest.raises(SpecError, match="worker w-east: free_capacity: "):
             eng.heartbeat("w-east", [a.token], free_capacity=bad)
     assert eng._kernel.cluster_free(0)[2] == 16          # the gate's view is unchanged
+
+
+def test_every_action_behind_a_capped_run_says_why():
+    eng, _ = make_engine(config({"q": {"run_concurrency": 1}}))
+    eng.enqueue_many([spec("r", f"a{i}", run_max_action_concurrency=2) for i in range(5)]
+                     + [spec("s", f"b{i}") for i in range(3)])
+    assert len(eng.tick()) == 2
+    for i in range(2, 5):
+        why = eng.explain(f"acme/p/d/r/a{i}")
+        assert (why.wait, why.reason) == (
+            WaitCode.RUN_ACTIONS, "run acme/p/d/r: max_action_concurrency 2 reached")
+    for i in range(3):
+        assert eng.explain(f"acme/p/d/s/b{i}").wait == WaitCode.QUEUE_RUNS
+
+
+def test_a_placed_action_not_yet_dispatched_says_so():
+    eng, _ = make_engine(config())
+    eng.enqueue(spec("r"))
+    assert eng.schedule() == 1
+    why = eng.explain("acme/p/d/r/a")
+    assert (why.phase, why.wait) == (Phase.QUEUED, WaitCode.PLACED)
+    assert why.reason == ("queue q: assigned to east/w-east (generation 1); "
+                          "waiting in the dispatch channel")
+    eng.drain_dispatch()
+    assert eng.phase("acme/p/d/r/a") == Phase.INITIALIZING
+
+
+def test_a_warm_pool_on_a_cluster_the_queue_no_longer_allows_is_waited_for_truthfully():
+    eng, clock = make_engine(config(clusters={
+        "east": {"node_shapes": [{"count": 2, "allocatable": NODE}]},
+        "west": {"node_shapes": [{"count": 2, "allocatable": NODE}]},
+    }, queues={"q": {"clusters": ["east"]}}))
+    reuse = ReusePolicy(replicas=1, concurrency=4, idle_ttl=30)
+    eng.enqueue(spec("r", "p0", environment="env", reuse=reuse))
+    [first] = eng.tick()
+    assert first.cluster == "east"
+    eng.update_queue("q", clusters=["west"])
+    eng.enqueue(spec("r", "p1", environment="env", reuse=reuse))
+    assert eng.tick() == []
+    why = eng.explain("acme/p/d/r/p1")
+    assert why.wait == WaitCode.POOL_ELSEWHERE
+    assert why.reason == ("queue q: its warm pool runs on east, which the queue no longer "
+                          "allows; it waits until that pool idles out")
+    eng.complete(first.action, first.generation)
+    clock.advance(31)
+    [second] = eng.tick()                          # the old pool idled out: a new one, west
+    assert second.cluster == "west"

@@ -754,7 +754,10 @@ class LeaseMachine(RuleBasedStateMachine):
             self.clock.advance(TTL_NS / 1e9 + 1.0)   # past every expiry and backoff
             self._tick()
             self.check()
-            progress = (len(self.leases), [eng.phase(a) for a in self.order])
+            # Attempts count as progress: a retry can time out (max_queued_time) before any
+            # tick sees it when the clock jumps, and still end once its retries run out.
+            progress = (len(self.leases),
+                        [(eng.phase(a), len(eng.attempts(a))) for a in self.order])
             stalled = stalled + 1 if progress == last else 0
             last = progress
         assert self._all_done(), "work left after teardown: " + ", ".join(
