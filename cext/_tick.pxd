@@ -66,6 +66,7 @@ cdef class TickKernel:
 
     # --- queues ---
     cdef i32[::1] q_order              # queue rows by priority, highest first
+    cdef i64[::1] q_priority           # priority (queues of one level are retried together)
     cdef u8[::1] q_strict              # 1 = STRICT_FIFO, 0 = GREEDY_CAPACITY
     cdef i64[::1] q_action_cap         # action_concurrency, 0 = unlimited
     cdef i64[::1] q_run_cap            # run_concurrency, 0 = unlimited
@@ -150,6 +151,8 @@ cdef class TickKernel:
     cdef i64[::1] s_slots              # [C] free worker slots
     cdef i32[::1] s_held_by            # [C] action holding the cluster (STRICT_FIFO head)
     cdef i32[::1] s_cursor             # [C] last worker picked (round robin)
+    cdef i32[::1] s_first              # [Q] STRICT head retried before its level, -1 none
+    cdef u8[::1] s_first_res           # [Q] the outcome of that retry
 
     cdef void _cluster_free(self, int c) noexcept nogil
     cdef void _snapshot_free(self) noexcept nogil
@@ -163,6 +166,8 @@ cdef class TickKernel:
     cdef bint _release(self, i32 a, i64 now) noexcept nogil
     cdef void _reap_pools(self, i64 now) noexcept nogil
     cdef u64 _count_slots(self) noexcept nogil
+    cdef int _retry_heads(self, Py_ssize_t lo, Py_ssize_t hi, i64 now, u64* held,
+                          u64* avail) noexcept nogil
     cdef int _tick_queue(self, i32 q, i64 now, u64* held, u64* avail) noexcept nogil
     cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
                          u8 head_code) noexcept nogil

@@ -114,6 +114,7 @@ cdef class TickKernel:
         self.ln_skip_code = state.ln_skip_code
         self.ln_skip_tick = state.ln_skip_tick
         self.q_order = state.q_order
+        self.q_priority = state.q_priority
         self.q_strict = state.q_strict
         self.q_action_cap = state.q_action_cap
         self.q_run_cap = state.q_run_cap
@@ -179,6 +180,8 @@ cdef class TickKernel:
         self.s_slots = state.s_slots
         self.s_held_by = state.s_held_by
         self.s_cursor = state.s_cursor
+        self.s_first = state.s_first
+        self.s_first_res = state.s_first_res
 
     def set_counts(self, Py_ssize_t n_workers, Py_ssize_t n_envs):
         """Rows in use in the worker and environment tables."""
@@ -408,7 +411,8 @@ cdef class TickKernel:
         return avail
 
     cdef i64 _run(self, i64 now) noexcept nogil:
-        cdef Py_ssize_t i, j
+        cdef Py_ssize_t i, j, lo, full_from
+        cdef i64 level
         cdef i32 q
         cdef u64 held = 0
         cdef u64 avail
@@ -428,17 +432,68 @@ cdef class TickKernel:
                     self.q_stop_code[q] = W_DISPATCH_FULL
                     self.q_stop_blocker[q] = -1
             return self.d_tail - before
-        for i in range(self.n_queues):
-            q = self.q_order[i]
-            if self._tick_queue(q, now, &held, &avail):
-                # Dispatch ring full: every later queue waits for the next tick.
-                for j in range(i + 1, self.n_queues):
-                    q = self.q_order[j]
-                    if self.q_pending[q] > 0:
-                        self.q_stop_code[q] = W_DISPATCH_FULL
-                        self.q_stop_blocker[q] = -1
+        i = 0
+        full_from = -1
+        while i < self.n_queues and full_from < 0:
+            # One priority level: queues lo..hi-1. Their STRICT heads blocked in an earlier
+            # tick are retried first, all of them, so what they hold binds every queue of the
+            # level: only a queue of higher priority may take what a head waits for.
+            level = self.q_priority[self.q_order[i]]
+            lo = i
+            while i < self.n_queues and self.q_priority[self.q_order[i]] == level:
+                i += 1
+            if self._retry_heads(lo, i, now, &held, &avail):
+                full_from = lo
                 break
+            for j in range(lo, i):
+                if self._tick_queue(self.q_order[j], now, &held, &avail):
+                    full_from = j + 1
+                    break
+        if full_from >= 0:
+            # Dispatch ring full: every later queue waits for the next tick.
+            for j in range(full_from, self.n_queues):
+                q = self.q_order[j]
+                if self.q_pending[q] > 0:
+                    self.q_stop_code[q] = W_DISPATCH_FULL
+                    self.q_stop_blocker[q] = -1
         return self.d_tail - before
+
+    cdef int _retry_heads(self, Py_ssize_t lo, Py_ssize_t hi, i64 now, u64* held,
+                          u64* avail) noexcept nogil:
+        # STRICT_FIFO: the head blocked in an earlier tick goes first, before any round
+        # robin, so capacity freed since then accumulates for it instead of going to
+        # whichever run comes first. If it still does not fit, it holds its clusters now.
+        # Returns 1 when the dispatch ring is full.
+        cdef Py_ssize_t k
+        cdef i32 q, head
+        cdef i64 actions_left, runs_left
+        cdef int res
+        for k in range(lo, hi):
+            q = self.q_order[k]
+            self.s_first[q] = -1
+            head = self.q_head[q]
+            # Only a head waiting on its own resources goes first; one that waited behind
+            # another head's hold (HEAD_OF_LINE) takes its turn in the round robin.
+            if (not self.q_strict[q] or head < 0 or self.a_state[head] != ST_QUEUED
+                    or self.q_head_code[q] == W_HEAD_OF_LINE):
+                continue
+            actions_left = NO_CAP
+            if self.q_action_cap[q] > 0:
+                actions_left = self.q_action_cap[q] - <i64>(self.q_adm[q] - self.q_rel[q])
+            if actions_left <= 0:
+                continue
+            runs_left = NO_CAP
+            if self.q_run_cap[q] > 0:
+                runs_left = self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
+            self._queue_budget(q)
+            res = self._try_place(q, head, now, held, avail, &actions_left, &runs_left)
+            if res == R_STOP_TICK:
+                return 1
+            if res == R_PLACED or res == R_FAILED:
+                self._unlink(head)
+            self.s_first[q] = head
+            self.s_first_res[q] = res
+        return 0
 
     def run(self, i64 now):
         """Run one tick at time ``now`` (ns); returns the number of assignments made."""
@@ -551,21 +606,13 @@ cdef class TickKernel:
             runs_left = self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
         self._queue_budget(q)
 
-        # STRICT_FIFO: the head blocked in an earlier tick goes first, before the round robin,
-        # so capacity freed since then accumulates for it instead of going to whichever run
-        # the rotation reaches first. If it still does not fit, it holds its clusters now.
-        first = -1
-        if (self.q_strict[q] and actions_left > 0 and self.q_head[q] >= 0
-                and self.a_state[self.q_head[q]] == ST_QUEUED):
-            first = self.q_head[q]
+        # A STRICT head retried before this level (see _retry_heads) is not examined again.
+        first = self.s_first[q]
+        if first >= 0:
             cand += 1
-            res = self._try_place(q, first, now, held, avail, &actions_left, &runs_left)
+            res = self.s_first_res[q]
             if res == R_PLACED or res == R_FAILED:
-                self._unlink(first)
                 first = -1
-            elif res == R_STOP_TICK:
-                self._end_queue(q, now, W_DISPATCH_FULL, -1, -1, W_NONE)
-                return 1
             elif res == R_STOP_QUEUE:
                 self._end_queue(q, now, W_HEAD_BUDGET, first, first, self.a_wait_code[first])
                 return 0

@@ -174,6 +174,7 @@ class Engine:
         st = self._state
         i = self._queue_index[q.name]
         st.q_strict[i] = q.scheduling == STRICT_FIFO
+        st.q_priority[i] = q.priority
         st.q_action_cap[i] = q.action_concurrency
         st.q_run_cap[i] = q.run_concurrency
         st.q_max[i] = q.max_resources

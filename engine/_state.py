@@ -149,6 +149,7 @@ class State:
 
         q, c, r = n_queues, n_clusters, n_res
         self.q_order = np.arange(q, dtype=I32)
+        self.q_priority = np.zeros(q, dtype=I64)
         self.q_strict = np.ones(q, dtype=U8)
         self.q_action_cap = np.zeros(q, dtype=I64)
         self.q_run_cap = np.zeros(q, dtype=I64)
@@ -186,6 +187,8 @@ class State:
         self.s_slots = np.zeros(c, dtype=I64)
         self.s_held_by = np.full(c, -1, dtype=I32)
         self.s_cursor = np.full(c, -1, dtype=I32)
+        self.s_first = np.full(q, -1, dtype=I32)
+        self.s_first_res = np.zeros(q, dtype=U8)
 
     def _resize(self, table, rows):
         for name, (_dtype, fill, _suffix) in TABLES[table].items():

@@ -132,3 +132,42 @@ def test_eight_free_gpus_split_four_and_four_do_not_admit_one_8gpu_pod():
     assert big.reason.startswith("UNSCHEDULABLE: pod (cpu=8, gpu:H100=8) fits no node shape "
                                  "of cluster east")
     assert eng.cluster_in_flight("east")["gpu:H100"] == 8
+
+
+def test_a_queue_of_equal_priority_does_not_starve_a_blocked_gang():
+    """Only a queue of higher priority may take capacity a STRICT head waits for: a stream of
+    2-GPU actions in an equal-priority queue (earlier in config order) must not starve it."""
+    cfg = one_cluster(nodes=1)
+    cfg["queues"] = {"stream": {"priority": 500}, "gangs": {"priority": 500}}
+    cfg["engine"] = {"default_queue": "stream"}
+    eng, _ = make_engine(cfg)
+    running = []
+    for i in range(4):
+        eng.enqueue(act(f"s{i}", resources={"cpu": 1, "gpu": 2}, run_queue="stream"))
+    running += eng.tick()
+    eng.enqueue(act("g", pods=(PodGroup("w", 3, {"cpu": 1, "gpu": 2}),), run_queue="gangs"))
+    started = None
+    for step in range(12):
+        placed = eng.tick()
+        if any(a.action.run == "g" for a in placed):
+            started = step
+            break
+        running += placed
+        done = running.pop(0)
+        eng.complete(done.action, done.generation)
+        eng.enqueue(act(f"t{step}", resources={"cpu": 1, "gpu": 2}, run_queue="stream"))
+    assert started is not None and started <= 4
+    # A higher-priority stream may take it: that is what priority means.
+    cfg["queues"]["stream"]["priority"] = 600
+    eng, _ = make_engine(cfg)
+    for i in range(4):
+        eng.enqueue(act(f"s{i}", resources={"cpu": 1, "gpu": 2}, run_queue="stream"))
+    running = eng.tick()
+    eng.enqueue(act("g", pods=(PodGroup("w", 3, {"cpu": 1, "gpu": 2}),), run_queue="gangs"))
+    for step in range(12):
+        placed = eng.tick()
+        assert not any(a.action.run == "g" for a in placed), step
+        running += placed
+        done = running.pop(0)
+        eng.complete(done.action, done.generation)
+        eng.enqueue(act(f"t{step}", resources={"cpu": 1, "gpu": 2}, run_queue="stream"))
