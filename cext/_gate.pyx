@@ -36,10 +36,3 @@ def admission_check_bench(i64[:, ::1] demands not None, i64[::1] budget_left not
                 row = 0
         end = _now_ns()
     return end - start, admitted
-
-
-def first_short(i64[::1] demand not None, i64[::1] free not None):
-    """Index of the first resource where demand exceeds free, or -1 (for tests)."""
-    if demand.shape[0] != free.shape[0]:
-        raise ValueError("vectors differ in length")
-    return first_short_dim(&demand[0], &free[0], demand.shape[0])

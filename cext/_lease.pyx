@@ -9,11 +9,6 @@ from cext._types cimport (
 cdef u64 KIND_BIT = (<u64>1) << 63
 
 
-def mac(u64 k0, u64 k1, u64 lease, u64 generation):
-    """The MAC of one (lease id, generation) under key (k0, k1)."""
-    return siphash24(k0, k1, lease, generation)
-
-
 def mint(u64[:, ::1] tokens not None, u64 k0, u64 k1):
     """Fill column 2 of ``tokens`` (n x 3: lease id, generation, MAC) with the MACs."""
     if tokens.shape[1] != 3:

@@ -157,6 +157,8 @@ cdef class TickKernel:
     cdef void _cluster_free(self, int c) noexcept nogil
     cdef void _snapshot_free(self) noexcept nogil
     cdef void _queue_budget(self, i32 q) noexcept nogil
+    cdef i64 _actions_left(self, i32 q) noexcept nogil
+    cdef i64 _runs_left(self, i32 q) noexcept nogil
     cdef int _place_finalize(self, i64 now, u64* avail) noexcept nogil
     cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil
     cdef void _ring_insert(self, i32 lane) noexcept nogil

@@ -23,7 +23,7 @@ from cext._types cimport (
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 cdef i64 UNLIMITED = 1 << 62
-cdef i64 NO_CAP = 1 << 62
+cdef i64 NO_CAP = UNLIMITED   # an uncapped count
 
 # Outcomes of one candidate.
 cdef enum:
@@ -194,13 +194,6 @@ cdef class TickKernel:
             raise ValueError("lease ttl must be positive")
         self.lease_ttl = ttl_ns
 
-    def set_gate(self, bint gate_on, i64 max_candidates):
-        """Switch the resource gate and the per-queue candidate budget."""
-        if max_candidates < 1:
-            raise ValueError("max_candidates must be >= 1")
-        self.gate_on = gate_on
-        self.max_candidates = max_candidates
-
     # ---------------------------------------------------------------- capacity
 
     cdef void _cluster_free(self, int c) noexcept nogil:
@@ -224,6 +217,18 @@ cdef class TickKernel:
             self._cluster_free(<int>c)
             for r in range(self.n_res):
                 self.s_cfree[c, r] = self.s_free[r]
+
+    cdef inline i64 _actions_left(self, i32 q) noexcept nogil:
+        # Actions the queue may still admit: action_concurrency minus in flight.
+        if self.q_action_cap[q] <= 0:
+            return NO_CAP
+        return self.q_action_cap[q] - <i64>(self.q_adm[q] - self.q_rel[q])
+
+    cdef inline i64 _runs_left(self, i32 q) noexcept nogil:
+        # Runs that may still start in the queue: run_concurrency minus runs in flight.
+        if self.q_run_cap[q] <= 0:
+            return NO_CAP
+        return self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
 
     cdef void _queue_budget(self, i32 q) noexcept nogil:
         # The queue's remaining budget: max_resources minus its in-flight resources.
@@ -387,10 +392,6 @@ cdef class TickKernel:
                 self.n_pools_live -= 1
             self.e_cluster[e] = -1
 
-    def reap_pools(self, i64 now):
-        """Release idle pools now (the tick also does this first thing)."""
-        self._reap_pools(now)
-
     # ---------------------------------------------------------------- the tick
 
     cdef u64 _count_slots(self) noexcept nogil:
@@ -477,14 +478,10 @@ cdef class TickKernel:
             if (not self.q_strict[q] or head < 0 or self.a_state[head] != ST_QUEUED
                     or self.q_head_code[q] == W_HEAD_OF_LINE):
                 continue
-            actions_left = NO_CAP
-            if self.q_action_cap[q] > 0:
-                actions_left = self.q_action_cap[q] - <i64>(self.q_adm[q] - self.q_rel[q])
+            actions_left = self._actions_left(q)
             if actions_left <= 0:
                 continue
-            runs_left = NO_CAP
-            if self.q_run_cap[q] > 0:
-                runs_left = self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
+            runs_left = self._runs_left(q)
             self._queue_budget(q)
             res = self._try_place(q, head, now, held, avail, &actions_left, &runs_left)
             if res == R_STOP_TICK:
@@ -598,12 +595,8 @@ cdef class TickKernel:
         if self.q_pending[q] == 0:
             self.q_head[q] = -1
             return 0
-        actions_left = NO_CAP
-        if self.q_action_cap[q] > 0:
-            actions_left = self.q_action_cap[q] - <i64>(self.q_adm[q] - self.q_rel[q])
-        runs_left = NO_CAP
-        if self.q_run_cap[q] > 0:
-            runs_left = self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
+        actions_left = self._actions_left(q)
+        runs_left = self._runs_left(q)
         self._queue_budget(q)
 
         # A STRICT head retried before this level (see _retry_heads) is not examined again.
