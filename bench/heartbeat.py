@@ -46,6 +46,7 @@ from cext._lease import validate  # noqa: E402
 from engine import ActionSpec, Engine, ManualClock, Phase, RetryPolicy  # noqa: E402
 from engine._codes import LeaseKind, Verdict  # noqa: E402
 from engine._config import parse_config  # noqa: E402
+from storage import MemoryStore  # noqa: E402
 
 TOKENS = 5000
 REPEATS = 200          # timed calls per figure (the brief asks >= 50)
@@ -66,7 +67,7 @@ def build(n_tokens):
                    "max_candidates": 2 * n_tokens, "dispatch_capacity": 2 * n_tokens},
     }, source="<bench/heartbeat>")
     clock = ManualClock(start_ns=1_000_000_000)
-    eng = Engine(cfg, clock=clock)
+    eng = Engine(cfg, clock=clock, store=MemoryStore())
     eng.register_worker(WORKER, "open", n_tokens + n_tokens // 2)
     n_retry = int(n_tokens * STALE_SHARE)
     retry = RetryPolicy(count=1, backoff_base=0.001, backoff_factor=1.0, backoff_cap=0.001)

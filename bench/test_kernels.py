@@ -22,6 +22,7 @@ from workload import Workload  # noqa: E402
 import cext  # noqa: E402
 from engine import ActionSpec, Engine, ManualClock, parse_config  # noqa: E402
 from engine._codes import RowState, WaitCode  # noqa: E402
+from storage import MemoryStore  # noqa: E402
 
 WARMUP_TICKS = 300
 ROUNDS = 200
@@ -165,7 +166,7 @@ _RELEASE_CONFIG = {
 def test_release(benchmark):
     """``TickKernel.release``: give back the in-flight counts of 256 placed leases."""
     clock = ManualClock(start_ns=10**18)
-    eng = Engine(parse_config(_RELEASE_CONFIG), clock=clock)
+    eng = Engine(parse_config(_RELEASE_CONFIG), clock=clock, store=MemoryStore())
     eng.register_worker("w", "c", 1_000_000)
     st, k = eng._state, eng._kernel
     batch = [0]

@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import ActionSpec, Engine, ManualClock, PodGroup, ReusePolicy, parse_config  # noqa: E402
+from storage import MemoryStore  # noqa: E402
 
 __all__ = ["Workload", "build_config", "SEED"]
 
@@ -254,7 +255,7 @@ class Workload:
         data, meta = build_config(seed, resource_gate, max_candidates, dt)
         self.config = parse_config(data, "<bench>")
         self.clock = ManualClock(start_ns=1_700_000_000 * 10**9)
-        self.engine = Engine(self.config, clock=self.clock)
+        self.engine = Engine(self.config, clock=self.clock, store=MemoryStore())
         self.state = self.engine._state
         self.kernel = self.engine._kernel
         self.dt = dt

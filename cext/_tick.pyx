@@ -948,6 +948,16 @@ cdef class TickKernel:
 
     # ---------------------------------------------------------------- outputs
 
+    def push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w):
+        """Append one entry to the dispatch ring (reload: a decided lease never handed out)."""
+        if self.d_tail - self.d_head >= self.d_action.shape[0]:
+            raise OverflowError("dispatch channel full")
+        self._push_dispatch(kind, row, gen, c, w)
+
+    def set_pools_live(self, i64 n):
+        """Set the number of warm pools holding a footprint (reload recounts them)."""
+        self.n_pools_live = n
+
     def consume_dispatch(self, i64 n):
         """Mark ``n`` dispatch entries consumed (after the caller copied them)."""
         if n < 0 or n > self.d_tail - self.d_head:

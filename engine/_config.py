@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine._errors import ConfigError
-from engine._units import DEVICE, UNLIMITED, ResourceSet
+from engine._units import BYTES, DEVICE, UNLIMITED, ResourceSet, parse_quantity
 
 __all__ = [
     "Config",
@@ -26,6 +26,7 @@ __all__ = [
     "NodeShape",
     "QueueConfig",
     "EngineSettings",
+    "StorageSettings",
     "load_config",
     "parse_config",
     "update_queue",
@@ -48,7 +49,9 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
-_TOP_KEYS = ("resources", "engine", "clusters", "queues")
+_TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage")
+_STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl")
+MAX_PARTITIONS = 256
 _ENGINE_KEYS = (
     "default_queue",
     "max_candidates",
@@ -139,6 +142,19 @@ class EngineSettings:
                    * 1e9)
 
 
+@dataclass(frozen=True)
+class StorageSettings:
+    """The ``[storage]`` table: where and how a shard keeps its durable state."""
+
+    path: str = "leasehold-data"  # directory of the LMDB store (relative: to the working dir)
+    shard: str = "shard-0"  # this shard's name in ownership claims (unique per store)
+    partitions: int = 16  # tenants map to this many partitions (fixed once the store exists)
+    map_size: int = 1 << 30  # bytes of address space per partition at open
+    max_map_size: int = 64 << 30  # a full map grows by doubling up to this, then refuses
+    sync: bool = True  # fdatasync every group commit (off: fast, loses the tail on power loss)
+    claim_ttl: float = 30.0  # seconds a partition claim lives without renewal
+
+
 @dataclass(frozen=True, eq=False)
 class Config:
     """A validated configuration. Clusters and queues are in file order."""
@@ -148,6 +164,7 @@ class Config:
     clusters: tuple  # tuple[ClusterConfig]
     queues: tuple  # tuple[QueueConfig]
     engine: EngineSettings
+    storage: StorageSettings = StorageSettings()
 
     def __post_init__(self):
         by_name = {
@@ -196,6 +213,7 @@ def parse_config(data, source="<config>"):
     _check_keys(source, "", data, _TOP_KEYS)
     resources = _parse_resources(source, data)
     engine = _parse_engine(source, _table(source, "engine", data.get("engine", {})))
+    storage = _parse_storage(source, _table(source, "storage", data.get("storage", {})))
 
     clusters_table = _table(source, "clusters", data.get("clusters"), required=True)
     if not clusters_table:
@@ -231,6 +249,7 @@ def parse_config(data, source="<config>"):
         clusters=clusters,
         queues=tuple(queues),
         engine=engine,
+        storage=storage,
     )
 
 
@@ -299,6 +318,42 @@ def _parse_engine(source, table):
         if key in table:
             values[key] = _seconds(source, f"engine.{key}", table[key], positive)
     return replace(EngineSettings(), **values)
+
+
+def _parse_storage(source, table):
+    _check_keys(source, "storage", table, _STORAGE_KEYS)
+    values = {}
+    if "path" in table:
+        if not isinstance(table["path"], str) or not table["path"]:
+            raise _invalid(source, "storage.path", table["path"], "a non-empty directory path")
+        values["path"] = table["path"]
+    if "shard" in table:
+        values["shard"] = _check_name(source, "storage.shard", table["shard"], key_is_name=False)
+    if "partitions" in table:
+        values["partitions"] = _int(source, "storage.partitions", table["partitions"], 1)
+        if values["partitions"] > MAX_PARTITIONS:
+            raise _invalid(source, "storage.partitions", table["partitions"],
+                           f"an integer from 1 to {MAX_PARTITIONS}")
+    for key in ("map_size", "max_map_size"):
+        if key in table:
+            try:
+                values[key] = int(parse_quantity("memory", BYTES, table[key]))
+            except ValueError as exc:
+                raise _invalid(source, f"storage.{key}", table[key],
+                               f"a size in bytes such as \"1Gi\" ({exc})") from None
+            if values[key] < 1 << 20:
+                raise _invalid(source, f"storage.{key}", table[key], "a size of at least 1Mi")
+    if "sync" in table:
+        if not isinstance(table["sync"], bool):
+            raise _invalid(source, "storage.sync", table["sync"], "true or false")
+        values["sync"] = table["sync"]
+    if "claim_ttl" in table:
+        values["claim_ttl"] = _seconds(source, "storage.claim_ttl", table["claim_ttl"], True)
+    out = replace(StorageSettings(), **values)
+    if out.max_map_size < out.map_size:
+        raise _invalid(source, "storage.max_map_size", table.get("max_map_size"),
+                       f"a size >= storage.map_size ({out.map_size} bytes)")
+    return out
 
 
 def _seconds(source, path, value, positive):

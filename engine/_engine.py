@@ -5,10 +5,13 @@ scheduling. Python keeps the edges (names to rows, specs, history); the arrays a
 keep the decision state. Time comes from an injectable clock.
 """
 
+import contextlib
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field, replace
 
+import msgpack
 import numpy as np
 
 from cext import TickKernel
@@ -25,16 +28,40 @@ from engine._codes import (
     WaitCode,
 )
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
-from engine._errors import NotFound, ResourceExhausted, SpecError
+from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
 from engine._leases import Attempt, ErrorKind, TokenCodec
 from engine._model import ActionId, compile_spec
+from engine._records import (
+    FINALIZE_DTYPE,
+    LAYOUT_KEY,
+    SECRET_KEY,
+    action_dtype,
+    decode_outcome,
+    decode_spec,
+    encode_outcome,
+    encode_spec,
+    name_hash,
+    row_key,
+)
 from engine._state import NEVER, State
 from engine._units import format_quantity
+from storage import (
+    CorruptRecord,
+    LmdbStore,
+    OwnershipError,
+    StoreError,
+    StoreFailed,
+    StoreFull,
+    partition_of,
+)
 
 # Timer kinds (a heap of (due_ns, seq, kind, row, ref); ref detects a timer that no longer
 # applies: the attempt number, or the lease generation).
 T_DEADLINE, T_QUEUED, T_RETRY, T_RUNTIME, T_FINALIZE = range(5)
 LIVE_STATES = (RowState.SENT, RowState.RUNNING)
+# The durable column of each action timer (reload rebuilds the timers from them).
+_DUE_COLUMNS = {T_DEADLINE: "a_deadline_due", T_QUEUED: "a_queued_due", T_RETRY: "a_retry_due",
+                T_RUNTIME: "a_runtime_due"}
 BOUNDS = ("deadline", "max_queued_time", "max_runtime")
 
 __all__ = ["Engine", "Assignment", "Explanation", "AlreadyExists", "Refusal"]
@@ -98,7 +125,6 @@ class _Action:
     attempts: list = field(default_factory=list)   # Attempt records, oldest first
     user_retries: int = 0
     system_retries: int = 0
-    children: list = field(default_factory=list)   # ActionIds of direct children
 
     @property
     def attempt(self):
@@ -118,55 +144,133 @@ class Engine:
     generation into external writes).
     """
 
-    def __init__(self, config, *, clock=None, secret=None):
+    def __init__(self, config, *, clock=None, secret=None, store=None):
         if not isinstance(config, Config):
             config = load_config(config)
         self.config = config
         self.clock = clock or SystemClock()
         res = config.resources
-        settings = config.engine
         self._resources = res
         self._clusters = [c.name for c in config.clusters]
         self._cluster_index = {n: i for i, n in enumerate(self._clusters)}
-        self._queues = {q.name: q for q in config.queues}
         self._queue_names = [q.name for q in config.queues]
         self._queue_index = {n: i for i, n in enumerate(self._queue_names)}
-        self._state = st = State(
-            n_res=len(res), n_clusters=len(self._clusters), n_queues=len(self._queue_names),
-            initial_rows=settings.initial_capacity,
-            dispatch_capacity=settings.dispatch_capacity,
-            max_candidates=settings.max_candidates,
-            gate_on=settings.resource_gate == "enforce",
-            cpu_dim=res.cpu_index, res_accel=res.accelerator_mask,
-        )
-        for i, cluster in enumerate(config.clusters):
-            if cluster.capacity is not None:
-                st.c_cap[i] = cluster.capacity
         # Per cluster: node shapes as a [S, R] matrix (None = shapes unknown, every pod fits).
         self._shapes = [
             np.stack([s.allocatable for s in c.node_shapes]) if c.node_shapes else None
             for c in config.clusters
         ]
-        for q in config.queues:
+        self._sweep_period_ns = int(config.engine.heartbeat_interval * 1e9 / 4)
+        self._action_dtype = action_dtype(len(res))
+        if store is None:
+            sc = config.storage
+            store = LmdbStore(sc.path, partitions=sc.partitions, map_size=sc.map_size,
+                              sync=sc.sync, claim_ttl_s=sc.claim_ttl)
+        self._store = store
+        self._stopped = None        # why the shard stopped (lost ownership), or None
+        self._depth = 0             # nesting of transitions in the current loop turn
+        self._store.open(config.storage.shard, time.time_ns())
+        try:
+            self._codec = TokenCodec(self._load_meta(secret))
+            self._load()
+        except BaseException:
+            self._store.close()
+            raise
+
+    # ------------------------------------------------------------------ durable state
+
+    def _reset(self):
+        """Empty in-memory state (the arrays, the kernel and the Python edges)."""
+        settings = self.config.engine
+        self._queues = {q.name: q for q in self.config.queues}
+        self._state = st = State(
+            n_res=len(self._resources), n_clusters=len(self._clusters),
+            n_queues=len(self._queue_names),
+            initial_rows=settings.initial_capacity,
+            dispatch_capacity=settings.dispatch_capacity,
+            max_candidates=settings.max_candidates,
+            gate_on=settings.resource_gate == "enforce",
+            cpu_dim=self._resources.cpu_index, res_accel=self._resources.accelerator_mask,
+        )
+        for i, cluster in enumerate(self.config.clusters):
+            if cluster.capacity is not None:
+                st.c_cap[i] = cluster.capacity
+        for q in self.config.queues:
             self._apply_queue(q)
-        self._actions = {}          # ActionId -> _Action
-        self._row_action = {}       # row -> ActionId
+        self._recs = {}             # row -> _Action (cache of the Python edges)
+        self._names = {}            # ActionId -> row (rows looked up or created since load)
+        self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
+        self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows
         self._runs = {}             # run key -> run row
+        self._run_keys = []         # run row -> run key
         self._qruns = {}            # (queue row, run row) -> qrun row
         self._envs = {}             # env key -> env row
-        self._workers = {}          # worker id -> worker row
-        self._worker_names = []     # worker row -> id
+        self._workers = {}          # worker id -> its current session row
+        self._worker_names = []     # session row -> worker id
+        self._idents = {}           # worker id -> durable identity (index)
+        self._ident_names = []      # identity -> (worker id, cluster name)
+        self._adoptable = set()     # session rows restored at load, waiting for reconnect
         self._fit_cache = {}        # pod matrix bytes -> cluster bitmask
         self._next_row = 0
-        self._codec = TokenCodec(secret)
-        self._timers = []           # heap of (due_ns, seq, kind, row, ref)
+        self._n_finalize = 0
+        self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
-        self._finalize = {}         # finalize row -> (ActionId, attempt number, give-up ns)
+        self._restored_timers = None   # (due, kind, row, ref) arrays sorted by due, at load
+        self._rt_pos = 0
         self._next_sweep_ns = 0
-        self._sweep_period_ns = int(settings.heartbeat_interval * 1e9 / 4)
+        self._queue_changes = {}    # queue name -> live changes (persisted)
         self._kernel = TickKernel()
         self._kernel.bind(st)
         self._kernel.set_lease_ttl(settings.lease_ttl_ns)
+        self._clear_dirty()
+
+    def _clear_dirty(self):
+        self._dirty = set()         # action rows: fixed record and outcome to write
+        self._dirty_fixed = set()   # action rows: fixed record only
+        self._dirty_fz = set()      # finalize rows
+        self._ops = {}              # partition -> [(db, key, value)] of the edges
+
+    def _part_of(self, tenant):
+        return partition_of(tenant, self._store.partitions)
+
+    def _op(self, part, db, key, value):
+        self._ops.setdefault(part, []).append((db, key, value))
+
+    def _load_meta(self, secret):
+        """Check (or write) the shard layout and return the token secret."""
+        store = self._store
+        layout = {"resources": list(self._resources.names), "clusters": self._clusters,
+                  "queues": self._queue_names}
+        raw = store.get(0, "meta", LAYOUT_KEY)
+        stored_secret = store.get(0, "meta", SECRET_KEY)
+        if raw is not None:
+            try:
+                old = msgpack.unpackb(raw)
+            except Exception:
+                raise CorruptRecord(0, "meta", LAYOUT_KEY, "undecodable engine layout") from None
+            for key in ("resources", "clusters", "queues"):
+                have, want = list(old[key]), layout[key]
+                if want[:len(have)] != have or (key == "resources" and want != have):
+                    raise ConfigError(
+                        f"{self.config.source}: {key} {want} do not match the store's "
+                        f"{have} ({store.path if hasattr(store, 'path') else 'store'}): a "
+                        f"shard with state can only append {key}" +
+                        (" (resources cannot change)" if key == "resources" else ""))
+        if stored_secret is not None:
+            if secret is not None and bytes(secret) != stored_secret:
+                raise SpecError("the given shard secret differs from the store's; tokens "
+                                "already issued would be refused")
+            secret = stored_secret
+        elif secret is None:
+            secret = TokenCodec().secret
+        ops = []
+        if raw is None or msgpack.unpackb(raw) != layout:
+            ops.append(("meta", LAYOUT_KEY, msgpack.packb(layout)))
+        if stored_secret is None:
+            ops.append(("meta", SECRET_KEY, bytes(secret)))
+        if ops:
+            store.commit({0: ops})
+        return secret
 
     # ------------------------------------------------------------------ queues
 
@@ -188,19 +292,187 @@ class Engine:
                        key=lambda k: (-self._queues[self._queue_names[k]].priority, k))
         st.q_order[:] = order
 
+    def _update_queue_config(self, name, changes):
+        try:
+            return update_queue(self._queues[name], changes, self.config)
+        except ConfigError as exc:
+            raise ConfigError(f"queue {name}: stored live change no longer valid: {exc}") \
+                from None
+
     def update_queue(self, name, **changes):
         """Change a queue live (same keys as its config table). In-flight work is untouched;
-        the new limits gate the next admission. Returns the new queue config."""
+        the new limits gate the next admission. The change is durable (it survives a
+        restart, on top of the config file's table). Returns the new queue config."""
         if name not in self._queues:
             raise NotFound(f"queue {name!r} does not exist")
         new = update_queue(self._queues[name], changes, self.config)
-        self._apply_queue(new)
+        merged = {**self._queue_changes.get(name, {}), **changes}
+        try:
+            raw = msgpack.packb(merged)
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"queue {name}: change is not plain data: {exc}") from None
+        with self._turn():
+            self._apply_queue(new)
+            self._queue_changes[name] = merged
+            self._op(0, "queues", name.encode(), raw)
         return new
+
+    # ------------------------------------------------------------------ loop turns
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Group everything done inside into one loop turn: one store transaction and one
+        sync at the end, and nothing acknowledged before it (calls inside return as usual,
+        but the group becomes durable only when the block exits without error). On a
+        failed commit memory is restored to what the store holds and the error raised."""
+        with self._turn():
+            yield self
+
+    @contextlib.contextmanager
+    def _turn(self):
+        if self._stopped is not None:
+            raise StoreError(f"shard stopped: {self._stopped}")
+        self._depth += 1
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                if ok:
+                    self._commit()
+                elif self._has_dirty():
+                    # An error after memory changed: put memory back to what disk holds.
+                    self._restore()
+
+    def _has_dirty(self):
+        return bool(self._dirty or self._dirty_fixed or self._dirty_fz or self._ops)
+
+    def _touch(self, row):
+        self._dirty.add(row)
+
+    def _commit(self):
+        if not self._has_dirty():
+            return
+        batch = self._encode()
+        store = self._store
+        while True:
+            try:
+                store.commit(batch)
+                break
+            except StoreFull as exc:
+                grow = getattr(store, "resize", None)
+                size = getattr(store, "map_size", None)
+                limit = self.config.storage.max_map_size
+                if grow is not None and size is not None and size * 2 <= limit:
+                    grow(size * 2)       # nothing was applied: retry the same group
+                    continue
+                self._restore()
+                raise StoreFull(exc.partition, exc.map_size) from None
+            except OwnershipError as exc:
+                self._stopped = f"ownership lost: {exc}"
+                raise
+            except StoreFailed:
+                # Unknown outcome: reopen (finishes or discards the group) and reload.
+                store.close()
+                store.open(self.config.storage.shard, time.time_ns())
+                self._restore()
+                raise
+            except BaseException:
+                self._restore()
+                raise
+        self._clear_dirty()
+
+    def _restore(self):
+        """Memory := disk, keeping the connected workers' sessions."""
+        connected = [(name, self._clusters[self._state.w_cluster[row]],
+                      int(self._state.w_slots[row]))
+                     for name, row in self._workers.items() if self._state.w_connected[row]]
+        self._clear_dirty()
+        self._load()
+        for name, cluster, slots in connected:
+            self._register(name, cluster, slots)
+        self._clear_dirty()
+
+    def _load(self):
+        from engine._reload import load
+        load(self)
+
+    def _encode(self):
+        """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
+        st = self._state
+        batch = {p: list(ops) for p, ops in self._ops.items()}
+        rows = self._dirty | self._dirty_fixed
+        if rows:
+            idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
+            idx.sort()
+            recs = self._fixed_records(idx)
+            parts = st.a_part[idx].tolist()
+            for i, r in enumerate(idx.tolist()):
+                ops = batch.setdefault(parts[i], [])
+                ops.append(("actions", row_key(r), recs[i:i + 1].tobytes()))
+                if r in self._dirty:
+                    ops.append(("attempts", row_key(r), encode_outcome(self._rec(r))))
+        if self._dirty_fz:
+            idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
+            idx.sort()
+            recs = np.zeros(idx.size, FINALIZE_DTYPE)
+            recs["state"] = st.fz_state[idx]
+            recs["end"] = st.fz_end[idx]
+            rows_ = st.fz_action[idx]
+            recs["action"] = rows_
+            recs["cluster"] = st.fz_cluster[idx]
+            recs["pref"] = self._ident_of_rows(st.fz_pref[idx])
+            recs["holder"] = self._ident_of_rows(st.fz_worker[idx])
+            recs["attempt"] = st.fz_attempt[idx]
+            recs["gen"] = st.fz_gen[idx]
+            recs["released_gen"] = st.fz_released_gen[idx]
+            recs["delivered_gen"] = st.fz_delivered_gen[idx]
+            recs["give_up"] = st.fz_give_up[idx]
+            parts = st.a_part[rows_].tolist()
+            for i, f in enumerate(idx.tolist()):
+                batch.setdefault(parts[i], []).append(
+                    ("finalize", row_key(f), recs[i:i + 1].tobytes()))
+        return batch
+
+    def _ident_of_rows(self, rows):
+        rows = np.asarray(rows)
+        return np.where(rows >= 0, self._state.w_ident[np.maximum(rows, 0)], -1)
+
+    def _fixed_records(self, idx):
+        st = self._state
+        recs = np.zeros(idx.size, self._action_dtype)
+        for name in ("state", "end", "charged", "part", "queue", "run", "env", "cluster",
+                     "parent", "attempt", "fit", "gen", "released_gen", "delivered_gen",
+                     "enqueued", "deadline_due", "queued_due", "retry_due", "runtime_due",
+                     "name_hash", "demand"):
+            recs[name] = getattr(st, "a_" + name)[idx]
+        recs["holder"] = self._ident_of_rows(st.a_worker[idx])
+        recs["fast"] = st.a_lane[idx] & 1
+        return recs
+
+    def close(self):
+        """Release the store (claims are released so a successor can start at once)."""
+        self._store.close()
+
+    def renew(self):
+        """Renew the shard's partition claims (call well within ``storage.claim_ttl``);
+        ``OwnershipError`` means another shard took over: this one must stop."""
+        try:
+            return self._store.renew(time.time_ns())
+        except OwnershipError as exc:
+            self._stopped = f"ownership lost: {exc}"
+            raise
 
     # ------------------------------------------------------------------ workers
 
     def register_worker(self, worker_id, cluster, slots):
-        """Connect a worker of ``cluster`` offering ``slots`` lease slots (reconnect: same id)."""
+        """Connect a worker of ``cluster`` offering ``slots`` lease slots (reconnect: same id).
+
+        After a restart, a worker that held leases adopts them when it registers again
+        (same id): its next heartbeat validates them. A worker registering again within a
+        running shard starts a new session, and its old session's leases expire."""
         if not isinstance(worker_id, str) or not worker_id:
             raise SpecError(f"worker id must be a non-empty string, not {worker_id!r}")
         if cluster not in self._cluster_index:
@@ -208,22 +480,32 @@ class Engine:
                            f"(clusters: {', '.join(self._clusters)})")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise SpecError(f"worker {worker_id}: slots {slots!r} must be an integer >= 1")
+        old = self._workers.get(worker_id)
+        c = self._cluster_index[cluster]
+        if old is not None and self._state.w_cluster[old] != c:
+            raise SpecError(f"worker {worker_id} is registered in cluster "
+                            f"{self._clusters[self._state.w_cluster[old]]}, not {cluster}")
+        with self._turn():
+            self._register(worker_id, cluster, slots)
+
+    def _register(self, worker_id, cluster, slots):
         st = self._state
         c = self._cluster_index[cluster]
         old = self._workers.get(worker_id)
-        if old is not None and st.w_cluster[old] != c:
-            raise SpecError(f"worker {worker_id} is registered in cluster "
-                            f"{self._clusters[st.w_cluster[old]]}, not {cluster}")
         # Every connection is a new session row: leases of an earlier session are refused
         # as stale when the worker presents them again, and expire.
         row = len(self._worker_names)
         if st.ensure("workers", row + 1):
             self._kernel.bind(st)
+        ident = self._idents.get(worker_id)
+        if ident is None:
+            ident = len(self._ident_names)
+            self._idents[worker_id] = ident
+            self._ident_names.append((worker_id, cluster))
+            self._op(0, "workers", row_key(ident), msgpack.packb([worker_id, cluster]))
         if old is not None:
             st.w_connected[old] = 0
-            st.w_ident[row] = st.w_ident[old]
-        else:
-            st.w_ident[row] = len(self._workers)
+        st.w_ident[row] = ident
         self._workers[worker_id] = row
         self._worker_names.append(worker_id)
         st.n_workers = row + 1
@@ -231,14 +513,28 @@ class Engine:
         st.w_cluster[row] = c
         st.w_slots[row] = slots
         st.w_connected[row] = 1
-        if old is not None:
+        if old is not None and old in self._adoptable:
+            self._adopt(old, row)
+        elif old is not None:
             self._end_session(old)
+
+    def _adopt(self, old, row):
+        # Restored leases of this worker move to its new session (tokens carry no session).
+        st = self._state
+        self._adoptable.discard(old)
+        n, nf = self._next_row, self._n_finalize
+        held = int(st.w_adm[old] - st.w_rel[old])
+        st.a_worker[:n][st.a_worker[:n] == old] = row
+        st.fz_worker[:nf][st.fz_worker[:nf] == old] = row
+        st.fz_pref[:nf][st.fz_pref[:nf] == old] = row
+        st.w_adm[row] += held
+        st.w_rel[old] = st.w_adm[old]
 
     def _end_session(self, old):
         # A new session proves the old one is gone: its leases expire now (the tokens it
         # still presents are refused on heartbeat and report alike) and are reassigned.
         st = self._state
-        n, nf = self._next_row, len(self._finalize)
+        n, nf = self._next_row, self._n_finalize
         for r in np.flatnonzero((st.a_worker[:n] == old) & (st.a_expiry[:n] != NEVER)):
             self._expire_lease((LeaseKind.RUN, int(r), int(st.a_gen[r]), old))
         for f in np.flatnonzero((st.fz_worker[:nf] == old) & (st.fz_expiry[:nf] != NEVER)):
@@ -252,7 +548,7 @@ class Engine:
         st.w_connected[row] = 0
         n = self._next_row
         held = np.nonzero((st.a_worker[:n] == row) & np.isin(st.a_state[:n], LIVE_STATES))[0]
-        return [self._row_action[int(a)] for a in held]
+        return [self._aid(int(a)) for a in held]
 
     def _worker_row(self, worker_id):
         try:
@@ -278,18 +574,22 @@ class Engine:
                 c = compile_spec(spec, self._resources, self._queues, cfg.engine.default_queue)
             except SpecError as exc:
                 raise type(exc)(f"batch item {i}: {exc}") if len(specs) > 1 else exc from None
-            existing = self._actions.get(c.id)
+            existing = self._lookup(c.id)
             if existing is not None:
-                if existing.compiled.spec != c.spec:
+                if self._rec(existing).compiled.spec != c.spec:
                     raise AlreadyExists(f"action {c.id} exists with a different spec")
                 ids.append(c.id)
                 continue
             if c.id in seen:
                 raise SpecError(f"batch item {i}: action {c.id} appears twice in the batch")
-            if c.parent is not None and c.parent not in self._actions and c.parent not in seen:
-                raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} not found")
-            if c.parent in self._actions and self._actions[c.parent].phase == Phase.ABORTED:
-                raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} was aborted")
+            if c.parent is not None and c.parent not in seen:
+                prow = self._lookup(c.parent)
+                if prow is None:
+                    raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} "
+                                    f"not found")
+                if self._rec(prow).phase == Phase.ABORTED:
+                    raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} was "
+                                    f"aborted")
             run = self._runs.get(c.id.run_key)
             mac = c.spec.run_max_action_concurrency
             if run is not None:
@@ -311,22 +611,73 @@ class Engine:
                 raise ResourceExhausted(
                     f"queue {qname}: depth {depth} reached ({self._state.q_pending[q]} queued, "
                     f"{n} more asked); nothing was enqueued")
-        now = self.clock.now_ns()
-        rows = [self._store(c, now) for c in compiled]
-        if rows:
+        if not compiled:
+            return ids
+        with self._turn():
+            now = self.clock.now_ns()
+            rows = [self._insert(c, now) for c in compiled]
             self._kernel.push_many(np.asarray(rows, dtype=np.int32))
         return ids
 
-    def _store(self, c, now):
+    def _lookup(self, aid):
+        """The row of action ``aid``, or None."""
+        row = self._names.get(aid)
+        if row is not None or not self._idx_hash.size:
+            return row
+        h = np.uint64(name_hash(str(aid)))
+        i = int(np.searchsorted(self._idx_hash, h))
+        while i < self._idx_hash.size and self._idx_hash[i] == h:
+            r = int(self._idx_row[i])
+            if self._rec(r).compiled.id == aid:   # a 64-bit hash may collide: verify
+                self._names[aid] = r
+                return r
+            i += 1
+        return None
+
+    def _rec(self, row):
+        """The Python edges of ``row``, decoded from the store on first use after a load."""
+        rec = self._recs.get(row)
+        if rec is None:
+            rec = self._materialize(row)
+        return rec
+
+    def _aid(self, row):
+        return self._rec(row).compiled.id
+
+    def _materialize(self, row):
+        st = self._state
+        part, key = int(st.a_part[row]), row_key(row)
+        raw_spec = self._store.get(part, "specs", key)
+        raw_out = self._store.get(part, "attempts", key)
+        if raw_spec is None or raw_out is None:
+            raise CorruptRecord(part, "specs" if raw_spec is None else "attempts", key,
+                                f"action row {row} has no such record")
+        try:
+            spec = decode_spec(raw_spec)
+            phase, message, kind, cause, ur, sr, attempts = decode_outcome(raw_out)
+            c = compile_spec(spec, self._resources, self._queues,
+                             self.config.engine.default_queue)
+        except Exception as exc:
+            raise CorruptRecord(part, "specs", key, f"undecodable action record: {exc}") \
+                from None
+        c.queue = self._queue_names[int(st.a_queue[row])]
+        rec = _Action(compiled=c, row=row, first_enqueued_ns=int(st.a_enqueued[row]),
+                      phase=Phase(phase), message=message, error_kind=kind, cause=cause,
+                      attempts=attempts, user_retries=ur, system_retries=sr)
+        self._recs[row] = rec
+        return rec
+
+    def _insert(self, c, now):
         st = self._state
         row = self._next_row
         if st.ensure("actions", row + 1):
             self._kernel.bind(st)
         self._next_row += 1
         q = self._queue_index[c.queue]
-        u = self._run_row(c)
+        part = self._part_of(c.id.tenant)
+        u = self._run_row(c, part)
         qr = self._qrun_row(q, u)
-        env = self._env_row(c, q) if c.env_key is not None else -1
+        env = self._env_row(c, q, part) if c.env_key is not None else -1
         fast = env >= 0 and st.e_cluster[env] >= 0
         st.a_queue[row] = q
         st.a_run[row] = u
@@ -338,11 +689,13 @@ class Engine:
         st.a_gen[row] = 0
         st.a_released_gen[row] = 0
         st.a_enqueued[row] = now
+        st.a_part[row] = part
+        st.a_name_hash[row] = name_hash(str(c.id))
+        st.a_parent[row] = self._lookup(c.parent) if c.parent is not None else -1
         rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
-        self._actions[c.id] = rec
-        self._row_action[row] = c.id
-        if c.parent is not None:
-            self._actions[c.parent].children.append(c.id)
+        self._recs[row] = rec
+        self._names[c.id] = row
+        self._op(part, "specs", row_key(row), encode_spec(c.spec))
         t = c.spec.timeouts
         if t.deadline is not None:
             self._timer(now + int(t.deadline * 1e9), T_DEADLINE, row, 0)
@@ -351,6 +704,8 @@ class Engine:
 
     def _new_attempt(self, rec, now):
         rec.attempts.append(Attempt(number=len(rec.attempts) + 1, enqueued_ns=now))
+        self._state.a_attempt[rec.row] = len(rec.attempts)
+        self._touch(rec.row)
         t = rec.compiled.spec.timeouts
         if t.max_queued_time is not None:
             self._timer(now + int(t.max_queued_time * 1e9), T_QUEUED, rec.row,
@@ -358,8 +713,12 @@ class Engine:
 
     def _timer(self, due_ns, kind, row, ref):
         heapq.heappush(self._timers, (due_ns, next(self._seq), kind, row, ref))
+        column = _DUE_COLUMNS.get(kind)
+        if column is not None:
+            getattr(self._state, column)[row] = due_ns
+            self._touch(row)
 
-    def _run_row(self, c):
+    def _run_row(self, c, part):
         st = self._state
         row = self._runs.get(c.id.run_key)
         if row is None:
@@ -367,7 +726,10 @@ class Engine:
             if st.ensure("runs", row + 1):
                 self._kernel.bind(st)
             self._runs[c.id.run_key] = row
+            self._run_keys.append(c.id.run_key)
             st.u_cap[row] = c.spec.run_max_action_concurrency
+            self._op(part, "runs", row_key(row), msgpack.packb(
+                [c.id.run_key, c.spec.run_max_action_concurrency]))
         return row
 
     def _qrun_row(self, q, u):
@@ -382,7 +744,7 @@ class Engine:
             st.qr_run[row] = u
         return row
 
-    def _env_row(self, c, q):
+    def _env_row(self, c, q, part):
         st = self._state
         row = self._envs.get(c.env_key)
         if row is None:
@@ -395,6 +757,8 @@ class Engine:
             st.e_idle_ttl[row] = c.env_idle_ttl_ns
             st.e_footprint[row] = c.demand
             st.n_envs = row + 1
+            self._op(part, "envs", row_key(row), msgpack.packb(
+                [c.env_key, c.queue, c.env_slots, c.env_idle_ttl_ns, c.demand.tolist()]))
             self._kernel.set_counts(st.n_workers, st.n_envs)
         return row
 
@@ -435,25 +799,41 @@ class Engine:
     def schedule(self):
         """Run one tick now: fire due timers (deadline, max_queued_time, retry backoff,
         runtime backstop), expire leases whose heartbeats stopped, then the Cython tick.
-        Assignments wait in the dispatch channel (:meth:`drain_dispatch`); actions that can
-        never fit end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
-        now = self.clock.now_ns()
-        self._fire_timers(now)
-        if now >= self._next_sweep_ns:
-            for lease in self.expired_leases():
-                self.expire(lease)
-            self._next_sweep_ns = now + self._sweep_period_ns
-        kernel = self._kernel
-        placed = kernel.run(now)
-        st = self._state
-        for i in range(kernel.f_count):
-            self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
+        Every decision is durable (one group commit) before this returns; assignments then
+        wait in the dispatch channel (:meth:`drain_dispatch`). Actions that can never fit
+        end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
+        with self._turn():
+            now = self.clock.now_ns()
+            self._fire_timers(now)
+            if now >= self._next_sweep_ns:
+                for lease in self.expired_leases():
+                    self.expire(lease)
+                self._next_sweep_ns = now + self._sweep_period_ns
+            kernel = self._kernel
+            st = self._state
+            before = kernel.d_tail
+            placed = kernel.run(now)
+            cap = st.d_action.shape[0]
+            for j in range(before, kernel.d_tail):
+                slot = j % cap
+                if st.d_kind[slot] == LeaseKind.FINALIZE:
+                    self._dirty_fz.add(int(st.d_action[slot]))
+                else:
+                    self._dirty_fixed.add(int(st.d_action[slot]))
+            for i in range(kernel.f_count):
+                self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
         return placed
 
     def drain_dispatch(self, limit=None):
         """Take assignments out of the dispatch channel, oldest first, with their tokens. An
         entry whose lease ended before it was drained (expired, aborted) is dropped: it is
-        never delivered, so nothing can run under a generation that already ended."""
+        never delivered, so nothing can run under a generation that already ended. Handing
+        an assignment out is recorded durably (a restart re-dispatches only what was never
+        handed out)."""
+        with self._turn():
+            return self._drain(limit)
+
+    def _drain(self, limit):
         k, st = self._kernel, self._state
         n = k.d_tail - k.d_head
         if limit is not None:
@@ -468,26 +848,30 @@ class Engine:
             if st.d_kind[slot] == LeaseKind.FINALIZE:
                 if int(st.fz_gen[row]) != gen or st.fz_end[row] != LeaseEnd.LIVE:
                     continue   # ended before it was dispatched: nothing to send
-                aid, number, _ = self._finalize[row]
-                rec = self._actions[aid]
+                arow, number = int(st.fz_action[row]), int(st.fz_attempt[row])
+                rec = self._rec(arow)
                 rec.attempts[number - 1].finalize = "SENT"
+                st.fz_delivered_gen[row] = gen
+                self._dirty_fz.add(row)
+                self._touch(arow)
                 out.append(Assignment(
-                    action=aid, generation=gen, queue=rec.compiled.queue, cluster=cluster,
-                    worker=worker, kind=LeaseKind.FINALIZE, attempt=number,
+                    action=rec.compiled.id, generation=gen, queue=rec.compiled.queue,
+                    cluster=cluster, worker=worker, kind=LeaseKind.FINALIZE, attempt=number,
                     token=self._codec.mint(LeaseKind.FINALIZE, row, gen)))
                 continue
             if (int(st.a_gen[row]) != gen or st.a_end[row] != LeaseEnd.LIVE
                     or st.a_state[row] not in LIVE_STATES):
                 continue   # ended (expired, aborted) before it was dispatched
-            aid = self._row_action[row]
-            rec = self._actions[aid]
+            rec = self._rec(row)
             att = self._stamp_attempt(rec)
             if rec.phase not in TERMINAL_PHASES and st.a_state[row] == RowState.SENT:
                 rec.phase = Phase.INITIALIZING
+            st.a_delivered_gen[row] = gen
+            self._touch(row)
             t = rec.compiled.spec.timeouts
             out.append(Assignment(
-                action=aid, generation=gen, queue=rec.compiled.queue, cluster=cluster,
-                worker=worker, kind=LeaseKind.RUN, attempt=att.number,
+                action=rec.compiled.id, generation=gen, queue=rec.compiled.queue,
+                cluster=cluster, worker=worker, kind=LeaseKind.RUN, attempt=att.number,
                 token=self._codec.mint(LeaseKind.RUN, row, gen),
                 deadline_ns=(rec.first_enqueued_ns + int(t.deadline * 1e9)
                              if t.deadline is not None else None),
@@ -499,9 +883,11 @@ class Engine:
         return out
 
     def tick(self):
-        """Schedule once and return the assignments made (the in-process dispatcher)."""
-        self.schedule()
-        return self.drain_dispatch()
+        """Schedule once and return the assignments made (the in-process dispatcher), in
+        one loop turn (one group commit)."""
+        with self._turn():
+            self.schedule()
+            return self._drain(None)
 
     def _stamp_attempt(self, rec):
         # Record where the current attempt went, once per generation.
@@ -513,47 +899,72 @@ class Engine:
             att.cluster = self._clusters[st.a_cluster[rec.row]]
             att.worker = self._worker_names[st.a_worker[rec.row]]
             att.start_ns = self.clock.now_ns()
+            self._touch(rec.row)
         return att
 
     # ------------------------------------------------------------------ timers
 
-    def _fire_timers(self, now):
-        st = self._state
+    def _due_timers(self, now):
+        """Pop every due timer, from the heap (set since load) and the restored arrays."""
+        due = []
         while self._timers and self._timers[0][0] <= now:
-            _due, _seq, kind, row, ref = heapq.heappop(self._timers)
-            if kind == T_FINALIZE:
-                self._finalize_give_up(row, ref)
-                continue
-            rec = self._actions[self._row_action[row]]
-            if rec.phase in TERMINAL_PHASES:
-                continue
-            state = st.a_state[row]
-            if kind == T_DEADLINE:
-                # The engine enforces the deadline before dispatch; a running attempt is
-                # bounded by its worker, which was given the deadline with the lease.
-                if state in (RowState.QUEUED, RowState.BACKOFF):
-                    self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
-                                      message="deadline passed before dispatch")
-                    self._finish(rec, Phase.TIMED_OUT, "deadline passed before dispatch",
-                                 cause="deadline")
-            elif kind == T_QUEUED:
-                if state == RowState.QUEUED and len(rec.attempts) == ref:
-                    self._kernel.remove(row)          # leaves the row in state DONE
-                    self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
-                                         "max_queued_time passed while queued", True)
-            elif kind == T_RETRY:
-                if state == RowState.BACKOFF and len(rec.attempts) == ref:
-                    self._kernel.push(row)
-            elif kind == T_RUNTIME:
-                # Engine backstop for max_runtime: the worker should have ended it.
-                if (state == RowState.RUNNING and int(st.a_gen[row]) == ref
-                        and st.a_end[row] == LeaseEnd.LIVE):
-                    self._stamp_attempt(rec)
-                    self._end_lease(row, LeaseEnd.EXPIRED)
-                    self._attempt_failed(
-                        rec, Phase.TIMED_OUT, None, "max_runtime",
-                        "engine backstop: still running past max_runtime plus grace", True,
-                        cleanup=True)
+            t = heapq.heappop(self._timers)
+            due.append((t[0], t[1], t[2], t[3], t[4]))
+        rt = self._restored_timers
+        if rt is not None and self._rt_pos < rt[0].size and rt[0][self._rt_pos] <= now:
+            end = int(np.searchsorted(rt[0], now, side="right"))
+            for i in range(self._rt_pos, end):
+                due.append((int(rt[0][i]), -1, int(rt[1][i]), int(rt[2][i]), int(rt[3][i])))
+            self._rt_pos = end
+        due.sort()
+        return due
+
+    def _fire_timers(self, now):
+        while True:
+            due = self._due_timers(now)
+            if not due:
+                return
+            for _due, _seq, kind, row, ref in due:
+                self._fire(kind, row, ref)
+
+    def _fire(self, kind, row, ref):
+        st = self._state
+        if kind == T_FINALIZE:
+            self._finalize_give_up(row, ref)
+            return
+        state = st.a_state[row]
+        if state == RowState.DONE:
+            return
+        rec = self._rec(row)
+        if rec.phase in TERMINAL_PHASES:
+            return
+        if kind == T_DEADLINE:
+            # The engine enforces the deadline before dispatch; a running attempt is
+            # bounded by its worker, which was given the deadline with the lease.
+            if state in (RowState.QUEUED, RowState.BACKOFF):
+                self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
+                                  message="deadline passed before dispatch")
+                self._finish(rec, Phase.TIMED_OUT, "deadline passed before dispatch",
+                             cause="deadline")
+        elif kind == T_QUEUED:
+            if state == RowState.QUEUED and len(rec.attempts) == ref:
+                self._kernel.remove(row)          # leaves the row in state DONE
+                self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
+                                     "max_queued_time passed while queued", True)
+        elif kind == T_RETRY:
+            if state == RowState.BACKOFF and len(rec.attempts) == ref:
+                self._kernel.push(row)
+                self._touch(row)
+        elif kind == T_RUNTIME:
+            # Engine backstop for max_runtime: the worker should have ended it.
+            if (state == RowState.RUNNING and int(st.a_gen[row]) == ref
+                    and st.a_end[row] == LeaseEnd.LIVE):
+                self._stamp_attempt(rec)
+                self._end_lease(row, LeaseEnd.EXPIRED)
+                self._attempt_failed(
+                    rec, Phase.TIMED_OUT, None, "max_runtime",
+                    "engine backstop: still running past max_runtime plus grace", True,
+                    cleanup=True)
 
     # ------------------------------------------------------------------ expiry
 
@@ -566,7 +977,7 @@ class Engine:
         rows = np.flatnonzero(st.a_expiry[:self._next_row] < now)
         rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == LeaseEnd.LIVE)]
         out = [(LeaseKind.RUN, int(r), int(st.a_gen[r]), int(st.a_worker[r])) for r in rows]
-        frows = np.flatnonzero(st.fz_expiry[:len(self._finalize)] < now)
+        frows = np.flatnonzero(st.fz_expiry[:self._n_finalize] < now)
         frows = frows[(st.fz_state[frows] == RowState.SENT) & (st.fz_end[frows] == LeaseEnd.LIVE)]
         out += [(LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), int(st.fz_worker[f]))
                 for f in frows]
@@ -581,7 +992,8 @@ class Engine:
         expiry = st.fz_expiry[row] if kind == LeaseKind.FINALIZE else st.a_expiry[row]
         if expiry >= self.clock.now_ns():
             return False
-        return self._expire_lease(lease)
+        with self._turn():
+            return self._expire_lease(lease)
 
     def _expire_lease(self, lease):
         kind, row, gen, worker = lease
@@ -593,14 +1005,16 @@ class Engine:
             st.fz_end[row] = LeaseEnd.EXPIRED
             st.fz_expiry[row] = NEVER
             self._kernel.release_finalize(row)
-            aid, number, _give_up = self._finalize[row]
-            self._actions[aid].attempts[number - 1].finalize = "PENDING"
+            arow = int(st.fz_action[row])
+            self._rec(arow).attempts[int(st.fz_attempt[row]) - 1].finalize = "PENDING"
+            self._touch(arow)
+            self._dirty_fz.add(row)
             self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
             return True
         if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
                 or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE):
             return False
-        rec = self._actions[self._row_action[row]]
+        rec = self._rec(row)
         self._stamp_attempt(rec)
         self._end_lease(row, LeaseEnd.EXPIRED)
         self._attempt_failed(rec, Phase.FAILED, ErrorKind.SYSTEM, "EXPIRED",
@@ -675,23 +1089,30 @@ class Engine:
         verdict, kind, row = self._check_token(token)
         if verdict != Verdict.OK:
             return verdict
+        with self._turn():
+            return self._report(kind, row, phase, kind_, cause, recoverable, message, cleanup)
+
+    def _report(self, kind, row, phase, kind_, cause, recoverable, message, cleanup):
+        verdict = Verdict.OK
         if kind == LeaseKind.FINALIZE:
             if phase in (Phase.SUCCEEDED, Phase.FAILED):
                 self._end_finalize(row, LeaseEnd.COMPLETED, phase.value)
             elif phase == Phase.TIMED_OUT:
                 raise SpecError("a finalize lease ends SUCCEEDED or FAILED")
             return verdict
-        rec = self._actions[self._row_action[row]]
+        rec = self._rec(row)
         st = self._state
         now = self.clock.now_ns()
         att = self._stamp_attempt(rec)
         if phase == Phase.INITIALIZING:
             # Reports may arrive out of order: a running attempt never goes back.
-            if st.a_state[row] != RowState.RUNNING:
+            if st.a_state[row] != RowState.RUNNING and rec.phase != Phase.INITIALIZING:
                 rec.phase = Phase.INITIALIZING
+                self._touch(row)
             return verdict
         if phase == Phase.RUNNING:
             if st.a_state[row] != RowState.RUNNING:
+                self._touch(row)
                 st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
                 att.running_ns = now
                 rec.phase = Phase.RUNNING
@@ -731,7 +1152,7 @@ class Engine:
         self._report_as_holder(action, generation, phase, message=message, **kw)
 
     def _report_as_holder(self, action, generation, phase, **kw):
-        rec = self._record(action)
+        rec = self._rec(self._row_of(action))
         token = self._codec.mint(LeaseKind.RUN, rec.row, generation)
         verdict = self.report(token, phase, **kw)
         if verdict != Verdict.OK:
@@ -745,25 +1166,25 @@ class Engine:
         ones are refused at their next heartbeat (their worker stops them) and get a
         finalize lease for cleanup. Returns the ids that ended."""
         ended = []
-        stack = [ActionId.parse(action)]
-        if stack[0] not in self._actions:
-            raise NotFound(f"action {stack[0]} not found")
-        while stack:
-            aid = stack.pop()
-            rec = self._actions[aid]
-            stack.extend(rec.children)
-            if rec.phase in TERMINAL_PHASES:
-                continue
-            row = rec.row
-            state = self._state.a_state[row]
-            cleanup = False
-            if state in LIVE_STATES:
-                self._stamp_attempt(rec)
-                self._end_lease(row, LeaseEnd.ABORTED)
-                cleanup = True
-            self._end_attempt(rec, Phase.ABORTED, message=reason, cleanup=cleanup)
-            self._finish(rec, Phase.ABORTED, reason)
-            ended.append(aid)
+        stack = [self._row_of(action)]
+        st = self._state
+        with self._turn():
+            while stack:
+                row = stack.pop()
+                # Children point at their parent row: one vectorised scan per node.
+                stack.extend(np.flatnonzero(st.a_parent[:self._next_row] == row).tolist())
+                rec = self._rec(row)
+                if rec.phase in TERMINAL_PHASES:
+                    continue
+                state = st.a_state[row]
+                cleanup = False
+                if state in LIVE_STATES:
+                    self._stamp_attempt(rec)
+                    self._end_lease(row, LeaseEnd.ABORTED)
+                    cleanup = True
+                self._end_attempt(rec, Phase.ABORTED, message=reason, cleanup=cleanup)
+                self._finish(rec, Phase.ABORTED, reason)
+                ended.append(rec.compiled.id)
         return ended
 
     # ------------------------------------------------------------------ transitions
@@ -776,10 +1197,12 @@ class Engine:
         st.a_expiry[row] = NEVER
         self._kernel.release(row, self.clock.now_ns())
         st.a_state[row] = RowState.DONE
+        self._touch(row)
 
     def _end_attempt(self, rec, phase, kind=None, cause=None, message="", recoverable=None,
                      cleanup=False):
         att = rec.attempt
+        self._touch(rec.row)
         att.end_ns = self.clock.now_ns()
         att.phase = phase.value
         att.error_kind = kind.value if kind is not None else None
@@ -825,8 +1248,8 @@ class Engine:
         self._timer(ready, T_RETRY, rec.row, len(rec.attempts))
 
     def _fail_unschedulable(self, row, code):
-        aid = self._row_action[row]
-        rec = self._actions[aid]
+        rec = self._rec(row)
+        self._touch(row)
         c = rec.compiled
         qname = c.queue
         if code == WaitCode.UNSCHEDULABLE_CAP:
@@ -848,6 +1271,7 @@ class Engine:
     def _finish(self, rec, phase, message, kind=None, cause=None):
         st = self._state
         row = rec.row
+        self._touch(row)
         if st.a_state[row] == RowState.QUEUED:
             self._kernel.remove(row)
         self._kernel.release(row, self.clock.now_ns())
@@ -861,17 +1285,21 @@ class Engine:
 
     def _new_finalize(self, rec, att):
         st = self._state
-        f = len(self._finalize)
+        f = self._n_finalize
         if st.ensure("finalize", f + 1):
             self._kernel.bind(st)
+        self._n_finalize += 1
         row = rec.row
         st.fz_action[f] = row
+        st.fz_attempt[f] = att.number
         st.fz_cluster[f] = self._cluster_index[att.cluster]
         st.fz_pref[f] = st.a_worker[row]
         give_up = self.clock.now_ns() + int(self.config.engine.finalize_timeout * 1e9)
-        self._finalize[f] = (rec.compiled.id, att.number, give_up)
+        st.fz_give_up[f] = give_up
         att.finalize = "PENDING"
         self._kernel.push_finalize(f)
+        self._dirty_fz.add(f)
+        self._touch(row)
         self._timer(give_up, T_FINALIZE, f, 0)
 
     def _end_finalize(self, f, end, outcome):
@@ -880,8 +1308,10 @@ class Engine:
         st.fz_expiry[f] = NEVER
         self._kernel.release_finalize(f)
         st.fz_state[f] = RowState.DONE
-        aid, number, _ = self._finalize[f]
-        self._actions[aid].attempts[number - 1].finalize = outcome
+        arow = int(st.fz_action[f])
+        self._rec(arow).attempts[int(st.fz_attempt[f]) - 1].finalize = outcome
+        self._dirty_fz.add(f)
+        self._touch(arow)
 
     def _finalize_give_up(self, f, _ref):
         # Its own generous bound passed: record the leak loudly rather than retry forever.
@@ -898,12 +1328,15 @@ class Engine:
         """The action's phase."""
         return self.explain(action).phase
 
-    def _record(self, action):
+    def _row_of(self, action):
         aid = ActionId.parse(action)
-        rec = self._actions.get(aid)
-        if rec is None:
+        row = self._lookup(aid)
+        if row is None:
             raise NotFound(f"action {aid} not found")
-        return rec
+        return row
+
+    def _record(self, action):
+        return self._rec(self._row_of(action))
 
     def explain(self, action):
         """The action's phase and, while it waits, the reason (code and message)."""
@@ -961,7 +1394,7 @@ class Engine:
                     f"({int(st.q_runs_adm[q] - st.q_runs_rel[q])} runs in flight)")
         if code == WaitCode.RUN_ACTIONS:
             u = int(st.a_run[row])
-            return (f"run {self._row_action[row].run_key}: max_action_concurrency "
+            return (f"run {self._run_keys[u]}: max_action_concurrency "
                     f"{int(st.u_cap[u])} reached")
         if code == WaitCode.QUEUE_BUDGET:
             name = res.names[dim]
@@ -975,8 +1408,8 @@ class Engine:
         if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET):
             if blocker < 0:
                 return f"queue {qname}: head-of-line blocked"
-            b = self._row_action[blocker]
-            btask = self._actions[b].compiled.spec.task
+            b = self._aid(blocker)
+            btask = self._rec(blocker).compiled.spec.task
             if code == WaitCode.HEAD_BUDGET:
                 bdim = int(st.a_wait_dim[blocker])
                 name = res.names[bdim]
@@ -991,8 +1424,8 @@ class Engine:
             return f"queue {qname}: no connected worker with a free slot on {names}"
         if code == WaitCode.POOL_BUSY:
             e = int(st.a_env[row])
-            return (f"queue {qname}: warm pool {self._row_action[row].run}/"
-                    f"{self._actions[self._row_action[row]].compiled.spec.environment} on "
+            return (f"queue {qname}: warm pool {self._aid(row).run}/"
+                    f"{self._rec(row).compiled.spec.environment} on "
                     f"{self._clusters[cluster]} has all {int(st.e_slots[e])} slots busy")
         if code == WaitCode.POOL_ELSEWHERE:
             return (f"queue {qname}: its warm pool runs on {self._clusters[cluster]}, which the "
@@ -1036,10 +1469,10 @@ class Engine:
             head = int(st.q_head[q])
             blocked = None
             if head >= 0 and st.a_state[head] == RowState.QUEUED:
-                exp = self.explain(self._row_action[head])
+                exp = self.explain(self._aid(head))
                 blocked = {
                     "since_ns": int(st.q_head_since[q]),
-                    "action": str(self._row_action[head]),
+                    "action": str(self._aid(head)),
                     "reason": exp.reason,
                     "code": exp.wait.name if exp.wait is not None else None,
                     "demand": self._resources.describe(st.a_demand[head]),

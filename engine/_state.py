@@ -40,6 +40,17 @@ ACTION_FIELDS = {
     "a_enqueued": (I64, 0, ()),
     "a_expiry": (I64, NEVER, ()),
     "a_end": (U8, 0, ()),
+    # Durable columns (engine/_records.py): partition, parent row, attempt number, the
+    # generation last handed to the dispatcher, timer dues (NEVER = none), name hash.
+    "a_part": (U8, 0, ()),
+    "a_parent": (I32, -1, ()),
+    "a_attempt": (I32, 0, ()),
+    "a_delivered_gen": (I64, 0, ()),
+    "a_deadline_due": (I64, NEVER, ()),
+    "a_queued_due": (I64, NEVER, ()),
+    "a_retry_due": (I64, NEVER, ()),
+    "a_runtime_due": (I64, NEVER, ()),
+    "a_name_hash": (U64, 0, ()),
     "f_action": (I32, -1, ()),
     "f_code": (U8, 0, ()),
 }
@@ -98,6 +109,9 @@ FINALIZE_FIELDS = {
     "fz_expiry": (I64, NEVER, ()),
     "fz_end": (U8, 0, ()),
     "fz_next": (I32, -1, ()),
+    "fz_attempt": (I32, 0, ()),
+    "fz_delivered_gen": (I64, 0, ()),
+    "fz_give_up": (I64, NEVER, ()),
 }
 TABLES = {
     "actions": ACTION_FIELDS,

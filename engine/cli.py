@@ -12,6 +12,7 @@ from engine._engine import Engine
 from engine._errors import LeaseholdError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
 from engine._units import format_quantity
+from storage import MemoryStore
 
 __all__ = ["main"]
 
@@ -43,7 +44,7 @@ def _demo(args):
     """A small mixed workload on a virtual clock: what the tick decides and why others wait."""
     cfg = load_config(args.config)
     clock = ManualClock()
-    eng = Engine(cfg, clock=clock)
+    eng = Engine(cfg, clock=clock, store=MemoryStore())
     for c in cfg.clusters:
         eng.register_worker(f"worker-{c.name}", c.name, 10_000)
     queues = {q.name for q in cfg.queues}

@@ -79,7 +79,8 @@ __all__ = [
 #: The named databases of every partition, in a fixed order (the order is part of the journal
 #: format: the journal stores a database by its index in this tuple).
 DBS: tuple[str, ...] = (
-    "actions", "specs", "attempts", "envs", "finalize", "history", "queues", "meta",
+    "actions", "specs", "attempts", "envs", "finalize", "history", "queues", "meta", "runs",
+    "workers",
 )
 #: On-disk format version, written as ``meta/schema`` in every partition at creation. A store
 #: with another version is refused (:class:`CorruptRecord`), never converted in place.

@@ -7,14 +7,16 @@ from hypothesis import settings
 
 from engine import Engine, ManualClock
 from engine._config import parse_config
+from storage import MemoryStore
 
 
-def make_engine(config, workers=None):
-    """An Engine over ``config`` (a dict) on a ManualClock, with ``workers`` registered as
-    ``{worker_id: (cluster, slots)}`` (default: one 1000-slot worker per cluster)."""
+def make_engine(config, workers=None, store=None):
+    """An Engine over ``config`` (a dict) on a ManualClock and an in-memory store (or
+    ``store``), with ``workers`` registered as ``{worker_id: (cluster, slots)}`` (default:
+    one 1000-slot worker per cluster)."""
     cfg = parse_config(config, source="<test>")
     clock = ManualClock()
-    eng = Engine(cfg, clock=clock)
+    eng = Engine(cfg, clock=clock, store=store if store is not None else MemoryStore())
     if workers is None:
         workers = {f"w-{c.name}": (c.name, 1000) for c in cfg.clusters}
     for wid, (cluster, slots) in workers.items():

@@ -48,6 +48,7 @@ from hypothesis.stateful import (
 from engine import ActionId, ActionSpec, Engine, ManualClock, NotFound, Phase, RetryPolicy, Timeouts
 from engine._codes import TERMINAL_PHASES, LeaseKind, Verdict
 from engine._config import parse_config
+from storage import MemoryStore
 
 HEARTBEAT_INTERVAL = 1.0
 MISSED_BEATS = 2
@@ -134,7 +135,7 @@ def lease_of(token):
 def new_engine():
     clock = ManualClock(start_ns=1_000_000_000)
     # A fixed secret: the same draws make the same tokens, so failures replay and shrink.
-    return Engine(parse_config(CONFIG, source="<lease-test>"), clock=clock,
+    return Engine(parse_config(CONFIG, source="<lease-test>"), clock=clock, store=MemoryStore(),
                   secret=bytes(range(16))), clock
 
 

@@ -68,6 +68,7 @@ from engine import (
     parse_config,
 )
 from engine._codes import RESOURCE_WAITS, TERMINAL_PHASES, LeaseKind, RowState, Verdict
+from storage import MemoryStore
 
 GI = 2**30
 RES = ("cpu", "memory", "gpu:H100")
@@ -287,10 +288,11 @@ def _snapshot(eng):
     s = eng._state
     arrays = {k: v.copy() for k, v in vars(s).items() if isinstance(v, np.ndarray)}
     k = eng._kernel
-    scalars = (k.tick_no, k.d_head, k.d_tail, eng._next_row, len(eng._actions),
-               s.n_workers, s.n_envs, len(eng._finalize), len(eng._timers))
-    recs = {aid: (r.phase, r.message, len(r.attempts), r.user_retries, r.system_retries)
-            for aid, r in eng._actions.items()}
+    scalars = (k.tick_no, k.d_head, k.d_tail, eng._next_row, len(eng._names),
+               s.n_workers, s.n_envs, eng._n_finalize, len(eng._timers))
+    recs = {r.compiled.id: (r.phase, r.message, len(r.attempts), r.user_retries,
+                            r.system_retries)
+            for r in eng._recs.values()}
     return arrays, scalars, recs
 
 
@@ -326,7 +328,7 @@ class EngineMachine(RuleBasedStateMachine):
     def setup(self, cfg, runs, envs, slots):
         self.cfg_dict = cfg
         self.clock = ManualClock(1_000_000_000)
-        self.eng = Engine(parse_config(cfg), clock=self.clock, secret=SECRET)
+        self.eng = Engine(parse_config(cfg), clock=self.clock, store=MemoryStore(), secret=SECRET)
         e = cfg["engine"]
         self.gate = e["resource_gate"] == "enforce"
         self.dispatch_cap = e["dispatch_capacity"]
@@ -428,7 +430,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _record(self, spec, demand, pods, env):
         aid = ActionId.parse(spec.id)
         queue = spec.run_queue or self.default_queue
-        row = self.eng._actions[aid].row
+        row = self.eng._row_of(aid)
         a = MAction(aid, spec, row, queue, int(aid.run[1:]), env, demand, pods)
         self.actions[aid] = a
         self.by_row[row] = a
@@ -1203,7 +1205,7 @@ class EngineMachine(RuleBasedStateMachine):
         eng, s = self.eng, self.eng._state
         n = eng._next_row
         n_q, n_c = len(self.queue_names), len(self.cluster_names)
-        n_e, n_w, n_f = s.n_envs, s.n_workers, len(eng._finalize)
+        n_e, n_w, n_f = s.n_envs, s.n_workers, eng._n_finalize
         state = s.a_state[:n]
         live = (state == RowState.SENT) | (state == RowState.RUNNING)
         charged = live & (s.a_charged[:n] == 1)
@@ -1320,7 +1322,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert exp.phase == (Phase.RUNNING if a.status == "running"
                                      else Phase.INITIALIZING), exp
             # Attempt history: one record per attempt, generations strictly increasing.
-            atts = eng._actions[a.aid].attempts
+            atts = eng._record(a.aid).attempts
             assert len(atts) == a.attempt, (a.aid, len(atts), a.attempt)
             gens = [t.generation for t in atts if t.generation]
             assert gens == sorted(set(gens)), f"{a.aid}: attempt generations {gens}"
@@ -1356,7 +1358,7 @@ def _gang_config(scheduling, gpus):
 def test_strict_fifo_gang_is_not_starved(gpus, first, stream, done):
     """STRICT_FIFO: a gang that does not fit holds its cluster; nothing enqueued after it is
     placed before it, and it is placed as soon as the capacity ahead of it drains."""
-    eng = Engine(_gang_config(STRICT, gpus), clock=ManualClock())
+    eng = Engine(_gang_config(STRICT, gpus), clock=ManualClock(), store=MemoryStore())
     eng.register_worker("w", "east", 100)
     small = {"cpu": 1, "gpu:H100": 1}
     for i in range(first):
@@ -1394,7 +1396,7 @@ def test_strict_fifo_gang_is_not_starved(gpus, first, stream, done):
 def test_greedy_packs_past_a_gang_that_does_not_fit(gpus, first, stream):
     """GREEDY_CAPACITY: a gang that does not fit is skipped and the work behind it that fits
     is placed in the same tick, up to the cluster's capacity and never past it."""
-    eng = Engine(_gang_config(GREEDY, gpus), clock=ManualClock())
+    eng = Engine(_gang_config(GREEDY, gpus), clock=ManualClock(), store=MemoryStore())
     eng.register_worker("w", "east", 100)
     small = {"cpu": 1, "gpu:H100": 1}
     for i in range(first):
@@ -1422,7 +1424,7 @@ def test_unschedulable_exactly_when_it_can_never_fit(extra, cpu, queue_max):
             "cpu": 4, "memory": "16Gi", "gpu:H100": 2}}]}},
         "queues": {"q": {"max_resources": {"cpu": queue_max}}},
         "engine": {"default_queue": "q"},
-    }), clock=ManualClock())
+    }), clock=ManualClock(), store=MemoryStore())
     eng.register_worker("w", "east", 10)
     eng.enqueue(ActionSpec(id="t/p/d/r/gpu", task="x", resources={"gpu:H100": 2 + extra}))
     eng.enqueue(ActionSpec(id="t/p/d/r/cpu", task="x", resources={"cpu": cpu}))
@@ -1452,7 +1454,7 @@ def test_strict_blocked_head_respects_action_concurrency(cap, how):
         "queues": {"q": {"scheduling": STRICT, "clusters": ["east"],
                          "action_concurrency": cap if how == "pool reaped" else cap + 1}},
         "engine": {"default_queue": "q"},
-    }), clock=(clock := ManualClock()))
+    }), clock=(clock := ManualClock()), store=MemoryStore())
     eng.register_worker("E", "east", 8)
     eng.register_worker("W", "west", 8)
 
@@ -1500,12 +1502,12 @@ def test_late_drain_keeps_attempts_and_finalize_leases_consistent(plan):
         "queues": {"q": {}},
         "engine": {"default_queue": "q", "heartbeat_interval": 5, "expiry_missed_beats": 2,
                    "expiry_jitter": 0, "system_retries": 8},
-    }), clock=(clock := ManualClock()))
+    }), clock=(clock := ManualClock()), store=MemoryStore())
     where = {"E": "east", "W": "west"}
     current = "E"
     eng.register_worker(current, where[current], 4)
     aid = eng.enqueue(ActionSpec(id="t/p/d/r/a", task="t", resources={"cpu": 1}))
-    row = eng._actions[aid].row
+    row = eng._row_of(aid)
     attempt_of, seen = {}, []
 
     def drain():
@@ -1555,7 +1557,7 @@ def test_batch_enqueue_agrees_with_one_by_one_on_run_max_action_concurrency(macs
                         "queues": {"q": {}}, "engine": {"default_queue": "q"}})
     specs = [ActionSpec(id=f"t/p/d/r/a{i}", task="t", resources={"cpu": 1},
                         run_max_action_concurrency=m) for i, m in enumerate(macs)]
-    one = Engine(cfg, clock=ManualClock())
+    one = Engine(cfg, clock=ManualClock(), store=MemoryStore())
     each_ok = True
     for spec in specs:
         try:
@@ -1563,13 +1565,13 @@ def test_batch_enqueue_agrees_with_one_by_one_on_run_max_action_concurrency(macs
         except SpecError:
             each_ok = False
             break
-    batch = Engine(cfg, clock=ManualClock())
+    batch = Engine(cfg, clock=ManualClock(), store=MemoryStore())
     try:
         batch.enqueue_many(specs)
         batch_ok = True
     except SpecError:
         batch_ok = False
-        assert not batch._actions, "a refused batch stored something"
+        assert not batch._names and batch._next_row == 0, "a refused batch stored something"
     assert batch_ok == each_ok, f"macs {macs}: batch accepted={batch_ok}, one by one={each_ok}"
     if batch_ok:
         assert batch._state.u_cap[0] == one._state.u_cap[0]

@@ -1,0 +1,130 @@
+"""The durable records of a shard: fixed-size numpy records for actions and finalize leases
+(reload is a bulk copy into the kernel's arrays) and msgpack records for the Python edges
+(specs, an action's outcome and attempt history, runs, environments, workers).
+
+Keys are big-endian row numbers (8 bytes), so a cursor scan is in row order. The partition
+of every record is its tenant's (:func:`storage.partition_of`); shard-wide records (the
+layout, the token secret, worker names) live in partition 0.
+"""
+
+import dataclasses
+from hashlib import blake2b
+
+import msgpack
+import numpy as np
+
+from engine._leases import Attempt
+from engine._model import ActionSpec
+
+__all__ = [
+    "action_dtype",
+    "FINALIZE_DTYPE",
+    "row_key",
+    "name_hash",
+    "encode_spec",
+    "decode_spec",
+    "encode_outcome",
+    "decode_outcome",
+    "LAYOUT_KEY",
+    "SECRET_KEY",
+]
+
+# Shard-wide records in partition 0's meta database (not the store's reserved keys).
+LAYOUT_KEY = b"engine-layout"
+SECRET_KEY = b"engine-secret"
+
+_ATTEMPT_FIELDS = tuple(f.name for f in dataclasses.fields(Attempt))
+
+
+def action_dtype(n_res):
+    """The fixed record of one action row for a shard with ``n_res`` resources.
+
+    Everything the tick, the timers and the lease checks need; nothing derived (lanes,
+    counters, (queue, run) pairs and pool state are rebuilt at reload)."""
+    return np.dtype([
+        ("state", "u1"),          # RowState
+        ("end", "u1"),            # LeaseEnd of the current generation
+        ("charged", "u1"),        # demand charged to queue and cluster (not a pool member)
+        ("part", "u1"),           # partition (the tenant's)
+        ("queue", "<i4"),         # queue index in the layout's queue list
+        ("run", "<i4"),           # run row
+        ("env", "<i4"),           # environment row, -1 if not reusable
+        ("cluster", "<i4"),       # cluster index of the current lease, -1
+        ("holder", "<i4"),        # worker identity holding the current lease, -1
+        ("parent", "<i4"),        # parent action row, -1
+        ("attempt", "<i4"),       # current attempt number (from 1)
+        ("fast", "<i4"),          # 1 when it was queued on its warm pool's fast lane
+        ("fit", "<u8"),           # clusters it could ever fit (bitmask)
+        ("gen", "<i8"),           # lease generation (monotonic)
+        ("released_gen", "<i8"),  # generation whose in-flight counts were released
+        ("delivered_gen", "<i8"),  # generation handed to the dispatcher (drain_dispatch)
+        ("enqueued", "<i8"),      # first enqueue (ns)
+        ("deadline_due", "<i8"),  # absolute timer dues (ns; NEVER when none)
+        ("queued_due", "<i8"),
+        ("retry_due", "<i8"),
+        ("runtime_due", "<i8"),
+        ("name_hash", "<u8"),     # hash of the action id (index at reload)
+        ("run_cap", "<i8"),       # its run's max_action_concurrency
+        ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
+    ])
+
+
+FINALIZE_DTYPE = np.dtype([
+    ("state", "u1"),
+    ("end", "u1"),
+    ("pad", "u2"),
+    ("action", "<i4"),       # action row
+    ("cluster", "<i4"),
+    ("pref", "<i4"),         # worker identity it prefers (the attempt's)
+    ("holder", "<i4"),       # worker identity holding it, -1
+    ("attempt", "<i4"),      # attempt number it cleans up
+    ("gen", "<i8"),
+    ("released_gen", "<i8"),
+    ("delivered_gen", "<i8"),
+    ("give_up", "<i8"),      # its own bound (ns)
+])
+
+
+def row_key(row):
+    """The key of a row: 8 bytes big-endian."""
+    return int(row).to_bytes(8, "big")
+
+
+def name_hash(text):
+    """64-bit hash of an action id's text (the reload index; verified on lookup)."""
+    return int.from_bytes(blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def encode_spec(spec):
+    """An :class:`ActionSpec` as msgpack (its plain-data form)."""
+    return msgpack.packb(_plain(spec), use_bin_type=True)
+
+
+def decode_spec(raw):
+    """The :class:`ActionSpec` of :func:`encode_spec` output."""
+    return ActionSpec.from_dict(msgpack.unpackb(raw, raw=False))
+
+
+def encode_outcome(rec):
+    """The Python side of an action (phase, outcome, retries, attempts) as msgpack."""
+    return msgpack.packb([
+        rec.phase.value, rec.message, rec.error_kind, rec.cause, rec.user_retries,
+        rec.system_retries, [[getattr(a, f) for f in _ATTEMPT_FIELDS] for a in rec.attempts],
+    ], use_bin_type=True)
+
+
+def decode_outcome(raw):
+    """``(phase, message, error_kind, cause, user_retries, system_retries, attempts)``."""
+    phase, message, kind, cause, ur, sr, atts = msgpack.unpackb(raw, raw=False)
+    attempts = [Attempt(**dict(zip(_ATTEMPT_FIELDS, a, strict=True))) for a in atts]
+    return phase, message, kind, cause, ur, sr, attempts
