@@ -1,0 +1,436 @@
+"""Durable state: write-through, reload equivalence, re-drive after a restart, faults
+(failed commits, a full map, corrupt records) and the ownership guard, at the Engine level.
+
+A restart is simulated by opening a second Engine on the same backing (MemoryStore) or the
+same directory (LmdbStore) after the first stopped."""
+
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine import (
+    ActionSpec,
+    Engine,
+    ManualClock,
+    Phase,
+    PodGroup,
+    RetryPolicy,
+    Timeouts,
+    parse_config,
+)
+from engine._codes import LeaseKind, RowState, Verdict
+from engine._errors import ConfigError
+from engine._records import row_key
+from storage import (
+    CorruptRecord,
+    LmdbStore,
+    MemoryStore,
+    OwnershipError,
+    StoreError,
+    StoreFailed,
+    StoreFull,
+)
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+CONFIG = {
+    "resources": ["cpu", "memory", "gpu:H100"],
+    "clusters": {
+        "east": {"node_shapes": [{"count": 2, "allocatable": {"cpu": 64, "memory": "256Gi",
+                                                              "gpu:H100": 8}}]},
+        "west": {"capacity": {"cpu": 32, "memory": "128Gi"}},
+    },
+    "queues": {
+        "gpu": {"scheduling": "STRICT_FIFO", "clusters": ["east"], "run_concurrency": 3},
+        "cpu": {"scheduling": "GREEDY_CAPACITY", "action_concurrency": 20,
+                "max_resources": {"cpu": 40}},
+    },
+    "engine": {"default_queue": "cpu", "heartbeat_interval": 10, "expiry_missed_beats": 3,
+               "expiry_jitter": 2, "system_retries": 2, "initial_capacity": 16},
+    "storage": {"partitions": 4},
+}
+WORKERS = {"we": ("east", 50), "ww": ("west", 50)}
+
+
+def open_engine(store, clock=None, cfg=CONFIG, workers=WORKERS):
+    clock = clock or ManualClock()
+    eng = Engine(parse_config(cfg), clock=clock, store=store)
+    for wid, (cluster, slots) in workers.items():
+        eng.register_worker(wid, cluster, slots)
+    return eng, clock
+
+
+def restart(eng, clock, workers=WORKERS, cfg=CONFIG):
+    """Stop ``eng`` and start a new engine on the same store data."""
+    store = eng._store
+    eng.close()
+    if isinstance(store, MemoryStore):
+        store = MemoryStore(store.partitions, backing=store.backing)
+    else:
+        store = LmdbStore(store.path, partitions=store.partitions, map_size=store.map_size)
+    return open_engine(store, clock, cfg, workers)
+
+
+def spec(i, tenant="acme", run=None, **kw):
+    if "resources" not in kw and "pods" not in kw:
+        kw["resources"] = {"cpu": 1 + i % 3}
+    return ActionSpec(id=f"{tenant}/p/d/{run or f'r{i % 4}'}/a{i}", task=f"t{i % 2}", **kw)
+
+
+def random_workload(eng, clock, rng, steps, n):
+    """Enqueue, tick, run, complete, fail, abort, expire at random; returns the acknowledged
+    ids and the live assignments. ``n`` is a one-item list: the id counter."""
+    acked, live = [], {}
+
+    def new_spec():
+        i = n[0] = n[0] + 1
+        tenant = rng.choice(["acme", "beta", "corp"])
+        kind = rng.random()
+        if kind < 0.25:
+            return spec(i, tenant, run_queue="gpu", resources={"cpu": 4, "gpu:H100": 2})
+        if kind < 0.35:
+            return spec(i, tenant, run_queue="gpu",
+                        pods=(PodGroup(role="w", replicas=2,
+                                       resources={"cpu": 8, "gpu:H100": 8}),))
+        return spec(i, tenant, retries=RetryPolicy(count=1),
+                    timeouts=Timeouts(max_queued_time=rng.choice([None, 50.0])))
+
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.3:
+            batch = [new_spec() for _ in range(rng.randint(1, 4))]
+            acked += [str(x) for x in eng.enqueue_many(batch)]
+        elif op < 0.55:
+            for a in eng.tick():
+                live[a.token] = a
+        elif op < 0.7 and live:
+            tok = rng.choice(list(live))
+            eng.report(tok, Phase.RUNNING)
+        elif op < 0.85 and live:
+            tok = rng.choice(list(live))
+            a = live.pop(tok)
+            if a.kind == LeaseKind.FINALIZE:
+                eng.report(tok, Phase.SUCCEEDED)
+            elif rng.random() < 0.7:
+                eng.report(tok, Phase.SUCCEEDED, cleanup=rng.random() < 0.2)
+            else:
+                eng.report(tok, Phase.FAILED, error_kind="USER", recoverable=True)
+        elif op < 0.9 and acked:
+            eng.abort(rng.choice(acked))
+        else:
+            clock.advance(rng.choice([1, 5, 40]))
+            eng.heartbeat("we", [t for t, a in live.items() if a.worker == "we"])
+    return acked, live
+
+
+def decision_state(eng):
+    """What must survive a restart: per row and per counter (in flight = adm - rel)."""
+    st, n = eng._state, eng._next_row
+    rows = {name: getattr(st, name)[:n].copy() for name in (
+        "a_state", "a_gen", "a_released_gen", "a_end", "a_cluster", "a_queue", "a_run",
+        "a_env", "a_fit", "a_demand", "a_charged", "a_attempt", "a_parent",
+        "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due")}
+    rows["holder"] = np.where(st.a_worker[:n] >= 0,
+                              [eng._worker_names[w] if w >= 0 else "" for w in st.a_worker[:n]],
+                              "")
+    live = (st.a_state[:n] == RowState.SENT) | (st.a_state[:n] == RowState.RUNNING)
+    rows["holder"] = np.where(live, rows["holder"], "")
+    counters = {
+        "q": st.q_adm - st.q_rel, "q_res": st.q_res_adm - st.q_res_rel,
+        "q_runs": st.q_runs_adm - st.q_runs_rel, "c": st.c_adm - st.c_rel,
+        "pending": st.q_pending.copy(),
+        "u": (st.u_adm - st.u_rel)[:len(eng._run_keys)],
+    }
+    qr = {key: int(st.qr_adm[r] - st.qr_rel[r]) for key, r in eng._qruns.items()}
+    phases = {str(eng._aid(r)): (eng._rec(r).phase, len(eng._rec(r).attempts),
+                                 eng._rec(r).user_retries, eng._rec(r).system_retries)
+              for r in range(n)}
+    fz = {f: (int(st.fz_state[f]), int(st.fz_gen[f]), int(st.fz_action[f]))
+          for f in range(eng._n_finalize)}
+    return rows, counters, qr, phases, fz
+
+
+def assert_same(a, b):
+    ra, ca, qa, pa, fa = a
+    rb, cb, qb, pb, fb = b
+    for name in ra:
+        np.testing.assert_array_equal(ra[name], rb[name], err_msg=name)
+    for name in ca:
+        np.testing.assert_array_equal(ca[name], cb[name], err_msg=name)
+    assert {k: v for k, v in qa.items() if v} == {k: v for k, v in qb.items() if v}
+    assert pa == pb
+    assert fa == fb
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_restart_rebuilds_the_same_decision_state_and_carries_on(seed):
+    rng = random.Random(seed)
+    eng, clock = open_engine(MemoryStore(4))
+    counter = [0]
+    for _round in range(3):
+        acked, live = random_workload(eng, clock, rng, 120, counter)
+        before = decision_state(eng)
+        eng, clock = restart(eng, clock)
+        assert_same(before, decision_state(eng))
+        for aid in acked:
+            eng.explain(aid)                      # every acknowledged action is there
+    # Drain everything with the restored engine: all counts return to zero.
+    for _ in range(200):
+        for a in eng.tick():
+            eng.report(a.token, Phase.SUCCEEDED)
+        clock.advance(40)
+    st = eng._state
+    assert (st.q_adm - st.q_rel == 0).all() and (st.c_adm - st.c_rel == 0).all()
+    assert not np.isin(st.a_state[:eng._next_row],
+                       (RowState.SENT, RowState.RUNNING, RowState.QUEUED)).any()
+
+
+def test_reconnecting_worker_adopts_its_leases_and_its_tokens_validate():
+    eng, clock = open_engine(MemoryStore(4), workers={"ww": ("west", 50)})
+    eng.enqueue_many([spec(i) for i in range(3)])
+    assigned = eng.tick()
+    assert len(assigned) == 3
+    eng.report(assigned[0].token, Phase.RUNNING)
+    clock.advance(20)
+    eng, clock = restart(eng, clock, workers={})
+    # Before the worker is back, its leases wait with a fresh window (not expired).
+    clock.advance(25)
+    assert eng.expired_leases() == []
+    eng.register_worker("ww", "west", 50)
+    assert eng.heartbeat("ww", [a.token for a in assigned]) == []
+    assert eng.report(assigned[1].token, Phase.SUCCEEDED) == Verdict.OK
+    assert eng.phase(assigned[1].action) == Phase.SUCCEEDED
+    assert eng.phase(assigned[0].action) == Phase.RUNNING
+    # A forged holder: another worker presenting those tokens is refused.
+    eng.register_worker("other", "west", 5)
+    refused = eng.heartbeat("other", [assigned[2].token])
+    assert [r.verdict for r in refused] == [Verdict.UNKNOWN]
+
+
+def test_a_worker_that_never_returns_loses_its_leases_after_the_fresh_window():
+    eng, clock = open_engine(MemoryStore(4), workers={"ww": ("west", 50)})
+    eng.enqueue(spec(1))
+    [a] = eng.tick()
+    eng, clock = restart(eng, clock, workers={"ww2": ("west", 5)})
+    clock.advance(33)                           # ttl = 10 s x 3 + 2 s
+    eng.schedule()
+    att = eng.attempts(a.action)
+    assert (att[0].phase, att[0].cause) == ("FAILED", "EXPIRED")
+    clock.advance(2)
+    [b] = [x for x in eng.tick() if x.kind == LeaseKind.RUN]
+    assert b.action == a.action and b.generation == a.generation + 1 and b.worker == "ww2"
+
+
+def test_a_decision_never_handed_out_is_dispatched_again_with_the_same_lease():
+    eng, clock = open_engine(MemoryStore(4), workers={"ww": ("west", 50)})
+    eng.enqueue(spec(1))
+    assert eng.schedule() == 1                  # decided and durable, not drained
+    eng, clock = restart(eng, clock, workers={"ww": ("west", 50)})
+    [a] = eng.drain_dispatch()
+    assert a.generation == 1 and a.worker == "ww"
+    assert eng.heartbeat("ww", [a.token]) == []
+    # Handed out: a second restart does not dispatch it again.
+    eng, clock = restart(eng, clock, workers={"ww": ("west", 50)})
+    assert eng.drain_dispatch() == []
+
+
+def test_timers_survive_a_restart():
+    eng, clock = open_engine(MemoryStore(4), workers={})      # no worker: it waits
+    slow = ActionSpec(id="acme/p/d/r/slow", task="t", resources={"cpu": 1},
+                      timeouts=Timeouts(max_queued_time=30, deadline=100))
+    eng.enqueue(slow)
+    eng.tick()
+    eng, clock = restart(eng, clock, workers={})
+    clock.advance(31)
+    eng.schedule()
+    att = eng.attempts(slow.id)
+    assert att[0].cause == "max_queued_time"
+    clock.advance(70)
+    eng.schedule()
+    assert eng.phase(slow.id) == Phase.TIMED_OUT
+
+
+def test_live_queue_updates_survive_a_restart():
+    eng, clock = open_engine(MemoryStore(4))
+    eng.update_queue("cpu", action_concurrency=7)
+    eng, clock = restart(eng, clock)
+    assert eng._queues["cpu"].action_concurrency == 7
+    assert int(eng._state.q_action_cap[eng._queue_index["cpu"]]) == 7
+
+
+TRANSITIONS = {
+    "enqueue": lambda eng, ctx: eng.enqueue_many([spec(100), spec(101)]),
+    "tick": lambda eng, ctx: eng.tick(),
+    "report": lambda eng, ctx: eng.report(ctx["token"], Phase.SUCCEEDED, cleanup=True),
+    "fail": lambda eng, ctx: eng.report(ctx["token"], Phase.FAILED, error_kind="USER"),
+    "abort": lambda eng, ctx: eng.abort(ctx["queued"]),
+    "update_queue": lambda eng, ctx: eng.update_queue("cpu", action_concurrency=3),
+    "register": lambda eng, ctx: eng.register_worker("new", "west", 3),
+    "expire": lambda eng, ctx: [eng.expire(x) for x in eng.expired_leases(ctx["later"])],
+}
+
+
+@pytest.mark.parametrize("what", sorted(TRANSITIONS))
+def test_a_failed_commit_restores_memory_and_loses_nothing(what):
+    store = MemoryStore(4)
+    eng, clock = open_engine(store)
+    eng.enqueue_many([spec(i) for i in range(4)])
+    [a, *_] = eng.tick()
+    eng.enqueue(spec(50, resources={"cpu": 30}))       # waits (cpu budget)
+    ctx = {"token": a.token, "queued": "acme/p/d/r2/a50", "later": clock.now_ns() + 10**12}
+    if what == "expire":
+        clock.advance(40)
+    before = decision_state(eng)
+    store.fail_next(StoreError("injected I/O error"))
+    with pytest.raises(StoreError, match="injected"):
+        TRANSITIONS[what](eng, ctx)
+    assert_same(before, decision_state(eng))
+    # Memory equals disk: a fresh reload sees the same, and the transition then succeeds.
+    eng2, _ = restart(eng, clock)
+    assert_same(before, decision_state(eng2))
+    TRANSITIONS[what](eng2, ctx)
+
+
+def test_store_failed_reopens_and_reloads():
+    store = MemoryStore(4)
+    eng, clock = open_engine(store)
+    eng.enqueue(spec(1))
+    before = decision_state(eng)
+    store.fail_next(StoreFailed("disk gone", outcome="unknown"))
+    with pytest.raises(StoreFailed):
+        eng.enqueue(spec(2))
+    assert_same(before, decision_state(eng))
+    assert eng.enqueue(spec(2)) is not None
+
+
+def test_lost_ownership_stops_the_shard():
+    backing = MemoryStore(4)
+    eng, clock = open_engine(backing)
+    eng.enqueue(spec(1))
+    # Another shard takes the partitions over (e.g. ours was presumed dead).
+    thief = MemoryStore(4, backing=backing.backing)
+    thief.open("shard-9", time.time_ns() + 10**12)   # after our claim's expiry
+    with pytest.raises(OwnershipError, match="shard-9"):
+        eng.enqueue(spec(2))
+    with pytest.raises(StoreError, match="shard stopped: ownership lost"):
+        eng.tick()
+
+
+def test_a_second_shard_on_a_live_store_stops_with_the_holder_named(tmp_path):
+    cfg = {**CONFIG, "storage": {"path": str(tmp_path / "s"), "partitions": 2,
+                                 "shard": "shard-a"}}
+    eng = Engine(parse_config(cfg), clock=ManualClock())
+    eng.enqueue(spec(1))
+    # Another process, configured as shard-b, on the same store (LMDB: one open per process).
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from engine import Engine, ManualClock, parse_config\n"
+        "from storage import OwnershipError\n"
+        f"cfg = {cfg!r}\n"
+        "cfg['storage']['shard'] = 'shard-b'\n"
+        "try:\n"
+        "    Engine(parse_config(cfg), clock=ManualClock()).close()\n"
+        "    print('OPENED')\n"
+        "except OwnershipError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+
+    def second():
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    refused = second()
+    assert refused.startswith("REFUSED") and "shard-a" in refused, refused
+    eng.close()
+    # Released on close: the successor starts at once.
+    assert second().startswith("OPENED")
+
+
+def test_full_map_refuses_the_transition_and_keeps_what_was_acknowledged(tmp_path):
+    cfg = {**CONFIG, "storage": {"path": str(tmp_path / "s"), "partitions": 1,
+                                 "map_size": "1Mi", "max_map_size": "1Mi"}}
+    cfg["queues"] = {**CONFIG["queues"], "cpu": {"depth": 100000}}
+    eng = Engine(parse_config(cfg), clock=ManualClock())
+    acked, err = [], None
+    for k in range(200):
+        try:
+            acked += eng.enqueue_many([spec(k * 100 + i, run=f"r{k}") for i in range(100)])
+        except StoreFull as exc:
+            err = exc
+            break
+    assert err is not None and "partition 0" in str(err) and "1" in str(err)
+    n = eng._next_row
+    assert n == len(acked)
+    eng.close()
+    eng2 = Engine(parse_config(cfg), clock=ManualClock())
+    assert eng2._next_row == len(acked)
+    eng2.close()
+
+
+def test_a_full_map_grows_up_to_max_map_size(tmp_path):
+    cfg = {**CONFIG, "storage": {"path": str(tmp_path / "s"), "partitions": 1,
+                                 "map_size": "1Mi", "max_map_size": "64Mi"}}
+    cfg["queues"] = {**CONFIG["queues"], "cpu": {"depth": 100000}}
+    eng = Engine(parse_config(cfg), clock=ManualClock())
+    for k in range(30):
+        eng.enqueue_many([spec(k * 100 + i, run=f"r{k}") for i in range(100)])
+    assert eng._store.map_size > 1 << 20
+    eng.close()
+
+
+def test_corrupt_or_foreign_records_stop_the_reload_naming_partition_and_key():
+    store = MemoryStore(4)
+    eng, clock = open_engine(store)
+    eng.enqueue_many([spec(i) for i in range(3)])
+    eng.close()
+    data = store.backing.data
+    part = next(p for p in range(4) if data[p]["actions"])
+    key = next(iter(data[part]["actions"]))
+    data[part]["actions"][key] = data[part]["actions"][key][:-3]
+    with pytest.raises(CorruptRecord) as info:
+        Engine(parse_config(CONFIG), clock=clock,
+               store=MemoryStore(4, backing=store.backing))
+    assert f"partition {part}" in str(info.value) and "actions" in str(info.value)
+
+
+def test_a_config_that_reorders_queues_is_refused_with_a_clear_error():
+    store = MemoryStore(4)
+    eng, _ = open_engine(store)
+    eng.close()
+    cfg = {**CONFIG, "queues": {"cpu": CONFIG["queues"]["cpu"], "gpu": CONFIG["queues"]["gpu"]}}
+    with pytest.raises(ConfigError, match="only append queues"):
+        Engine(parse_config(cfg), clock=ManualClock(),
+               store=MemoryStore(4, backing=store.backing))
+
+
+def test_one_group_commit_per_loop_turn():
+    store = MemoryStore(4)
+    eng, clock = open_engine(store)
+    before = store.commits
+    eng.enqueue_many([spec(i, tenant=t) for i, t in enumerate(["acme", "beta", "corp"] * 5)])
+    assert store.commits == before + 1
+    eng.tick()                                   # schedule + drain: one turn
+    assert store.commits == before + 2
+    with eng.turn():
+        eng.enqueue(spec(99))
+        eng.tick()
+    assert store.commits == before + 3
+    eng.heartbeat("ww", [])                      # best-effort: never written
+    assert store.commits == before + 3
+
+
+def test_the_records_land_in_the_tenants_partition():
+    store = MemoryStore(4)
+    eng, _ = open_engine(store)
+    ids = eng.enqueue_many([spec(i, tenant=t) for i, t in enumerate(["acme", "beta", "corp"])])
+    from storage import partition_of
+    for aid in ids:
+        row = eng._row_of(aid)
+        p = partition_of(aid.tenant, 4)
+        assert row_key(row) in store.backing.data[p]["actions"]
+        assert row_key(row) in store.backing.data[p]["specs"]
