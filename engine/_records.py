@@ -8,6 +8,7 @@ layout, the token secret, worker names) live in partition 0.
 """
 
 import dataclasses
+from datetime import timedelta
 from hashlib import blake2b
 
 import msgpack
@@ -95,19 +96,19 @@ def name_hash(text):
     return int.from_bytes(blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _plain(value):
+def _default(value):
+    # Nested declarations (pod groups, reuse, retries, timeouts) as their field tables;
+    # durations given as timedelta as seconds (what the spec checks accept).
+    if isinstance(value, timedelta):
+        return value.total_seconds()
     if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+        return dict(value.__dict__)
+    raise TypeError(f"cannot store {type(value).__name__} in an action spec")
 
 
 def encode_spec(spec):
     """An :class:`ActionSpec` as msgpack (its plain-data form)."""
-    return msgpack.packb(_plain(spec), use_bin_type=True)
+    return msgpack.packb(spec.__dict__, default=_default, use_bin_type=True)
 
 
 def decode_spec(raw):

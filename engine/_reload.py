@@ -134,9 +134,11 @@ def load(eng):
         order = np.argsort(rows, kind="stable")
         recs, rows, parts = recs[order], rows[order], parts[order]
         if rows.size != n or np.unique(rows).size != n:
-            raise CorruptRecord(None, "actions", None,
+            # Name the first record that does not belong: a repeated or out-of-range row.
+            bad = int(np.flatnonzero(rows != np.arange(rows.size))[0])
+            raise CorruptRecord(int(parts[bad]), "actions", int(rows[bad]).to_bytes(8, "big"),
                                 f"action rows are not dense ({rows.size} records, max row "
-                                f"{n - 1})")
+                                f"{n - 1}): row {int(rows[bad])} does not fit")
     st.ensure("actions", max(n, 1))
     eng._kernel.bind(st)
     eng._next_row = n

@@ -616,3 +616,34 @@ def test_update_changes_must_be_a_table(live):
     config, gpu = live
     with pytest.raises(ConfigError, match=r"<queue update>: queues.gpu: \[\] is invalid"):
         update_queue(gpu, [], config)
+
+
+# ---------------------------------------------------------------------------------------------
+# [storage]
+
+
+def test_storage_defaults_and_values():
+    cfg = parse(BASE)
+    assert (cfg.storage.path, cfg.storage.shard, cfg.storage.partitions) == (
+        "leasehold-data", "shard-0", 16)
+    cfg = parse(BASE + '[storage]\npath = "/data/s"\nshard = "s-1"\npartitions = 4\n'
+                'map_size = "64Mi"\nmax_map_size = "1Gi"\nsync = false\nclaim_ttl = 5\n')
+    s = cfg.storage
+    assert (s.path, s.shard, s.partitions, s.map_size, s.max_map_size, s.sync, s.claim_ttl) == (
+        "/data/s", "s-1", 4, 64 << 20, 1 << 30, False, 5.0)
+
+
+@pytest.mark.parametrize("table,fragments", [
+    ('partitions = 0', ("storage.partitions", "0")),
+    ('partitions = 300', ("storage.partitions", "1 to 256")),
+    ('map_size = "12Q"', ("storage.map_size", "12Q")),
+    ('map_size = "10Ki"', ("storage.map_size", "at least 1Mi")),
+    ('map_size = "2Gi"\nmax_map_size = "1Gi"', ("storage.max_map_size", ">= storage.map_size")),
+    ('sync = "yes"', ("storage.sync", "true or false")),
+    ('shard = "a b"', ("storage.shard",)),
+    ('path = ""', ("storage.path",)),
+    ('claim_ttl = -1', ("storage.claim_ttl",)),
+    ('paht = "x"', ("paht",)),
+])
+def test_storage_errors_name_the_key(table, fragments):
+    config_error(BASE + "[storage]\n" + table + "\n", *fragments)

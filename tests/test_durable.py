@@ -434,3 +434,16 @@ def test_the_records_land_in_the_tenants_partition():
         p = partition_of(aid.tenant, 4)
         assert row_key(row) in store.backing.data[p]["actions"]
         assert row_key(row) in store.backing.data[p]["specs"]
+
+
+def test_spec_records_round_trip_every_declaration():
+    from engine import ReusePolicy
+    from engine._records import decode_spec, encode_spec
+    full = ActionSpec(
+        id="acme/p/d/r/a", task="t", parent="acme/p/d/r/root", environment="env",
+        image="img:1", pods=(PodGroup(role="w", replicas=2, resources={"cpu": "500m"}),
+                             PodGroup(role="ps", replicas=1, resources={"memory": "1Gi"})),
+        reuse=ReusePolicy(replicas=2, concurrency=3, idle_ttl=60.0),
+        retries=RetryPolicy(count=2, backoff_base=0.5), timeouts=Timeouts(deadline=9.0),
+        environment_queue="cpu", run_max_action_concurrency=4)
+    assert decode_spec(encode_spec(full)) == full

@@ -1,0 +1,159 @@
+"""Durable-state benchmark: prints ONE JSON object.
+
+* ``enqueue_durable_per_s``: sustained durable enqueues through ``Engine.enqueue_many`` over
+  the default LmdbStore (sync on): batches of ``BATCH`` distinct specs, one group commit each,
+  acknowledged after the commit. Measured while building the store below.
+* ``reload_1m_s``: a store holding ``N`` (1,000,000) actions, every one holding a delivered
+  lease (placed by the real tick, handed out by ``drain_dispatch``), across 16 partitions
+  (tenants spread by hash). Timed from just before starting a fresh interpreter to the line it
+  prints once ``Engine(config)`` returned (ready to tick): interpreter start, imports, claims,
+  parallel scan, rebuild. Median of 3 (each listed).
+* ``sync_commit_ms``: one small durable transition's commit (``LmdbStore.commit`` of one
+  action's records, the engine's store): median of 200. ``enqueue_one_ms``: the whole
+  ``Engine.enqueue`` of one action (compile, encode, commit), median of 200.
+
+Usage: ``python bench/reload.py [--n N] [--dir DIR] [--keep]`` (``--keep`` reuses a store
+built by an earlier run in DIR).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine import ActionSpec, Engine, ManualClock, parse_config  # noqa: E402
+
+BATCH = 1000
+TENANTS = [f"tenant{i}" for i in range(64)]
+
+
+def config(path):
+    return {
+        "resources": ["cpu", "memory", "gpu:H100"],
+        # No capacity table: unknown = unlimited, so every action gets a lease.
+        "clusters": {"east": {}, "west": {}},
+        "queues": {"batch": {"scheduling": "GREEDY_CAPACITY", "depth": 2_000_000}},
+        "engine": {"default_queue": "batch", "initial_capacity": 1 << 20,
+                   "max_candidates": 1 << 16, "dispatch_capacity": 1 << 17},
+        "storage": {"path": str(path), "partitions": 16, "shard": "bench",
+                    "map_size": "2Gi", "max_map_size": "64Gi"},
+    }
+
+
+def build(path, n):
+    eng = Engine(parse_config(config(path)), clock=ManualClock(time.time_ns()))
+    eng.register_worker("w-east", "east", 1 << 30)
+    eng.register_worker("w-west", "west", 1 << 30)
+    enq_s = 0.0
+    for start in range(0, n, BATCH):
+        specs = [ActionSpec(id=f"{TENANTS[i % len(TENANTS)]}/p/d/run{i // 5000}/a{i}",
+                            task=f"task{i % 50}",
+                            resources={"cpu": 1 + i % 4, "memory": "2Gi"})
+                 for i in range(start, min(n, start + BATCH))]
+        t = time.perf_counter()
+        eng.enqueue_many(specs)
+        enq_s += time.perf_counter() - t
+    leases = 0
+    while leases < n:
+        out = eng.tick()
+        if not out:
+            break
+        leases += len(out)
+    eng.close()
+    return n / enq_s, leases
+
+
+CHILD = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+from engine import Engine, ManualClock, parse_config
+eng = Engine(parse_config({cfg!r}), clock=ManualClock(time.time_ns()))
+print("READY", eng._next_row, int((eng._state.q_adm - eng._state.q_rel).sum()), flush=True)
+eng.close()
+"""
+
+
+def reload_once(path):
+    code = CHILD.format(root=str(ROOT), cfg=config(path))
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    ready = time.perf_counter() - t
+    err = proc.communicate(timeout=300)[1]
+    if not line.startswith("READY"):
+        raise SystemExit(f"reload failed: {err[-3000:]}")
+    _, rows, in_flight = line.split()
+    return ready, int(rows), int(in_flight)
+
+
+def commit_latency(path):
+    # A store of its own: the measured writes must not change the reloaded one.
+    eng = Engine(parse_config(config(path)), clock=ManualClock(time.time_ns()))
+    try:
+        store = eng._store
+        rec = b"\0" * eng._action_dtype.itemsize
+        commits, enqueues = [], []
+        for i in range(200):
+            t = time.perf_counter()
+            store.commit({i % 16: [("actions", (10**9 + i).to_bytes(8, "big"), rec)]})
+            commits.append(time.perf_counter() - t)
+        for i in range(200):
+            spec = ActionSpec(id=f"tenant{i % 64}/p/d/lat/a{i}", task="t",
+                              resources={"cpu": 1})
+            t = time.perf_counter()
+            eng.enqueue(spec)
+            enqueues.append(time.perf_counter() - t)
+        return statistics.median(commits) * 1e3, statistics.median(enqueues) * 1e3
+    finally:
+        eng.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1_000_000)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="leasehold-reload-"))
+    path = base / "store"
+    rate = None
+    leases = None
+    if not (args.keep and path.exists()):
+        shutil.rmtree(path, ignore_errors=True)
+        rate, leases = build(path, args.n)
+    runs = [reload_once(path) for _ in range(3)]
+    sync_ms, enqueue_ms = commit_latency(base / "latency")
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    out = {
+        "reload_1m_s": round(statistics.median(r[0] for r in runs), 4),
+        "reload_runs_s": [round(r[0], 4) for r in runs],
+        "actions": runs[0][1],
+        "leases_in_flight": runs[0][2],
+        "enqueue_durable_per_s": round(rate) if rate else None,
+        "sync_commit_ms": round(sync_ms, 4),
+        "enqueue_one_ms": round(enqueue_ms, 4),
+        "store_bytes": size,
+        "partitions": 16,
+        "leases_built": leases,
+        "cpus": os.cpu_count(),
+        "goal_reload_1m_s": 1.0,
+        "goal_enqueue_durable_per_s": 200000,
+    }
+    print(json.dumps(out))
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
