@@ -170,6 +170,9 @@ class Engine:
         self._stopped = None        # why the shard stopped (lost ownership), or None
         self._depth = 0             # nesting of transitions in the current loop turn
         self._store.open(config.storage.shard, time.time_ns())
+        # Claims are renewed from the loop (schedule) well within their ttl (wall clock:
+        # they are judged by other processes).
+        self._next_renew_ns = time.time_ns() + self._store.claim_ttl_ns // 3
         try:
             self._codec = TokenCodec(self._load_meta(secret))
             self._load()
@@ -460,7 +463,10 @@ class Engine:
         """Renew the shard's partition claims (call well within ``storage.claim_ttl``);
         ``OwnershipError`` means another shard took over: this one must stop."""
         try:
-            return self._store.renew(time.time_ns())
+            now = time.time_ns()
+            out = self._store.renew(now)
+            self._next_renew_ns = now + self._store.claim_ttl_ns // 3
+            return out
         except OwnershipError as exc:
             self._stopped = f"ownership lost: {exc}"
             raise
@@ -802,6 +808,9 @@ class Engine:
         Every decision is durable (one group commit) before this returns; assignments then
         wait in the dispatch channel (:meth:`drain_dispatch`). Actions that can never fit
         end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
+        wall = time.time_ns()
+        if wall >= self._next_renew_ns:
+            self.renew()
         with self._turn():
             now = self.clock.now_ns()
             self._fire_timers(now)

@@ -447,3 +447,16 @@ def test_spec_records_round_trip_every_declaration():
         retries=RetryPolicy(count=2, backoff_base=0.5), timeouts=Timeouts(deadline=9.0),
         environment_queue="cpu", run_max_action_concurrency=4)
     assert decode_spec(encode_spec(full)) == full
+
+
+def test_the_loop_renews_the_claims_before_they_expire():
+    from storage import Claim
+    from storage._store import META_CLAIM  # noqa: PLC0415 - the claim record itself
+    store = MemoryStore(4, claim_ttl_s=30.0)
+    eng, _ = open_engine(store)
+    first = Claim.decode(store.backing.data[0]["meta"][META_CLAIM])
+    assert eng._next_renew_ns <= time.time_ns() + 10 * 10**9 + 10**6   # within ttl / 3
+    eng._next_renew_ns = 0                      # a third of the ttl has passed
+    eng.schedule()
+    renewed = Claim.decode(store.backing.data[0]["meta"][META_CLAIM])
+    assert renewed.expiry_ns > first.expiry_ns and eng._next_renew_ns > time.time_ns()
