@@ -182,8 +182,9 @@ class Engine:
 
     # ------------------------------------------------------------------ durable state
 
-    def _reset(self):
-        """Empty in-memory state (the arrays, the kernel and the Python edges)."""
+    def _reset(self, preset_rows=0, preset=()):
+        """Empty in-memory state (the arrays, the kernel and the Python edges). Reload sizes
+        the action table for ``preset_rows`` rows whose ``preset`` columns it writes."""
         settings = self.config.engine
         self._queues = {q.name: q for q in self.config.queues}
         self._state = st = State(
@@ -194,6 +195,7 @@ class Engine:
             max_candidates=settings.max_candidates,
             gate_on=settings.resource_gate == "enforce",
             cpu_dim=self._resources.cpu_index, res_accel=self._resources.accelerator_mask,
+            preset_rows=preset_rows, preset=preset,
         )
         for i, cluster in enumerate(self.config.clusters):
             if cluster.capacity is not None:

@@ -72,12 +72,25 @@ class _Progress:
             sys.stderr.write("\n")
 
 
+# Action columns reload writes for every row (the rest keep their fill values).
+_PRESET = frozenset({
+    "a_state", "a_end", "a_charged", "a_part", "a_queue", "a_run", "a_env", "a_cluster",
+    "a_parent", "a_attempt", "a_fit", "a_gen", "a_released_gen", "a_delivered_gen",
+    "a_enqueued", "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due",
+    "a_name_hash", "a_demand", "a_worker", "a_qrun", "a_lane",
+})
+
+
 def load(eng):
     """Reset ``eng``'s memory and rebuild it from ``eng._store``."""
-    eng._reset()
-    store, st = eng._store, eng._state
-    now = eng.clock.now_ns()
+    store = eng._store
     progress = _Progress(7)
+    progress.step("actions")
+    recs, rows, parts = _fixed(store, "actions", eng._action_dtype)
+    n = _check_dense(rows, parts, "actions")
+    eng._reset(preset_rows=n, preset=_PRESET)
+    st = eng._state
+    now = eng.clock.now_ns()
     n_res = len(eng._resources)
 
     # Workers (identities) and runs, envs: small tables of msgpack records.
@@ -127,24 +140,11 @@ def load(eng):
             eng._apply_queue(eng._update_queue_config(qname, changes))
 
     # Actions: the bulk of it.
-    progress.step("actions")
-    recs, rows, parts = _fixed(store, "actions", eng._action_dtype)
-    n = int(rows.max()) + 1 if rows.size else 0
-    if rows.size and (rows.size != n or not (np.diff(rows) > 0).all()):
-        order = np.argsort(rows, kind="stable")
-        recs, rows, parts = recs[order], rows[order], parts[order]
-        if rows.size != n or np.unique(rows).size != n:
-            # Name the first record that does not belong: a repeated or out-of-range row.
-            bad = int(np.flatnonzero(rows != np.arange(rows.size))[0])
-            raise CorruptRecord(int(parts[bad]), "actions", int(rows[bad]).to_bytes(8, "big"),
-                                f"action rows are not dense ({rows.size} records, max row "
-                                f"{n - 1}): row {int(rows[bad])} does not fit")
-    st.ensure("actions", max(n, 1))
     eng._kernel.bind(st)
     eng._next_row = n
     progress.step("action columns")
     if n:
-        _fill_actions(eng, recs, parts, n, now)
+        _fill_actions(eng, recs, rows, parts, n, now)
     progress.step("finalize leases")
     _load_finalize(eng, now)
     progress.step("lanes and counters")
@@ -155,41 +155,58 @@ def load(eng):
     progress.close()
 
 
-def _fill_actions(eng, recs, parts, n, now):
+def _check_dense(rows, parts, db):
+    """Rows must be exactly 0..n-1 (in any order: partitions interleave them); returns n."""
+    if not rows.size:
+        return 0
+    n = int(rows.max()) + 1
+    seen = np.zeros(n, dtype=bool)
+    seen[rows] = True
+    if rows.size != n or not seen.all():
+        # Name a record that does not belong: a repeated row (or the highest one).
+        order = np.argsort(rows, kind="stable")
+        dup = np.flatnonzero(np.diff(rows[order]) == 0)
+        bad = int(order[dup[0] + 1]) if dup.size else int(np.argmax(rows))
+        raise CorruptRecord(int(parts[bad]), db, int(rows[bad]).to_bytes(8, "big"),
+                            f"rows are not dense ({rows.size} records, max row {n - 1})")
+    return n
+
+
+def _fill_actions(eng, recs, rows, parts, n, now):
     st = eng._state
     if (recs["part"] != parts).any():
         bad = int(np.flatnonzero(recs["part"] != parts)[0])
-        raise CorruptRecord(int(parts[bad]), "actions", int(bad).to_bytes(8, "big"),
+        raise CorruptRecord(int(parts[bad]), "actions", int(rows[bad]).to_bytes(8, "big"),
                             "record belongs to another partition")
     if recs.size and (int(recs["queue"].max()) >= len(eng._queue_names)
                       or int(recs["queue"].min()) < 0):
         raise CorruptRecord(None, "actions", None, "queue index outside the layout")
     if recs.size and int(recs["run"].max()) >= len(eng._run_keys):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
-    st.a_state[:n] = recs["state"]
-    st.a_end[:n] = recs["end"]
-    st.a_charged[:n] = recs["charged"]
-    st.a_part[:n] = recs["part"]
-    st.a_queue[:n] = recs["queue"]
-    st.a_run[:n] = recs["run"]
-    st.a_env[:n] = recs["env"]
-    st.a_cluster[:n] = recs["cluster"]
-    st.a_parent[:n] = recs["parent"]
-    st.a_attempt[:n] = recs["attempt"]
-    st.a_fit[:n] = recs["fit"]
-    st.a_gen[:n] = recs["gen"]
-    st.a_released_gen[:n] = recs["released_gen"]
-    st.a_delivered_gen[:n] = recs["delivered_gen"]
-    st.a_enqueued[:n] = recs["enqueued"]
-    st.a_deadline_due[:n] = recs["deadline_due"]
-    st.a_queued_due[:n] = recs["queued_due"]
-    st.a_retry_due[:n] = recs["retry_due"]
-    st.a_runtime_due[:n] = recs["runtime_due"]
-    st.a_name_hash[:n] = recs["name_hash"]
-    st.a_demand[:n] = recs["demand"]
-    holder = recs["holder"]
+    st.a_state[rows] = recs["state"]
+    st.a_end[rows] = recs["end"]
+    st.a_charged[rows] = recs["charged"]
+    st.a_part[rows] = recs["part"]
+    st.a_queue[rows] = recs["queue"]
+    st.a_run[rows] = recs["run"]
+    st.a_env[rows] = recs["env"]
+    st.a_cluster[rows] = recs["cluster"]
+    st.a_parent[rows] = recs["parent"]
+    st.a_attempt[rows] = recs["attempt"]
+    st.a_fit[rows] = recs["fit"]
+    st.a_gen[rows] = recs["gen"]
+    st.a_released_gen[rows] = recs["released_gen"]
+    st.a_delivered_gen[rows] = recs["delivered_gen"]
+    st.a_enqueued[rows] = recs["enqueued"]
+    st.a_deadline_due[rows] = recs["deadline_due"]
+    st.a_queued_due[rows] = recs["queued_due"]
+    st.a_retry_due[rows] = recs["retry_due"]
+    st.a_runtime_due[rows] = recs["runtime_due"]
+    st.a_name_hash[rows] = recs["name_hash"]
+    st.a_demand[rows] = recs["demand"]
+    holder = np.empty(n, dtype=np.int32)
+    holder[rows] = recs["holder"]
     eng._restored_holder = holder      # identities, turned into session rows in _rebuild
-    eng._restored_fast = recs["fast"]
     order = np.argsort(st.a_name_hash[:n], kind="stable")
     eng._idx_hash = st.a_name_hash[:n][order]
     eng._idx_row = order.astype(np.int64)
@@ -198,9 +215,7 @@ def _fill_actions(eng, recs, parts, n, now):
 def _load_finalize(eng, now):
     st = eng._state
     recs, rows, _parts = _fixed(eng._store, "finalize", FINALIZE_DTYPE)
-    nf = int(rows.max()) + 1 if rows.size else 0
-    if rows.size and (rows.size != nf or np.unique(rows).size != nf):
-        raise CorruptRecord(None, "finalize", None, "finalize rows are not dense")
+    nf = _check_dense(rows, _parts, "finalize")
     order = np.argsort(rows)
     recs = recs[order]
     st.ensure("finalize", max(nf, 1))
@@ -246,8 +261,8 @@ def _rebuild(eng, n, now):
             raise CorruptRecord(None, "actions", None, "lease holder is not a known worker")
         st.a_worker[:n] = np.where(holder >= 0, ident_row[np.maximum(holder, 0)]
                                    if ident_row.size else -1, -1)
-        pair = (st.a_queue[:n].astype(np.int64) << 32) | st.a_run[:n].astype(np.int64)
-        uniq, inv = np.unique(pair, return_inverse=True)
+        uniq, inv = _pairs(st.a_queue[:n], st.a_run[:n], len(eng._queue_names),
+                           len(eng._run_keys))
         nq = uniq.size
         st.ensure("qruns", nq)
         st.qr_queue[:nq] = (uniq >> 32).astype(np.int32)
@@ -334,8 +349,29 @@ def _rebuild(eng, n, now):
         for f in fl.tolist():
             k.push_dispatch(LeaseKind.FINALIZE, f, int(st.fz_gen[f]), int(st.fz_cluster[f]),
                             int(st.fz_worker[f]))
-    eng._restored_holder = eng._restored_fast = None
+    eng._restored_holder = None
     eng._restored_fz_holder = eng._restored_fz_pref = None
+
+
+def _pairs(queue, run, n_queues, n_runs):
+    """Distinct (queue, run) pairs (as queue << 32 | run, ascending) and each row's index."""
+    if n_queues * n_runs <= 1 << 24:
+        key = queue.astype(np.int64) * n_runs + run
+        present = np.zeros(n_queues * n_runs, dtype=bool)
+        present[key] = True
+        ids = np.cumsum(present, dtype=np.int64) - 1
+        keys = np.flatnonzero(present)
+        uniq = ((keys // n_runs) << 32) | (keys % n_runs)
+        return uniq, ids[key]
+    pair = (queue.astype(np.int64) << 32) | run.astype(np.int64)
+    order = np.argsort(pair, kind="stable")
+    ordered = pair[order]
+    first = np.empty(pair.size, dtype=bool)
+    first[:1] = True
+    first[1:] = ordered[1:] != ordered[:-1]
+    inv = np.empty(pair.size, dtype=np.int64)
+    inv[order] = np.cumsum(first) - 1
+    return ordered[first], inv
 
 
 def _restore_timers(eng, n):

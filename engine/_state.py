@@ -124,11 +124,17 @@ TABLES = {
 }
 
 
-def _alloc(fields, rows, n_res):
+def _alloc(fields, rows, n_res, preset_rows=0, preset=()):
     out = {}
     for name, (dtype, fill, suffix) in fields.items():
         shape = (rows,) + tuple(n_res if s == "R" else s for s in suffix)
-        out[name] = np.full(shape, fill, dtype=dtype)
+        if name in preset and preset_rows:
+            # The caller writes rows [:preset_rows] itself (reload): touch memory once.
+            arr = np.empty(shape, dtype=dtype)
+            arr[preset_rows:] = fill
+        else:
+            arr = np.full(shape, fill, dtype=dtype)
+        out[name] = arr
     return out
 
 
@@ -143,7 +149,7 @@ class State:
     """All arrays of one shard. Attribute names are the kernel's field names."""
 
     def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
-                 max_candidates, gate_on, cpu_dim, res_accel):
+                 max_candidates, gate_on, cpu_dim, res_accel, preset_rows=0, preset=()):
         self.n_res = n_res
         self.n_clusters = n_clusters
         self.n_queues = n_queues
@@ -154,12 +160,14 @@ class State:
         self.cpu_dim = cpu_dim
         self.res_accel = np.asarray(res_accel, dtype=U8)
         small = max(16, initial_rows // 4)
-        sizes = {"actions": initial_rows, "qruns": small, "lanes": 2 * small, "runs": small,
+        sizes = {"actions": max(initial_rows, preset_rows), "qruns": small, "lanes": 2 * small,
+                 "runs": small,
                  "workers": 16, "envs": small, "finalize": small}
         self.rows = {}
         for table, fields in TABLES.items():
             self.rows[table] = sizes[table]
-            self.__dict__.update(_alloc(fields, sizes[table], n_res))
+            self.__dict__.update(_alloc(fields, sizes[table], n_res,
+                                        preset_rows if table == "actions" else 0, preset))
 
         q, c, r = n_queues, n_clusters, n_res
         self.q_order = np.arange(q, dtype=I32)
