@@ -775,6 +775,7 @@ class EngineMachine(RuleBasedStateMachine):
         q_runs0 = (s.q_runs_adm - s.q_runs_rel).astype(np.int64)
         q_res_adm0 = s.q_res_adm.copy()
         q_head0 = s.q_head.copy()
+        q_head_code0 = s.q_head_code.copy()
         self._model_timers_and_sweep(now)
         queued_before = [a for a in self.actions.values() if a.status == "queued"]
 
@@ -928,11 +929,22 @@ class EngineMachine(RuleBasedStateMachine):
                 code = WaitCode(int(s.a_wait_code[x.row]))
                 if code not in (WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE):
                     continue
-                went_first = int(q_head0[qx]) == x.row
+                # Retried first: the head blocked on its own resources in an earlier tick (a
+                # head that waited behind another's hold takes its round-robin turn).
+                went_first = (int(q_head0[qx]) == x.row
+                              and q_head_code0[qx] != WaitCode.HEAD_OF_LINE)
                 event(f"strict head blocked {code.name}" + (" (first)" if went_first else ""))
                 held = {c for c in self.queues[x.queue].clusters if self._fits(c, x)}
                 for p in placements:
                     if p.mode == "fast" or p.cluster not in held:
+                        continue
+                    # A STRICT head blocked on its own resources in an earlier tick is
+                    # retried before every queue of its priority level (docs/architecture.md).
+                    qp = self.queue_names.index(p.queue)
+                    if (self.queues[p.queue].strict and int(q_head0[qp]) == p.row
+                            and q_head_code0[qp] != WaitCode.HEAD_OF_LINE
+                            and self.queues[p.queue].priority == self.queues[x.queue].priority
+                            and not went_first):
                         continue
                     later = (pos[p.queue] > pos[x.queue]
                              or (p.queue == x.queue and went_first)
