@@ -8,7 +8,7 @@ The model (everything drawn from one ``random.Random(seed)``):
   384Gi each): 128 GPUs, 2304 cpu. One queue, so gangs and small work compete for one FIFO.
 * **Arrivals**: a non-homogeneous Poisson process with a daily cycle,
   ``rate(t) = mean_rate * (1 + 0.6 * sin(2 pi t / 1 day - pi / 2))`` (quiet at midnight, peak
-  at noon), drawn by thinning. ``mean_rate`` is set so the offered GPU load is ``LOAD`` (0.8)
+  at noon), drawn by thinning. ``mean_rate`` is set so the offered GPU load is ``LOAD`` (0.85)
   of the 128 GPUs averaged over a day; 7 days by default.
 * **Job classes**: 8% gangs of 2-8 pods x 8 H100 (``train-<n>x8``; runtime lognormal, median
   1 h, sigma 0.8, capped at 12 h); 27% small GPU actions, one pod of 1, 2 or 4 H100
@@ -124,7 +124,7 @@ def main(argv=None):
     jobs = generate(args.seed, args.days)
     prepared = prepare(cfg, jobs)
     out = {"bench": "backfill", "seed": args.seed, "days": args.days, "jobs": len(jobs),
-           "gangs": sum(j.n_pods > 1 for j in jobs), "offered_gpu_load": LOAD}
+           "gangs": sum(j.n_pods > 1 for j in jobs), "target_gpu_load": LOAD}
     results, notes = {}, []
     for policy in POLICIES:
         try:
