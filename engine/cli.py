@@ -194,7 +194,7 @@ def _simulate(args):
     else:
         resource = results[0].resource if results else "-"
         print(f"trace {trace.source}: {len(jobs)} jobs ({gangs} gangs) submitted over "
-              f"{_duration(span)} of virtual time; config {cfg.source}")
+              f"{_duration(span)} of virtual time; config {_shown(cfg.source)}")
         if trace.skipped:
             why = ", ".join(f"{n} {r}" for r, n in sorted(trace.skipped_reasons.items()))
             print(f"skipped {trace.skipped} SWF jobs ({why})")
@@ -219,6 +219,14 @@ def _simulate(args):
         if not args.json:
             print(f"plot: {args.plot}")
     return 0 if results else 2
+
+
+def _shown(path):
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _qty(text):
