@@ -278,7 +278,8 @@ def main(argv=None):
     p = sub.add_parser("simulate", help="run a workload trace through the real tick on a "
                        "virtual clock and compare scheduling policies")
     p.add_argument("trace", help="a .jsonl trace (docs/simulator.md) or an SWF .swf file")
-    p.add_argument("--config", default=str(EXAMPLE_CONFIG))
+    p.add_argument("--config", default=str(EXAMPLE_CONFIG),
+                   help="engine config (default: engine/examples/leasehold.toml)")
     p.add_argument("--policy", default=",".join(POLICIES),
                    help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
     p.add_argument("--plot", metavar="PNG", help="write queue depth and utilisation over time")
