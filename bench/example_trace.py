@@ -18,7 +18,7 @@ import math
 import random
 import sys
 
-SEED = 7
+SEED = 12
 HOURS = 3.0
 
 
