@@ -9,7 +9,7 @@ EXT_SRC := $(wildcard cext/*.pyx cext/*.pxd) setup.py
 .PHONY: run test test-debug build lint bench clean
 
 run: $(EXT)
-	$(VENV)/bin/leasehold demo
+	$(VENV)/bin/leasehold simulate engine/examples/trace.jsonl
 
 test: $(EXT)
 	$(PY) -m pytest

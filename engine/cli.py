@@ -11,6 +11,8 @@ from engine._config import load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
+from engine._sim import POLICIES, PolicyUnavailable, prepare, simulate
+from engine._trace import SwfMapping, load_trace
 from engine._units import format_quantity
 from storage import MemoryStore
 
@@ -119,6 +121,150 @@ def _demo_tick(eng, title, held):
             held.setdefault(a.worker, []).append(a)
 
 
+def _duration(seconds):
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        m, s = divmod(round(seconds), 60)
+        return f"{m}m{s:02d}s"
+    h, m = divmod(round(seconds / 60), 60)
+    return f"{h}h{m:02d}m"
+
+
+_COLUMNS = ("policy", "utilisation", "mean wait", "p95 wait", "bounded slowdown",
+            "gang max wait", "backfilled", "jobs")
+
+
+def _row(r):
+    util = "-" if r.utilization is None else f"{100 * r.utilization:.1f}%"
+    slow = "-" if r.bounded_slowdown is None else f"{r.bounded_slowdown:.2f}"
+    jobs = f"{r.completed}/{r.jobs}"
+    if r.rejected:
+        jobs += f" ({r.rejected} rejected)"
+    if r.unfinished:
+        jobs += f" ({r.unfinished} unfinished)"
+    return (r.policy, util, _duration(r.mean_wait_s), _duration(r.p95_wait_s), slow,
+            _duration(r.gang_max_wait_s), str(r.backfilled), jobs)
+
+
+def _table(rows, notes):
+    widths = [max(len(str(row[k])) for row in [_COLUMNS, *rows]) for k in range(len(_COLUMNS))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+             for row in [_COLUMNS, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for policy, why in notes:
+        lines.append(f"{policy.ljust(widths[0])}  unavailable: {why}")
+    return "\n".join(lines)
+
+
+def _simulate(args):
+    """Run a trace through the real tick once per policy and compare."""
+    cfg = load_config(args.config)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        print(f"leasehold: INVALID_ARGUMENT: --policy {args.policy!r}: unknown "
+              f"{', '.join(unknown) or 'empty list'}; allowed: {', '.join(POLICIES)}",
+              file=sys.stderr)
+        return 2
+    swf = SwfMapping(resource=args.swf_resource, per_processor=_qty(args.swf_per_proc),
+                     queue=args.swf_queue)
+    trace = load_trace(args.trace, fmt=args.format, swf=swf)
+    prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit)
+    results, notes = [], []
+    for policy in policies:
+        try:
+            results.append(simulate(cfg, trace.jobs, policy, resource=args.resource,
+                                    series=bool(args.plot), prepared=prepared))
+        except PolicyUnavailable as exc:
+            notes.append((policy, str(exc)))
+    jobs = prepared.jobs
+    span = (max(j.submit for j in jobs) - min(j.submit for j in jobs)) if jobs else 0.0
+    gangs = sum(j.n_pods > 1 for j in jobs)
+    if args.json:
+        out = {
+            "trace": trace.source, "config": cfg.source, "jobs": len(jobs), "gangs": gangs,
+            "skipped": trace.skipped, "skipped_reasons": trace.skipped_reasons,
+            "unfit": len(prepared.unfit), "submission_span_s": span,
+            "policies": {r.policy: r.to_dict() for r in results},
+            "unavailable": dict(notes),
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        resource = results[0].resource if results else "-"
+        print(f"trace {trace.source}: {len(jobs)} jobs ({gangs} gangs) submitted over "
+              f"{_duration(span)} of virtual time; config {_shown(cfg.source)}")
+        if trace.skipped:
+            why = ", ".join(f"{n} {r}" for r, n in sorted(trace.skipped_reasons.items()))
+            print(f"skipped {trace.skipped} SWF jobs ({why})")
+        if prepared.unfit:
+            print(f"dropped {len(prepared.unfit)} jobs that can never run "
+                  f"(first: {prepared.unfit[0][0].where}: {prepared.unfit[0][1]})")
+        print(f"utilisation: {resource} in use / capacity, first to last submission; "
+              f"waits: submit to start")
+        print()
+        print(_table([_row(r) for r in results], notes))
+        if results:
+            ticks = ", ".join(f"{r.policy} {r.ticks} ticks in {r.wall_s:.2f}s" for r in results)
+            print(f"\nreal engine tick on a virtual clock: {ticks}")
+    if args.plot and results:
+        try:
+            _plot(results, args.plot, trace.source)
+        except ImportError:
+            print("leasehold: UNAVAILABLE: --plot needs matplotlib: install it with "
+                  "`pip install matplotlib` (or `pip install -e '.[test]'` in a checkout)",
+                  file=sys.stderr)
+            return 2
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0 if results else 2
+
+
+def _shown(path):
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _qty(text):
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def _plot(results, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_q, ax_u) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5))
+    for r in results:
+        s = r.series
+        hours = [t / 3600 for t in s["t_s"]]
+        ax_q.step(hours, s["queued"], where="post", label=r.policy, linewidth=1)
+        util = [float("nan") if u is None else 100 * u for u in s["utilization"]]
+        ax_u.step(hours, util, where="post", label=r.policy, linewidth=1)
+    ax_q.set_ylabel("jobs queued")
+    ax_q.set_title(f"{Path(title).name}: queue depth and {results[0].resource} utilisation")
+    ax_q.legend()
+    ax_u.set_ylabel(f"{results[0].resource} in use (%)")
+    ax_u.set_xlabel("virtual time (hours)")
+    ax_u.set_ylim(0, 105)
+    ax_u.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     parser = argparse.ArgumentParser(prog="leasehold", description=__doc__)
@@ -130,6 +276,27 @@ def main(argv=None):
     p.add_argument("--config", default=str(EXAMPLE_CONFIG))
     p.add_argument("--ticks", type=int, default=2)
     p.set_defaults(func=_demo)
+    p = sub.add_parser("simulate", help="run a workload trace through the real tick on a "
+                       "virtual clock and compare scheduling policies")
+    p.add_argument("trace", help="a .jsonl trace (docs/simulator.md) or an SWF .swf file")
+    p.add_argument("--config", default=str(EXAMPLE_CONFIG),
+                   help="engine config (default: engine/examples/leasehold.toml)")
+    p.add_argument("--policy", default=",".join(POLICIES),
+                   help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
+    p.add_argument("--plot", metavar="PNG", help="write queue depth and utilisation over time")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--format", choices=("jsonl", "swf"),
+                   help="trace format (default: .swf files are SWF, others JSON lines)")
+    p.add_argument("--resource", help="utilisation on this resource (default: all gpu:*, "
+                   "else cpu)")
+    p.add_argument("--swf-resource", default="cpu",
+                   help="SWF: the resource one processor asks for (default cpu)")
+    p.add_argument("--swf-per-proc", default="1",
+                   help="SWF: quantity of --swf-resource per processor (default 1)")
+    p.add_argument("--swf-queue", help="SWF: queue of every job (default: the default queue)")
+    p.add_argument("--skip-unfit", action="store_true",
+                   help="drop (and count) jobs no cluster of their queue can ever hold")
+    p.set_defaults(func=_simulate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,369 @@
+"""The trace simulator: a trace's jobs through the real Engine tick on a virtual clock.
+
+:func:`simulate` is event-driven. The clock jumps to the next event (the next submission or
+the next completion); at each event it completes what finished (reported SUCCEEDED at
+start + runtime), enqueues what was submitted, ticks, and starts what was assigned (reported
+RUNNING at once). Nothing sleeps. Each cluster gets one worker with a slot per job, so worker
+slots never bind: only the config's resources, queues and the policy decide.
+
+Policies (:data:`POLICIES`) rewrite every queue of the config through :func:`policy_config`:
+``fifo`` = STRICT_FIFO without backfill, ``backfill`` = STRICT_FIFO with the queue key
+``backfill = true``, ``greedy`` = GREEDY_CAPACITY. A policy key the engine does not know yet
+(``backfill`` before the backfill engine lands) raises :class:`PolicyUnavailable` instead of
+being faked.
+
+Metrics (``docs/simulator.md`` defines each): utilisation of the primary resource (all GPUs,
+else cpu) between the first and the last submission, mean and p95 wait (submit to start),
+mean bounded slowdown, the longest wait of a gang (a job of more than one pod), jobs
+completed, and the backfill count the engine reports per queue.
+"""
+
+import heapq
+import time
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+
+from engine._clock import ManualClock
+from engine._config import GREEDY_CAPACITY, STRICT_FIFO, QueueConfig
+from engine._engine import Engine
+from engine._errors import LeaseholdError, ResourceExhausted, SpecError
+from engine._model import ActionSpec, PodGroup, compile_spec
+from engine._trace import TraceError
+from engine._units import UNLIMITED, format_quantity
+from storage import MemoryStore
+
+__all__ = [
+    "POLICIES",
+    "PolicyUnavailable",
+    "SimResult",
+    "policy_config",
+    "prepare",
+    "simulate",
+]
+
+# Queue settings per policy. A key QueueConfig does not have is refused when its value is
+# set (the policy needs an engine feature this build lacks), and ignored when it is off.
+POLICIES = {
+    "fifo": {"scheduling": STRICT_FIFO, "backfill": False},
+    "backfill": {"scheduling": STRICT_FIFO, "backfill": True},
+    "greedy": {"scheduling": GREEDY_CAPACITY, "backfill": False},
+}
+
+# Workers in the simulator always heartbeat: a lease must not expire between two events.
+# A heartbeat interval of ~3 years keeps every lease live for any trace (ttl ~ 9.5 years).
+_NO_EXPIRY_HEARTBEAT_S = 1e8
+# Bounded slowdown: runtimes below this count as this long (the usual 10 s).
+SLOWDOWN_BOUND_S = 10.0
+_NEVER = 1 << 62
+
+
+class PolicyUnavailable(LeaseholdError):
+    """The policy needs an engine feature this build does not have."""
+
+    code = "UNAVAILABLE"
+
+
+def policy_config(config, policy):
+    """``config`` with every queue set to ``policy`` (and leases that never expire)."""
+    if policy not in POLICIES:
+        raise SpecError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
+    known = {f.name for f in fields(QueueConfig)}
+    changes = {}
+    for key, value in POLICIES[policy].items():
+        if key in known:
+            changes[key] = value
+        elif value:
+            raise PolicyUnavailable(
+                f"{policy} policy needs the backfill engine (queue key `{key} = true`), "
+                f"which this build does not have yet")
+    queues = tuple(replace(q, **changes) for q in config.queues)
+    settings = replace(config.engine, heartbeat_interval=_NO_EXPIRY_HEARTBEAT_S)
+    return replace(config, queues=queues, engine=settings)
+
+
+def _new_engine(config, clock):
+    """The engine the simulator drives (the one place it is built). A simulation keeps no
+    state, so it runs on the in-memory store: the write-through path (records encoded, one
+    group commit per loop turn) still runs, without a disk."""
+    return Engine(config, clock=clock, store=MemoryStore())
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a trace against a config
+
+
+@dataclass
+class Prepared:
+    """Jobs checked against a config, with their specs; ``unfit`` were dropped (skip_unfit)."""
+
+    jobs: list
+    specs: list
+    unfit: list = field(default_factory=list)   # (job, reason)
+
+
+def _spec(i, job):
+    if len(job.pods) == 1 and job.pods[0][0] == 1:
+        shape = {"resources": job.pods[0][1]}
+    else:
+        shape = {"pods": tuple(PodGroup(f"g{k}", count, res)
+                               for k, (count, res) in enumerate(job.pods))}
+    return ActionSpec(id=f"sim/trace/prod/r{i}/job", task=job.task, run_queue=job.queue,
+                      **shape)
+
+
+def prepare(config, jobs, skip_unfit=False):
+    """Check every job against ``config``: its queue and resources exist, and some cluster
+    its queue may use can ever hold it (capacity, node shapes, the queue's budget). A job that
+    cannot raises :class:`TraceError` naming it (its file and line), or with ``skip_unfit``
+    is dropped and listed in ``unfit``."""
+    res = config.resources
+    queues = {q.name: q for q in config.queues}
+    kept, specs, unfit = [], [], []
+    for job in jobs:
+        spec = _spec(len(specs), job)
+        try:
+            c = compile_spec(spec, res, queues, config.engine.default_queue)
+        except SpecError as exc:
+            msg = str(exc).split(": ", 1)[-1]
+            raise TraceError(f"{job.where}: job {job.id}: {msg}") from None
+        why = _never_fits(config, c)
+        if why is not None:
+            if not skip_unfit:
+                raise TraceError(f"{job.where}: job {job.id} can never run: {why} "
+                                 f"(--skip-unfit drops such jobs and counts them)")
+            unfit.append((job, why))
+            continue
+        kept.append(job)
+        specs.append(spec)
+    return Prepared(jobs=kept, specs=specs, unfit=unfit)
+
+
+def _never_fits(config, c):
+    res = config.resources
+    q = config.queue(c.queue)
+    over = np.nonzero(c.demand > q.max_resources)[0]
+    if over.size:
+        r = int(over[0])
+        name = res.names[r]
+        return (f"it needs {name}={format_quantity(name, int(c.demand[r]))}, more than queue "
+                f"{q.name}'s max_resources {format_quantity(name, int(q.max_resources[r]))}")
+    reasons = []
+    for name in q.clusters:
+        cl = config.cluster(name)
+        if cl.capacity is not None:
+            short = np.nonzero(c.demand > cl.capacity)[0]
+            if short.size:
+                r = int(short[0])
+                rn = res.names[r]
+                reasons.append(f"cluster {name} has {rn}={format_quantity(rn, int(cl.capacity[r]))}"
+                               f" in all, it needs {format_quantity(rn, int(c.demand[r]))}")
+                continue
+        if cl.node_shapes:
+            shapes = np.stack([s.allocatable for s in cl.node_shapes])
+            bad = [p for p in range(c.pods.shape[0]) if not (c.pods[p] <= shapes).all(1).any()]
+            if bad:
+                reasons.append(f"a pod ({res.describe(c.pods[bad[0]])}) fits no node shape "
+                               f"of cluster {name}")
+                continue
+        return None
+    return "; ".join(reasons) or f"queue {q.name} may use no cluster"
+
+
+# ---------------------------------------------------------------------------------------------
+# The primary resource (utilisation)
+
+
+def primary_resource(config, resource=None):
+    """``(label, dims)``: the resource(s) utilisation is measured on: ``resource`` if given,
+    else every ``gpu:*`` resource together, else cpu, else the first resource."""
+    names = config.resources.names
+    if resource is not None:
+        if resource not in names:
+            raise SpecError(f"resource {resource!r} is not configured "
+                            f"(configured: {', '.join(names)})")
+        return resource, [names.index(resource)]
+    gpus = [i for i, n in enumerate(names) if n.startswith("gpu:")]
+    if gpus:
+        return "gpu", gpus
+    if "cpu" in names:
+        return "cpu", [names.index("cpu")]
+    return names[0], [0]
+
+
+def _capacity(config, dims):
+    total = 0
+    for c in config.clusters:
+        if c.capacity is None or any(int(c.capacity[d]) >= UNLIMITED for d in dims):
+            return None   # unknown capacity: utilisation is undefined
+        total += sum(int(c.capacity[d]) for d in dims)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class SimResult:
+    """What one policy did with a trace. Times in seconds of virtual time; None when there is
+    nothing to measure (no gang, no capacity of the primary resource, ...)."""
+
+    policy: str
+    jobs: int                        # jobs given (after the fit check)
+    completed: int
+    rejected: int                    # refused at enqueue (a queue's depth)
+    unfinished: int                  # neither completed nor rejected when events ran out
+    resource: str                    # what utilisation is measured on
+    utilization: float | None
+    mean_wait_s: float | None
+    p95_wait_s: float | None
+    bounded_slowdown: float | None
+    gang_max_wait_s: float | None
+    gangs: int
+    backfilled: int
+    makespan_s: float | None         # first submission to last completion
+    ticks: int
+    wall_s: float
+    series: dict | None = None       # t_s, queued, utilization: one point per event
+
+    def to_dict(self, with_series=False):
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "series"}
+        if with_series:
+            out["series"] = self.series
+        return out
+
+
+def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=False,
+             prepared=None):
+    """Run ``jobs`` (a list of :class:`~engine._trace.Job`) under ``policy`` through the real
+    engine on a virtual clock; returns a :class:`SimResult`. ``prepared`` (from
+    :func:`prepare`) skips re-checking the jobs when several policies share one trace."""
+    wall0 = time.perf_counter()
+    cfg = policy_config(config, policy)
+    if prepared is None:
+        prepared = prepare(config, jobs, skip_unfit=skip_unfit)
+    jobs, specs = prepared.jobs, prepared.specs
+    n = len(jobs)
+    label, dims = primary_resource(config, resource)
+    capacity = _capacity(config, dims)
+
+    clock = ManualClock(0)
+    eng = _new_engine(cfg, clock)
+    for c in cfg.clusters:
+        eng.register_worker(f"sim-{c.name}", c.name, max(1, n))
+
+    res = config.resources
+    submit_ns = np.array([round(j.submit * 1e9) for j in jobs], dtype=np.int64)
+    run_ns = np.array([max(1, round(j.runtime * 1e9)) for j in jobs], dtype=np.int64)
+    use = np.zeros(n, dtype=np.float64)   # primary resource held while running
+    for i, job in enumerate(jobs):
+        for count, r in job.pods:
+            vec = res.vector(r)
+            use[i] += count * float(sum(int(vec[d]) for d in dims))
+    start_ns = np.full(n, -1, dtype=np.int64)
+    end_ns = np.full(n, -1, dtype=np.int64)
+    rejected = np.zeros(n, dtype=bool)
+
+    running = []          # heap of (end_ns, index, action, generation)
+    nxt = 0               # next job to submit
+    queued = 0
+    in_use = 0.0
+    ticks = 0
+    pts_t, pts_q, pts_u = [], [], []
+    while True:
+        t_sub = int(submit_ns[nxt]) if nxt < n else _NEVER
+        t_end = running[0][0] if running else _NEVER
+        now = min(t_sub, t_end)
+        if now == _NEVER:
+            break
+        clock.set_ns(now)
+        while running and running[0][0] <= now:
+            _, i, action, gen = heapq.heappop(running)
+            eng.complete(action, gen)
+            end_ns[i] = now
+            in_use -= use[i]
+        batch = []
+        while nxt < n and submit_ns[nxt] <= now:
+            batch.append(nxt)
+            nxt += 1
+        if batch:
+            queued += len(batch) - _enqueue(eng, specs, batch, rejected)
+        while queued:
+            placed = eng.tick()
+            ticks += 1
+            started = 0
+            for a in placed:
+                i = int(a.action.run[1:])
+                eng.mark_running(a.action, a.generation)
+                start_ns[i] = now
+                in_use += use[i]
+                heapq.heappush(running, (now + int(run_ns[i]), i, a.action, a.generation))
+                started += 1
+            queued -= started
+            if not started:
+                break
+        if series:
+            pts_t.append(now / 1e9)
+            pts_q.append(queued)
+            pts_u.append(float(in_use) / capacity if capacity else None)
+
+    backfilled = sum(int(m.get("backfilled", 0)) for m in eng.queue_metrics().values())
+    return _result(policy, jobs, submit_ns, run_ns, start_ns, end_ns, rejected, use, capacity,
+                   label, backfilled, ticks, time.perf_counter() - wall0,
+                   {"t_s": pts_t, "queued": pts_q, "utilization": pts_u} if series else None)
+
+
+def _enqueue(eng, specs, batch, rejected):
+    """Enqueue a batch; a queue at its depth refuses jobs, which are counted. Returns how
+    many were refused."""
+    try:
+        eng.enqueue_many([specs[i] for i in batch])
+        return 0
+    except ResourceExhausted:
+        pass
+    refused = 0
+    for i in batch:
+        try:
+            eng.enqueue(specs[i])
+        except ResourceExhausted:
+            rejected[i] = True
+            refused += 1
+    return refused
+
+
+def _result(policy, jobs, submit_ns, run_ns, start_ns, end_ns, rejected, use, capacity, label,
+            backfilled, ticks, wall_s, series):
+    n = len(jobs)
+    done = end_ns >= 0
+    started = start_ns >= 0
+    wait = (start_ns[started] - submit_ns[started]) / 1e9
+    runtime = run_ns[started] / 1e9
+    gangs = np.array([j.n_pods > 1 for j in jobs], dtype=bool)
+    gang_waits = (start_ns[started & gangs] - submit_ns[started & gangs]) / 1e9
+
+    utilization = None
+    if n and capacity:
+        t0, t1 = int(submit_ns.min()), int(submit_ns.max())
+        if t1 > t0:
+            s = np.clip(start_ns[started], t0, t1)
+            e = np.clip(np.where(done[started], end_ns[started], t1), t0, t1)
+            used = float(np.sum(use[started] * (e - s)))
+            utilization = used / (capacity * (t1 - t0))
+
+    def stat(values, fn):
+        return float(fn(values)) if values.size else None
+
+    slowdown = np.maximum(1.0, (wait + runtime) / np.maximum(runtime, SLOWDOWN_BOUND_S))
+    return SimResult(
+        policy=policy, jobs=n, completed=int(done.sum()), rejected=int(rejected.sum()),
+        unfinished=int(n - done.sum() - rejected.sum()), resource=label,
+        utilization=utilization,
+        mean_wait_s=stat(wait, np.mean),
+        p95_wait_s=stat(wait, lambda v: np.percentile(v, 95)),
+        bounded_slowdown=stat(slowdown, np.mean),
+        gang_max_wait_s=stat(gang_waits, np.max),
+        gangs=int(gangs.sum()), backfilled=backfilled,
+        makespan_s=(float(end_ns[done].max() - submit_ns.min()) / 1e9 if done.any() else None),
+        ticks=ticks, wall_s=wall_s, series=series,
+    )
