@@ -59,6 +59,7 @@ from storage import (
 # applies: the attempt number, or the lease generation).
 T_DEADLINE, T_QUEUED, T_RETRY, T_RUNTIME, T_FINALIZE = range(5)
 LIVE_STATES = (RowState.SENT, RowState.RUNNING)
+_FINALIZE = int(LeaseKind.FINALIZE)
 # The durable column of each action timer (reload rebuilds the timers from them).
 _DUE_COLUMNS = {T_DEADLINE: "a_deadline_due", T_QUEUED: "a_queued_due", T_RETRY: "a_retry_due",
                 T_RUNTIME: "a_runtime_due"}
@@ -824,13 +825,14 @@ class Engine:
             st = self._state
             before = kernel.d_tail
             placed = kernel.run(now)
-            cap = st.d_action.shape[0]
-            for j in range(before, kernel.d_tail):
-                slot = j % cap
-                if st.d_kind[slot] == LeaseKind.FINALIZE:
-                    self._dirty_fz.add(int(st.d_action[slot]))
-                else:
-                    self._dirty_fixed.add(int(st.d_action[slot]))
+            if kernel.d_tail > before:
+                # The rows this tick decided (fixed records only: the edges did not change).
+                slots = np.arange(before, kernel.d_tail) % st.d_action.shape[0]
+                rows, kinds = st.d_action[slots], st.d_kind[slots]
+                fin = kinds == _FINALIZE
+                self._dirty_fixed.update(rows[~fin].tolist())
+                if fin.any():
+                    self._dirty_fz.update(rows[fin].tolist())
             for i in range(kernel.f_count):
                 self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
         return placed
