@@ -24,7 +24,7 @@ DIRECTIVES = {
 
 COMPILE_ARGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 
-MODULES = ["_gate", "_tick", "_lease"]
+MODULES = ["_gate", "_tick", "_lease", "_records"]
 
 extensions = [
     Extension(

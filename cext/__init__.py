@@ -1,6 +1,8 @@
-"""Leasehold's compiled hot path: the tick and the resource gate (Cython)."""
+"""Leasehold's compiled hot path: the tick, the resource gate, lease tokens and record
+codecs (Cython)."""
 
 from cext._gate import admission_check_bench
+from cext._records import RecordCodec
 from cext._tick import TickKernel
 
-__all__ = ["TickKernel", "admission_check_bench"]
+__all__ = ["RecordCodec", "TickKernel", "admission_check_bench"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 import numpy as np
 
-from cext import TickKernel
+from cext import RecordCodec, TickKernel
 from cext._lease import validate
 from engine._clock import SystemClock
 from engine._codes import (
@@ -226,9 +226,15 @@ class Engine:
         self._next_sweep_ns = 0
         self._queue_changes = {}    # queue name -> live changes (persisted)
         self._kernel = TickKernel()
-        self._kernel.bind(st)
+        self._codec_records = RecordCodec()
+        self._bind()
         self._kernel.set_lease_ttl(settings.lease_ttl_ns)
         self._clear_dirty()
+
+    def _bind(self):
+        # After a table grew (its arrays were replaced): rebind everything compiled.
+        self._kernel.bind(self._state)
+        self._codec_records.bind(self._state)
 
     def _clear_dirty(self):
         self._dirty = set()         # action rows: fixed record and outcome to write
@@ -413,11 +419,14 @@ class Engine:
         if rows:
             idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
             idx.sort()
-            recs = self._fixed_records(idx)
+            size = self._codec_records.action_size
+            buf = bytearray(idx.size * size)
+            self._codec_records.encode_actions(idx, buf)
+            view = memoryview(buf)
             parts = st.a_part[idx].tolist()
             for i, r in enumerate(idx.tolist()):
                 ops = batch.setdefault(parts[i], [])
-                ops.append(("actions", row_key(r), recs[i:i + 1].tobytes()))
+                ops.append(("actions", row_key(r), view[i * size:(i + 1) * size]))
                 if r in self._dirty:
                     ops.append(("attempts", row_key(r), encode_outcome(self._rec(r))))
         if self._dirty_fz:
@@ -445,18 +454,6 @@ class Engine:
     def _ident_of_rows(self, rows):
         rows = np.asarray(rows)
         return np.where(rows >= 0, self._state.w_ident[np.maximum(rows, 0)], -1)
-
-    def _fixed_records(self, idx):
-        st = self._state
-        recs = np.zeros(idx.size, self._action_dtype)
-        for name in ("state", "end", "charged", "part", "queue", "run", "env", "cluster",
-                     "parent", "attempt", "fit", "gen", "released_gen", "delivered_gen",
-                     "enqueued", "deadline_due", "queued_due", "retry_due", "runtime_due",
-                     "name_hash", "demand"):
-            recs[name] = getattr(st, "a_" + name)[idx]
-        recs["holder"] = self._ident_of_rows(st.a_worker[idx])
-        recs["fast"] = st.a_lane[idx] & 1
-        return recs
 
     def close(self):
         """Release the store (claims are released so a successor can start at once)."""
@@ -505,7 +502,7 @@ class Engine:
         # as stale when the worker presents them again, and expire.
         row = len(self._worker_names)
         if st.ensure("workers", row + 1):
-            self._kernel.bind(st)
+            self._bind()
         ident = self._idents.get(worker_id)
         if ident is None:
             ident = len(self._ident_names)
@@ -680,7 +677,7 @@ class Engine:
         st = self._state
         row = self._next_row
         if st.ensure("actions", row + 1):
-            self._kernel.bind(st)
+            self._bind()
         self._next_row += 1
         q = self._queue_index[c.queue]
         part = self._part_of(c.id.tenant)
@@ -733,7 +730,7 @@ class Engine:
         if row is None:
             row = len(self._runs)
             if st.ensure("runs", row + 1):
-                self._kernel.bind(st)
+                self._bind()
             self._runs[c.id.run_key] = row
             self._run_keys.append(c.id.run_key)
             st.u_cap[row] = c.spec.run_max_action_concurrency
@@ -747,7 +744,7 @@ class Engine:
         if row is None:
             row = len(self._qruns)
             if st.ensure("qruns", row + 1):
-                self._kernel.bind(st)
+                self._bind()
             self._qruns[(q, u)] = row
             st.qr_queue[row] = q
             st.qr_run[row] = u
@@ -759,7 +756,7 @@ class Engine:
         if row is None:
             row = len(self._envs)
             if st.ensure("envs", row + 1):
-                self._kernel.bind(st)
+                self._bind()
             self._envs[c.env_key] = row
             st.e_queue[row] = q
             st.e_slots[row] = c.env_slots
@@ -1300,7 +1297,7 @@ class Engine:
         st = self._state
         f = self._n_finalize
         if st.ensure("finalize", f + 1):
-            self._kernel.bind(st)
+            self._bind()
         self._n_finalize += 1
         row = rec.row
         st.fz_action[f] = row

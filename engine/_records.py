@@ -65,7 +65,6 @@ def action_dtype(n_res):
         ("retry_due", "<i8"),
         ("runtime_due", "<i8"),
         ("name_hash", "<u8"),     # hash of the action id (index at reload)
-        ("run_cap", "<i8"),       # its run's max_action_concurrency
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
     ])
 

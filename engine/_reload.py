@@ -140,7 +140,7 @@ def load(eng):
             eng._apply_queue(eng._update_queue_config(qname, changes))
 
     # Actions: the bulk of it.
-    eng._kernel.bind(st)
+    eng._bind()
     eng._next_row = n
     progress.step("action columns")
     if n:
@@ -219,7 +219,7 @@ def _load_finalize(eng, now):
     order = np.argsort(rows)
     recs = recs[order]
     st.ensure("finalize", max(nf, 1))
-    eng._kernel.bind(st)
+    eng._bind()
     eng._n_finalize = nf
     if nf and int(recs["action"].max()) >= eng._next_row:
         raise CorruptRecord(None, "finalize", None, "finalize lease of an unknown action")
@@ -322,7 +322,7 @@ def _rebuild(eng, n, now):
         fl = np.flatnonzero((st.fz_gen[:nf] != 0) & (st.fz_released_gen[:nf] != st.fz_gen[:nf]))
         np.add.at(st.w_adm, st.fz_worker[fl], np.uint64(1))
         st.fz_expiry[fl] = now + ttl
-    k.bind(st)
+    eng._bind()
     k.set_counts(st.n_workers, st.n_envs)
     k.set_pools_live(pools)
     for f in np.flatnonzero(st.fz_state[:nf] == RowState.QUEUED):

@@ -1,0 +1,60 @@
+# Record codecs: the fixed-size durable record of an action row, packed straight from the
+# shard's column arrays (engine/_records.py has the same layout as a numpy dtype, which
+# reload uses to read them back in bulk; tests/test_records.py keeps the two in step).
+from cext._types cimport i32, i64, u8, u64
+
+
+cdef packed struct ActionHead:
+    u8 state                # RowState
+    u8 end                  # LeaseEnd of the current generation
+    u8 charged              # demand charged to queue and cluster
+    u8 part                 # partition (the tenant's)
+    i32 queue               # queue index in the layout
+    i32 run                 # run row
+    i32 env                 # environment row, -1
+    i32 cluster             # cluster of the current lease, -1
+    i32 holder              # worker identity holding the current lease, -1
+    i32 parent              # parent action row, -1
+    i32 attempt             # current attempt number
+    i32 fast                # 1 when queued on its warm pool's fast lane
+    u64 fit                 # clusters it could ever fit (bitmask)
+    i64 gen                 # lease generation
+    i64 released_gen        # generation whose in-flight counts were released
+    i64 delivered_gen       # generation handed to the dispatcher
+    i64 enqueued            # first enqueue (ns)
+    i64 deadline_due        # timer dues (ns; NEVER when none)
+    i64 queued_due          # max_queued_time of the current attempt
+    i64 retry_due           # end of the retry backoff
+    i64 runtime_due         # engine backstop of max_runtime
+    u64 name_hash           # hash of the action id
+
+
+cdef class RecordCodec:
+    cdef readonly Py_ssize_t n_res          # resources per demand vector
+    cdef readonly Py_ssize_t action_size    # bytes per action record
+    cdef u8[::1] a_state                    # the bound action columns (engine/_state.py)
+    cdef u8[::1] a_end                      # lease end
+    cdef u8[::1] a_charged                  # charged flag
+    cdef u8[::1] a_part                     # partition
+    cdef i32[::1] a_queue                   # queue
+    cdef i32[::1] a_run                     # run
+    cdef i32[::1] a_env                     # environment
+    cdef i32[::1] a_cluster                 # cluster
+    cdef i32[::1] a_worker                  # holder session row
+    cdef i32[::1] a_parent                  # parent row
+    cdef i32[::1] a_attempt                 # attempt number
+    cdef i32[::1] a_lane                    # lane (bit 0: fast)
+    cdef u64[::1] a_fit                     # fit mask
+    cdef i64[::1] a_gen                     # generation
+    cdef i64[::1] a_released_gen            # released generation
+    cdef i64[::1] a_delivered_gen           # delivered generation
+    cdef i64[::1] a_enqueued                # first enqueue
+    cdef i64[::1] a_deadline_due            # deadline due
+    cdef i64[::1] a_queued_due              # max_queued_time due
+    cdef i64[::1] a_retry_due               # retry due
+    cdef i64[::1] a_runtime_due             # runtime backstop due
+    cdef u64[::1] a_name_hash               # name hash
+    cdef i64[:, ::1] a_demand               # demand vectors
+    cdef i32[::1] w_ident                   # session row -> worker identity
+
+    cdef void _encode(self, i64 a, u8* dst) noexcept nogil
