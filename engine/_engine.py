@@ -169,6 +169,7 @@ class Engine:
                               sync=sc.sync, claim_ttl_s=sc.claim_ttl)
         self._store = store
         self._stopped = None        # why the shard stopped (lost ownership), or None
+        self._tenant_parts = {}     # tenant -> partition (a cache of partition_of)
         self._depth = 0             # nesting of transitions in the current loop turn
         self._store.open(config.storage.shard, time.time_ns())
         # Claims are renewed from the loop (schedule) well within their ttl (wall clock:
@@ -243,7 +244,10 @@ class Engine:
         self._ops = {}              # partition -> [(db, key, value)] of the edges
 
     def _part_of(self, tenant):
-        return partition_of(tenant, self._store.partitions)
+        part = self._tenant_parts.get(tenant)
+        if part is None:
+            part = self._tenant_parts[tenant] = partition_of(tenant, self._store.partitions)
+        return part
 
     def _op(self, part, db, key, value):
         self._ops.setdefault(part, []).append((db, key, value))
