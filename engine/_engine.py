@@ -8,6 +8,7 @@ keep the decision state. Time comes from an injectable clock.
 import contextlib
 import heapq
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -208,6 +209,7 @@ class Engine:
         self._names = {}            # ActionId -> row (rows looked up or created since load)
         self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
         self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows
+        self._index_thread = None   # builds the index above after a load
         self._runs = {}             # run key -> run row
         self._run_keys = []         # run row -> run key
         self._qruns = {}            # (queue row, run row) -> qrun row
@@ -629,10 +631,25 @@ class Engine:
             self._kernel.push_many(np.asarray(rows, dtype=np.int32))
         return ids
 
+    def _start_name_index(self, hashes):
+        """Sort restored name hashes into the lookup index in a background thread."""
+        def build():
+            order = np.argsort(hashes, kind="stable")
+            self._idx_hash, self._idx_row = hashes[order], order.astype(np.int64)
+
+        self._index_thread = threading.Thread(target=build, name="leasehold-name-index",
+                                              daemon=True)
+        self._index_thread.start()
+
     def _lookup(self, aid):
         """The row of action ``aid``, or None."""
         row = self._names.get(aid)
-        if row is not None or not self._idx_hash.size:
+        if row is not None:
+            return row
+        if self._index_thread is not None:
+            self._index_thread.join()
+            self._index_thread = None
+        if not self._idx_hash.size:
             return row
         h = np.uint64(name_hash(str(aid)))
         i = int(np.searchsorted(self._idx_hash, h))

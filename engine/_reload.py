@@ -8,8 +8,10 @@ lanes, timers as sorted arrays. The Python edges (spec, outcome, attempts) stay 
 are decoded on first use of a row.
 """
 
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import numpy as np
@@ -183,33 +185,32 @@ def _fill_actions(eng, recs, rows, parts, n, now):
         raise CorruptRecord(None, "actions", None, "queue index outside the layout")
     if recs.size and int(recs["run"].max()) >= len(eng._run_keys):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
-    st.a_state[rows] = recs["state"]
-    st.a_end[rows] = recs["end"]
-    st.a_charged[rows] = recs["charged"]
-    st.a_part[rows] = recs["part"]
-    st.a_queue[rows] = recs["queue"]
-    st.a_run[rows] = recs["run"]
-    st.a_env[rows] = recs["env"]
-    st.a_cluster[rows] = recs["cluster"]
-    st.a_parent[rows] = recs["parent"]
-    st.a_attempt[rows] = recs["attempt"]
-    st.a_fit[rows] = recs["fit"]
-    st.a_gen[rows] = recs["gen"]
-    st.a_released_gen[rows] = recs["released_gen"]
-    st.a_delivered_gen[rows] = recs["delivered_gen"]
-    st.a_enqueued[rows] = recs["enqueued"]
-    st.a_deadline_due[rows] = recs["deadline_due"]
-    st.a_queued_due[rows] = recs["queued_due"]
-    st.a_retry_due[rows] = recs["retry_due"]
-    st.a_runtime_due[rows] = recs["runtime_due"]
-    st.a_name_hash[rows] = recs["name_hash"]
-    st.a_demand[rows] = recs["demand"]
+    # Column by column (numpy releases the GIL while it copies): split over the cores.
+    columns = ("state", "end", "charged", "part", "queue", "run", "env", "cluster", "parent",
+               "attempt", "fit", "gen", "released_gen", "delivered_gen", "enqueued",
+               "deadline_due", "queued_due", "retry_due", "runtime_due", "name_hash", "demand")
+
+    def fill(name):
+        getattr(st, "a_" + name)[rows] = recs[name]
+
+    _parallel(fill, columns)
     holder = np.empty(n, dtype=np.int32)
     holder[rows] = recs["holder"]
     eng._restored_holder = holder      # identities, turned into session rows in _rebuild
-    order = np.argsort(st.a_name_hash[:n], kind="stable")
-    eng._idx_hash = st.a_name_hash[:n][order]
-    eng._idx_row = order.astype(np.int64)
+    # The name index (sorted hashes) is not needed to tick: built on another core while the
+    # shard starts; the first lookup of a restored name waits for it.
+    hashes = st.a_name_hash[:n].copy()
+    eng._start_name_index(hashes)
+
+
+def _parallel(fn, items):
+    workers = min(len(items), os.cpu_count() or 1)
+    if workers <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fn, items))
 
 
 def _load_finalize(eng, now):
