@@ -5,6 +5,7 @@ from cext._types cimport i32, i64, u8, u64
 
 
 cdef packed struct ActionHead:
+    i64 row                 # the row itself (its key): reload reads values only
     u8 state                # RowState
     u8 end                  # LeaseEnd of the current generation
     u8 charged              # demand charged to queue and cluster

@@ -69,6 +69,7 @@ cdef class RecordCodec:
     cdef void _encode(self, i64 a, u8* dst) noexcept nogil:
         cdef ActionHead h
         cdef i32 w = self.a_worker[a]
+        h.row = a
         h.state = self.a_state[a]
         h.end = self.a_end[a]
         h.charged = self.a_charged[a]

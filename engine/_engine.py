@@ -439,6 +439,7 @@ class Engine:
             idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
             idx.sort()
             recs = np.zeros(idx.size, FINALIZE_DTYPE)
+            recs["row"] = idx
             recs["state"] = st.fz_state[idx]
             recs["end"] = st.fz_end[idx]
             rows_ = st.fz_action[idx]

@@ -43,6 +43,7 @@ def action_dtype(n_res):
     Everything the tick, the timers and the lease checks need; nothing derived (lanes,
     counters, (queue, run) pairs and pool state are rebuilt at reload)."""
     return np.dtype([
+        ("row", "<i8"),           # the row (also its key: reload reads values only)
         ("state", "u1"),          # RowState
         ("end", "u1"),            # LeaseEnd of the current generation
         ("charged", "u1"),        # demand charged to queue and cluster (not a pool member)
@@ -70,6 +71,7 @@ def action_dtype(n_res):
 
 
 FINALIZE_DTYPE = np.dtype([
+    ("row", "<i8"),          # the finalize row (also its key)
     ("state", "u1"),
     ("end", "u1"),
     ("pad", "u2"),

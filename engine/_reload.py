@@ -36,10 +36,11 @@ def _unpack(part, db, key, raw):
 
 
 def _fixed(store, db, dtype):
-    """All fixed records of ``db``: (records, rows)."""
+    """All fixed records of ``db``: (records, rows, partitions). Records carry their row,
+    so the LMDB scan reads values only; the in-memory store's keys are checked against it."""
     if isinstance(store, LmdbStore):
-        scan = scan_parallel(store, db, record_size=dtype.itemsize, dtype=dtype)
-        return scan.values, scan.keys.astype(np.int64), scan.partition
+        scan = scan_parallel(store, db, record_size=dtype.itemsize, dtype=dtype, keys=False)
+        return scan.values, scan.values["row"].astype(np.int64), scan.partition
     parts, keys, values = [], [], []
     for p, key, value in store.scan(db):
         if len(value) != dtype.itemsize or len(key) != 8:
@@ -49,7 +50,12 @@ def _fixed(store, db, dtype):
         keys.append(int.from_bytes(key, "big"))
         values.append(value)
     recs = np.frombuffer(b"".join(values), dtype=dtype) if values else np.zeros(0, dtype)
-    return recs, np.asarray(keys, dtype=np.int64), np.asarray(parts, dtype=np.uint16)
+    rows = np.asarray(keys, dtype=np.int64)
+    if (recs["row"] != rows).any():
+        bad = int(np.flatnonzero(recs["row"] != rows)[0])
+        raise CorruptRecord(int(parts[bad]), db, int(rows[bad]).to_bytes(8, "big"),
+                            f"record of row {int(recs['row'][bad])} stored under another key")
+    return recs, rows, np.asarray(parts, dtype=np.uint16)
 
 
 class _Progress:

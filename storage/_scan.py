@@ -61,7 +61,7 @@ class FixedScan:
     """
 
     values: np.ndarray
-    keys: np.ndarray
+    keys: np.ndarray | None
     partition: np.ndarray
     counts: np.ndarray
 
@@ -163,7 +163,7 @@ class _Source:
 
 def scan_parallel(source: LmdbStore | str | os.PathLike, db: str, *, record_size: int,
                   key_size: int = 8, dtype=None, key_dtype=None, processes: int | None = None,
-                  timeout_s: float | None = None) -> FixedScan:
+                  timeout_s: float | None = None, keys: bool = True) -> FixedScan:
     """Every record of ``db`` in every partition as numpy arrays, scanned in parallel.
 
     ``source`` is an open :class:`storage.LmdbStore` (the engine's reload: its handles are
@@ -174,7 +174,9 @@ def scan_parallel(source: LmdbStore | str | os.PathLike, db: str, *, record_size
     defaults to the CPU count, or 1 when there are fewer than
     ``2 * MIN_RECORDS_PER_PROCESS`` records. Each partition is read in one snapshot; another
     process writing meanwhile makes the scan fail (``CorruptRecord``: changed during the
-    scan) rather than return a mix. Returns a :class:`FixedScan`.
+    scan) rather than return a mix. ``keys=False`` skips reading the keys (records that carry
+    their own key: half the per-record work); ``FixedScan.keys`` is then None. Returns a
+    :class:`FixedScan`.
     """
     import numpy as np
 
@@ -216,17 +218,19 @@ def scan_parallel(source: LmdbStore | str | os.PathLike, db: str, *, record_size
         vname = kname = None
         if len(shares) <= 1:
             vbuf = np.empty(total * record_size, np.uint8)
-            kbuf = np.empty(total * key_size, np.uint8)
-            vout, kout = memoryview(vbuf), memoryview(kbuf)
+            kbuf = np.empty(total * key_size, np.uint8) if keys else None
+            vout = memoryview(vbuf)
+            kout = memoryview(kbuf) if keys else None
             children = []
         else:
             vname, vbuf = _shared(total * record_size)
-            kname, kbuf = _shared(total * key_size)
+            kname, kbuf = _shared(total * key_size) if keys else (None, None)
             vout, kout = vbuf, kbuf
             children = []
             for share in shares[1:]:
                 job = {"db": db, "record_size": record_size, "key_size": key_size,
-                       "vfile": vname, "kfile": kname, "vsize": len(vbuf), "ksize": len(kbuf),
+                       "vfile": vname, "kfile": kname, "vsize": len(vbuf),
+                       "ksize": len(kbuf) if keys else 0,
                        "schema": SCHEMA_VERSION, "npartitions": P, "max_dbs": len(DBS),
                        "partitions": [[p, str(partition_dir(src.path, p)), counts[p],
                                        offsets[p]] for p in share]}
@@ -263,8 +267,9 @@ def scan_parallel(source: LmdbStore | str | os.PathLike, db: str, *, record_size
         values = np.frombuffer(vbuf, np.uint8, count=total * record_size)
         values = (values.view(dtype) if dtype is not None
                   else values.reshape(total, record_size))
-        keys = np.frombuffer(kbuf, np.uint8, count=total * key_size).view(key_dtype)
+        key_arr = (np.frombuffer(kbuf, np.uint8, count=total * key_size).view(key_dtype)
+                   if keys else None)
         partition = np.repeat(np.arange(P, dtype=np.uint16), counts)
-        return FixedScan(values, keys, partition, np.asarray(counts, dtype=np.int64))
+        return FixedScan(values, key_arr, partition, np.asarray(counts, dtype=np.int64))
     finally:
         src.close()

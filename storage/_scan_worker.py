@@ -87,7 +87,8 @@ def _copy(cur, want_keys, size, count, out, base, partition, db, txn, dbh):
 
 def scan_fixed(env, dbh, partition, db, count, record_size, key_size, vout, kout, offset):
     """Copy the ``count`` records of ``dbh`` (one snapshot) into ``vout``/``kout`` at record
-    ``offset``; :class:`ScanProblem` names the first bad record."""
+    ``offset`` (``kout`` None: values only); :class:`ScanProblem` names the first bad
+    record."""
     with env.begin(db=dbh, buffers=False) as txn:
         n = txn.stat(dbh)["entries"]
         if n != count:
@@ -97,7 +98,9 @@ def scan_fixed(env, dbh, partition, db, count, record_size, key_size, vout, kout
         cur = txn.cursor(db=dbh)
         _copy(cur, False, record_size, count, vout, offset * record_size, partition, db, txn,
               dbh)
-        _copy(cur, True, key_size, count, kout, offset * key_size, partition, db, txn, dbh)
+        if kout is not None:
+            _copy(cur, True, key_size, count, kout, offset * key_size, partition, db, txn,
+                  dbh)
 
 
 def open_readonly(path, max_dbs):
@@ -107,9 +110,12 @@ def open_readonly(path, max_dbs):
 
 def run(job):
     """Execute one job (a dict, see :func:`storage._scan._job`); return the JSON reply."""
-    with open(job["vfile"], "r+b") as vf, open(job["kfile"], "r+b") as kf:
+    with open(job["vfile"], "r+b") as vf:
         vmm = mmap.mmap(vf.fileno(), job["vsize"])
-        kmm = mmap.mmap(kf.fileno(), job["ksize"])
+    kmm = None
+    if job["kfile"] is not None:
+        with open(job["kfile"], "r+b") as kf:
+            kmm = mmap.mmap(kf.fileno(), job["ksize"])
     try:
         for partition, dirname, count, offset in job["partitions"]:
             try:
@@ -136,7 +142,8 @@ def run(job):
         return {"error": e.as_json()}
     finally:
         vmm.close()
-        kmm.close()
+        if kmm is not None:
+            kmm.close()
 
 
 if __name__ == "__main__":

@@ -30,17 +30,18 @@ def test_codec_and_dtype_agree_on_every_field():
     codec = RecordCodec()
     codec.bind(st)
     dtype = action_dtype(3)
-    assert codec.action_size == dtype.itemsize == ACTION_HEAD_SIZE + 3 * 8
+    assert codec.action_size == dtype.itemsize == ACTION_HEAD_SIZE + 3 * 8 == 148
     buf = bytearray(rows.size * codec.action_size)
     codec.encode_actions(rows, buf)
     recs = np.frombuffer(bytes(buf), dtype=dtype)
     for name in dtype.names:
-        if name in ("holder", "fast"):
+        if name in ("holder", "fast", "row"):
             continue
         np.testing.assert_array_equal(recs[name], getattr(st, "a_" + name)[rows], err_msg=name)
     holders = np.where(st.a_worker[rows] >= 0, st.w_ident[np.maximum(st.a_worker[rows], 0)], -1)
     np.testing.assert_array_equal(recs["holder"], holders)
     np.testing.assert_array_equal(recs["fast"], st.a_lane[rows] & 1)
+    np.testing.assert_array_equal(recs["row"], rows)
     # Placed rows carry their holder's identity, the unplaced one none.
     assert ((recs["gen"] == 1) == (recs["holder"] >= 0)).all() and (recs["gen"] == 1).sum() == 2
 

@@ -511,6 +511,11 @@ def test_scan_parallel_matches_the_records(hl, processes):
     assert got.counts.tolist() == [len(rec) // parts] * parts
     raw = scan_parallel(s, "actions", record_size=REC.itemsize, processes=processes)
     assert raw.values.shape == (len(rec), REC.itemsize)
+    values_only = scan_parallel(s, "actions", record_size=REC.itemsize, dtype=REC,
+                                processes=processes, keys=False)
+    assert values_only.keys is None
+    assert values_only.values.tobytes() == rec[order].tobytes()
+    assert np.array_equal(values_only.partition, order % parts)
     assert len(scan_parallel(s, "specs", record_size=4, processes=processes)) == 0
     s.close()
     by_path = scan_parallel(hl.path, "actions", record_size=REC.itemsize, dtype=REC,
