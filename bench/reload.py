@@ -98,7 +98,9 @@ def reload_once(path):
 
 
 def commit_latency(path):
-    # A store of its own: the measured writes must not change the reloaded one.
+    # A store of its own: the measured writes must not change the reloaded one. The raw
+    # commits below write scratch records, so it is thrown away afterwards.
+    shutil.rmtree(path, ignore_errors=True)
     eng = Engine(parse_config(config(path)), clock=ManualClock(time.time_ns()))
     try:
         store = eng._store
@@ -117,6 +119,7 @@ def commit_latency(path):
         return statistics.median(commits) * 1e3, statistics.median(enqueues) * 1e3
     finally:
         eng.close()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main():
