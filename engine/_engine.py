@@ -26,6 +26,7 @@ from engine._codes import (
 )
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import NotFound, ResourceExhausted, SpecError
+from engine._history import RuntimeHistory
 from engine._leases import Attempt, ErrorKind, TokenCodec
 from engine._model import ActionId, compile_spec
 from engine._state import NEVER, State
@@ -82,6 +83,9 @@ class Explanation:
     phase: Phase
     wait: WaitCode | None
     reason: str
+    # --- backfill (issue 5) ---
+    eta_ns: int | None = None     # a blocked head's shadow time (estimated start); None unknown
+    position: int | None = None   # 1-based place among its queue's queued actions, by enqueue
 
 
 @dataclass
@@ -138,7 +142,12 @@ class Engine:
             max_candidates=settings.max_candidates,
             gate_on=settings.resource_gate == "enforce",
             cpu_dim=res.cpu_index, res_accel=res.accelerator_mask,
+            bf_max_candidates=settings.backfill_max_candidates,
         )
+        # --- backfill (issue 5): runtime history per task name, predictions in t_pred_rt ---
+        self.history = RuntimeHistory()
+        self._tasks = {}                # task name -> task row
+        self._history_dirty = set()     # tasks recorded since take_dirty_history()
         for i, cluster in enumerate(config.clusters):
             if cluster.capacity is not None:
                 st.c_cap[i] = cluster.capacity
@@ -182,6 +191,7 @@ class Engine:
         for name in q.clusters:
             mask |= 1 << self._cluster_index[name]
         st.q_clusters[i] = mask
+        st.q_backfill[i] = q.backfill   # backfill (issue 5)
         self._queues[q.name] = q
         # Priority descending; equal priorities keep config order.
         order = sorted(range(len(self._queue_names)),
@@ -338,6 +348,7 @@ class Engine:
         st.a_gen[row] = 0
         st.a_released_gen[row] = 0
         st.a_enqueued[row] = now
+        st.a_task[row] = self._task_row(c.spec.task)   # backfill (issue 5)
         rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
         self._actions[c.id] = rec
         self._row_action[row] = c.id
@@ -695,6 +706,10 @@ class Engine:
                 st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
                 att.running_ns = now
                 rec.phase = Phase.RUNNING
+                # Backfill (issue 5): history measures from RUNNING, so the prediction does.
+                pred = int(st.t_pred_rt[st.a_task[row]])
+                if pred != NEVER and now + pred > st.a_pred_end[row]:
+                    st.a_pred_end[row] = now + pred
                 t = rec.compiled.spec.timeouts
                 if t.max_runtime is not None:
                     grace = self.config.engine.runtime_grace
@@ -702,6 +717,10 @@ class Engine:
                                 int(st.a_gen[row]))
             return verdict
         if phase == Phase.SUCCEEDED:
+            # Backfill (issue 5): a success teaches the task's history (failures do not).
+            began = att.running_ns if att.running_ns is not None else att.start_ns
+            if began is not None:
+                self._record_runtime(rec.compiled.spec.task, now - began)
             self._end_lease(row, LeaseEnd.COMPLETED)
             self._end_attempt(rec, Phase.SUCCEEDED, message=message, cleanup=cleanup)
             self._finish(rec, Phase.SUCCEEDED, message)
@@ -892,6 +911,63 @@ class Engine:
             self._kernel.remove_finalize(f)
         self._end_finalize(f, LeaseEnd.ABORTED, "ABANDONED")
 
+    # ------------------------------------------------------------------ backfill (issue 5)
+    # Runtime history per task name feeds EASY backfill: each task row of t_pred_rt holds
+    # the backfill percentile of its successful runtimes (NEVER without history); the tick
+    # predicts a lease's end from it at assignment (a_pred_end).
+
+    def _task_row(self, task):
+        row = self._tasks.get(task)
+        if row is None:
+            st = self._state
+            row = len(self._tasks)
+            if st.ensure("tasks", row + 1):
+                self._kernel.bind(st)
+            self._tasks[task] = row
+            self._refresh_prediction(task, row)
+        return row
+
+    def _refresh_prediction(self, task, row):
+        ns = self.history.percentile_ns(task, self.config.engine.backfill_percentile)
+        self._state.t_pred_rt[row] = NEVER if ns is None else ns
+
+    def _record_runtime(self, task, ns):
+        self.history.record_ns(task, max(0, int(ns)))
+        self._history_dirty.add(task)
+        if task in self._tasks:
+            self._refresh_prediction(task, self._tasks[task])
+
+    def load_history(self, task, data):
+        """Load ``task``'s runtime history from a record made by ``history.encode(task)``
+        (reload from the store); queued and later actions of the task predict from it at
+        once. A malformed record raises ``ValueError`` naming the task; nothing changes."""
+        self.history.load(task, data)
+        if task in self._tasks:
+            self._refresh_prediction(task, self._tasks[task])
+
+    def take_dirty_history(self):
+        """Task names whose history changed since the last call (for storage to persist
+        ``history.encode(task)`` of each); the set is cleared."""
+        out, self._history_dirty = self._history_dirty, set()
+        return out
+
+    def predicted_runtime(self, task):
+        """What the task's history predicts (seconds, at ``backfill_percentile``), or None."""
+        return self.history.percentile(task, self.config.engine.backfill_percentile)
+
+    def _head_eta(self, row):
+        # The shadow time of a blocked head, from the current state (None: unknown).
+        return self._kernel.head_eta(row, self.clock.now_ns())
+
+    def _position(self, row):
+        st = self._state
+        n = self._next_row
+        q = st.a_queue[row]
+        queued = (st.a_state[:n] == RowState.QUEUED) & (st.a_queue[:n] == q)
+        enq = st.a_enqueued[:n]
+        ahead = queued & ((enq < enq[row]) | ((enq == enq[row]) & (np.arange(n) < row)))
+        return int(np.count_nonzero(ahead)) + 1
+
     # ------------------------------------------------------------------ queries
 
     def phase(self, action):
@@ -939,7 +1015,19 @@ class Engine:
             code = WaitCode(int(st.q_stop_code[q]))
             reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
         phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
-        return Explanation(aid, phase, code, reason)
+        # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
+        # every queued action its position in the queue.
+        eta = None
+        if int(st.q_head[q]) == row and code in (WaitCode.CLUSTER_CAPACITY,
+                                                  WaitCode.HEAD_OF_LINE):
+            eta = self._head_eta(row)
+            if eta is not None:
+                wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
+                reason += f"; estimated start in {wait_s:.1f}s (runtime history)"
+        position = self._position(row)
+        if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
+            reason += f"; position {position} in queue {self._queue_names[q]}"
+        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
 
     def attempts(self, action):
         """The action's attempts, oldest first (copies): cluster, worker, start, end,
@@ -1044,7 +1132,13 @@ class Engine:
                     "code": exp.wait.name if exp.wait is not None else None,
                     "demand": self._resources.describe(st.a_demand[head]),
                 }
+            eta = None
+            if blocked is not None and exp.wait in (WaitCode.CLUSTER_CAPACITY,
+                                                    WaitCode.HEAD_OF_LINE):
+                eta = exp.eta_ns
             out[qname] = {
+                "backfilled": int(st.q_backfilled[q]),     # backfill (issue 5)
+                "head_eta_ns": eta,                        # backfill (issue 5)
                 "runs_in_flight": int(st.q_runs_adm[q] - st.q_runs_rel[q]),
                 "actions_in_flight": int(st.q_adm[q] - st.q_rel[q]),
                 "in_flight_resources": {
