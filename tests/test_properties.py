@@ -997,14 +997,17 @@ class EngineMachine(RuleBasedStateMachine):
         self.clock.advance(seconds)
         self._beat_all(report_free=False)
         self._do_tick()
-        for a, fate in zip(self._live(), fates, strict=False):
+        # A lease past its expiry but not yet swept is refused EXPIRED (the mark_running and
+        # complete rules check that case); the busy loop only reports on unexpired ones.
+        now = self.clock.now_ns()
+        for a, fate in zip([a for a in self._live() if a.expiry >= now], fates, strict=False):
             if fate == "running":
                 self.eng.mark_running(a.aid, a.gen)
                 a.status = "running"
             elif fate != "keep":
                 self._complete(a, Phase.SUCCEEDED if fate == "ok" else Phase.FAILED)
         for f in self._finals_live():
-            if f.drained:
+            if f.drained and f.expiry >= now:
                 assert self.eng.report(f.token, Phase.SUCCEEDED) == Verdict.OK
                 f.status, f.end = "done", "completed"
 
