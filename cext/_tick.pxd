@@ -205,8 +205,9 @@ cdef class TickKernel:
     cdef void _fail(self, i32 a, u8 code) noexcept nogil
     cdef void _live_link(self, i32 a, int c) noexcept nogil
     cdef void _live_unlink(self, i32 a) noexcept nogil
-    cdef void _sort_ends(self, Py_ssize_t n) noexcept nogil
+    cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil
+    cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
-    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine, i64 now) noexcept nogil
+    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil
     cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil
     cdef i64 _run(self, i64 now) noexcept nogil

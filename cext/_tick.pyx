@@ -13,7 +13,8 @@ cimport cython
 
 from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
-    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_SENT, W_CANDIDATE_LIMIT,
+    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
+    W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
@@ -856,7 +857,7 @@ cdef class TickKernel:
                 self.s_held_by[c] = a
             held[0] |= fit
             if self.q_backfill[q] and self.s_bf_head[q] < 0 and mine != 0:
-                self._hold_shadows(q, a, mine, now)
+                self._hold_shadows(q, a, mine)
         return R_SKIP_ACTION
 
     # ---------------------------------------------------------------- backfill
@@ -881,40 +882,38 @@ cdef class TickKernel:
         self.a_lnext[a] = -1
         self.a_lprev[a] = -1
 
-    cdef void _sort_ends(self, Py_ssize_t n) noexcept nogil:
-        # Heapsort of s_bf_key[:n] (with s_bf_row alongside): in place, no allocation.
-        cdef Py_ssize_t start, end, root, child
+    cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil:
+        # Restore the min-heap order of s_bf_key[:n] (s_bf_row alongside) below root.
+        cdef Py_ssize_t child
         cdef i64 k
         cdef i32 w
-        start = n // 2
-        end = n
-        while end > 1:
-            if start > 0:
-                start -= 1
-            else:
-                end -= 1
-                k = self.s_bf_key[end]
-                self.s_bf_key[end] = self.s_bf_key[0]
-                self.s_bf_key[0] = k
-                w = self.s_bf_row[end]
-                self.s_bf_row[end] = self.s_bf_row[0]
-                self.s_bf_row[0] = w
-            root = start
-            while True:
-                child = 2 * root + 1
-                if child >= end:
-                    break
-                if child + 1 < end and self.s_bf_key[child + 1] > self.s_bf_key[child]:
-                    child += 1
-                if self.s_bf_key[root] >= self.s_bf_key[child]:
-                    break
-                k = self.s_bf_key[root]
-                self.s_bf_key[root] = self.s_bf_key[child]
-                self.s_bf_key[child] = k
-                w = self.s_bf_row[root]
-                self.s_bf_row[root] = self.s_bf_row[child]
-                self.s_bf_row[child] = w
-                root = child
+        while True:
+            child = 2 * root + 1
+            if child >= n:
+                return
+            if child + 1 < n and self.s_bf_key[child + 1] < self.s_bf_key[child]:
+                child += 1
+            if self.s_bf_key[root] <= self.s_bf_key[child]:
+                return
+            k = self.s_bf_key[root]
+            self.s_bf_key[root] = self.s_bf_key[child]
+            self.s_bf_key[child] = k
+            w = self.s_bf_row[root]
+            self.s_bf_row[root] = self.s_bf_row[child]
+            self.s_bf_row[child] = w
+            root = child
+
+    cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil:
+        # Move the earliest end of the heap s_bf_key[:n] to slot n - 1; returns n - 1.
+        cdef i64 k = self.s_bf_key[0]
+        cdef i32 w = self.s_bf_row[0]
+        n -= 1
+        self.s_bf_key[0] = self.s_bf_key[n]
+        self.s_bf_row[0] = self.s_bf_row[n]
+        self.s_bf_key[n] = k
+        self.s_bf_row[n] = w
+        self._sift_down(0, n)
+        return n
 
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
         # The shadow time of head h on cluster c: the earliest predicted time at which what
@@ -943,17 +942,22 @@ cdef class TickKernel:
         if covers(need, free, self.n_res):
             shadow = now
         else:
-            self._sort_ends(n)
-            while i < n:
-                t = self.s_bf_key[i]
+            # A min-heap (O(n) to build) popped only until the head is covered: the usual
+            # case needs a few releases out of many live leases, not a full sort.
+            i = n // 2
+            while i > 0:
+                i -= 1
+                self._sift_down(i, n)
+            while n > 0:
+                t = self.s_bf_key[0]
                 if t == NEVER:
                     break
-                while i < n and self.s_bf_key[i] == t:
-                    a = self.s_bf_row[i]
+                while n > 0 and self.s_bf_key[0] == t:
+                    n = self._pop_end(n)
+                    a = self.s_bf_row[n]
                     for r in range(self.n_res):
                         if free[r] < UNLIMITED:
                             free[r] += self.a_demand[a, r]
-                    i += 1
                 if covers(need, free, self.n_res):
                     shadow = t
                     break
@@ -963,9 +967,12 @@ cdef class TickKernel:
             free[r] = free[r] - need[r] if shadow < NEVER else -1
         return shadow
 
-    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine, i64 now) noexcept nogil:
+    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil:
         # h is the first action of backfill queue q blocked this tick: it is the head the
-        # backfill protects, on the clusters it now holds (mine).
+        # backfill protects, on the clusters it now holds (mine). Their shadow times are
+        # computed lazily, by the first candidate that tests the cluster (_backfill), so a
+        # head with nothing behind it costs nothing. Until then nothing is placed on the
+        # cluster (it is held), so its free vector is still the one at the hold.
         cdef int c
         self.s_bf_head[q] = h
         self.s_bf_tested[q] = 0
@@ -973,7 +980,7 @@ cdef class TickKernel:
         while mine != 0:
             c = lowest_bit(mine)
             mine &= ~((<u64>1) << c)
-            self._shadow(h, c, &self.s_cfree[c, 0], now)
+            self.s_shadow[c] = -1
 
     cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil:
         # Which cluster of cands (fit, free worker, held) action a may backfill now, or -1.
@@ -995,6 +1002,8 @@ cdef class TickKernel:
             cands &= ~bit
             if self.s_held_by[c] != h or not covers(demand, &self.s_cfree[c, 0], self.n_res):
                 continue
+            if self.s_shadow[c] < 0:
+                self._shadow(h, c, &self.s_cfree[c, 0], now)
             if self.s_bf_gap[c] and rt < NEVER and rt <= self.s_shadow[c] - now:
                 by_gap |= bit
             elif covers(demand, &self.s_extra[c, 0], self.n_res):
@@ -1006,6 +1015,25 @@ cdef class TickKernel:
         if by_extra != 0:
             return self._choose_cluster(a, by_extra)
         return -1
+
+    def relink_live(self, Py_ssize_t n_rows):
+        """Rebuild the per-cluster lists of live charged leases from rows ``0..n_rows-1``
+        (after a reload filled the arrays): every sent or running row whose current
+        generation is charged and not yet released."""
+        cdef Py_ssize_t c, a
+        if n_rows < 0 or n_rows > self.a_state.shape[0]:
+            raise ValueError(f"n_rows {n_rows} is outside the action table")
+        with nogil:
+            for c in range(self.n_clusters):
+                self.c_live[c] = -1
+            for a in range(n_rows):
+                self.a_lnext[a] = -1
+                self.a_lprev[a] = -1
+                if ((self.a_state[a] == ST_SENT or self.a_state[a] == ST_RUNNING)
+                        and self.a_charged[a] and self.a_gen[a] > 0
+                        and self.a_released_gen[a] != self.a_gen[a]
+                        and self.a_cluster[a] >= 0):
+                    self._live_link(<i32>a, self.a_cluster[a])
 
     def head_eta(self, i32 h, i64 now):
         """The shadow time (ns) of queued action ``h`` from the current state: the earliest

@@ -982,7 +982,9 @@ class Engine:
         return rec
 
     def explain(self, action):
-        """The action's phase and, while it waits, the reason (code and message)."""
+        """The action's phase and, while it waits, the reason (code and message), its
+        position in its queue (by enqueue time) and, for a blocked head, its estimated start
+        (``eta_ns``: its shadow time from the runtime history of what runs; None unknown)."""
         rec = self._record(action)
         aid = rec.compiled.id
         st = self._state
@@ -1112,7 +1114,9 @@ class Engine:
 
     def queue_metrics(self, name=None):
         """Per queue: runs and actions in flight, in-flight resources, depth and head_blocked
-        (since, action, reason, demand) or None. One queue when ``name`` is given."""
+        (since, action, reason, demand) or None; ``backfilled`` (placements made by EASY
+        backfill, cumulative) and ``head_eta_ns`` (the blocked head's shadow time, None when
+        not blocked or unknown). One queue when ``name`` is given."""
         st = self._state
         names = [name] if name is not None else self._queue_names
         out = {}

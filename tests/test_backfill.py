@@ -357,3 +357,31 @@ def test_backfill_never_delays_the_first_blocked_head(raw, edges):
     assert set(starts_on) == set(starts_off) == {f"j{i}" for i in range(len(jobs))}
     if head_off is not None:
         assert starts_on[head_off] <= starts_off[head_off]
+
+
+def _live_lists(eng):
+    st = eng._state
+    out = []
+    for c in range(st.n_clusters):
+        rows, a = set(), int(st.c_live[c])
+        while a >= 0:
+            rows.add(a)
+            a = int(st.a_lnext[a])
+        out.append(rows)
+    return out
+
+
+def test_live_lists_follow_assignments_and_releases_and_can_be_rebuilt():
+    eng, clock = make_engine(config(nodes=2))
+    placed = start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(6)])
+    rows = {eng._actions[a.action].row for a in placed}
+    assert _live_lists(eng) == [rows]
+    eng.complete(placed[0].action, placed[0].generation)
+    eng.abort(placed[1].action)
+    rows -= {eng._actions[a.action].row for a in placed[:2]}
+    assert _live_lists(eng) == [rows]
+    st = eng._state
+    st.c_live[:] = -1                            # as after a reload: derived state lost
+    st.a_lnext[:] = -1
+    eng._kernel.relink_live(eng._next_row)
+    assert _live_lists(eng) == [rows]
