@@ -1020,8 +1020,9 @@ class Engine:
         # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
         # every queued action its position in the queue.
         eta = None
-        if int(st.q_head[q]) == row and code in (WaitCode.CLUSTER_CAPACITY,
-                                                  WaitCode.HEAD_OF_LINE):
+        if int(st.q_head[q]) == row and st.q_strict[q] and code in (
+                WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE):
+            # Only a STRICT_FIFO head holds what frees up; a GREEDY one may be passed over.
             eta = self._head_eta(row)
             if eta is not None:
                 wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
