@@ -932,6 +932,13 @@ class EngineMachine(RuleBasedStateMachine):
                 for p in placements:
                     if p.mode == "fast" or p.cluster not in held:
                         continue
+                    qp = self.queue_names.index(p.queue)
+                    if (int(q_head0[qp]) == p.row and self.queues[p.queue].strict
+                            and self.queues[p.queue].priority == self.queues[x.queue].priority
+                            and not went_first):
+                        # p was its queue's blocked head, retried at the start of the level,
+                        # before x (not itself retried) was examined and held anything.
+                        continue
                     later = (pos[p.queue] > pos[x.queue]
                              or (p.queue == x.queue and went_first)
                              or (p.queue == x.queue and p.link_seq > x.link_seq
