@@ -773,6 +773,7 @@ class EngineMachine(RuleBasedStateMachine):
         q_runs0 = (s.q_runs_adm - s.q_runs_rel).astype(np.int64)
         q_res_adm0 = s.q_res_adm.copy()
         q_head0 = s.q_head.copy()
+        q_head_code0 = s.q_head_code.copy()
         self._model_timers_and_sweep(now)
         queued_before = [a for a in self.actions.values() if a.status == "queued"]
 
@@ -926,14 +927,20 @@ class EngineMachine(RuleBasedStateMachine):
                 code = WaitCode(int(s.a_wait_code[x.row]))
                 if code not in (WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE):
                     continue
-                went_first = int(q_head0[qx]) == x.row
+                def retried(qi, row):
+                    # The engine retries a STRICT queue's blocked head before its whole
+                    # priority level, unless it only waited behind another head's hold.
+                    return (int(q_head0[qi]) == row
+                            and int(q_head_code0[qi]) != WaitCode.HEAD_OF_LINE)
+
+                went_first = retried(qx, x.row)
                 event(f"strict head blocked {code.name}" + (" (first)" if went_first else ""))
                 held = {c for c in self.queues[x.queue].clusters if self._fits(c, x)}
                 for p in placements:
                     if p.mode == "fast" or p.cluster not in held:
                         continue
                     qp = self.queue_names.index(p.queue)
-                    if (int(q_head0[qp]) == p.row and self.queues[p.queue].strict
+                    if (retried(qp, p.row) and self.queues[p.queue].strict
                             and self.queues[p.queue].priority == self.queues[x.queue].priority
                             and not went_first):
                         # p was its queue's blocked head, retried at the start of the level,
