@@ -18,6 +18,8 @@ cdef packed struct ActionHead:
     i32 parent              # parent action row, -1
     i32 attempt             # current attempt number
     i32 fast                # 1 when queued on its warm pool's fast lane
+    i32 task                # task row (runtime history per task name)
+    i32 backfilled          # 1 when the current generation was placed by backfill
     u64 fit                 # clusters it could ever fit (bitmask)
     i64 gen                 # lease generation
     i64 released_gen        # generation whose in-flight counts were released
@@ -28,6 +30,7 @@ cdef packed struct ActionHead:
     i64 retry_due           # end of the retry backoff
     i64 runtime_due         # engine backstop of max_runtime
     u64 name_hash           # hash of the action id
+    i64 pred_end            # predicted end of the live lease (ns; NEVER unknown)
 
 
 cdef class RecordCodec:
@@ -55,6 +58,9 @@ cdef class RecordCodec:
     cdef i64[::1] a_retry_due               # retry due
     cdef i64[::1] a_runtime_due             # runtime backstop due
     cdef u64[::1] a_name_hash               # name hash
+    cdef i32[::1] a_task                    # task row
+    cdef u8[::1] a_backfilled               # placed by backfill
+    cdef i64[::1] a_pred_end                # predicted end
     cdef i64[:, ::1] a_demand               # demand vectors
     cdef i32[::1] w_ident                   # session row -> worker identity
 

@@ -50,6 +50,9 @@ cdef class RecordCodec:
         self.a_retry_due = state.a_retry_due
         self.a_runtime_due = state.a_runtime_due
         self.a_name_hash = state.a_name_hash
+        self.a_task = state.a_task
+        self.a_backfilled = state.a_backfilled
+        self.a_pred_end = state.a_pred_end
         self.a_demand = state.a_demand
         self.w_ident = state.w_ident
 
@@ -92,5 +95,8 @@ cdef class RecordCodec:
         h.retry_due = self.a_retry_due[a]
         h.runtime_due = self.a_runtime_due[a]
         h.name_hash = self.a_name_hash[a]
+        h.task = self.a_task[a]
+        h.backfilled = self.a_backfilled[a]
+        h.pred_end = self.a_pred_end[a]
         memcpy(dst, &h, sizeof(ActionHead))
         memcpy(dst + sizeof(ActionHead), &self.a_demand[a, 0], 8 * self.n_res)

@@ -21,6 +21,9 @@ cdef class TickKernel:
     cdef bint gate_on                  # resource gate: enforce (1) or count caps only (0)
     cdef int cpu_dim                   # index of cpu in vectors, -1 if not configured
     cdef readonly i64 lease_ttl        # ns a lease lives without a heartbeat
+    cdef i64 bf_max_candidates         # actions tested for backfill per blocked head per tick
+    cdef u64 bf_held                   # clusters held this tick by a backfill queue's head
+    cdef u64 bf_contested              # ... that a head of another queue also wants
 
     cdef u8[::1] res_accel             # [R] 1 where the resource is an accelerator
 
@@ -47,6 +50,11 @@ cdef class TickKernel:
     cdef i32[::1] a_wait_blocker       # action row blocking it (head of line), -1 none
     cdef i64[::1] a_expiry             # run lease expiry (ns) while sent or running
     cdef u8[::1] a_end                 # LeaseEnd of the current generation
+    cdef i32[::1] a_task               # task row (runtime history is per task name)
+    cdef i64[::1] a_pred_end           # predicted end (ns) of the live lease, NEVER = unknown
+    cdef u8[::1] a_backfilled          # 1 when the current generation was placed by backfill
+    cdef i32[::1] a_lnext              # next live charged lease on its cluster, -1 at the end
+    cdef i32[::1] a_lprev              # previous one, -1 at the start
 
     # --- (queue, run) pairs and their two lanes (regular, fast) ---
     cdef i32[::1] qr_queue             # queue row of the pair
@@ -85,6 +93,8 @@ cdef class TickKernel:
     cdef i32[::1] q_head               # head blocked on resources in the last tick, -1 none
     cdef u8[::1] q_head_code           # its WaitCode
     cdef i64[::1] q_head_since         # when that head was first seen blocked (ns)
+    cdef u8[::1] q_backfill            # 1 = EASY backfill behind a blocked head (STRICT only)
+    cdef u64[::1] q_backfilled         # placements made by backfill (cumulative)
 
     # --- clusters ---
     cdef i64[:, ::1] c_cap             # [C, R] capacity, UNLIMITED when unknown
@@ -92,6 +102,7 @@ cdef class TickKernel:
     cdef u64[:, ::1] c_rel             # [C, R] resources released
     cdef i64[:, ::1] c_obs             # [C, R] free capacity last reported by a worker
     cdef u64[:, ::1] c_obs_mark        # [C, R] c_adm when it was reported
+    cdef i32[::1] c_live               # [C] first live charged lease (list via a_lnext)
 
     # --- workers ---
     cdef i32[::1] w_cluster            # cluster row
@@ -100,6 +111,9 @@ cdef class TickKernel:
     cdef u64[::1] w_rel                # leases released from it
     cdef u8[::1] w_connected           # 1 while registered
     cdef i32[::1] w_ident              # the worker's stable identity (rows are sessions)
+
+    # --- tasks ---
+    cdef i64[::1] t_pred_rt            # predicted runtime (ns) from history, NEVER = none
 
     # --- runs ---
     cdef i64[::1] u_cap                # max_action_concurrency, 0 = unlimited
@@ -153,6 +167,13 @@ cdef class TickKernel:
     cdef i32[::1] s_cursor             # [C] last worker picked (round robin)
     cdef i32[::1] s_first              # [Q] STRICT head retried before its level, -1 none
     cdef u8[::1] s_first_res           # [Q] the outcome of that retry
+    cdef i32[::1] s_bf_head            # [Q] backfill: the head blocked this tick, -1 none
+    cdef i64[::1] s_bf_tested          # [Q] backfill: actions tested behind it this tick
+    cdef i64[::1] s_shadow             # [C] backfill: the holding head's shadow time (ns)
+    cdef i64[:, ::1] s_extra           # [C, R] backfill: free at the shadow time beyond its need
+    cdef u8[::1] s_bf_gap              # [C] backfill: 1 = rule (a) open (known, no overrun)
+    cdef i64[::1] s_bf_key             # [N] scratch: predicted ends being sorted
+    cdef i32[::1] s_bf_row             # [N] scratch: ... and their rows
 
     cdef void _cluster_free(self, int c) noexcept nogil
     cdef void _snapshot_free(self) noexcept nogil
@@ -182,4 +203,11 @@ cdef class TickKernel:
                      i64* actions_left, i64* runs_left) noexcept nogil
     cdef void _wait(self, i32 a, u8 code, i32 cluster, i32 dim, i32 blocker) noexcept nogil
     cdef void _fail(self, i32 a, u8 code) noexcept nogil
+    cdef void _live_link(self, i32 a, int c) noexcept nogil
+    cdef void _live_unlink(self, i32 a) noexcept nogil
+    cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil
+    cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil
+    cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
+    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil
+    cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil
     cdef i64 _run(self, i64 now) noexcept nogil

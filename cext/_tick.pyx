@@ -13,7 +13,8 @@ cimport cython
 
 from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
-    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_SENT, W_CANDIDATE_LIMIT,
+    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
+    W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
@@ -23,6 +24,7 @@ from cext._types cimport (
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 cdef i64 UNLIMITED = 1 << 62
+cdef i64 NEVER = 0x7FFFFFFFFFFFFFFF   # a time that never comes (no prediction)
 cdef i64 NO_CAP = UNLIMITED   # an uncapped count
 
 # Outcomes of one candidate.
@@ -65,6 +67,9 @@ cdef class TickKernel:
         self.fz_head = -1
         self.fz_tail = -1
         self.lease_ttl = 0
+        self.bf_max_candidates = 64
+        self.bf_held = 0
+        self.bf_contested = 0
 
     def bind(self, state):
         """(Re)bind every array from ``state``; called once and after every growth."""
@@ -74,6 +79,7 @@ cdef class TickKernel:
         self.n_workers = state.n_workers
         self.n_envs = state.n_envs
         self.max_candidates = state.max_candidates
+        self.bf_max_candidates = state.bf_max_candidates
         self.gate_on = state.gate_on
         self.cpu_dim = state.cpu_dim
         self.res_accel = state.res_accel
@@ -99,6 +105,12 @@ cdef class TickKernel:
         self.a_wait_blocker = state.a_wait_blocker
         self.a_expiry = state.a_expiry
         self.a_end = state.a_end
+        self.a_task = state.a_task
+        self.t_pred_rt = state.t_pred_rt
+        self.a_pred_end = state.a_pred_end
+        self.a_backfilled = state.a_backfilled
+        self.a_lnext = state.a_lnext
+        self.a_lprev = state.a_lprev
         self.qr_queue = state.qr_queue
         self.qr_run = state.qr_run
         self.qr_adm = state.qr_adm
@@ -133,11 +145,14 @@ cdef class TickKernel:
         self.q_head = state.q_head
         self.q_head_code = state.q_head_code
         self.q_head_since = state.q_head_since
+        self.q_backfill = state.q_backfill
+        self.q_backfilled = state.q_backfilled
         self.c_cap = state.c_cap
         self.c_adm = state.c_adm
         self.c_rel = state.c_rel
         self.c_obs = state.c_obs
         self.c_obs_mark = state.c_obs_mark
+        self.c_live = state.c_live
         self.fz_state = state.fz_state
         self.fz_action = state.fz_action
         self.fz_cluster = state.fz_cluster
@@ -182,6 +197,13 @@ cdef class TickKernel:
         self.s_cursor = state.s_cursor
         self.s_first = state.s_first
         self.s_first_res = state.s_first_res
+        self.s_bf_head = state.s_bf_head
+        self.s_bf_tested = state.s_bf_tested
+        self.s_shadow = state.s_shadow
+        self.s_extra = state.s_extra
+        self.s_bf_gap = state.s_bf_gap
+        self.s_bf_key = state.s_bf_key
+        self.s_bf_row = state.s_bf_row
 
     def set_counts(self, Py_ssize_t n_workers, Py_ssize_t n_envs):
         """Rows in use in the worker and environment tables."""
@@ -358,6 +380,8 @@ cdef class TickKernel:
             for r in range(self.n_res):
                 self.q_res_rel[q, r] += <u64>self.a_demand[a, r]
                 self.c_rel[c, r] += <u64>self.a_demand[a, r]
+            self._live_unlink(a)
+        self.a_pred_end[a] = NEVER
         self.q_rel[q] += 1
         self.qr_rel[qr] += 1
         if self.qr_adm[qr] == self.qr_rel[qr]:
@@ -425,6 +449,10 @@ cdef class TickKernel:
         avail = self._count_slots()
         for i in range(self.n_clusters):
             self.s_held_by[i] = -1
+        for i in range(self.n_queues):
+            self.s_bf_head[i] = -1
+        self.bf_held = 0
+        self.bf_contested = 0
         self._snapshot_free()
         if self.fz_head >= 0 and self._place_finalize(now, &avail):
             for j in range(self.n_queues):
@@ -717,6 +745,9 @@ cdef class TickKernel:
         cdef i32 ec
         cdef u64 fit, open_, bit
         cdef int c, dim, cap_dim
+        cdef u64 mine, shared
+        cdef bint gap = False
+        cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
         # Caps first: they are about counts, not resources.
@@ -779,6 +810,23 @@ cdef class TickKernel:
             self._wait(a, W_QUEUE_BUDGET, -1, dim, -1)
             return R_STOP_QUEUE if self.q_strict[q] else R_SKIP_ACTION
 
+        # EASY backfill: a later action may use a cluster its queue's blocked head holds
+        # when it cannot delay the head (rule (a): it ends before the head's shadow time;
+        # rule (b): it fits in what the head will not need then).
+        if (self.q_backfill[q] and self.s_bf_head[q] >= 0 and self.s_bf_head[q] != a
+                and (fit & avail[0] & held[0]) != 0
+                and self.s_bf_tested[q] < self.bf_max_candidates):
+            c = self._backfill(q, a, fit & avail[0] & held[0], now, &gap)
+            if c >= 0:
+                if not gap:
+                    for r in range(self.n_res):
+                        self.s_extra[c, r] -= demand[r]
+                self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
+                            actions_left, runs_left)
+                self.a_backfilled[a] = 1
+                self.q_backfilled[q] += 1
+                return R_PLACED
+
         # Not placed: say why, and under STRICT_FIFO hold what it could use.
         if (fit & avail[0]) == 0:
             self._wait(a, W_NO_WORKER, -1, -1, -1)
@@ -793,13 +841,220 @@ cdef class TickKernel:
             self._wait(a, W_CLUSTER_CAPACITY, c, dim, -1)
         if self.q_strict[q]:
             open_ = fit & ~held[0]
+            mine = open_
+            # A cluster a backfill head holds that a head of another queue wants too gets no
+            # backfill for the rest of the tick: the other head must not be delayed either.
+            shared = fit & held[0] & self.bf_held
+            while shared != 0:
+                c = lowest_bit(shared)
+                shared &= ~((<u64>1) << c)
+                if self.a_queue[self.s_held_by[c]] != q:
+                    self.bf_contested |= (<u64>1) << c
             while open_ != 0:
                 c = lowest_bit(open_)
                 bit = (<u64>1) << c
                 open_ &= ~bit
                 self.s_held_by[c] = a
             held[0] |= fit
+            if self.q_backfill[q] and self.s_bf_head[q] < 0 and mine != 0:
+                self._hold_shadows(q, a, mine)
         return R_SKIP_ACTION
+
+    # ---------------------------------------------------------------- backfill
+
+    cdef void _live_link(self, i32 a, int c) noexcept nogil:
+        cdef i32 h = self.c_live[c]
+        self.a_lprev[a] = -1
+        self.a_lnext[a] = h
+        if h >= 0:
+            self.a_lprev[h] = a
+        self.c_live[c] = a
+
+    cdef void _live_unlink(self, i32 a) noexcept nogil:
+        cdef i32 n = self.a_lnext[a]
+        cdef i32 p = self.a_lprev[a]
+        if p >= 0:
+            self.a_lnext[p] = n
+        elif self.c_live[self.a_cluster[a]] == a:
+            self.c_live[self.a_cluster[a]] = n
+        if n >= 0:
+            self.a_lprev[n] = p
+        self.a_lnext[a] = -1
+        self.a_lprev[a] = -1
+
+    cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil:
+        # Restore the min-heap order of s_bf_key[:n] (s_bf_row alongside) below root.
+        cdef Py_ssize_t child
+        cdef i64 k
+        cdef i32 w
+        while True:
+            child = 2 * root + 1
+            if child >= n:
+                return
+            if child + 1 < n and self.s_bf_key[child + 1] < self.s_bf_key[child]:
+                child += 1
+            if self.s_bf_key[root] <= self.s_bf_key[child]:
+                return
+            k = self.s_bf_key[root]
+            self.s_bf_key[root] = self.s_bf_key[child]
+            self.s_bf_key[child] = k
+            w = self.s_bf_row[root]
+            self.s_bf_row[root] = self.s_bf_row[child]
+            self.s_bf_row[child] = w
+            root = child
+
+    cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil:
+        # Move the earliest end of the heap s_bf_key[:n] to slot n - 1; returns n - 1.
+        cdef i64 k = self.s_bf_key[0]
+        cdef i32 w = self.s_bf_row[0]
+        n -= 1
+        self.s_bf_key[0] = self.s_bf_key[n]
+        self.s_bf_row[0] = self.s_bf_row[n]
+        self.s_bf_key[n] = k
+        self.s_bf_row[n] = w
+        self._sift_down(0, n)
+        return n
+
+    cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
+        # The shadow time of head h on cluster c: the earliest predicted time at which what
+        # is free now plus what the live charged leases of c release covers h's demand.
+        # Writes s_shadow[c], s_extra[c] (free then, beyond h's demand; -1 when unknown) and
+        # s_bf_gap[c] (rule (a) open: the time is known and no backfilled lease overran).
+        # A lease past its predicted end still releases no earlier than now.
+        cdef const i64* need = &self.a_demand[h, 0]
+        cdef i64* free = &self.s_extra[c, 0]
+        cdef i64 shadow = NEVER, t, key
+        cdef Py_ssize_t n = 0, i = 0, r
+        cdef bint overrun = False
+        cdef i32 a = self.c_live[c]
+        for r in range(self.n_res):
+            free[r] = free_now[r]
+        while a >= 0:
+            key = self.a_pred_end[a]
+            if key < now:
+                if self.a_backfilled[a]:
+                    overrun = True
+                key = now
+            self.s_bf_key[n] = key
+            self.s_bf_row[n] = a
+            n += 1
+            a = self.a_lnext[a]
+        if covers(need, free, self.n_res):
+            shadow = now
+        else:
+            # A min-heap (O(n) to build) popped only until the head is covered: the usual
+            # case needs a few releases out of many live leases, not a full sort.
+            i = n // 2
+            while i > 0:
+                i -= 1
+                self._sift_down(i, n)
+            while n > 0:
+                t = self.s_bf_key[0]
+                if t == NEVER:
+                    break
+                while n > 0 and self.s_bf_key[0] == t:
+                    n = self._pop_end(n)
+                    a = self.s_bf_row[n]
+                    for r in range(self.n_res):
+                        if free[r] < UNLIMITED:
+                            free[r] += self.a_demand[a, r]
+                if covers(need, free, self.n_res):
+                    shadow = t
+                    break
+        self.s_shadow[c] = shadow
+        self.s_bf_gap[c] = shadow < NEVER and not overrun
+        for r in range(self.n_res):
+            free[r] = free[r] - need[r] if shadow < NEVER else -1
+        return shadow
+
+    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil:
+        # h is the first action of backfill queue q blocked this tick: it is the head the
+        # backfill protects, on the clusters it now holds (mine). Their shadow times are
+        # computed lazily, by the first candidate that tests the cluster (_backfill), so a
+        # head with nothing behind it costs nothing. Until then nothing is placed on the
+        # cluster (it is held), so its free vector is still the one at the hold.
+        cdef int c
+        self.s_bf_head[q] = h
+        self.s_bf_tested[q] = 0
+        self.bf_held |= mine
+        while mine != 0:
+            c = lowest_bit(mine)
+            mine &= ~((<u64>1) << c)
+            self.s_shadow[c] = -1
+
+    cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil:
+        # Which cluster of cands (fit, free worker, held) action a may backfill now, or -1.
+        # gap is set when rule (a) admits it there (the extra capacity is then left alone).
+        cdef i32 h = self.s_bf_head[q]
+        cdef const i64* demand = &self.a_demand[a, 0]
+        # A warm pool's footprint outlives the action that starts it (until idle_ttl), so
+        # starting a pool is never proven to end in time: rule (b) only.
+        cdef i64 rt = NEVER
+        if self.a_env[a] < 0 and self.a_task[a] >= 0:
+            rt = self.t_pred_rt[self.a_task[a]]
+        cdef u64 by_gap = 0, by_extra = 0, bit
+        cdef int c
+        cands &= ~self.bf_contested
+        self.s_bf_tested[q] += 1
+        while cands != 0:
+            c = lowest_bit(cands)
+            bit = (<u64>1) << c
+            cands &= ~bit
+            if self.s_held_by[c] != h or not covers(demand, &self.s_cfree[c, 0], self.n_res):
+                continue
+            if self.s_shadow[c] < 0:
+                self._shadow(h, c, &self.s_cfree[c, 0], now)
+            if self.s_bf_gap[c] and rt < NEVER and rt <= self.s_shadow[c] - now:
+                by_gap |= bit
+            elif covers(demand, &self.s_extra[c, 0], self.n_res):
+                by_extra |= bit
+        if by_gap != 0:
+            gap[0] = True
+            return self._choose_cluster(a, by_gap)
+        gap[0] = False
+        if by_extra != 0:
+            return self._choose_cluster(a, by_extra)
+        return -1
+
+    def relink_live(self, Py_ssize_t n_rows):
+        """Rebuild the per-cluster lists of live charged leases from rows ``0..n_rows-1``
+        (after a reload filled the arrays): every sent or running row whose current
+        generation is charged and not yet released."""
+        cdef Py_ssize_t c, a
+        if n_rows < 0 or n_rows > self.a_state.shape[0]:
+            raise ValueError(f"n_rows {n_rows} is outside the action table")
+        with nogil:
+            for c in range(self.n_clusters):
+                self.c_live[c] = -1
+            for a in range(n_rows):
+                self.a_lnext[a] = -1
+                self.a_lprev[a] = -1
+                if ((self.a_state[a] == ST_SENT or self.a_state[a] == ST_RUNNING)
+                        and self.a_charged[a] and self.a_gen[a] > 0
+                        and self.a_released_gen[a] != self.a_gen[a]
+                        and self.a_cluster[a] >= 0):
+                    self._live_link(<i32>a, self.a_cluster[a])
+
+    def head_eta(self, i32 h, i64 now):
+        """The shadow time (ns) of queued action ``h`` from the current state: the earliest
+        predicted time enough is free for it on one of its queue's clusters it fits, by the
+        predicted ends of the live leases there; None when unknown (a lease it waits for has
+        no runtime history). Uses the tick's scratch between ticks."""
+        cdef i64 best = NEVER, t
+        cdef int c
+        cdef u64 fit
+        if h < 0 or h >= self.a_state.shape[0] or self.a_state[h] != ST_QUEUED:
+            raise ValueError(f"action row {h} is not queued")
+        fit = self.a_fit[h] & self.q_clusters[self.a_queue[h]]
+        with nogil:
+            while fit != 0:
+                c = lowest_bit(fit)
+                fit &= ~((<u64>1) << c)
+                self._cluster_free(c)
+                t = self._shadow(h, c, &self.s_free[0], now)
+                if t < best:
+                    best = t
+        return None if best == NEVER else best
 
     cdef inline int _gate(self, i32 a, u64 fit, u64 held, u64 avail, int* dim) noexcept nogil:
         # The resource gate, in order: (1) the demand within the queue's remaining budget
@@ -925,6 +1180,16 @@ cdef class TickKernel:
         self.a_state[a] = ST_SENT
         self.a_cluster[a] = c
         self.a_worker[a] = w
+        # Backfill reads what charged leases will release, and when: a per-cluster list of
+        # them, and the end their task's history predicts (NEVER when it has none).
+        self.a_backfilled[a] = 0
+        if mode == M_REGULAR:
+            self._live_link(a, c)
+        d = self.t_pred_rt[self.a_task[a]] if self.a_task[a] >= 0 else NEVER
+        if d < NEVER - now:
+            self.a_pred_end[a] = now + d
+        else:
+            self.a_pred_end[a] = NEVER
         self.a_expiry[a] = now + self.lease_ttl
         self.a_end[a] = END_LIVE
         self._wait(a, W_PLACED, c, -1, -1)

@@ -64,6 +64,8 @@ _ENGINE_KEYS = (
     "system_retries",
     "runtime_grace",
     "finalize_timeout",
+    "backfill_percentile",
+    "backfill_max_candidates",
 )
 _CLUSTER_KEYS = ("capacity", "node_shapes")
 _SHAPE_KEYS = ("name", "count", "allocatable")
@@ -76,6 +78,7 @@ _QUEUE_KEYS = (
     "max_resources",
     "max_accelerators",
     "clusters",
+    "backfill",
 )
 _DEFAULT_DEPTH = 10000
 
@@ -117,6 +120,7 @@ class QueueConfig:
     depth: int  # max queued (not yet running) actions; >= 1
     max_resources: np.ndarray  # int64[R]; UNLIMITED where no limit (max_accelerators merged in)
     clusters: tuple  # tuple[str] of cluster names the queue may use
+    backfill: bool = False  # EASY backfill behind a blocked head (STRICT_FIFO only)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ class EngineSettings:
     system_retries: int = 3  # retries of system errors (EXPIRED, OOM, ...) per action (>= 0)
     runtime_grace: float = 60.0  # engine backstop: seconds past max_runtime before expiry
     finalize_timeout: float = 3600.0  # a finalize lease's own bound, in seconds (> 0)
+    backfill_percentile: float = 0.9  # runtime percentile that predicts a task's end (0 < p <= 1)
+    backfill_max_candidates: int = 64  # actions tested for backfill per blocked head per tick
 
     @property
     def lease_ttl_ns(self):
@@ -310,13 +316,20 @@ def _parse_engine(source, table):
         values["resource_gate"] = _choice(
             source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
         )
-    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0)):
+    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0),
+                         ("backfill_max_candidates", 1)):
         if key in table:
             values[key] = _int(source, f"engine.{key}", table[key], minimum)
     for key, positive in (("heartbeat_interval", True), ("expiry_jitter", False),
                           ("runtime_grace", False), ("finalize_timeout", True)):
         if key in table:
             values[key] = _seconds(source, f"engine.{key}", table[key], positive)
+    if "backfill_percentile" in table:
+        p = table["backfill_percentile"]
+        if (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
+                or not 0 < p <= 1):
+            raise _invalid(source, "engine.backfill_percentile", p, "a number 0 < p <= 1")
+        values["backfill_percentile"] = float(p)
     return replace(EngineSettings(), **values)
 
 
@@ -443,6 +456,7 @@ def _build_queue(source, resources, cluster_names, name, table, existing=None):
         "action_concurrency": lambda s, p, v: _int(s, p, v, 0),
         "depth": lambda s, p, v: _int(s, p, v, 1),
         "clusters": lambda s, p, v: _parse_queue_clusters(s, p, v, cluster_names),
+        "backfill": _parse_bool,
     }
     defaults = {
         "priority": PRIORITY_NAMES["MEDIUM"],
@@ -451,6 +465,7 @@ def _build_queue(source, resources, cluster_names, name, table, existing=None):
         "action_concurrency": 0,
         "depth": _DEFAULT_DEPTH,
         "clusters": tuple(cluster_names),
+        "backfill": False,
     }
     values = {}
     for key, parse in parsers.items():
@@ -460,9 +475,21 @@ def _build_queue(source, resources, cluster_names, name, table, existing=None):
             values[key] = getattr(existing, key)
         else:
             values[key] = defaults[key]
+    if values["backfill"] and values["scheduling"] != STRICT_FIFO:
+        raise ConfigError(
+            f"{source}: {path}.backfill: true is invalid with scheduling "
+            f"{values['scheduling']}; allowed: backfill = true only with scheduling = "
+            f"{STRICT_FIFO} (queue {name!r})"
+        )
     base = existing.max_resources if existing is not None else None
     budget = _parse_budget(source, path, resources, table, base=base)
     return QueueConfig(name=name, max_resources=budget, **values)
+
+
+def _parse_bool(source, path, value):
+    if not isinstance(value, bool):
+        raise _invalid(source, path, value, "true or false")
+    return value
 
 
 def _parse_priority(source, path, value):

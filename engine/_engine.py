@@ -30,6 +30,7 @@ from engine._codes import (
 )
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
+from engine._history import RuntimeHistory
 from engine._leases import Attempt, ErrorKind, TokenCodec
 from engine._model import ActionId, compile_spec
 from engine._records import (
@@ -111,6 +112,9 @@ class Explanation:
     phase: Phase
     wait: WaitCode | None
     reason: str
+    # --- backfill (issue 5) ---
+    eta_ns: int | None = None     # a blocked head's shadow time (estimated start); None unknown
+    position: int | None = None   # 1-based place among its queue's queued actions, by enqueue
 
 
 @dataclass
@@ -198,8 +202,15 @@ class Engine:
             max_candidates=settings.max_candidates,
             gate_on=settings.resource_gate == "enforce",
             cpu_dim=self._resources.cpu_index, res_accel=self._resources.accelerator_mask,
+            bf_max_candidates=settings.backfill_max_candidates,
             preset_rows=preset_rows, preset=preset,
         )
+        # Backfill: runtime history per task name, its predictions in t_pred_rt (durable in
+        # the store's history database, partition 0, one record per task row).
+        self.history = RuntimeHistory()
+        self._tasks = {}                # task name -> task row
+        self._task_names = []           # task row -> task name
+        self._history_dirty = set()     # tasks whose history record the turn writes
         for i, cluster in enumerate(self.config.clusters):
             if cluster.capacity is not None:
                 st.c_cap[i] = cluster.capacity
@@ -240,6 +251,7 @@ class Engine:
         self._codec_records.bind(self._state)
 
     def _clear_dirty(self):
+        self._history_dirty = set()  # tasks whose history record to write
         self._dirty = set()         # action rows: fixed record and outcome to write
         self._dirty_fixed = set()   # action rows: fixed record only
         self._dirty_fz = set()      # finalize rows
@@ -304,6 +316,7 @@ class Engine:
         for name in q.clusters:
             mask |= 1 << self._cluster_index[name]
         st.q_clusters[i] = mask
+        st.q_backfill[i] = q.backfill   # backfill (issue 5)
         self._queues[q.name] = q
         # Priority descending; equal priorities keep config order.
         order = sorted(range(len(self._queue_names)),
@@ -365,7 +378,8 @@ class Engine:
                     self._restore()
 
     def _has_dirty(self):
-        return bool(self._dirty or self._dirty_fixed or self._dirty_fz or self._ops)
+        return bool(self._dirty or self._dirty_fixed or self._dirty_fz or self._ops
+                    or self._history_dirty)
 
     def _touch(self, row):
         self._dirty.add(row)
@@ -421,6 +435,10 @@ class Engine:
         """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
         st = self._state
         batch = {p: list(ops) for p, ops in self._ops.items()}
+        for task in self._history_dirty:
+            data = self.history.encode(task) if self.history.count(task) else None
+            batch.setdefault(0, []).append(
+                ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
         rows = self._dirty | self._dirty_fixed
         if rows:
             idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
@@ -720,6 +738,7 @@ class Engine:
         st.a_part[row] = part
         st.a_name_hash[row] = name_hash(str(c.id))
         st.a_parent[row] = self._lookup(c.parent) if c.parent is not None else -1
+        st.a_task[row] = self._task_row(c.spec.task)   # backfill (issue 5)
         rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
         self._recs[row] = rec
         self._names[c.id] = row
@@ -1148,6 +1167,10 @@ class Engine:
                 st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
                 att.running_ns = now
                 rec.phase = Phase.RUNNING
+                # Backfill (issue 5): history measures from RUNNING, so the prediction does.
+                pred = int(st.t_pred_rt[st.a_task[row]])
+                if pred != NEVER and now + pred > st.a_pred_end[row]:
+                    st.a_pred_end[row] = now + pred
                 t = rec.compiled.spec.timeouts
                 if t.max_runtime is not None:
                     grace = self.config.engine.runtime_grace
@@ -1155,6 +1178,10 @@ class Engine:
                                 int(st.a_gen[row]))
             return verdict
         if phase == Phase.SUCCEEDED:
+            # Backfill (issue 5): a success teaches the task's history (failures do not).
+            began = att.running_ns if att.running_ns is not None else att.start_ns
+            if began is not None:
+                self._record_runtime(rec.compiled.spec.task, now - began)
             self._end_lease(row, LeaseEnd.COMPLETED)
             self._end_attempt(rec, Phase.SUCCEEDED, message=message, cleanup=cleanup)
             self._finish(rec, Phase.SUCCEEDED, message)
@@ -1354,6 +1381,62 @@ class Engine:
             self._kernel.remove_finalize(f)
         self._end_finalize(f, LeaseEnd.ABORTED, "ABANDONED")
 
+    # ------------------------------------------------------------------ backfill (issue 5)
+    # Runtime history per task name feeds EASY backfill: each task row of t_pred_rt holds
+    # the backfill percentile of its successful runtimes (NEVER without history); the tick
+    # predicts a lease's end from it at assignment (a_pred_end).
+
+    def _task_row(self, task):
+        row = self._tasks.get(task)
+        if row is None:
+            st = self._state
+            row = len(self._tasks)
+            if st.ensure("tasks", row + 1):
+                self._bind()
+            self._tasks[task] = row
+            self._task_names.append(task)
+            self._refresh_prediction(task, row)
+            self._history_dirty.add(task)       # the task row itself is durable
+        return row
+
+    def _refresh_prediction(self, task, row):
+        ns = self.history.percentile_ns(task, self.config.engine.backfill_percentile)
+        self._state.t_pred_rt[row] = NEVER if ns is None else ns
+
+    def _record_runtime(self, task, ns):
+        self.history.record_ns(task, max(0, int(ns)))
+        self._history_dirty.add(task)
+        if task in self._tasks:
+            self._refresh_prediction(task, self._tasks[task])
+
+    def load_history(self, task, data):
+        """Load ``task``'s runtime history from a record made by ``history.encode(task)``
+        (e.g. seeded from another shard); queued and later actions of the task predict from
+        it at once. Durable like every transition. A malformed record raises ``ValueError``
+        naming the task; nothing changes."""
+        with self._turn():
+            self.history.load(task, data)
+            self._task_row(task)
+            self._history_dirty.add(task)
+            self._refresh_prediction(task, self._tasks[task])
+
+    def predicted_runtime(self, task):
+        """What the task's history predicts (seconds, at ``backfill_percentile``), or None."""
+        return self.history.percentile(task, self.config.engine.backfill_percentile)
+
+    def _head_eta(self, row):
+        # The shadow time of a blocked head, from the current state (None: unknown).
+        return self._kernel.head_eta(row, self.clock.now_ns())
+
+    def _position(self, row):
+        st = self._state
+        n = self._next_row
+        q = st.a_queue[row]
+        queued = (st.a_state[:n] == RowState.QUEUED) & (st.a_queue[:n] == q)
+        enq = st.a_enqueued[:n]
+        ahead = queued & ((enq < enq[row]) | ((enq == enq[row]) & (np.arange(n) < row)))
+        return int(np.count_nonzero(ahead)) + 1
+
     # ------------------------------------------------------------------ queries
 
     def phase(self, action):
@@ -1371,7 +1454,9 @@ class Engine:
         return self._rec(self._row_of(action))
 
     def explain(self, action):
-        """The action's phase and, while it waits, the reason (code and message)."""
+        """The action's phase and, while it waits, the reason (code and message), its
+        position in its queue (by enqueue time) and, for a blocked head, its estimated start
+        (``eta_ns``: its shadow time from the runtime history of what runs; None unknown)."""
         rec = self._record(action)
         aid = rec.compiled.id
         st = self._state
@@ -1404,7 +1489,20 @@ class Engine:
             code = WaitCode(int(st.q_stop_code[q]))
             reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
         phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
-        return Explanation(aid, phase, code, reason)
+        # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
+        # every queued action its position in the queue.
+        eta = None
+        if int(st.q_head[q]) == row and st.q_strict[q] and code in (
+                WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE):
+            # Only a STRICT_FIFO head holds what frees up; a GREEDY one may be passed over.
+            eta = self._head_eta(row)
+            if eta is not None:
+                wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
+                reason += f"; estimated start in {wait_s:.1f}s (runtime history)"
+        position = self._position(row)
+        if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
+            reason += f"; position {position} in queue {self._queue_names[q]}"
+        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
 
     def attempts(self, action):
         """The action's attempts, oldest first (copies): cluster, worker, start, end,
@@ -1489,7 +1587,9 @@ class Engine:
 
     def queue_metrics(self, name=None):
         """Per queue: runs and actions in flight, in-flight resources, depth and head_blocked
-        (since, action, reason, demand) or None. One queue when ``name`` is given."""
+        (since, action, reason, demand) or None; ``backfilled`` (placements made by EASY
+        backfill, cumulative) and ``head_eta_ns`` (the blocked head's shadow time, None when
+        not blocked or unknown). One queue when ``name`` is given."""
         st = self._state
         names = [name] if name is not None else self._queue_names
         out = {}
@@ -1509,7 +1609,13 @@ class Engine:
                     "code": exp.wait.name if exp.wait is not None else None,
                     "demand": self._resources.describe(st.a_demand[head]),
                 }
+            eta = None
+            if blocked is not None and exp.wait in (WaitCode.CLUSTER_CAPACITY,
+                                                    WaitCode.HEAD_OF_LINE):
+                eta = exp.eta_ns
             out[qname] = {
+                "backfilled": int(st.q_backfilled[q]),     # backfill (issue 5)
+                "head_eta_ns": eta,                        # backfill (issue 5)
                 "runs_in_flight": int(st.q_runs_adm[q] - st.q_runs_rel[q]),
                 "actions_in_flight": int(st.q_adm[q] - st.q_rel[q]),
                 "in_flight_resources": {

@@ -56,6 +56,8 @@ def action_dtype(n_res):
         ("parent", "<i4"),        # parent action row, -1
         ("attempt", "<i4"),       # current attempt number (from 1)
         ("fast", "<i4"),          # 1 when it was queued on its warm pool's fast lane
+        ("task", "<i4"),          # task row (runtime history per task name)
+        ("backfilled", "<i4"),    # 1 when the current generation was placed by backfill
         ("fit", "<u8"),           # clusters it could ever fit (bitmask)
         ("gen", "<i8"),           # lease generation (monotonic)
         ("released_gen", "<i8"),  # generation whose in-flight counts were released
@@ -66,6 +68,7 @@ def action_dtype(n_res):
         ("retry_due", "<i8"),
         ("runtime_due", "<i8"),
         ("name_hash", "<u8"),     # hash of the action id (index at reload)
+        ("pred_end", "<i8"),      # predicted end of the live lease (ns; NEVER unknown)
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
     ])
 

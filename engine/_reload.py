@@ -85,7 +85,8 @@ _PRESET = frozenset({
     "a_state", "a_end", "a_charged", "a_part", "a_queue", "a_run", "a_env", "a_cluster",
     "a_parent", "a_attempt", "a_fit", "a_gen", "a_released_gen", "a_delivered_gen",
     "a_enqueued", "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due",
-    "a_name_hash", "a_demand", "a_worker", "a_qrun", "a_lane",
+    "a_name_hash", "a_demand", "a_worker", "a_qrun", "a_lane", "a_task", "a_backfilled",
+    "a_pred_end",
 })
 
 
@@ -140,6 +141,20 @@ def load(eng):
         st.e_footprint[row] = footprint
         n_envs = max(n_envs, row + 1)
     st.n_envs = n_envs
+    for p, key, raw in store.scan("history"):
+        task, data = _unpack(p, "history", key, raw)
+        row = int.from_bytes(key, "big")
+        if row != len(eng._task_names):
+            raise CorruptRecord(p, "history", key, "task rows are not dense")
+        if data is not None:
+            try:
+                eng.history.load(task, data)
+            except ValueError as exc:
+                raise CorruptRecord(p, "history", key, str(exc)) from None
+        st.ensure("tasks", row + 1)
+        eng._tasks[task] = row
+        eng._task_names.append(task)
+        eng._refresh_prediction(task, row)
     for p, key, raw in store.scan("queues"):
         qname = key.decode()
         if qname in eng._queues:
@@ -191,10 +206,13 @@ def _fill_actions(eng, recs, rows, parts, n, now):
         raise CorruptRecord(None, "actions", None, "queue index outside the layout")
     if recs.size and int(recs["run"].max()) >= len(eng._run_keys):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
+    if recs.size and int(recs["task"].max()) >= len(eng._task_names):
+        raise CorruptRecord(None, "actions", None, "task row without a history record")
     # Column by column (numpy releases the GIL while it copies): split over the cores.
     columns = ("state", "end", "charged", "part", "queue", "run", "env", "cluster", "parent",
                "attempt", "fit", "gen", "released_gen", "delivered_gen", "enqueued",
-               "deadline_due", "queued_due", "retry_due", "runtime_due", "name_hash", "demand")
+               "deadline_due", "queued_due", "retry_due", "runtime_due", "name_hash", "demand",
+               "task", "backfilled", "pred_end")
 
     def fill(name):
         getattr(st, "a_" + name)[rows] = recs[name]
@@ -332,6 +350,7 @@ def _rebuild(eng, n, now):
     eng._bind()
     k.set_counts(st.n_workers, st.n_envs)
     k.set_pools_live(pools)
+    k.relink_live(n)                     # backfill's per-cluster lists of live leases
     for f in np.flatnonzero(st.fz_state[:nf] == RowState.QUEUED):
         k.push_finalize(int(f))
 

@@ -8,9 +8,7 @@ slots never bind: only the config's resources, queues and the policy decide.
 
 Policies (:data:`POLICIES`) rewrite every queue of the config through :func:`policy_config`:
 ``fifo`` = STRICT_FIFO without backfill, ``backfill`` = STRICT_FIFO with the queue key
-``backfill = true``, ``greedy`` = GREEDY_CAPACITY. A policy key the engine does not know yet
-(``backfill`` before the backfill engine lands) raises :class:`PolicyUnavailable` instead of
-being faked.
+``backfill = true``, ``greedy`` = GREEDY_CAPACITY.
 
 Metrics (``docs/simulator.md`` defines each): utilisation of the primary resource (all GPUs,
 else cpu) between the first and the last submission, mean and p95 wait (submit to start),
@@ -25,9 +23,9 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from engine._clock import ManualClock
-from engine._config import GREEDY_CAPACITY, STRICT_FIFO, QueueConfig
+from engine._config import GREEDY_CAPACITY, STRICT_FIFO
 from engine._engine import Engine
-from engine._errors import LeaseholdError, ResourceExhausted, SpecError
+from engine._errors import ResourceExhausted, SpecError
 from engine._model import ActionSpec, PodGroup, compile_spec
 from engine._trace import TraceError
 from engine._units import UNLIMITED, format_quantity
@@ -35,15 +33,13 @@ from storage import MemoryStore
 
 __all__ = [
     "POLICIES",
-    "PolicyUnavailable",
     "SimResult",
     "policy_config",
     "prepare",
     "simulate",
 ]
 
-# Queue settings per policy. A key QueueConfig does not have is refused when its value is
-# set (the policy needs an engine feature this build lacks), and ignored when it is off.
+# Queue settings per policy.
 POLICIES = {
     "fifo": {"scheduling": STRICT_FIFO, "backfill": False},
     "backfill": {"scheduling": STRICT_FIFO, "backfill": True},
@@ -58,26 +54,11 @@ SLOWDOWN_BOUND_S = 10.0
 _NEVER = 1 << 62
 
 
-class PolicyUnavailable(LeaseholdError):
-    """The policy needs an engine feature this build does not have."""
-
-    code = "UNAVAILABLE"
-
-
 def policy_config(config, policy):
     """``config`` with every queue set to ``policy`` (and leases that never expire)."""
     if policy not in POLICIES:
         raise SpecError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
-    known = {f.name for f in fields(QueueConfig)}
-    changes = {}
-    for key, value in POLICIES[policy].items():
-        if key in known:
-            changes[key] = value
-        elif value:
-            raise PolicyUnavailable(
-                f"{policy} policy needs the backfill engine (queue key `{key} = true`), "
-                f"which this build does not have yet")
-    queues = tuple(replace(q, **changes) for q in config.queues)
+    queues = tuple(replace(q, **POLICIES[policy]) for q in config.queues)
     settings = replace(config.engine, heartbeat_interval=_NO_EXPIRY_HEARTBEAT_S)
     return replace(config, queues=queues, engine=settings)
 

@@ -51,6 +51,14 @@ ACTION_FIELDS = {
     "a_retry_due": (I64, NEVER, ()),
     "a_runtime_due": (I64, NEVER, ()),
     "a_name_hash": (U64, 0, ()),
+    # --- backfill (see docs/architecture.md, "Backfill") ---
+    "a_task": (I32, -1, ()),            # task row (runtime history is per task name)
+    "a_pred_end": (I64, NEVER, ()),     # predicted end (ns) of the live lease; NEVER = unknown
+    "a_backfilled": (U8, 0, ()),        # 1 when the current generation was placed by backfill
+    "a_lnext": (I32, -1, ()),           # next live charged lease on its cluster
+    "a_lprev": (I32, -1, ()),           # previous one
+    "s_bf_key": (I64, 0, ()),           # tick scratch: predicted ends being sorted
+    "s_bf_row": (I32, -1, ()),          # tick scratch: ... and their rows
     "f_action": (I32, -1, ()),
     "f_code": (U8, 0, ()),
 }
@@ -72,6 +80,10 @@ LANE_FIELDS = {
     "ln_park": (I32, -1, ()),
     "ln_skip_code": (U8, 0, ()),
     "ln_skip_tick": (I64, -1, ()),
+}
+# One row per task name: what its runtime history predicts (set by the engine).
+TASK_FIELDS = {
+    "t_pred_rt": (I64, NEVER, ()),      # predicted runtime (ns) at the backfill percentile
 }
 RUN_FIELDS = {
     "u_cap": (I64, 0, ()),
@@ -121,6 +133,7 @@ TABLES = {
     "workers": WORKER_FIELDS,
     "envs": ENV_FIELDS,
     "finalize": FINALIZE_FIELDS,
+    "tasks": TASK_FIELDS,
 }
 
 
@@ -149,20 +162,21 @@ class State:
     """All arrays of one shard. Attribute names are the kernel's field names."""
 
     def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
-                 max_candidates, gate_on, cpu_dim, res_accel, preset_rows=0, preset=()):
+                 max_candidates, gate_on, cpu_dim, res_accel, bf_max_candidates=64, preset_rows=0,
+                 preset=()):
         self.n_res = n_res
         self.n_clusters = n_clusters
         self.n_queues = n_queues
         self.n_workers = 0
         self.n_envs = 0
         self.max_candidates = max_candidates
+        self.bf_max_candidates = bf_max_candidates
         self.gate_on = gate_on
         self.cpu_dim = cpu_dim
         self.res_accel = np.asarray(res_accel, dtype=U8)
         small = max(16, initial_rows // 4)
         sizes = {"actions": max(initial_rows, preset_rows), "qruns": small, "lanes": 2 * small,
-                 "runs": small,
-                 "workers": 16, "envs": small, "finalize": small}
+                 "runs": small, "workers": 16, "envs": small, "finalize": small, "tasks": small}
         self.rows = {}
         for table, fields in TABLES.items():
             self.rows[table] = sizes[table]
@@ -190,12 +204,15 @@ class State:
         self.q_head = np.full(q, -1, dtype=I32)
         self.q_head_code = np.zeros(q, dtype=U8)
         self.q_head_since = np.zeros(q, dtype=I64)
+        self.q_backfill = np.zeros(q, dtype=U8)
+        self.q_backfilled = np.zeros(q, dtype=U64)
 
         self.c_cap = np.full((c, r), UNLIMITED, dtype=I64)
         self.c_adm = np.zeros((c, r), dtype=U64)
         self.c_rel = np.zeros((c, r), dtype=U64)
         self.c_obs = np.full((c, r), UNLIMITED, dtype=I64)
         self.c_obs_mark = np.zeros((c, r), dtype=U64)
+        self.c_live = np.full(c, -1, dtype=I32)
 
         self.d_action = np.full(dispatch_capacity, -1, dtype=I32)
         self.d_gen = np.zeros(dispatch_capacity, dtype=I64)
@@ -211,6 +228,11 @@ class State:
         self.s_cursor = np.full(c, -1, dtype=I32)
         self.s_first = np.full(q, -1, dtype=I32)
         self.s_first_res = np.zeros(q, dtype=U8)
+        self.s_bf_head = np.full(q, -1, dtype=I32)
+        self.s_bf_tested = np.zeros(q, dtype=I64)
+        self.s_shadow = np.full(c, NEVER, dtype=I64)
+        self.s_extra = np.zeros((c, r), dtype=I64)
+        self.s_bf_gap = np.zeros(c, dtype=U8)
 
     def _resize(self, table, rows):
         for name, (_dtype, fill, _suffix) in TABLES[table].items():

@@ -11,7 +11,7 @@ from engine._config import load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
-from engine._sim import POLICIES, PolicyUnavailable, prepare, simulate
+from engine._sim import POLICIES, prepare, simulate
 from engine._trace import SwfMapping, load_trace
 from engine._units import format_quantity
 from storage import MemoryStore
@@ -19,6 +19,7 @@ from storage import MemoryStore
 __all__ = ["main"]
 
 EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "leasehold.toml"
+SIMULATE_CONFIG = Path(__file__).parent / "examples" / "simulate.toml"
 
 
 def _check_config(args):
@@ -149,13 +150,11 @@ def _row(r):
             _duration(r.gang_max_wait_s), str(r.backfilled), jobs)
 
 
-def _table(rows, notes):
+def _table(rows):
     widths = [max(len(str(row[k])) for row in [_COLUMNS, *rows]) for k in range(len(_COLUMNS))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
              for row in [_COLUMNS, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for policy, why in notes:
-        lines.append(f"{policy.ljust(widths[0])}  unavailable: {why}")
     return "\n".join(lines)
 
 
@@ -173,13 +172,8 @@ def _simulate(args):
                      queue=args.swf_queue)
     trace = load_trace(args.trace, fmt=args.format, swf=swf)
     prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit)
-    results, notes = [], []
-    for policy in policies:
-        try:
-            results.append(simulate(cfg, trace.jobs, policy, resource=args.resource,
-                                    series=bool(args.plot), prepared=prepared))
-        except PolicyUnavailable as exc:
-            notes.append((policy, str(exc)))
+    results = [simulate(cfg, trace.jobs, policy, resource=args.resource,
+                        series=bool(args.plot), prepared=prepared) for policy in policies]
     jobs = prepared.jobs
     span = (max(j.submit for j in jobs) - min(j.submit for j in jobs)) if jobs else 0.0
     gangs = sum(j.n_pods > 1 for j in jobs)
@@ -189,7 +183,6 @@ def _simulate(args):
             "skipped": trace.skipped, "skipped_reasons": trace.skipped_reasons,
             "unfit": len(prepared.unfit), "submission_span_s": span,
             "policies": {r.policy: r.to_dict() for r in results},
-            "unavailable": dict(notes),
         }
         print(json.dumps(out, indent=2))
     else:
@@ -205,7 +198,7 @@ def _simulate(args):
         print(f"utilisation: {resource} in use / capacity, first to last submission; "
               f"waits: submit to start")
         print()
-        print(_table([_row(r) for r in results], notes))
+        print(_table([_row(r) for r in results]))
         if results:
             ticks = ", ".join(f"{r.policy} {r.ticks} ticks in {r.wall_s:.2f}s" for r in results)
             print(f"\nreal engine tick on a virtual clock: {ticks}")
@@ -279,8 +272,8 @@ def main(argv=None):
     p = sub.add_parser("simulate", help="run a workload trace through the real tick on a "
                        "virtual clock and compare scheduling policies")
     p.add_argument("trace", help="a .jsonl trace (docs/simulator.md) or an SWF .swf file")
-    p.add_argument("--config", default=str(EXAMPLE_CONFIG),
-                   help="engine config (default: engine/examples/leasehold.toml)")
+    p.add_argument("--config", default=str(SIMULATE_CONFIG),
+                   help="engine config (default: engine/examples/simulate.toml)")
     p.add_argument("--policy", default=",".join(POLICIES),
                    help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
     p.add_argument("--plot", metavar="PNG", help="write queue depth and utilisation over time")

@@ -647,3 +647,70 @@ def test_storage_defaults_and_values():
 ])
 def test_storage_errors_name_the_key(table, fragments):
     config_error(BASE + "[storage]\n" + table + "\n", *fragments)
+# Backfill settings
+
+
+def test_backfill_defaults_and_values():
+    config = parse(BASE)
+    assert config.engine.backfill_percentile == 0.9
+    assert config.engine.backfill_max_candidates == 64
+    assert all(q.backfill is False for q in config.queues)
+    config = parse(BASE + """
+[engine]
+backfill_percentile = 0.5
+backfill_max_candidates = 8
+[queues.gpu]
+backfill = true
+""")
+    assert config.engine.backfill_percentile == 0.5
+    assert config.engine.backfill_max_candidates == 8
+    assert config.queue("gpu").backfill is True
+    assert config.queue("gpu").scheduling == STRICT_FIFO
+
+
+def test_backfill_only_with_strict_fifo():
+    config_error(BASE + """
+[queues.fast]
+scheduling = "GREEDY_CAPACITY"
+backfill = true
+""", "queues.fast.backfill", "GREEDY_CAPACITY", "only with scheduling = STRICT_FIFO",
+        "queue 'fast'")
+
+
+def test_backfill_must_be_a_bool():
+    config_error(BASE + """
+[queues.gpu]
+backfill = 1
+""", "queues.gpu.backfill", "true or false")
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.01", "true", '"0.9"', "nan"])
+def test_backfill_percentile_range(value):
+    config_error(BASE + f"""
+[engine]
+backfill_percentile = {value}
+""", "engine.backfill_percentile", "0 < p <= 1")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "true"])
+def test_backfill_max_candidates_at_least_one(value):
+    config_error(BASE + f"""
+[engine]
+backfill_max_candidates = {value}
+""", "engine.backfill_max_candidates", ">= 1")
+
+
+def test_update_queue_may_change_backfill_and_keeps_the_rule():
+    config = parse(BASE + """
+[queues.gpu]
+[queues.fast]
+scheduling = "GREEDY_CAPACITY"
+""")
+    gpu = update_queue(config.queue("gpu"), {"backfill": True}, config)
+    assert gpu.backfill is True
+    assert update_queue(gpu, {"backfill": False}, config).backfill is False
+    assert update_queue(gpu, {"priority": 3}, config).backfill is True   # kept
+    with pytest.raises(ConfigError, match=r"queues.fast.backfill.*STRICT_FIFO"):
+        update_queue(config.queue("fast"), {"backfill": True}, config)
+    with pytest.raises(ConfigError, match=r"queues.gpu.backfill.*GREEDY_CAPACITY"):
+        update_queue(gpu, {"scheduling": "GREEDY_CAPACITY"}, config)

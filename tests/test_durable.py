@@ -44,7 +44,8 @@ CONFIG = {
         "west": {"capacity": {"cpu": 32, "memory": "128Gi"}},
     },
     "queues": {
-        "gpu": {"scheduling": "STRICT_FIFO", "clusters": ["east"], "run_concurrency": 3},
+        "gpu": {"scheduling": "STRICT_FIFO", "clusters": ["east"], "run_concurrency": 3,
+                "backfill": True},
         "cpu": {"scheduling": "GREEDY_CAPACITY", "action_concurrency": 20,
                 "max_resources": {"cpu": 40}},
     },
@@ -132,7 +133,8 @@ def decision_state(eng):
     rows = {name: getattr(st, name)[:n].copy() for name in (
         "a_state", "a_gen", "a_released_gen", "a_end", "a_cluster", "a_queue", "a_run",
         "a_env", "a_fit", "a_demand", "a_charged", "a_attempt", "a_parent",
-        "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due")}
+        "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due", "a_task",
+        "a_pred_end", "a_backfilled")}
     rows["holder"] = np.where(st.a_worker[:n] >= 0,
                               [eng._worker_names[w] if w >= 0 else "" for w in st.a_worker[:n]],
                               "")
@@ -150,6 +152,8 @@ def decision_state(eng):
               for r in range(n)}
     fz = {f: (int(st.fz_state[f]), int(st.fz_gen[f]), int(st.fz_action[f]))
           for f in range(eng._n_finalize)}
+    phases["history"] = {t: eng.history.encode(t) for t in eng._task_names
+                         if eng.history.count(t)}
     return rows, counters, qr, phases, fz
 
 

@@ -929,22 +929,24 @@ class EngineMachine(RuleBasedStateMachine):
                 code = WaitCode(int(s.a_wait_code[x.row]))
                 if code not in (WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE):
                     continue
-                # Retried first: the head blocked on its own resources in an earlier tick (a
-                # head that waited behind another's hold takes its round-robin turn).
-                went_first = (int(q_head0[qx]) == x.row
-                              and q_head_code0[qx] != WaitCode.HEAD_OF_LINE)
+                def retried(qi, row):
+                    # The engine retries a STRICT queue's blocked head before its whole
+                    # priority level, unless it only waited behind another head's hold.
+                    return (int(q_head0[qi]) == row
+                            and int(q_head_code0[qi]) != WaitCode.HEAD_OF_LINE)
+
+                went_first = retried(qx, x.row)
                 event(f"strict head blocked {code.name}" + (" (first)" if went_first else ""))
                 held = {c for c in self.queues[x.queue].clusters if self._fits(c, x)}
                 for p in placements:
                     if p.mode == "fast" or p.cluster not in held:
                         continue
-                    # A STRICT head blocked on its own resources in an earlier tick is
-                    # retried before every queue of its priority level (docs/architecture.md).
                     qp = self.queue_names.index(p.queue)
-                    if (self.queues[p.queue].strict and int(q_head0[qp]) == p.row
-                            and q_head_code0[qp] != WaitCode.HEAD_OF_LINE
+                    if (retried(qp, p.row) and self.queues[p.queue].strict
                             and self.queues[p.queue].priority == self.queues[x.queue].priority
                             and not went_first):
+                        # p was its queue's blocked head, retried at the start of the level,
+                        # before x (not itself retried) was examined and held anything.
                         continue
                     later = (pos[p.queue] > pos[x.queue]
                              or (p.queue == x.queue and went_first)
@@ -1011,14 +1013,17 @@ class EngineMachine(RuleBasedStateMachine):
         self.clock.advance(seconds)
         self._beat_all(report_free=False)
         self._do_tick()
-        for a, fate in zip(self._live(), fates, strict=False):
+        # A lease past its expiry but not yet swept is refused EXPIRED (the mark_running and
+        # complete rules check that case); the busy loop only reports on unexpired ones.
+        now = self.clock.now_ns()
+        for a, fate in zip([a for a in self._live() if a.expiry >= now], fates, strict=False):
             if fate == "running":
                 self.eng.mark_running(a.aid, a.gen)
                 a.status = "running"
             elif fate != "keep":
                 self._complete(a, Phase.SUCCEEDED if fate == "ok" else Phase.FAILED)
         for f in self._finals_live():
-            if f.drained:
+            if f.drained and f.expiry >= now:
                 assert self.eng.report(f.token, Phase.SUCCEEDED) == Verdict.OK
                 f.status, f.end = "done", "completed"
 

@@ -1,0 +1,447 @@
+"""EASY backfill in STRICT_FIFO queues: the seed's example, the two rules, overruns, bounds,
+ETAs, and a property: with exact predictions backfill never delays the first blocked head."""
+
+import heapq
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import ActionSpec, Engine, PodGroup, WaitCode
+from engine._history import RuntimeHistory, bucket_edges_ns
+from storage import MemoryStore
+from tests.conftest import make_engine
+
+NODE = {"cpu": 96, "memory": "1Ti", "gpu:H100": 8}
+S = 1_000_000_000
+# Runtimes equal to a bucket edge are predicted exactly by their history.
+EDGES = [int(e) for e in bucket_edges_ns()]
+T10 = EDGES[50]     # ~ 4.4 s
+T100 = EDGES[62]    # ~ 56 s
+T500 = EDGES[70]    # ~ 311 s
+
+
+def config(backfill=True, nodes=1, **queue):
+    return {
+        "resources": ["cpu", "memory", "gpu:H100"],
+        "clusters": {"east": {"node_shapes": [{"name": "h100", "count": nodes,
+                                               "allocatable": NODE}]}},
+        "queues": {"gpu": {"scheduling": "STRICT_FIFO", "backfill": backfill, **queue}},
+        # Leases outlive every runtime here without heartbeats (the tests drive no workers).
+        "engine": {"default_queue": "gpu", "backfill_max_candidates": 64,
+                   "heartbeat_interval": 1e7},
+    }
+
+
+def act(run, task, name="a", **kw):
+    return ActionSpec(id=f"acme/ml/prod/{run}/{name}", task=task, **kw)
+
+
+def gpus(run, task, n, cpu=1, name="a"):
+    return act(run, task, name, resources={"cpu": cpu, "gpu": n})
+
+
+def cpu_job(run, task, cpu=4, name="a"):
+    return act(run, task, name, resources={"cpu": cpu})
+
+
+def gang(run, task="train", pods=3, per_pod=2):
+    return act(run, task, pods=(PodGroup("worker", pods, {"cpu": 4, "gpu": per_pod}),))
+
+
+def warm(eng, **runtimes_ns):
+    """Give tasks a history of exact runtimes by loading records (as storage would)."""
+    h = RuntimeHistory()
+    for task, ns in runtimes_ns.items():
+        for _ in range(5):
+            h.record_ns(task, ns)
+        eng.load_history(task, h.encode(task))
+
+
+def start(eng, clock, specs):
+    """Enqueue and place ``specs`` now; mark them running. Returns the assignments."""
+    eng.enqueue_many(specs)
+    placed = eng.tick()
+    for a in placed:
+        eng.mark_running(a.action, a.generation)
+    return placed
+
+
+def runs(placed):
+    return sorted(a.action.run for a in placed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The seed's example
+
+
+def _seed_example(backfill):
+    """A 6-GPU gang blocked behind four running 2-GPU actions on an 8-GPU cluster, and a
+    CPU-only job behind it. History comes from running and completing earlier attempts.
+    Returns (when the CPU job started, when the gang started), in ns."""
+    eng, clock = make_engine(config(backfill=backfill))
+    # Teach the history: one earlier attempt of each task, run to success.
+    for task, ns in (("small", T100), ("etl", T10), ("train", T500)):
+        spec = gpus(f"hist-{task}", task, 2) if task != "etl" else cpu_job("hist-etl", "etl")
+        [a] = start(eng, clock, [spec])
+        clock.advance(ns / 1e9)
+        eng.complete(a.action, a.generation)
+    assert eng.history.count("small") == 1
+    assert eng.predicted_runtime("etl") == T10 / 1e9
+    t0 = clock.now_ns()
+    smalls = start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(4)])
+    assert len(smalls) == 4
+    eng.enqueue(gang("g"))
+    eng.enqueue(cpu_job("c", "etl"))
+    started = {}
+    live = {a.action.run: (a, t0 + T100) for a in smalls}
+    now = t0
+    while "g" not in started:
+        for a in eng.tick():
+            eng.mark_running(a.action, a.generation)
+            started[a.action.run] = now
+            rt = {"etl": T10, "train": T500}[eng._record(a.action).compiled.spec.task]
+            live[a.action.run] = (a, now + rt)
+        due = min(end for _a, end in live.values())
+        clock.set_ns(due)
+        now = due
+        for run, (a, end) in list(live.items()):
+            if end == due:
+                eng.complete(a.action, a.generation)
+                del live[run]
+        assert now < t0 + 10 * T500, "the gang never started"
+    return started["c"] - t0, started["g"] - t0, eng
+
+
+def test_seed_example_cpu_job_backfills_and_the_gang_is_not_delayed():
+    c_off, g_off, eng_off = _seed_example(backfill=False)
+    c_on, g_on, eng_on = _seed_example(backfill=True)
+    assert c_off == T100          # without backfill the CPU job waits for the gang's start
+    assert c_on == 0              # with backfill it runs in the gap at once
+    assert g_on <= g_off == T100  # and the gang starts no later
+    assert eng_on.queue_metrics("gpu")["backfilled"] == 1
+    assert eng_off.queue_metrics("gpu")["backfilled"] == 0
+
+
+def test_without_backfill_the_cpu_job_waits_head_of_line():
+    eng, clock = make_engine(config(backfill=False))
+    warm(eng, small=T100, etl=T10)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(4)])
+    eng.enqueue(gang("g"))
+    eng.enqueue(cpu_job("c", "etl"))
+    assert eng.tick() == []
+    why = eng.explain("acme/ml/prod/c/a")
+    assert why.wait == WaitCode.HEAD_OF_LINE
+    assert "position 2 in queue gpu" in why.reason and why.position == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule (a): ends before the shadow time
+
+
+def _gap_setup(backfill=True, **queue):
+    """Two 2-GPU actions run (history T100); an 8-GPU head waits for both: its shadow time is
+    T100 and it leaves no extra GPU, so only rule (a) can place GPU work in the gap."""
+    eng, clock = make_engine(config(backfill=backfill, **queue))
+    warm(eng, small=T100, quick=T10, slow=T500)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
+    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
+    return eng, clock
+
+
+def test_rule_a_places_what_ends_before_the_shadow_time():
+    eng, clock = _gap_setup()
+    eng.enqueue(gpus("q", "quick", 2))
+    eng.enqueue(gpus("sl", "slow", 2))          # would end after the shadow time
+    placed = eng.tick()
+    assert runs(placed) == ["q"]
+    assert eng.explain("acme/ml/prod/sl/a").wait == WaitCode.HEAD_OF_LINE
+    head = eng.explain("acme/ml/prod/g/a")
+    assert head.wait == WaitCode.CLUSTER_CAPACITY
+    assert head.eta_ns == clock.now_ns() + T100
+    assert f"estimated start in {T100 / 1e9:.1f}s" in head.reason
+    m = eng.queue_metrics("gpu")
+    assert m["head_eta_ns"] == head.eta_ns and m["backfilled"] == 1
+
+
+def test_no_history_never_backfills_by_rule_a():
+    eng, _ = _gap_setup()
+    eng.enqueue(gpus("n", "never-seen", 2))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/n/a").wait == WaitCode.HEAD_OF_LINE
+    # Once the task has history, the same action backfills.
+    warm(eng, **{"never-seen": T10})
+    assert runs(eng.tick()) == ["n"]
+
+
+def test_head_without_known_shadow_time_gets_no_eta_and_no_gap():
+    eng, clock = make_engine(config())
+    warm(eng, quick=T10)
+    start(eng, clock, [gpus(f"s{i}", "unknown", 2) for i in range(2)])   # no history
+    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
+    eng.enqueue(gpus("q", "quick", 2))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/g/a").eta_ns is None
+    assert eng.queue_metrics("gpu")["head_eta_ns"] is None
+
+
+def test_overrun_closes_the_gap_and_the_head_keeps_its_hold():
+    eng, clock = _gap_setup()
+    eng.enqueue(gpus("q1", "quick", 2))
+    [q1] = eng.tick()
+    eng.mark_running(q1.action, q1.generation)
+    clock.advance(2 * T10 / 1e9)                # q1 outlives its prediction, still live
+    eng.enqueue(gpus("q2", "quick", 2))
+    assert eng.tick() == []                      # no rule (a) while the overrun lasts
+    assert eng.explain("acme/ml/prod/q2/a").wait == WaitCode.HEAD_OF_LINE
+    head = eng.explain("acme/ml/prod/g/a")
+    assert head.wait == WaitCode.CLUSTER_CAPACITY
+    assert eng.queue_metrics("gpu")["head_blocked"]["action"] == "acme/ml/prod/g/a"
+    eng.complete(q1.action, q1.generation)       # the overrun ends: the gap reopens
+    assert runs(eng.tick()) == ["q2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule (b): extra capacity at the shadow time
+
+
+def _extra_setup():
+    """Four 1-cpu 2-GPU actions run (history T100); a 6-GPU gang (12 cpu) waits: at its
+    shadow time 96 cpu and 8 GPUs are free, so its extra is 84 cpu and 2 GPUs."""
+    eng, clock = make_engine(config())
+    warm(eng, small=T100)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(4)])
+    eng.enqueue(gang("g"))
+    return eng, clock
+
+
+def test_rule_b_places_work_without_history_inside_the_extra_capacity():
+    eng, _ = _extra_setup()
+    # No history: only rule (b). 30 + 30 cpu fit the 84 cpu extra; the third 30 would not
+    # (24 left) although 32 cpu are free now.
+    eng.enqueue_many([cpu_job(f"c{i}", "etl-unknown", cpu=30) for i in range(3)])
+    placed = eng.tick()
+    assert runs(placed) == ["c0", "c1"]
+    assert eng.explain("acme/ml/prod/c2/a").wait == WaitCode.HEAD_OF_LINE
+    assert eng.cluster_in_flight("east")["cpu"] == 4_000 + 60_000
+    assert eng.queue_metrics("gpu")["backfilled"] == 2
+
+
+def test_rule_b_never_takes_what_the_head_needs():
+    eng, _ = _extra_setup()
+    # No GPU is free now. When one small ends early, 2 GPUs are free and the extra at the
+    # shadow time is 2 GPUs: one 2-GPU job without history may take them, not two.
+    eng.enqueue_many([gpus(f"x{i}", "unknown", 2) for i in range(2)])
+    assert eng.tick() == []
+    eng.complete("acme/ml/prod/s0/a", 1)
+    assert runs(eng.tick()) == ["x0"]
+    assert eng.explain("acme/ml/prod/x1/a").wait == WaitCode.CLUSTER_CAPACITY
+    assert eng.explain("acme/ml/prod/g/a").wait == WaitCode.CLUSTER_CAPACITY
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds and the rest of the gate
+
+
+def test_max_candidates_bounds_the_backfill_tests_per_tick():
+    cfg = config()
+    cfg["engine"]["backfill_max_candidates"] = 2
+    eng, clock = make_engine(cfg)
+    warm(eng, small=T100, etl=T10)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(4)])
+    eng.enqueue(gang("g"))
+    eng.enqueue_many([cpu_job(f"c{i}", "etl") for i in range(5)])
+    assert len(eng.tick()) == 2
+    assert len(eng.tick()) == 2
+    assert len(eng.tick()) == 1
+    assert eng.queue_metrics("gpu")["backfilled"] == 5
+
+
+def test_queue_action_concurrency_still_applies_to_backfill():
+    eng, _ = _gap_setup(action_concurrency=3)     # 2 running: one slot left
+    eng.enqueue_many([gpus(f"q{i}", "quick", 1) for i in range(3)])
+    assert len(eng.tick()) == 1
+    assert eng.queue_metrics("gpu")["actions_in_flight"] == 3
+
+
+def test_queue_budget_still_applies_to_backfill():
+    eng, _ = _gap_setup(max_resources={"cpu": 4})  # 2 cpu in flight, 2 left
+    eng.enqueue(cpu_job("big", "quick", cpu=3))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/big/a").wait in (WaitCode.QUEUE_BUDGET,
+                                                      WaitCode.HEAD_BUDGET)
+    assert eng.queue_metrics("gpu")["backfilled"] == 0
+
+
+def test_backfill_can_be_switched_live():
+    eng, _ = _gap_setup(backfill=False)
+    eng.enqueue(gpus("q", "quick", 2))
+    assert eng.tick() == []
+    eng.update_queue("gpu", backfill=True)
+    assert runs(eng.tick()) == ["q"]
+    eng.update_queue("gpu", backfill=False)
+    eng.enqueue(gpus("q2", "quick", 2))
+    assert eng.tick() == []
+
+
+def test_history_records_successes_only():
+    eng, clock = make_engine(config())
+    [a] = start(eng, clock, [cpu_job("ok", "etl")])
+    clock.advance(3)
+    eng.complete(a.action, a.generation)
+    [b] = start(eng, clock, [cpu_job("bad", "etl")])
+    clock.advance(100)
+    eng.complete(b.action, b.generation, "FAILED", recoverable=False)
+    assert eng.history.count("etl") == 1
+    assert 3 <= eng.predicted_runtime("etl") < 3 * 1.25
+    # The history is durable: a restart on the same store predicts the same.
+    predicted = eng.predicted_runtime("etl")
+    store = eng._store
+    eng.close()
+    again = Engine(eng.config, clock=clock,
+                   store=MemoryStore(store.partitions, backing=store.backing))
+    assert again.history.count("etl") == 1 and again.predicted_runtime("etl") == predicted
+
+
+def test_waiting_actions_report_their_position():
+    eng, _ = _gap_setup(backfill=False)
+    eng.enqueue_many([gpus(f"w{i}", "slow", 2) for i in range(3)])
+    eng.tick()
+    assert [eng.explain(f"acme/ml/prod/w{i}/a").position for i in range(3)] == [2, 3, 4]
+    assert eng.explain("acme/ml/prod/g/a").position == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: with exact predictions, backfill never delays the first blocked head
+
+
+def two_clusters(backfill):
+    """east: two 8-GPU nodes; west: one. The queue may use both."""
+    cfg = config(backfill=backfill)
+    cfg["clusters"] = {
+        "east": {"node_shapes": [{"name": "h100", "count": 2, "allocatable": NODE}]},
+        "west": {"node_shapes": [{"name": "h100", "count": 1, "allocatable": NODE}]},
+    }
+    return cfg
+
+
+def simulate(jobs, runtimes, backfill):
+    """Deterministic event-driven run of ``jobs`` [(submit_ns, task, gpus, cpu, pods)] on
+    :func:`two_clusters`. Tasks run exactly ``runtimes[task]`` ns, which their warm history
+    predicts. Returns (first blocked head, {run: start_ns})."""
+    eng, clock = make_engine(two_clusters(backfill))
+    warm(eng, **runtimes)
+    events = []          # (time, kind, seq, payload): completions (0) before submissions (1)
+    for i, (t, task, g, c, pods) in enumerate(jobs):
+        heapq.heappush(events, (t, 1, i, (task, g, c, pods)))
+    starts, first_head, seq = {}, None, 0
+    while events:
+        now = events[0][0]
+        clock.set_ns(now)
+        while events and events[0][0] == now:
+            _t, kind, i, payload = heapq.heappop(events)
+            if kind == 0:
+                eng.complete(payload[0], payload[1])
+                continue
+            task, g, c, pods = payload
+            if pods > 1:
+                group = PodGroup("worker", pods, {"cpu": c, "gpu": max(g, 1)})
+                eng.enqueue(act(f"j{i}", task, pods=(group,)))
+            else:
+                eng.enqueue(act(f"j{i}", task,
+                                resources={"cpu": c, "gpu": g} if g else {"cpu": c}))
+        for a in eng.tick():
+            eng.mark_running(a.action, a.generation)
+            starts[a.action.run] = now
+            task = eng._record(a.action).compiled.spec.task
+            seq += 1
+            heapq.heappush(events, (now + runtimes[task], 0, seq, (a.action, a.generation)))
+        blocked = eng.queue_metrics("gpu")["head_blocked"]
+        if first_head is None and blocked is not None:
+            first_head = blocked["action"].split("/")[3]
+    return first_head, starts
+
+
+job = st.tuples(st.integers(0, 20), st.sampled_from(["a", "b", "c", "d"]),
+                st.integers(0, 8), st.integers(1, 64), st.sampled_from([1, 1, 1, 2, 3]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(job, min_size=2, max_size=16),
+       st.lists(st.sampled_from(EDGES[40:70]), min_size=4, max_size=4))
+def test_backfill_never_delays_the_first_blocked_head(raw, edges):
+    runtimes = dict(zip("abcd", edges, strict=True))
+    jobs = [(t * S, *rest) for t, *rest in raw]
+    head_off, starts_off = simulate(jobs, runtimes, backfill=False)
+    head_on, starts_on = simulate(jobs, runtimes, backfill=True)
+    assert head_on == head_off      # identical until the first block
+    assert set(starts_on) == set(starts_off)   # the same jobs ran (a gang too big fails)
+    if head_off is not None:
+        assert starts_on[head_off] <= starts_off[head_off]
+
+def _live_lists(eng):
+    st = eng._state
+    out = []
+    for c in range(st.n_clusters):
+        rows, a = set(), int(st.c_live[c])
+        while a >= 0:
+            rows.add(a)
+            a = int(st.a_lnext[a])
+        out.append(rows)
+    return out
+
+
+def test_live_lists_follow_assignments_and_releases_and_can_be_rebuilt():
+    eng, clock = make_engine(config(nodes=2))
+    placed = start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(6)])
+    rows = {eng._row_of(a.action) for a in placed}
+    assert _live_lists(eng) == [rows]
+    eng.complete(placed[0].action, placed[0].generation)
+    eng.abort(placed[1].action)
+    rows -= {eng._row_of(a.action) for a in placed[:2]}
+    assert _live_lists(eng) == [rows]
+    st = eng._state
+    st.c_live[:] = -1                            # as after a reload: derived state lost
+    st.a_lnext[:] = -1
+    eng._kernel.relink_live(eng._next_row)
+    assert _live_lists(eng) == [rows]
+
+
+def test_eta_is_given_to_strict_heads_only_and_without_backfill_too():
+    eng, clock = _gap_setup(backfill=False)
+    eng.tick()
+    assert eng.explain("acme/ml/prod/g/a").eta_ns == clock.now_ns() + T100
+    cfg = config(backfill=False, scheduling="GREEDY_CAPACITY")
+    eng, clock = make_engine(cfg)
+    warm(eng, small=T100)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
+    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
+    eng.tick()
+    assert eng.explain("acme/ml/prod/g/a").eta_ns is None
+
+
+def test_backfill_state_survives_a_restart():
+    # Predicted ends, the backfilled flag, task rows and histories are durable; the live
+    # lists are rebuilt at load: the restarted shard keeps the head's ETA and backfills the
+    # rest of the gap exactly as before.
+    eng, clock = _gap_setup()
+    eng.enqueue(gpus("q", "quick", 2))
+    assert runs(eng.tick()) == ["q"]
+    st = eng._state
+    before = {name: getattr(st, name)[:eng._next_row].copy()
+              for name in ("a_task", "a_pred_end", "a_backfilled")}
+    assert before["a_backfilled"].sum() == 1
+    eta = eng.explain("acme/ml/prod/g/a").eta_ns
+    store = eng._store
+    eng.close()
+    again = Engine(eng.config, clock=clock,
+                   store=MemoryStore(store.partitions, backing=store.backing))
+    for name, values in before.items():
+        assert (getattr(again._state, name)[:again._next_row] == values).all(), name
+    assert again.predicted_runtime("quick") == T10 / S
+    again.register_worker("w-east", "east", 1000)
+    assert again.tick() == []
+    assert again.explain("acme/ml/prod/g/a").eta_ns == eta
+    again.enqueue(gpus("q2", "quick", 2))         # 2 GPUs left in the gap: rule (a)
+    again.enqueue(gpus("sl", "slow", 2))          # ends after the shadow time: waits
+    assert runs(again.tick()) == ["q2"]
+    assert again.queue_metrics("gpu")["backfilled"] == 1   # counted since the restart
