@@ -137,6 +137,13 @@ class _Action:
         return self.attempts[-1]
 
 
+def _pristine(rec):
+    """True while an action is exactly as enqueued (one untouched attempt, still queued)."""
+    return (rec.phase == Phase.QUEUED and len(rec.attempts) == 1 and not rec.message
+            and rec.user_retries == 0 and rec.system_retries == 0
+            and rec.attempts[0] == Attempt(number=1, enqueued_ns=rec.first_enqueued_ns))
+
+
 class Engine:
     """One shard's scheduling engine.
 
@@ -251,6 +258,7 @@ class Engine:
         self._codec_records.bind(self._state)
 
     def _clear_dirty(self):
+        self._fresh = set()         # action rows inserted in this turn
         self._history_dirty = set()  # tasks whose history record to write
         self._dirty = set()         # action rows: fixed record and outcome to write
         self._dirty_fixed = set()   # action rows: fixed record only
@@ -447,12 +455,18 @@ class Engine:
             buf = bytearray(idx.size * size)
             self._codec_records.encode_actions(idx, buf)
             view = memoryview(buf)
+            keys = idx.astype(">u8").tobytes()       # row_key of every row, in one pass
             parts = st.a_part[idx].tolist()
+            dirty, fresh = self._dirty, self._fresh
             for i, r in enumerate(idx.tolist()):
                 ops = batch.setdefault(parts[i], [])
-                ops.append(("actions", row_key(r), view[i * size:(i + 1) * size]))
-                if r in self._dirty:
-                    ops.append(("attempts", row_key(r), encode_outcome(self._rec(r))))
+                key = keys[8 * i:8 * i + 8]
+                ops.append(("actions", key, view[i * size:(i + 1) * size]))
+                if r in dirty:
+                    rec = self._rec(r)
+                    # A new action's outcome is implied by its fixed record until it changes.
+                    if r not in fresh or not _pristine(rec):
+                        ops.append(("attempts", key, encode_outcome(rec)))
         if self._dirty_fz:
             idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
             idx.sort()
@@ -695,12 +709,17 @@ class Engine:
         part, key = int(st.a_part[row]), row_key(row)
         raw_spec = self._store.get(part, "specs", key)
         raw_out = self._store.get(part, "attempts", key)
-        if raw_spec is None or raw_out is None:
+        pristine = raw_out is None and int(st.a_attempt[row]) == 1
+        if raw_spec is None or (raw_out is None and not pristine):
             raise CorruptRecord(part, "specs" if raw_spec is None else "attempts", key,
                                 f"action row {row} has no such record")
         try:
             spec = decode_spec(raw_spec)
-            phase, message, kind, cause, ur, sr, attempts = decode_outcome(raw_out)
+            if pristine:     # never changed since its enqueue (no outcome record written)
+                phase, message, kind, cause, ur, sr = Phase.QUEUED.value, "", None, None, 0, 0
+                attempts = [Attempt(number=1, enqueued_ns=int(st.a_enqueued[row]))]
+            else:
+                phase, message, kind, cause, ur, sr, attempts = decode_outcome(raw_out)
             c = compile_spec(spec, self._resources, self._queues,
                              self.config.engine.default_queue)
         except Exception as exc:
@@ -741,6 +760,7 @@ class Engine:
         st.a_task[row] = self._task_row(c.spec.task)   # backfill (issue 5)
         rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
         self._recs[row] = rec
+        self._fresh.add(row)
         self._names[c.id] = row
         self._op(part, "specs", row_key(row), encode_spec(c.spec))
         t = c.spec.timeouts

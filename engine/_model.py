@@ -29,6 +29,10 @@ __all__ = [
 ]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# The whole id in one match (fast path); a mismatch is explained segment by segment.
+_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)/([A-Za-z0-9][A-Za-z0-9_.-]*)/"
+                 r"([A-Za-z0-9][A-Za-z0-9_.-]*)/([A-Za-z0-9][A-Za-z0-9_.-]*)/"
+                 r"([A-Za-z0-9][A-Za-z0-9_.-]*)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -49,6 +53,9 @@ class ActionId:
         if not isinstance(text, str):
             raise SpecError(f"action id must be a string tenant/project/domain/run/action, "
                             f"not {text!r}")
+        m = _ID.match(text)
+        if m is not None:
+            return cls(*m.groups())
         parts = text.split("/")
         if len(parts) != 5:
             raise SpecError(f"action id {text!r} must have 5 parts "
@@ -96,7 +103,11 @@ def _count(value, what, minimum):
 
 
 def _total(resources, pods, counts, what):
-    # Exact (Python int) totals: a gang's demand must stay below UNLIMITED, never wrap.
+    # Exact totals: a gang's demand must stay below UNLIMITED, never wrap. Quantities are
+    # never negative, so when the largest times the replica count stays below UNLIMITED no
+    # sum can reach it and int64 is exact (the usual case, one numpy pass).
+    if int(pods.max()) * int(counts.sum()) < UNLIMITED:
+        return (pods * counts[:, None]).sum(axis=0)
     total = [sum(int(pods[p, r]) * int(counts[p]) for p in range(len(counts)))
              for r in range(pods.shape[1])]
     for name, value in zip(resources.names, total, strict=True):

@@ -110,6 +110,7 @@ class ResourceSet:
             if n in seen:
                 raise ValueError(f"resource {n!r} is named twice")
             seen.add(n)
+        object.__setattr__(self, "_vectors", {})   # parsed tables (see vector)
 
     def __len__(self):
         return len(self.names)
@@ -142,6 +143,23 @@ class ResourceSet:
             mapping = {}
         if not isinstance(mapping, dict):
             raise ValueError(f"resources must be a table of name = quantity, not {mapping!r}")
+        # The same few resource tables come back with every action: parse each once.
+        try:
+            # Types are part of the key: 1, 1.0 and True hash alike but do not parse alike.
+            key = (tuple((k, type(v), v) for k, v in mapping.items()), unset, flyte_spellings)
+            hit = self._vectors.get(key)
+        except TypeError:       # an unhashable value: parse (and refuse) it below
+            key = hit = None
+        if hit is not None:
+            return hit.copy()
+        vec = self._parse_vector(mapping, unset, flyte_spellings)
+        if key is not None:
+            if len(self._vectors) >= 4096:
+                self._vectors.clear()
+            self._vectors[key] = vec.copy()
+        return vec
+
+    def _parse_vector(self, mapping, unset, flyte_spellings):
         vec = np.full(len(self.names), unset, dtype=np.int64)
         given = set()
         for raw_name, value in mapping.items():
