@@ -139,9 +139,12 @@ class _Action:
 
 def _pristine(rec):
     """True while an action is exactly as enqueued (one untouched attempt, still queued)."""
-    return (rec.phase == Phase.QUEUED and len(rec.attempts) == 1 and not rec.message
-            and rec.user_retries == 0 and rec.system_retries == 0
-            and rec.attempts[0] == Attempt(number=1, enqueued_ns=rec.first_enqueued_ns))
+    if (rec.phase != Phase.QUEUED or len(rec.attempts) != 1 or rec.message
+            or rec.user_retries or rec.system_retries):
+        return False
+    a = rec.attempts[0]
+    return (a.generation == 0 and a.start_ns is None and a.end_ns is None and a.phase is None
+            and a.finalize is None and a.enqueued_ns == rec.first_enqueued_ns)
 
 
 class Engine:

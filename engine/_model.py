@@ -106,6 +106,8 @@ def _total(resources, pods, counts, what):
     # Exact totals: a gang's demand must stay below UNLIMITED, never wrap. Quantities are
     # never negative, so when the largest times the replica count stays below UNLIMITED no
     # sum can reach it and int64 is exact (the usual case, one numpy pass).
+    if counts.shape[0] == 1 and counts[0] == 1:
+        return pods[0].copy()           # one pod: its vector (each entry below UNLIMITED)
     if int(pods.max()) * int(counts.sum()) < UNLIMITED:
         return (pods * counts[:, None]).sum(axis=0)
     total = [sum(int(pods[p, r]) * int(counts[p]) for p in range(len(counts)))
