@@ -169,6 +169,11 @@ cdef class TickKernel:
     cdef u8[::1] s_first_res           # [Q] the outcome of that retry
     cdef i32[::1] s_bf_head            # [Q] backfill: the head blocked this tick, -1 none
     cdef i64[::1] s_bf_tested          # [Q] backfill: actions tested behind it this tick
+    cdef i32[::1] s_bq_head            # [Q] budget backfill: the head blocked on the budget
+    cdef i64[::1] s_bq_tested          # [Q] budget backfill: actions tested behind it
+    cdef i64[::1] s_bq_shadow          # [Q] its budget shadow time (ns); -1 not computed yet
+    cdef u8[::1] s_bq_gap              # [Q] 1 = rule (a) open (known, no backfilled overrun)
+    cdef i64[::1] s_bq_free            # [R] scratch: budget left while releases accumulate
     cdef i64[::1] s_shadow             # [C] backfill: the holding head's shadow time (ns)
     cdef i64[:, ::1] s_extra           # [C, R] backfill: free at the shadow time beyond its need
     cdef u8[::1] s_bf_gap              # [C] backfill: 1 = rule (a) open (known, no overrun)
@@ -209,5 +214,7 @@ cdef class TickKernel:
     cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
     cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil
+    cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil
+    cdef i64 _budget_shadow(self, i32 q, i32 h, i64 now) noexcept nogil
     cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil
     cdef i64 _run(self, i64 now) noexcept nogil

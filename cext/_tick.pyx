@@ -199,6 +199,11 @@ cdef class TickKernel:
         self.s_first_res = state.s_first_res
         self.s_bf_head = state.s_bf_head
         self.s_bf_tested = state.s_bf_tested
+        self.s_bq_head = state.s_bq_head
+        self.s_bq_tested = state.s_bq_tested
+        self.s_bq_shadow = state.s_bq_shadow
+        self.s_bq_gap = state.s_bq_gap
+        self.s_bq_free = state.s_bq_free
         self.s_shadow = state.s_shadow
         self.s_extra = state.s_extra
         self.s_bf_gap = state.s_bf_gap
@@ -451,6 +456,7 @@ cdef class TickKernel:
             self.s_held_by[i] = -1
         for i in range(self.n_queues):
             self.s_bf_head[i] = -1
+            self.s_bq_head[i] = -1
         self.bf_held = 0
         self.bf_contested = 0
         self._snapshot_free()
@@ -747,6 +753,8 @@ cdef class TickKernel:
         cdef int c, dim, cap_dim
         cdef u64 mine, shared
         cdef bint gap = False
+        cdef bint bq = False
+        cdef i32 h
         cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
@@ -794,10 +802,23 @@ cdef class TickKernel:
             self._wait(a, W_UNSCHEDULABLE_SHAPE, -1, -1, -1)
             self._fail(a, W_UNSCHEDULABLE_SHAPE)
             return R_FAILED
+        # Budget backfill: behind a head that waits for its queue's budget, a later action
+        # may start only if its runtime history says it ends before the head's budget shadow
+        # time (rule (a) only: the head's need at that time is its whole demand, and what it
+        # will need of the clusters then is not known here).
+        h = self.s_bq_head[q]
+        if h >= 0 and h != a:
+            if not self._budget_gap(q, h, a, now):
+                self._wait(a, W_HEAD_BUDGET, -1, -1, h)
+                return R_SKIP_ACTION
+            bq = True
         c = self._gate(a, fit, held[0], avail[0], &dim)
         if c >= 0:
             self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
                         actions_left, runs_left)
+            if bq:
+                self.a_backfilled[a] = 1
+                self.q_backfilled[q] += 1
             return R_PLACED
         if c == GATE_BUDGET:
             # The budget left never exceeds the hard cap, so the cap is only consulted
@@ -808,7 +829,17 @@ cdef class TickKernel:
                 self._fail(a, W_UNSCHEDULABLE_CAP)
                 return R_FAILED
             self._wait(a, W_QUEUE_BUDGET, -1, dim, -1)
-            return R_STOP_QUEUE if self.q_strict[q] else R_SKIP_ACTION
+            if not self.q_strict[q]:
+                return R_SKIP_ACTION
+            if self.q_backfill[q]:
+                # The head the budget backfill protects (the first one blocked this tick);
+                # a backfill candidate short of budget just waits.
+                if self.s_bq_head[q] < 0:
+                    self.s_bq_head[q] = a
+                    self.s_bq_tested[q] = 0
+                    self.s_bq_shadow[q] = -1
+                return R_SKIP_ACTION
+            return R_STOP_QUEUE
 
         # EASY backfill: a later action may use a cluster its queue's blocked head holds
         # when it cannot delay the head (rule (a): it ends before the head's shadow time;
@@ -982,6 +1013,71 @@ cdef class TickKernel:
             mine &= ~((<u64>1) << c)
             self.s_shadow[c] = -1
 
+    cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil:
+        # Rule (a) behind budget head h of queue q: a (not a warm-pool start) has a runtime
+        # history and ends before h's budget shadow time; bounded per head per tick.
+        cdef i64 rt = NEVER
+        if self.s_bq_tested[q] >= self.bf_max_candidates:
+            return False
+        self.s_bq_tested[q] += 1
+        if self.s_bq_shadow[q] < 0:
+            self.s_bq_shadow[q] = self._budget_shadow(q, h, now)
+        if self.a_env[a] < 0 and self.a_task[a] >= 0:
+            rt = self.t_pred_rt[self.a_task[a]]
+        return (self.s_bq_gap[q] and rt < NEVER and self.s_bq_shadow[q] < NEVER
+                and rt <= self.s_bq_shadow[q] - now)
+
+    cdef i64 _budget_shadow(self, i32 q, i32 h, i64 now) noexcept nogil:
+        # The budget shadow time of head h of queue q: the earliest predicted time at which
+        # the queue's budget left (s_budget, this tick's) plus what its live charged leases
+        # release covers h's demand. Sets s_bq_gap[q] (known, and no backfilled lease of the
+        # queue overran its prediction). Leases in flight are found on the per-cluster live
+        # lists; warm-pool footprints are not (counted as never released: later, not earlier).
+        cdef const i64* need = &self.a_demand[h, 0]
+        cdef i64* free = &self.s_bq_free[0]
+        cdef i64 shadow = NEVER, t, key
+        cdef Py_ssize_t n = 0, i = 0, r
+        cdef bint overrun = False
+        cdef int c
+        cdef i32 a
+        for r in range(self.n_res):
+            free[r] = self.s_budget[r]
+        for c in range(self.n_clusters):
+            a = self.c_live[c]
+            while a >= 0:
+                if self.a_queue[a] == q:
+                    key = self.a_pred_end[a]
+                    if key < now:
+                        if self.a_backfilled[a]:
+                            overrun = True
+                        key = now
+                    self.s_bf_key[n] = key
+                    self.s_bf_row[n] = a
+                    n += 1
+                a = self.a_lnext[a]
+        if covers(need, free, self.n_res):
+            shadow = now
+        else:
+            i = n // 2
+            while i > 0:
+                i -= 1
+                self._sift_down(i, n)
+            while n > 0:
+                t = self.s_bf_key[0]
+                if t == NEVER:
+                    break
+                while n > 0 and self.s_bf_key[0] == t:
+                    n = self._pop_end(n)
+                    a = self.s_bf_row[n]
+                    for r in range(self.n_res):
+                        if free[r] < UNLIMITED:
+                            free[r] += self.a_demand[a, r]
+                if covers(need, free, self.n_res):
+                    shadow = t
+                    break
+        self.s_bq_gap[q] = shadow < NEVER and not overrun
+        return shadow
+
     cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil:
         # Which cluster of cands (fit, free worker, held) action a may backfill now, or -1.
         # gap is set when rule (a) admits it there (the extra capacity is then left alone).
@@ -1055,6 +1151,18 @@ cdef class TickKernel:
                 if t < best:
                     best = t
         return None if best == NEVER else best
+
+    def budget_eta(self, i32 h, i64 now):
+        """The budget shadow time (ns) of queued action ``h``: the earliest predicted time its
+        queue's budget left plus what the queue's live leases release covers it; None when
+        unknown. Uses the tick's scratch between ticks."""
+        cdef i64 t
+        if h < 0 or h >= self.a_state.shape[0] or self.a_state[h] != ST_QUEUED:
+            raise ValueError(f"action row {h} is not queued")
+        with nogil:
+            self._queue_budget(self.a_queue[h])
+            t = self._budget_shadow(self.a_queue[h], h, now)
+        return None if t == NEVER else t
 
     cdef inline int _gate(self, i32 a, u64 fit, u64 held, u64 avail, int* dim) noexcept nogil:
         # The resource gate, in order: (1) the demand within the queue's remaining budget

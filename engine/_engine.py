@@ -1516,9 +1516,13 @@ class Engine:
         # every queued action its position in the queue.
         eta = None
         if int(st.q_head[q]) == row and st.q_strict[q] and code in (
-                WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE):
+                WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE, WaitCode.QUEUE_BUDGET):
             # Only a STRICT_FIFO head holds what frees up; a GREEDY one may be passed over.
-            eta = self._head_eta(row)
+            # A head short of budget starts when its queue's leases release enough of it.
+            if code == WaitCode.QUEUE_BUDGET:
+                eta = self._kernel.budget_eta(row, self.clock.now_ns())
+            else:
+                eta = self._head_eta(row)
             if eta is not None:
                 wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
                 reason += f"; estimated start in {wait_s:.1f}s (runtime history)"
@@ -1634,7 +1638,8 @@ class Engine:
                 }
             eta = None
             if blocked is not None and exp.wait in (WaitCode.CLUSTER_CAPACITY,
-                                                    WaitCode.HEAD_OF_LINE):
+                                                    WaitCode.HEAD_OF_LINE,
+                                                    WaitCode.QUEUE_BUDGET):
                 eta = exp.eta_ns
             out[qname] = {
                 "backfilled": int(st.q_backfilled[q]),     # backfill (issue 5)

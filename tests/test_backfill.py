@@ -314,9 +314,10 @@ def test_waiting_actions_report_their_position():
 # Property: with exact predictions, backfill never delays the first blocked head
 
 
-def two_clusters(backfill):
-    """east: two 8-GPU nodes; west: one. The queue may use both."""
-    cfg = config(backfill=backfill)
+def two_clusters(backfill, budget=None):
+    """east: two 8-GPU nodes; west: one. The queue may use both (with a GPU budget)."""
+    cfg = config(backfill=backfill, **({"max_resources": {"gpu:H100": budget}}
+                                       if budget is not None else {}))
     cfg["clusters"] = {
         "east": {"node_shapes": [{"name": "h100", "count": 2, "allocatable": NODE}]},
         "west": {"node_shapes": [{"name": "h100", "count": 1, "allocatable": NODE}]},
@@ -324,11 +325,11 @@ def two_clusters(backfill):
     return cfg
 
 
-def simulate(jobs, runtimes, backfill):
+def simulate(jobs, runtimes, backfill, budget=None):
     """Deterministic event-driven run of ``jobs`` [(submit_ns, task, gpus, cpu, pods)] on
     :func:`two_clusters`. Tasks run exactly ``runtimes[task]`` ns, which their warm history
     predicts. Returns (first blocked head, {run: start_ns})."""
-    eng, clock = make_engine(two_clusters(backfill))
+    eng, clock = make_engine(two_clusters(backfill, budget))
     warm(eng, **runtimes)
     events = []          # (time, kind, seq, payload): completions (0) before submissions (1)
     for i, (t, task, g, c, pods) in enumerate(jobs):
@@ -369,10 +370,23 @@ job = st.tuples(st.integers(0, 20), st.sampled_from(["a", "b", "c", "d"]),
 @given(st.lists(job, min_size=2, max_size=16),
        st.lists(st.sampled_from(EDGES[40:70]), min_size=4, max_size=4))
 def test_backfill_never_delays_the_first_blocked_head(raw, edges):
+    _never_delays(raw, edges, budget=None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(job, min_size=2, max_size=16),
+       st.lists(st.sampled_from(EDGES[40:70]), min_size=4, max_size=4),
+       st.sampled_from([8, 12, 16]))
+def test_budget_backfill_never_delays_the_first_blocked_head(raw, edges, budget):
+    # The same, with a GPU budget below the clusters' 24 GPUs: heads wait for the budget.
+    _never_delays([j for j in raw if j[2] * j[4] <= budget], edges, budget=budget)
+
+
+def _never_delays(raw, edges, budget):
     runtimes = dict(zip("abcd", edges, strict=True))
     jobs = [(t * S, *rest) for t, *rest in raw]
-    head_off, starts_off = simulate(jobs, runtimes, backfill=False)
-    head_on, starts_on = simulate(jobs, runtimes, backfill=True)
+    head_off, starts_off = simulate(jobs, runtimes, backfill=False, budget=budget)
+    head_on, starts_on = simulate(jobs, runtimes, backfill=True, budget=budget)
     assert head_on == head_off      # identical until the first block
     assert set(starts_on) == set(starts_off)   # the same jobs ran (a gang too big fails)
     if head_off is not None:
@@ -445,3 +459,70 @@ def test_backfill_state_survives_a_restart():
     again.enqueue(gpus("sl", "slow", 2))          # ends after the shadow time: waits
     assert runs(again.tick()) == ["q2"]
     assert again.queue_metrics("gpu")["backfilled"] == 1   # counted since the restart
+
+
+# ---------------------------------------------------------------------------------------------
+# Behind a head blocked by its queue's budget (rule (a) only)
+
+
+def _budget_setup(backfill=True):
+    """Two nodes (16 GPUs) but a queue budget of 8 GPUs: two 2-GPU actions run (history
+    T100), an 8-GPU head waits for the budget, not for the cluster: its budget shadow time is
+    T100, when both have ended."""
+    eng, clock = make_engine(config(backfill=backfill, nodes=2,
+                                    max_resources={"gpu:H100": 8}))
+    warm(eng, small=T100, quick=T10, slow=T500)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
+    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
+    return eng, clock
+
+
+def test_budget_head_lets_work_that_ends_before_its_budget_frees_run():
+    eng, clock = _budget_setup()
+    eng.enqueue(gpus("q", "quick", 2))           # ends at T10 < T100
+    eng.enqueue(gpus("sl", "slow", 2))           # would still run at T100: waits
+    eng.enqueue(gpus("n", "never-seen", 2))      # no history: never by rule (a)
+    assert runs(eng.tick()) == ["q"]
+    head = eng.explain("acme/ml/prod/g/a")
+    assert head.wait == WaitCode.QUEUE_BUDGET
+    assert head.eta_ns == clock.now_ns() + T100        # when both smalls have ended
+    assert eng.queue_metrics("gpu")["head_eta_ns"] == head.eta_ns
+    for run in ("sl", "n"):
+        assert eng.explain(f"acme/ml/prod/{run}/a").wait == WaitCode.HEAD_BUDGET
+    assert eng.queue_metrics("gpu")["backfilled"] == 1
+
+
+def test_budget_head_without_backfill_stops_its_queue():
+    eng, clock = _budget_setup(backfill=False)
+    eng.enqueue(gpus("q", "quick", 2))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/q/a").wait == WaitCode.HEAD_BUDGET
+
+
+def test_budget_head_is_not_delayed_and_an_overrun_closes_the_gap():
+    eng, clock = _budget_setup()
+    eng.enqueue(gpus("q", "quick", 2))
+    [q] = eng.tick()
+    eng.mark_running(q.action, q.generation)
+    clock.advance(2 * T10 / S)                   # q overruns its prediction (T10)
+    eng.enqueue(gpus("q2", "quick", 2, name="b"))
+    assert eng.tick() == []                      # the gap closed: nothing more backfills
+    assert eng.explain("acme/ml/prod/q2/b").wait == WaitCode.HEAD_BUDGET
+    eng.complete(q.action, q.generation)         # the overrun ends: the gap reopens
+    assert runs(eng.tick()) == ["q2"]
+    eng.complete("acme/ml/prod/q2/b", 1)
+    # The two smalls end at T100: the head starts then, not later.
+    clock.set_ns(T100)
+    for i in range(2):
+        eng.complete(f"acme/ml/prod/s{i}/a", 1)
+    assert runs(eng.tick()) == ["g"]
+
+
+def test_budget_backfill_is_bounded_per_tick():
+    eng, clock = _budget_setup()
+    eng.update_queue("gpu", backfill=True)
+    eng._state.bf_max_candidates = 1
+    eng._kernel.bind(eng._state)
+    eng.enqueue_many([gpus(f"q{i}", "quick", 1) for i in range(3)])
+    assert len(eng.tick()) == 1                  # one candidate tested behind the head
+    assert len(eng.tick()) == 1
