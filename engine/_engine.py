@@ -424,7 +424,10 @@ class Engine:
         self._clear_dirty()
         self._load()
         for name, cluster, slots in connected:
-            self._register(name, cluster, slots)
+            # Only workers whose identity is durable: a registration that failed with this
+            # turn is undone (re-registering it here would drop its identity record).
+            if name in self._idents:
+                self._register(name, cluster, slots)
         self._clear_dirty()
 
     def _load(self):

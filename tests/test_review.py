@@ -1,0 +1,44 @@
+"""Review of the durability + reload + backfill integration: one regression test per bug."""
+
+from test_durable import open_engine, restart, spec
+
+from engine import Phase, RetryPolicy, Timeouts
+from storage import MemoryStore, StoreError
+
+AID = "acme/p/d/r1/a1"
+
+
+def test_max_queued_time_of_a_retry_fires_after_a_restart_during_its_backoff():
+    # The retry attempt's max_queued_time was armed when the backoff began; a restart while
+    # the action was in BACKOFF dropped it (only QUEUED rows got their T_QUEUED timer back).
+    eng, clock = open_engine(MemoryStore(4), workers={"ww": ("west", 50)})
+    eng.enqueue(spec(1, retries=RetryPolicy(count=2, backoff_base=10),
+                     timeouts=Timeouts(max_queued_time=5)))
+    (a,) = eng.tick()
+    eng.report(a.token, Phase.FAILED, error_kind="USER", recoverable=True)
+    eng, clock = restart(eng, clock, workers={})     # no worker: the retry stays queued
+    clock.advance(11)
+    eng.schedule()                                    # backoff over: queued again
+    clock.advance(6)
+    eng.schedule()                                    # its max_queued_time has passed
+    atts = eng.attempts(AID)
+    assert atts[1].phase == Phase.TIMED_OUT.value and atts[1].cause == "max_queued_time"
+    assert len(atts) == 3
+
+
+def test_a_failed_registration_leaves_no_worker_whose_identity_is_not_durable():
+    # The restore after a failed register_worker re-registered the new worker (it was
+    # connected in memory) and dropped the identity record that re-registration wrote: its
+    # leases then carried an identity the store never had, and the next reload refused the
+    # store (CorruptRecord "lease holder is not a known worker").
+    eng, clock = open_engine(MemoryStore(4), workers={})
+    eng._store.fail_next(StoreError("injected"))
+    try:
+        eng.register_worker("new", "west", 5)
+    except StoreError:
+        pass
+    eng.register_worker("new", "west", 5)            # the worker retries its registration
+    eng.enqueue(spec(1))
+    assert [a.worker for a in eng.tick()] == ["new"]
+    eng, clock = restart(eng, clock, workers={"new": ("west", 5)})
+    assert eng.phase(AID) == Phase.INITIALIZING
