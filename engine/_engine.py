@@ -610,7 +610,11 @@ class Engine:
                 raise type(exc)(f"batch item {i}: {exc}") if len(specs) > 1 else exc from None
             existing = self._lookup(c.id)
             if existing is not None:
-                if self._rec(existing).compiled.spec != c.spec:
+                old = self._rec(existing).compiled.spec
+                # A restored spec comes back in its stored form (pods a tuple): compare
+                # the stored forms when the objects differ.
+                if old != c.spec and decode_spec(encode_spec(old)) != decode_spec(
+                        encode_spec(c.spec)):
                     raise AlreadyExists(f"action {c.id} exists with a different spec")
                 ids.append(c.id)
                 continue

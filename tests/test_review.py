@@ -1,8 +1,12 @@
 """Review of the durability + reload + backfill integration: one regression test per bug."""
 
+from dataclasses import replace
+
+import pytest
 from test_durable import open_engine, restart, spec
 
-from engine import Phase, RetryPolicy, Timeouts
+from engine import ActionSpec, Phase, PodGroup, RetryPolicy, Timeouts
+from engine._engine import AlreadyExists
 from storage import MemoryStore, StoreError
 
 AID = "acme/p/d/r1/a1"
@@ -42,3 +46,19 @@ def test_a_failed_registration_leaves_no_worker_whose_identity_is_not_durable():
     assert [a.worker for a in eng.tick()] == ["new"]
     eng, clock = restart(eng, clock, workers={"new": ("west", 5)})
     assert eng.phase(AID) == Phase.INITIALIZING
+
+
+def test_re_enqueue_after_a_restart_of_a_gang_given_as_a_list_is_idempotent():
+    # The stored spec comes back with pods as a tuple; compared with ``!=`` against the
+    # client's identical spec (pods as a list, which enqueue accepts) it looked different,
+    # so a client retrying after a restart got AlreadyExists.
+    gang = ActionSpec(id=AID, task="t", run_queue="gpu",
+                      pods=[PodGroup(role="w", replicas=2, resources={"cpu": 8, "gpu:H100": 8})])
+    eng, clock = open_engine(MemoryStore(4))
+    eng.enqueue(gang)
+    eng.enqueue(gang)
+    eng, clock = restart(eng, clock)
+    assert str(eng.enqueue(gang)) == AID
+    with pytest.raises(AlreadyExists):
+        eng.enqueue(replace(gang, pods=[PodGroup(role="w", replicas=1,
+                                                 resources={"cpu": 8, "gpu:H100": 8})]))
