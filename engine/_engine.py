@@ -183,6 +183,8 @@ class Engine:
         try:
             self._codec = TokenCodec(self._load_meta(secret))
             self._load()
+            if self._refit_layout is not None:
+                self._refit()
         except BaseException:
             self._store.close()
             raise
@@ -270,7 +272,11 @@ class Engine:
         """Check (or write) the shard layout and return the token secret."""
         store = self._store
         layout = {"resources": list(self._resources.names), "clusters": self._clusters,
-                  "queues": self._queue_names}
+                  "queues": self._queue_names,
+                  # What the stored fit masks were computed from (capacities, node shapes).
+                  "fit": [[None if c.capacity is None else c.capacity.tolist(),
+                           [sh.allocatable.tolist() for sh in c.node_shapes]]
+                          for c in self.config.clusters]}
         raw = store.get(0, "meta", LAYOUT_KEY)
         stored_secret = store.get(0, "meta", SECRET_KEY)
         if raw is not None:
@@ -294,13 +300,29 @@ class Engine:
         elif secret is None:
             secret = TokenCodec().secret
         ops = []
-        if raw is None or msgpack.unpackb(raw) != layout:
+        # Clusters appended or resized: the fit masks are recomputed after the load, and the
+        # layout is written with them (one group).
+        self._refit_layout = None
+        if raw is not None and msgpack.unpackb(raw).get("fit") != layout["fit"]:
+            self._refit_layout = layout
+        elif raw is None or msgpack.unpackb(raw) != layout:
             ops.append(("meta", LAYOUT_KEY, msgpack.packb(layout)))
         if stored_secret is None:
             ops.append(("meta", SECRET_KEY, bytes(secret)))
         if ops:
             store.commit({0: ops})
         return secret
+
+    def _refit(self):
+        # The cluster config changed since the fit masks were stored: recompute them for
+        # every action that may still be placed, durably with the new layout.
+        st = self._state
+        with self._turn():
+            for r in np.flatnonzero(st.a_state[:self._next_row] != RowState.DONE).tolist():
+                st.a_fit[r] = self._fit_mask(self._rec(r).compiled)
+                self._dirty_fixed.add(r)
+            self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
+        self._refit_layout = None
 
     # ------------------------------------------------------------------ queues
 

@@ -1,9 +1,10 @@
 """Review of the durability + reload + backfill integration: one regression test per bug."""
 
+import copy
 from dataclasses import replace
 
 import pytest
-from test_durable import open_engine, restart, spec
+from test_durable import CONFIG, open_engine, restart, spec
 
 from engine import ActionSpec, Phase, PodGroup, RetryPolicy, Timeouts
 from engine._engine import AlreadyExists
@@ -62,3 +63,20 @@ def test_re_enqueue_after_a_restart_of_a_gang_given_as_a_list_is_idempotent():
     with pytest.raises(AlreadyExists):
         eng.enqueue(replace(gang, pods=[PodGroup(role="w", replicas=1,
                                                  resources={"cpu": 8, "gpu:H100": 8})]))
+
+
+def test_a_cluster_added_to_the_config_is_open_to_actions_queued_before_the_restart():
+    # The fit mask (clusters an action could ever fit) is derived from the cluster config
+    # but was stored and reloaded as is: after a restart with a cluster appended (or a
+    # capacity raised) an action acknowledged before could not use it and failed
+    # UNSCHEDULABLE ("cluster north: ?"), while the same spec enqueued after ran there.
+    eng, clock = open_engine(MemoryStore(4), workers={})
+    big = {"cpu": 1, "memory": "300Gi"}               # fits neither east's nodes nor west
+    eng.enqueue(spec(1, resources=big))
+    cfg = copy.deepcopy(CONFIG)
+    cfg["clusters"]["north"] = {"capacity": {"cpu": 128, "memory": "512Gi"}}
+    eng, clock = restart(eng, clock, cfg=cfg, workers={"wn": ("north", 5)})
+    (a,) = eng.tick()
+    assert (str(a.action), a.cluster) == (AID, "north")
+    eng, clock = restart(eng, clock, cfg=cfg, workers={"wn": ("north", 5)})
+    assert eng.explain(AID).phase == Phase.INITIALIZING
