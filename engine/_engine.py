@@ -193,6 +193,8 @@ class Engine:
         try:
             self._codec = TokenCodec(self._load_meta(secret))
             self._load()
+            if self._refit_layout is not None:
+                self._refit()
         except BaseException:
             self._store.close()
             raise
@@ -281,7 +283,11 @@ class Engine:
         """Check (or write) the shard layout and return the token secret."""
         store = self._store
         layout = {"resources": list(self._resources.names), "clusters": self._clusters,
-                  "queues": self._queue_names}
+                  "queues": self._queue_names,
+                  # What the stored fit masks were computed from (capacities, node shapes).
+                  "fit": [[None if c.capacity is None else c.capacity.tolist(),
+                           [sh.allocatable.tolist() for sh in c.node_shapes]]
+                          for c in self.config.clusters]}
         raw = store.get(0, "meta", LAYOUT_KEY)
         stored_secret = store.get(0, "meta", SECRET_KEY)
         if raw is not None:
@@ -305,13 +311,29 @@ class Engine:
         elif secret is None:
             secret = TokenCodec().secret
         ops = []
-        if raw is None or msgpack.unpackb(raw) != layout:
+        # Clusters appended or resized: the fit masks are recomputed after the load, and the
+        # layout is written with them (one group).
+        self._refit_layout = None
+        if raw is not None and msgpack.unpackb(raw).get("fit") != layout["fit"]:
+            self._refit_layout = layout
+        elif raw is None or msgpack.unpackb(raw) != layout:
             ops.append(("meta", LAYOUT_KEY, msgpack.packb(layout)))
         if stored_secret is None:
             ops.append(("meta", SECRET_KEY, bytes(secret)))
         if ops:
             store.commit({0: ops})
         return secret
+
+    def _refit(self):
+        # The cluster config changed since the fit masks were stored: recompute them for
+        # every action that may still be placed, durably with the new layout.
+        st = self._state
+        with self._turn():
+            for r in np.flatnonzero(st.a_state[:self._next_row] != RowState.DONE).tolist():
+                st.a_fit[r] = self._fit_mask(self._rec(r).compiled)
+                self._dirty_fixed.add(r)
+            self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
+        self._refit_layout = None
 
     # ------------------------------------------------------------------ queues
 
@@ -435,7 +457,10 @@ class Engine:
         self._clear_dirty()
         self._load()
         for name, cluster, slots in connected:
-            self._register(name, cluster, slots)
+            # Only workers whose identity is durable: a registration that failed with this
+            # turn is undone (re-registering it here would drop its identity record).
+            if name in self._idents:
+                self._register(name, cluster, slots)
         self._clear_dirty()
 
     def _load(self):
@@ -624,7 +649,11 @@ class Engine:
                 raise type(exc)(f"batch item {i}: {exc}") if len(specs) > 1 else exc from None
             existing = self._lookup(c.id)
             if existing is not None:
-                if self._rec(existing).compiled.spec != c.spec:
+                old = self._rec(existing).compiled.spec
+                # A restored spec comes back in its stored form (pods a tuple): compare
+                # the stored forms when the objects differ.
+                if old != c.spec and decode_spec(encode_spec(old)) != decode_spec(
+                        encode_spec(c.spec)):
                     raise AlreadyExists(f"action {c.id} exists with a different spec")
                 ids.append(c.id)
                 continue

@@ -406,7 +406,9 @@ def _restore_timers(eng, n):
     parts = []
     active = np.flatnonzero((state != RowState.DONE) & (st.a_deadline_due[:n] != NEVER))
     parts.append((st.a_deadline_due[active], T_DEADLINE, active, np.zeros(active.size, np.int64)))
-    qd = np.flatnonzero((state == RowState.QUEUED) & (st.a_queued_due[:n] != NEVER))
+    # A retry's max_queued_time is armed when its backoff begins (due after the retry).
+    qd = np.flatnonzero(((state == RowState.QUEUED) | (state == RowState.BACKOFF))
+                        & (st.a_queued_due[:n] != NEVER))
     parts.append((st.a_queued_due[qd], T_QUEUED, qd, st.a_attempt[qd].astype(np.int64)))
     bo = np.flatnonzero(state == RowState.BACKOFF)
     parts.append((st.a_retry_due[bo], T_RETRY, bo, st.a_attempt[bo].astype(np.int64)))
