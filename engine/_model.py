@@ -9,7 +9,7 @@ the pool footprint (replicas x per-pod vector) and its slots (replicas x concurr
 import hashlib
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 
 import numpy as np
@@ -326,8 +326,18 @@ def _compile(spec, aid, resources, queue_names, default_queue):
     timeouts = spec.timeouts
     if not isinstance(timeouts, Timeouts):
         raise SpecError(f"timeouts: {timeouts!r} is not a Timeouts")
-    for name in ("deadline", "max_queued_time", "max_runtime"):
-        _seconds(getattr(timeouts, name), f"timeouts.{name}")
+    bounds = {name: _seconds(getattr(timeouts, name), f"timeouts.{name}")
+              for name in ("deadline", "max_queued_time", "max_runtime")}
+    # Durations given as timedelta are stored as seconds, the unit the engine computes in.
+    if any(isinstance(getattr(timeouts, n), timedelta) for n in bounds):
+        spec = replace(spec, timeouts=Timeouts(**bounds))
+    if isinstance(retries.backoff_base, timedelta) or isinstance(retries.backoff_cap,
+                                                                 timedelta):
+        spec = replace(spec, retries=replace(
+            retries, backoff_base=_seconds(retries.backoff_base, "retries.backoff_base"),
+            backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap")))
+    if spec.reuse is not None and isinstance(spec.reuse.idle_ttl, timedelta):
+        spec = replace(spec, reuse=replace(spec.reuse, idle_ttl=float(idle)))
 
     mac = spec.run_max_action_concurrency
     if isinstance(mac, bool) or not isinstance(mac, int) or mac < 0 or mac == 1:

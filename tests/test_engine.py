@@ -335,3 +335,22 @@ def test_a_warm_pool_on_a_cluster_the_queue_no_longer_allows_is_waited_for_truth
     clock.advance(31)
     [second] = eng.tick()                          # the old pool idled out: a new one, west
     assert second.cluster == "west"
+
+
+def test_durations_given_as_timedelta_are_seconds_everywhere():
+    from datetime import timedelta
+
+    from engine import RetryPolicy, Timeouts
+    eng, clock = make_engine(config(), workers={})
+    slow = spec("r", "slow", timeouts=Timeouts(deadline=timedelta(seconds=5)),
+                retries=RetryPolicy(count=1, backoff_base=timedelta(seconds=2)))
+    pooled = spec("r", "pool", environment="env",
+                  reuse=ReusePolicy(idle_ttl=timedelta(minutes=1)))
+    eng.enqueue_many([slow, pooled])
+    assert eng.enqueue_many([slow, pooled]) == [eng._aid(0), eng._aid(1)]   # idempotent
+    stored = eng._record(slow.id).compiled.spec
+    assert stored.timeouts.deadline == 5.0 and stored.retries.backoff_base == 2.0
+    assert eng._record(pooled.id).compiled.spec.reuse.idle_ttl == 60.0
+    clock.advance(6)
+    eng.schedule()
+    assert eng.phase(slow.id) == Phase.TIMED_OUT
