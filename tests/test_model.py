@@ -120,7 +120,7 @@ def test_bad_specs_are_refused_naming_the_action_and_the_field(kw, message):
 
 def test_timedeltas_and_from_dict():
     c = compile_(timeouts=Timeouts(deadline=timedelta(hours=2)))
-    assert c.spec.timeouts.deadline == timedelta(hours=2)
+    assert c.spec.timeouts.deadline == 7200.0      # stored and computed in seconds
     spec = ActionSpec.from_dict({"id": "acme/proj/dev/r1/a1", "task": "t",
                                  "pods": [{"role": "w", "replicas": 2,
                                            "resources": {"gpu": "H100:4"}}],
