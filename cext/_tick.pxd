@@ -212,6 +212,9 @@ cdef class TickKernel:
     cdef void _live_unlink(self, i32 a) noexcept nogil
     cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil
     cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil
+    cdef Py_ssize_t _push_end(self, i32 a, Py_ssize_t n, i64 now, bint* overrun) noexcept nogil
+    cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n,
+                          i64 now) noexcept nogil
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
     cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil
     cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil

@@ -946,6 +946,49 @@ cdef class TickKernel:
         self._sift_down(0, n)
         return n
 
+    cdef inline Py_ssize_t _push_end(self, i32 a, Py_ssize_t n, i64 now,
+                                     bint* overrun) noexcept nogil:
+        # Live lease a into the scratch heap at slot n, keyed by its predicted end (a lease
+        # past it releases no earlier than now: if it was backfilled, that is an overrun).
+        cdef i64 key = self.a_pred_end[a]
+        if key < now:
+            if self.a_backfilled[a]:
+                overrun[0] = True
+            key = now
+        self.s_bf_key[n] = key
+        self.s_bf_row[n] = a
+        return n + 1
+
+    cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n,
+                          i64 now) noexcept nogil:
+        # The earliest time at which free plus the demand of the leases in the scratch heap
+        # s_bf_key/s_bf_row[:n] (predicted ends) released by then covers need; NEVER when
+        # unknown. free accumulates the releases (it ends as what is free at that time).
+        # A min-heap (O(n) to build) popped only until covered: the usual case needs a few
+        # releases out of many live leases, not a full sort.
+        cdef Py_ssize_t i, r
+        cdef i64 t
+        cdef i32 a
+        if covers(need, free, self.n_res):
+            return now
+        i = n // 2
+        while i > 0:
+            i -= 1
+            self._sift_down(i, n)
+        while n > 0:
+            t = self.s_bf_key[0]
+            if t == NEVER:
+                return NEVER
+            while n > 0 and self.s_bf_key[0] == t:
+                n = self._pop_end(n)
+                a = self.s_bf_row[n]
+                for r in range(self.n_res):
+                    if free[r] < UNLIMITED:
+                        free[r] += self.a_demand[a, r]
+            if covers(need, free, self.n_res):
+                return t
+        return NEVER
+
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
         # The shadow time of head h on cluster c: the earliest predicted time at which what
         # is free now plus what the live charged leases of c release covers h's demand.
@@ -954,44 +997,16 @@ cdef class TickKernel:
         # A lease past its predicted end still releases no earlier than now.
         cdef const i64* need = &self.a_demand[h, 0]
         cdef i64* free = &self.s_extra[c, 0]
-        cdef i64 shadow = NEVER, t, key
-        cdef Py_ssize_t n = 0, i = 0, r
+        cdef i64 shadow
+        cdef Py_ssize_t n = 0, r
         cdef bint overrun = False
         cdef i32 a = self.c_live[c]
         for r in range(self.n_res):
             free[r] = free_now[r]
         while a >= 0:
-            key = self.a_pred_end[a]
-            if key < now:
-                if self.a_backfilled[a]:
-                    overrun = True
-                key = now
-            self.s_bf_key[n] = key
-            self.s_bf_row[n] = a
-            n += 1
+            n = self._push_end(a, n, now, &overrun)
             a = self.a_lnext[a]
-        if covers(need, free, self.n_res):
-            shadow = now
-        else:
-            # A min-heap (O(n) to build) popped only until the head is covered: the usual
-            # case needs a few releases out of many live leases, not a full sort.
-            i = n // 2
-            while i > 0:
-                i -= 1
-                self._sift_down(i, n)
-            while n > 0:
-                t = self.s_bf_key[0]
-                if t == NEVER:
-                    break
-                while n > 0 and self.s_bf_key[0] == t:
-                    n = self._pop_end(n)
-                    a = self.s_bf_row[n]
-                    for r in range(self.n_res):
-                        if free[r] < UNLIMITED:
-                            free[r] += self.a_demand[a, r]
-                if covers(need, free, self.n_res):
-                    shadow = t
-                    break
+        shadow = self._first_cover(need, free, n, now)
         self.s_shadow[c] = shadow
         self.s_bf_gap[c] = shadow < NEVER and not overrun
         for r in range(self.n_res):
@@ -1035,8 +1050,8 @@ cdef class TickKernel:
         # lists; warm-pool footprints are not (counted as never released: later, not earlier).
         cdef const i64* need = &self.a_demand[h, 0]
         cdef i64* free = &self.s_bq_free[0]
-        cdef i64 shadow = NEVER, t, key
-        cdef Py_ssize_t n = 0, i = 0, r
+        cdef i64 shadow
+        cdef Py_ssize_t n = 0, r
         cdef bint overrun = False
         cdef int c
         cdef i32 a
@@ -1046,35 +1061,9 @@ cdef class TickKernel:
             a = self.c_live[c]
             while a >= 0:
                 if self.a_queue[a] == q:
-                    key = self.a_pred_end[a]
-                    if key < now:
-                        if self.a_backfilled[a]:
-                            overrun = True
-                        key = now
-                    self.s_bf_key[n] = key
-                    self.s_bf_row[n] = a
-                    n += 1
+                    n = self._push_end(a, n, now, &overrun)
                 a = self.a_lnext[a]
-        if covers(need, free, self.n_res):
-            shadow = now
-        else:
-            i = n // 2
-            while i > 0:
-                i -= 1
-                self._sift_down(i, n)
-            while n > 0:
-                t = self.s_bf_key[0]
-                if t == NEVER:
-                    break
-                while n > 0 and self.s_bf_key[0] == t:
-                    n = self._pop_end(n)
-                    a = self.s_bf_row[n]
-                    for r in range(self.n_res):
-                        if free[r] < UNLIMITED:
-                            free[r] += self.a_demand[a, r]
-                if covers(need, free, self.n_res):
-                    shadow = t
-                    break
+        shadow = self._first_cover(need, free, n, now)
         self.s_bq_gap[q] = shadow < NEVER and not overrun
         return shadow
 
