@@ -32,7 +32,7 @@ from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
 from engine._history import RuntimeHistory
 from engine._leases import Attempt, ErrorKind, TokenCodec
-from engine._model import ActionId, compile_spec
+from engine._model import ActionId, compile_spec, fit_problem
 from engine._records import (
     FINALIZE_DTYPE,
     LAYOUT_KEY,
@@ -877,21 +877,17 @@ class Engine:
         """Why action ``c`` can never run on cluster ``i`` (None if it could)."""
         res = self._resources
         cap = self._state.c_cap[i]
-        short = np.nonzero(c.demand > cap)[0]
-        if short.size:
-            r = int(short[0])
-            name = res.names[r]
-            return (f"cluster {self._clusters[i]} has {format_quantity(name, int(cap[r]))} "
-                    f"{name} in all, it needs {format_quantity(name, int(c.demand[r]))}")
-        shapes = self._shapes[i]
-        if shapes is None:
+        problem = fit_problem(c, cap, self._shapes[i])
+        if problem is None:
             return None
-        for p in range(c.pods.shape[0]):
-            if not (c.pods[p] <= shapes).all(axis=1).any():
-                role = c.spec.pods[p].role if c.spec.pods else "pod"
-                return (f"{role} ({res.describe(c.pods[p])}) fits no node shape of cluster "
-                        f"{self._clusters[i]}")
-        return None
+        kind, k = problem
+        if kind == "capacity":
+            name = res.names[k]
+            return (f"cluster {self._clusters[i]} has {format_quantity(name, int(cap[k]))} "
+                    f"{name} in all, it needs {format_quantity(name, int(c.demand[k]))}")
+        role = c.spec.pods[k].role if c.spec.pods else "pod"
+        return (f"{role} ({res.describe(c.pods[k])}) fits no node shape of cluster "
+                f"{self._clusters[i]}")
 
     # ------------------------------------------------------------------ the tick
 

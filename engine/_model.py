@@ -26,6 +26,7 @@ __all__ = [
     "ActionSpec",
     "CompiledAction",
     "compile_spec",
+    "fit_problem",
 ]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -347,6 +348,22 @@ def _compile(spec, aid, resources, queue_names, default_queue):
         id=aid, spec=spec, queue=queue, demand=demand, pods=pods, pod_counts=pod_counts,
         parent=parent, env_key=env_key, env_slots=env_slots, env_idle_ttl_ns=idle_ns,
     )
+
+
+def fit_problem(c, capacity, shapes):
+    """Why compiled action ``c`` can never run on a cluster of total ``capacity`` (int64[R];
+    None = unknown, unlimited) and node ``shapes`` ([S, R]; None = unknown, anything fits):
+    ``("capacity", r)`` for the first resource its total exceeds, ``("shape", p)`` for the
+    first pod group no shape holds, or None. Callers word the reason."""
+    if capacity is not None:
+        short = np.nonzero(c.demand > capacity)[0]
+        if short.size:
+            return "capacity", int(short[0])
+    if shapes is not None:
+        for p in range(c.pods.shape[0]):
+            if not (c.pods[p] <= shapes).all(axis=1).any():
+                return "shape", p
+    return None
 
 
 def _vector(resources, mapping, what):

@@ -26,7 +26,7 @@ from engine._clock import ManualClock
 from engine._config import GREEDY_CAPACITY, STRICT_FIFO
 from engine._engine import Engine
 from engine._errors import ResourceExhausted, SpecError
-from engine._model import ActionSpec, PodGroup, compile_spec
+from engine._model import ActionSpec, PodGroup, compile_spec, fit_problem
 from engine._trace import TraceError
 from engine._units import UNLIMITED, format_quantity
 from storage import MemoryStore
@@ -132,22 +132,19 @@ def _never_fits(config, c):
     reasons = []
     for name in q.clusters:
         cl = config.cluster(name)
-        if cl.capacity is not None:
-            short = np.nonzero(c.demand > cl.capacity)[0]
-            if short.size:
-                r = int(short[0])
-                rn = res.names[r]
-                reasons.append(f"cluster {name} has {rn}={format_quantity(rn, int(cl.capacity[r]))}"
-                               f" in all, it needs {format_quantity(rn, int(c.demand[r]))}")
-                continue
-        if cl.node_shapes:
-            shapes = np.stack([s.allocatable for s in cl.node_shapes])
-            bad = [p for p in range(c.pods.shape[0]) if not (c.pods[p] <= shapes).all(1).any()]
-            if bad:
-                reasons.append(f"a pod ({res.describe(c.pods[bad[0]])}) fits no node shape "
-                               f"of cluster {name}")
-                continue
-        return None
+        shapes = (np.stack([s.allocatable for s in cl.node_shapes]) if cl.node_shapes
+                  else None)
+        problem = fit_problem(c, cl.capacity, shapes)
+        if problem is None:
+            return None
+        kind, k = problem
+        if kind == "capacity":
+            rn = res.names[k]
+            reasons.append(f"cluster {name} has {rn}={format_quantity(rn, int(cl.capacity[k]))}"
+                           f" in all, it needs {format_quantity(rn, int(c.demand[k]))}")
+        else:
+            reasons.append(f"a pod ({res.describe(c.pods[k])}) fits no node shape "
+                           f"of cluster {name}")
     return "; ".join(reasons) or f"queue {q.name} may use no cluster"
 
 
