@@ -92,3 +92,9 @@ class LeaseKind(enum.IntEnum):
 
     RUN = 0
     FINALIZE = 1
+
+
+# Engine timer kinds (engine/_engine.py keeps a heap of (due_ns, seq, kind, row, ref); ref
+# detects a timer that no longer applies: the attempt number, or the lease generation).
+# Plain ints: reload (engine/_reload.py) stores them in a numpy column.
+T_DEADLINE, T_QUEUED, T_RETRY, T_RUNTIME, T_FINALIZE = range(5)

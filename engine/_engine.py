@@ -20,6 +20,11 @@ from cext._lease import validate
 from engine._clock import SystemClock
 from engine._codes import (
     RESOURCE_WAITS,
+    T_DEADLINE,
+    T_FINALIZE,
+    T_QUEUED,
+    T_RETRY,
+    T_RUNTIME,
     TERMINAL_PHASES,
     LeaseEnd,
     LeaseKind,
@@ -45,6 +50,7 @@ from engine._records import (
     name_hash,
     row_key,
 )
+from engine._reload import load
 from engine._state import NEVER, State
 from engine._units import format_quantity
 from storage import (
@@ -57,9 +63,6 @@ from storage import (
     partition_of,
 )
 
-# Timer kinds (a heap of (due_ns, seq, kind, row, ref); ref detects a timer that no longer
-# applies: the attempt number, or the lease generation).
-T_DEADLINE, T_QUEUED, T_RETRY, T_RUNTIME, T_FINALIZE = range(5)
 LIVE_STATES = (RowState.SENT, RowState.RUNNING)
 _FINALIZE = int(LeaseKind.FINALIZE)
 # The durable column of each action timer (reload rebuilds the timers from them).
@@ -222,7 +225,6 @@ class Engine:
         self.history = RuntimeHistory()
         self._tasks = {}                # task name -> task row
         self._task_names = []           # task row -> task name
-        self._history_dirty = set()     # tasks whose history record the turn writes
         for i, cluster in enumerate(self.config.clusters):
             if cluster.capacity is not None:
                 st.c_cap[i] = cluster.capacity
@@ -464,7 +466,6 @@ class Engine:
         self._clear_dirty()
 
     def _load(self):
-        from engine._reload import load
         load(self)
 
     def _encode(self):

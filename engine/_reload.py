@@ -10,23 +10,27 @@ are decoded on first use of a row.
 
 import os
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import numpy as np
 
-from engine._codes import LeaseEnd, LeaseKind, RowState
+from engine._codes import (
+    T_DEADLINE,
+    T_FINALIZE,
+    T_QUEUED,
+    T_RETRY,
+    T_RUNTIME,
+    LeaseEnd,
+    LeaseKind,
+    RowState,
+)
 from engine._errors import ConfigError
 from engine._records import FINALIZE_DTYPE
 from engine._state import NEVER
 from storage import CorruptRecord, LmdbStore, scan_parallel
 
 __all__ = ["load"]
-
-# Timer kinds, as in engine._engine.
-T_DEADLINE, T_QUEUED, T_RETRY, T_RUNTIME, T_FINALIZE = range(5)
-
 
 def _unpack(part, db, key, raw):
     try:
@@ -424,8 +428,3 @@ def _restore_timers(eng, n):
     order = np.argsort(due, kind="stable")
     eng._restored_timers = (due[order], kind[order], row[order], ref[order])
     eng._rt_pos = 0
-
-
-def now_wall_ns():
-    """Wall-clock ns for ownership claims (judged by other processes)."""
-    return time.time_ns()
