@@ -428,15 +428,15 @@ class Engine:
             try:
                 store.commit(batch)
                 break
-            except StoreFull as exc:
+            except StoreFull:
                 grow = getattr(store, "resize", None)
                 size = getattr(store, "map_size", None)
                 limit = self.config.storage.max_map_size
-                if grow is not None and size is not None and size * 2 <= limit:
-                    grow(size * 2)       # nothing was applied: retry the same group
+                if grow is not None and size is not None and size < limit:
+                    grow(min(size * 2, limit))   # nothing was applied: retry the group
                     continue
                 self._restore()
-                raise StoreFull(exc.partition, exc.map_size) from None
+                raise
             except OwnershipError as exc:
                 self._stopped = f"ownership lost: {exc}"
                 raise

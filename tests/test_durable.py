@@ -387,6 +387,23 @@ def test_a_full_map_grows_up_to_max_map_size(tmp_path):
     eng.close()
 
 
+def test_a_full_map_grows_to_a_max_below_twice_its_size(tmp_path):
+    # Doubling would pass the maximum: the map grows to the maximum itself.
+    cfg = {**CONFIG, "storage": {"path": str(tmp_path / "s"), "partitions": 1,
+                                 "map_size": "1Mi", "max_map_size": "1536Ki"}}
+    cfg["queues"] = {**CONFIG["queues"], "cpu": {"depth": 100000}}
+    eng = Engine(parse_config(cfg), clock=ManualClock())
+    grown = False
+    for k in range(30):
+        try:
+            eng.enqueue_many([spec(k * 100 + i, run=f"r{k}") for i in range(100)])
+        except StoreFull:
+            break
+        grown = grown or eng._store.map_size == 1536 << 10
+    assert grown and eng._store.map_size == 1536 << 10
+    eng.close()
+
+
 def test_corrupt_or_foreign_records_stop_the_reload_naming_partition_and_key():
     store = MemoryStore(4)
     eng, clock = open_engine(store)
