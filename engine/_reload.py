@@ -328,15 +328,17 @@ def _rebuild(eng, n, now):
     if pooled.any():
         ne = st.n_envs
         st.e_adm[:ne] = np.bincount(e[pooled], minlength=ne)[:ne].astype(np.uint64)
-        for env in np.flatnonzero(st.e_adm[:ne] > 0):
-            cl = int(c[pooled][np.flatnonzero(e[pooled] == env)[0]])
-            st.e_cluster[env] = cl
-            st.e_gen[env] = 1
-            st.e_released_gen[env] = 0
-            st.e_last_active[env] = now
-            st.q_res_adm[st.e_queue[env]] += st.e_footprint[env].astype(np.uint64)
-            st.c_adm[cl] += st.e_footprint[env].astype(np.uint64)
-            pools += 1
+        # A live pool runs where its leases run: one vectorised pass, not a scan per pool.
+        envs, first = np.unique(e[pooled], return_index=True)
+        clusters = c[pooled][first]
+        st.e_cluster[envs] = clusters
+        st.e_gen[envs] = 1
+        st.e_released_gen[envs] = 0
+        st.e_last_active[envs] = now
+        footprint = st.e_footprint[envs].astype(np.uint64)
+        np.add.at(st.q_res_adm, st.e_queue[envs], footprint)
+        np.add.at(st.c_adm, clusters, footprint)
+        pools = int(envs.size)
     st.a_expiry[live] = now + ttl        # a fresh window: reconnecting workers validate
 
     # Finalize leases: holders, worker slots, pending list, fresh windows.
