@@ -137,13 +137,17 @@ def parse_jsonl(lines, source="<trace>"):
     return Trace(source=source, jobs=_sort(jobs))
 
 
+def _known_keys(obj, allowed, where):
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise TraceError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                         f"allowed: {', '.join(allowed)}")
+
+
 def _jsonl_job(obj, where, lineno):
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: a job must be a JSON object, not {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(_JSONL_KEYS))
-    if unknown:
-        raise TraceError(f"{where}: unknown key(s) {', '.join(unknown)}; "
-                         f"allowed: {', '.join(_JSONL_KEYS)}")
+    _known_keys(obj, _JSONL_KEYS, where)
     for key in ("submit", "runtime"):
         if key not in obj:
             raise TraceError(f"{where}: {key}: missing (seconds, a number)")
@@ -168,10 +172,7 @@ def _jsonl_job(obj, where, lineno):
             what = f"{where}: pods[{i}]"
             if not isinstance(group, dict):
                 raise TraceError(f"{what}: {group!r} is not an object {{count, resources}}")
-            bad = sorted(set(group) - set(_POD_KEYS))
-            if bad:
-                raise TraceError(f"{what}: unknown key(s) {', '.join(bad)}; "
-                                 f"allowed: count, resources")
+            _known_keys(group, _POD_KEYS, what)
             count = group.get("count", 1)
             if (isinstance(count, bool) or not isinstance(count, int)
                     or not 1 <= count <= _MAX_POD_COUNT):
