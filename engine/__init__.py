@@ -3,12 +3,19 @@
 from engine._clock import ManualClock, SystemClock
 from engine._codes import Phase, WaitCode
 from engine._config import Config, QueueConfig, load_config, parse_config
-from engine._engine import AlreadyExists, Assignment, Engine, Explanation
+from engine._engine import AlreadyExists, Assignment, Engine, Explanation, Group, Refusal
 from engine._errors import ConfigError, LeaseholdError, NotFound, ResourceExhausted, SpecError
+from engine._inspect import ActionRecord, DispatchEntry, Inspection, PendingTimer
 from engine._model import ActionId, ActionSpec, PodGroup, RetryPolicy, ReusePolicy, Timeouts
 
 __all__ = [
     "ActionId",
+    "ActionRecord",
+    "DispatchEntry",
+    "Group",
+    "Inspection",
+    "PendingTimer",
+    "Refusal",
     "ActionSpec",
     "AlreadyExists",
     "Assignment",

@@ -5,6 +5,7 @@ scheduling. Python keeps the edges (names to rows, specs, history); the arrays a
 keep the decision state. Time comes from an injectable clock.
 """
 
+import collections
 import contextlib
 import heapq
 import itertools
@@ -36,6 +37,7 @@ from engine._codes import (
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
 from engine._history import RuntimeHistory
+from engine._inspect import Inspection
 from engine._leases import Attempt, ErrorKind, TokenCodec
 from engine._model import ActionId, compile_spec, fit_problem
 from engine._records import (
@@ -70,7 +72,8 @@ _DUE_COLUMNS = {T_DEADLINE: "a_deadline_due", T_QUEUED: "a_queued_due", T_RETRY:
                 T_RUNTIME: "a_runtime_due"}
 BOUNDS = ("deadline", "max_queued_time", "max_runtime")
 
-__all__ = ["Engine", "Assignment", "Explanation", "AlreadyExists", "Refusal"]
+__all__ = ["Engine", "Assignment", "Explanation", "AlreadyExists", "Refusal", "Group",
+           "kernel_pass"]
 
 
 class AlreadyExists(SpecError):
@@ -140,6 +143,31 @@ class _Action:
         return self.attempts[-1]
 
 
+class Group:
+    """One deferred loop turn (:meth:`Engine.decide`, :meth:`Engine.deferred_turn`): its
+    encoded store group, waiting for :meth:`Engine.commit`. ``state`` is ``"open"`` while
+    its turn runs, then ``"pending"``, then ``"committed"`` or ``"discarded"`` (an earlier
+    or its own commit failed: nothing of it may be acted on)."""
+
+    __slots__ = ("seq", "state", "batch", "dispatch_tail", "placed")
+
+    def __init__(self, seq):
+        self.seq = seq
+        self.state = "open"
+        self.batch = None
+        self.dispatch_tail = 0
+        self.placed = 0
+
+    def __repr__(self):
+        return f"Group({self.seq}, {self.state}, placed={self.placed})"
+
+
+def kernel_pass(kernel, now):
+    """The Cython tick alone: a function of its own so that a profile or an allocation
+    trace can attribute what the kernel call itself costs."""
+    return kernel.run(now)
+
+
 def _pristine(rec):
     """True while an action is exactly as enqueued (one untouched attempt, still queued)."""
     if (rec.phase != Phase.QUEUED or len(rec.attempts) != 1 or rec.message
@@ -155,7 +183,9 @@ class Engine:
 
     ``config`` is a :class:`~engine._config.Config` or a path to a TOML file; ``clock`` any
     object with ``now_ns()`` (default: wall clock); ``secret`` the shard's 16-byte token key
-    (random when not given; storage persists it so tokens survive a restart).
+    (random when not given; storage persists it so tokens survive a restart); ``store`` a
+    :class:`~storage.Store` (default: the config's LMDB store); ``wall_clock`` any object
+    with ``time_ns()`` for the partition claims (default: :mod:`time`).
 
     Guarantees: assignment is at-most-once (only the holder of a lease's current generation
     can heartbeat or report it); execution is at-least-once (after an expiry or a partition an
@@ -163,11 +193,13 @@ class Engine:
     generation into external writes).
     """
 
-    def __init__(self, config, *, clock=None, secret=None, store=None):
+    def __init__(self, config, *, clock=None, secret=None, store=None, wall_clock=None):
         if not isinstance(config, Config):
             config = load_config(config)
         self.config = config
         self.clock = clock or SystemClock()
+        # Wall time for the partition claims, which other processes judge (``time_ns()``).
+        self._wall = wall_clock or time
         res = config.resources
         self._resources = res
         self._clusters = [c.name for c in config.clusters]
@@ -189,10 +221,15 @@ class Engine:
         self._stopped = None        # why the shard stopped (lost ownership), or None
         self._tenant_parts = {}     # tenant -> partition (a cache of partition_of)
         self._depth = 0             # nesting of transitions in the current loop turn
-        self._store.open(config.storage.shard, time.time_ns())
+        self._deferring = False     # the current turn is deferred (decide / deferred_turn)
+        self._pending = collections.deque()   # deferred groups not committed yet, in order
+        self._pending_batch = None  # the batch a deferred turn just encoded
+        self._group_seq = itertools.count(1)
+        self._committed_tail = 0    # dispatch ring position up to which decisions are durable
+        self._store.open(config.storage.shard, self._wall.time_ns())
         # Claims are renewed from the loop (schedule) well within their ttl (wall clock:
         # they are judged by other processes).
-        self._next_renew_ns = time.time_ns() + self._store.claim_ttl_ns // 3
+        self._next_renew_ns = self._wall.time_ns() + self._store.claim_ttl_ns // 3
         try:
             self._codec = TokenCodec(self._load_meta(secret))
             self._load()
@@ -395,9 +432,74 @@ class Engine:
             yield self
 
     @contextlib.contextmanager
+    def deferred_turn(self):
+        """A loop turn whose commit is left to the caller: the block's transitions are
+        applied in memory and encoded, when it exits, into a :class:`Group` (yielded at
+        entry, filled at exit) to pass to :meth:`commit`. Nothing done inside is durable,
+        nor may it be acknowledged, until that commit returns; decisions it makes stay in
+        the dispatch channel until then. Several groups may be pending (decide turn N+1
+        while turn N syncs); they commit in order. While any is pending only deferred
+        turns may run."""
+        if self._depth:
+            raise StoreError("a deferred turn cannot be nested in another turn")
+        group = Group(next(self._group_seq))
+        self._deferring = True
+        try:
+            with self._turn():
+                yield group
+        finally:
+            self._deferring = False
+        if self._stopped is None and group.state == "open":
+            group.batch = self._pending_batch
+            group.dispatch_tail = self._kernel.d_tail
+            group.state = "pending"
+            self._pending_batch = None
+            self._pending.append(group)
+
+    def decide(self):
+        """One tick's decision without its commit (:meth:`schedule` is ``decide`` then
+        :meth:`commit`): fire due timers, expire leases whose heartbeats stopped, run the
+        Cython tick. Returns the pending :class:`Group`; its ``placed`` is the number of
+        assignments, which reach the dispatch channel's drainable end once it is
+        committed."""
+        with self.deferred_turn() as group:
+            group.placed = self._decide_body()
+        return group
+
+    def commit(self, group):
+        """Make a pending :class:`Group` durable (groups commit in the order they were
+        decided). On failure memory is restored to what the store holds, which discards
+        this group and every later pending one (their state becomes ``"discarded"``), and
+        the error is raised: nothing of them may be acted on."""
+        if group.state != "pending":
+            raise StoreError(f"group {group.seq} is {group.state}, not pending")
+        if self._pending[0] is not group:
+            raise StoreError(f"group {group.seq} commits after group {self._pending[0].seq}")
+        try:
+            self._write(group.batch)
+        except BaseException:
+            for g in self._pending:
+                g.state = "discarded"
+                g.batch = None
+            self._pending.clear()
+            raise
+        self._pending.popleft()
+        group.state = "committed"
+        group.batch = None
+        self._committed_tail = group.dispatch_tail
+
+    @property
+    def pending_groups(self):
+        """Deferred groups decided but not committed yet, oldest first."""
+        return tuple(self._pending)
+
+    @contextlib.contextmanager
     def _turn(self):
         if self._stopped is not None:
             raise StoreError(f"shard stopped: {self._stopped}")
+        if self._depth == 0 and self._pending and not self._deferring:
+            raise StoreError(f"{len(self._pending)} decided group(s) not committed yet: "
+                             f"commit them before another turn")
         self._depth += 1
         ok = False
         try:
@@ -406,10 +508,18 @@ class Engine:
         finally:
             self._depth -= 1
             if self._depth == 0:
-                if ok:
+                if ok and self._deferring:
+                    self._pending_batch = self._encode() if self._has_dirty() else {}
+                    self._clear_dirty()
+                elif ok:
                     self._commit()
                 elif self._has_dirty():
-                    # An error after memory changed: put memory back to what disk holds.
+                    # An error after memory changed: put memory back to what disk holds
+                    # (which also discards every pending deferred group).
+                    for g in self._pending:
+                        g.state = "discarded"
+                        g.batch = None
+                    self._pending.clear()
                     self._restore()
 
     def _has_dirty(self):
@@ -420,9 +530,15 @@ class Engine:
         self._dirty.add(row)
 
     def _commit(self):
-        if not self._has_dirty():
+        if self._has_dirty():
+            self._write(self._encode())
+        self._committed_tail = self._kernel.d_tail
+
+    def _write(self, batch):
+        """Commit one encoded group; on failure restore memory := disk and raise."""
+        if not batch:
+            self._clear_dirty()
             return
-        batch = self._encode()
         store = self._store
         while True:
             try:
@@ -443,7 +559,7 @@ class Engine:
             except StoreFailed:
                 # Unknown outcome: reopen (finishes or discards the group) and reload.
                 store.close()
-                store.open(self.config.storage.shard, time.time_ns())
+                store.open(self.config.storage.shard, self._wall.time_ns())
                 self._restore()
                 raise
             except BaseException:
@@ -467,6 +583,7 @@ class Engine:
 
     def _load(self):
         load(self)
+        self._committed_tail = self._kernel.d_tail   # restored decisions are durable
 
     def _encode(self):
         """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
@@ -531,7 +648,7 @@ class Engine:
         """Renew the shard's partition claims (call well within ``storage.claim_ttl``);
         ``OwnershipError`` means another shard took over: this one must stop."""
         try:
-            now = time.time_ns()
+            now = self._wall.time_ns()
             out = self._store.renew(now)
             self._next_renew_ns = now + self._store.claim_ttl_ns // 3
             return out
@@ -898,30 +1015,33 @@ class Engine:
         Every decision is durable (one group commit) before this returns; assignments then
         wait in the dispatch channel (:meth:`drain_dispatch`). Actions that can never fit
         end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
-        wall = time.time_ns()
+        with self._turn():
+            return self._decide_body()
+
+    def _decide_body(self):
+        wall = self._wall.time_ns()
         if wall >= self._next_renew_ns:
             self.renew()
-        with self._turn():
-            now = self.clock.now_ns()
-            self._fire_timers(now)
-            if now >= self._next_sweep_ns:
-                for lease in self.expired_leases():
-                    self.expire(lease)
-                self._next_sweep_ns = now + self._sweep_period_ns
-            kernel = self._kernel
-            st = self._state
-            before = kernel.d_tail
-            placed = kernel.run(now)
-            if kernel.d_tail > before:
-                # The rows this tick decided (fixed records only: the edges did not change).
-                slots = np.arange(before, kernel.d_tail) % st.d_action.shape[0]
-                rows, kinds = st.d_action[slots], st.d_kind[slots]
-                fin = kinds == _FINALIZE
-                self._dirty_fixed.update(rows[~fin].tolist())
-                if fin.any():
-                    self._dirty_fz.update(rows[fin].tolist())
-            for i in range(kernel.f_count):
-                self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
+        now = self.clock.now_ns()
+        self._fire_timers(now)
+        if now >= self._next_sweep_ns:
+            for lease in self.expired_leases():
+                self.expire(lease)
+            self._next_sweep_ns = now + self._sweep_period_ns
+        kernel = self._kernel
+        st = self._state
+        before = kernel.d_tail
+        placed = kernel_pass(kernel, now)
+        if kernel.d_tail > before:
+            # The rows this tick decided (fixed records only: the edges did not change).
+            slots = np.arange(before, kernel.d_tail) % st.d_action.shape[0]
+            rows, kinds = st.d_action[slots], st.d_kind[slots]
+            fin = kinds == _FINALIZE
+            self._dirty_fixed.update(rows[~fin].tolist())
+            if fin.any():
+                self._dirty_fz.update(rows[fin].tolist())
+        for i in range(kernel.f_count):
+            self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
         return placed
 
     def drain_dispatch(self, limit=None):
@@ -935,7 +1055,8 @@ class Engine:
 
     def _drain(self, limit):
         k, st = self._kernel, self._state
-        n = k.d_tail - k.d_head
+        # A deferred turn hands out only what committed groups decided.
+        n = (self._committed_tail if self._deferring else k.d_tail) - k.d_head
         if limit is not None:
             n = min(n, limit)
         cap = st.d_action.shape[0]
@@ -1688,6 +1809,16 @@ class Engine:
         st = self._state
         used = (st.c_adm[c] - st.c_rel[c]).astype(np.int64)
         return {n: int(v) for n, v in zip(self._resources.names, used, strict=True)}
+
+    def inspect(self):
+        """A read-only :class:`~engine.Inspection` of this engine's state (arrays, counters,
+        timers, the dispatch channel, the edges of a row), for tests, benches and metrics."""
+        return Inspection(self)
+
+    @property
+    def store(self):
+        """The :class:`~storage.Store` this engine writes through."""
+        return self._store
 
     @property
     def resources(self):

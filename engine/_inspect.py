@@ -1,0 +1,271 @@
+"""A read-only, documented view of one engine's state: for tests, benches and the metrics
+reader. Nothing here changes the engine; arrays come back as read-only views, mappings and
+lists as copies. ``Engine.inspect()`` returns one; it stays valid for the engine's life (it
+reads the current arrays on every call, so a table growth or a reload is seen at once).
+
+Row numbers are the engine's own (an action's row, a finalize row, a worker session row);
+names of columns are the kernel's (``a_state``, ``q_adm``, ``c_cap``, ... in
+:mod:`engine._state`).
+"""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engine._codes import LeaseKind, Phase
+from engine._model import ActionId
+
+__all__ = ["Inspection", "ActionRecord", "DispatchEntry", "PendingTimer"]
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """The Python edges of one action row: its id, outcome and attempt history (copies)."""
+
+    row: int
+    action: object            # ActionId
+    phase: Phase
+    message: str
+    error_kind: str | None
+    cause: str | None
+    attempts: tuple           # Attempt copies, oldest first
+    user_retries: int
+    system_retries: int
+    spec: object              # the ActionSpec as stored
+
+
+@dataclass(frozen=True)
+class DispatchEntry:
+    """One decision waiting in the dispatch channel (not handed out yet)."""
+
+    kind: LeaseKind
+    row: int                  # action row (run) or finalize row (finalize)
+    generation: int
+    cluster: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class PendingTimer:
+    """A timer that has not fired yet (it may find its row moved on when it does)."""
+
+    due_ns: int
+    kind: int                 # engine._codes.T_*
+    row: int
+    ref: int
+
+
+class _ReadOnlyArrays:
+    """Attribute access to the shard's arrays, each a read-only view."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state):
+        object.__setattr__(self, "_state", state)
+
+    def __getattr__(self, name):
+        value = getattr(object.__getattribute__(self, "_state"), name)
+        if isinstance(value, np.ndarray):
+            view = value.view()
+            view.flags.writeable = False
+            return view
+        if isinstance(value, (dict, list, set)):
+            raise AttributeError(f"{name} is not an array")
+        return value
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"inspection is read-only: cannot set {name}")
+
+    def names(self):
+        """Names of every array of the shard."""
+        st = object.__getattribute__(self, "_state")
+        return sorted(k for k, v in vars(st).items() if isinstance(v, np.ndarray))
+
+    def copy(self):
+        """A copy of every array, by name."""
+        st = object.__getattribute__(self, "_state")
+        return {k: v.copy() for k, v in vars(st).items() if isinstance(v, np.ndarray)}
+
+
+class Inspection:
+    """Read-only view of an :class:`~engine.Engine` (``engine.inspect()``)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    # ----------------------------------------------------------------- arrays and sizes
+
+    @property
+    def arrays(self):
+        """The decision arrays by kernel name (read-only views; tables at their allocated
+        size: rows past :attr:`action_rows` etc. are unused)."""
+        return _ReadOnlyArrays(self._engine._state)
+
+    @property
+    def action_rows(self):
+        """Action rows in use (row numbers below this are actions, ended or not)."""
+        return self._engine._next_row
+
+    @property
+    def finalize_rows(self):
+        """Finalize lease rows in use."""
+        return self._engine._n_finalize
+
+    @property
+    def worker_sessions(self):
+        """Worker session rows in use (one per registration)."""
+        return self._engine._state.n_workers
+
+    @property
+    def env_rows(self):
+        """Environment (warm pool) rows in use."""
+        return self._engine._state.n_envs
+
+    @property
+    def tick_no(self):
+        """Ticks run so far (the kernel's counter)."""
+        return self._engine._kernel.tick_no
+
+    @property
+    def dispatch_head(self):
+        """Position of the oldest undrained entry of the dispatch ring (monotonic)."""
+        return self._engine._kernel.d_head
+
+    @property
+    def dispatch_tail(self):
+        """Position after the newest entry of the dispatch ring (monotonic)."""
+        return self._engine._kernel.d_tail
+
+    @property
+    def dispatch_capacity(self):
+        """Slots of the dispatch ring."""
+        return int(self._engine._state.d_action.shape[0])
+
+    @property
+    def unschedulable_count(self):
+        """Actions the last tick found can never fit (failed after the kernel)."""
+        return self._engine._kernel.f_count
+
+    # ----------------------------------------------------------------- channel and timers
+
+    def dispatch(self):
+        """The entries of the dispatch ring not drained yet, oldest first (including ones
+        whose lease ended since: the drain drops those)."""
+        e = self._engine
+        st, k = e._state, e._kernel
+        cap = st.d_action.shape[0]
+        out = []
+        for j in range(k.d_head, k.d_tail):
+            slot = j % cap
+            out.append(DispatchEntry(LeaseKind(int(st.d_kind[slot])), int(st.d_action[slot]),
+                                     int(st.d_gen[slot]), int(st.d_cluster[slot]),
+                                     e._worker_names[int(st.d_worker[slot])]))
+        return out
+
+    def timers(self):
+        """Every timer not fired yet, by due time: set since the load and restored."""
+        e = self._engine
+        items = [PendingTimer(t[0], t[2], t[3], t[4]) for t in e._timers]
+        rt = e._restored_timers
+        if rt is not None:
+            items += [PendingTimer(int(rt[0][i]), int(rt[1][i]), int(rt[2][i]), int(rt[3][i]))
+                      for i in range(e._rt_pos, rt[0].size)]
+        items.sort(key=lambda t: (t.due_ns, t.kind, t.row, t.ref))
+        return items
+
+    # ----------------------------------------------------------------- rows and edges
+
+    def find(self, action):
+        """The row of ``action`` (an ActionId or its string), or None."""
+        return self._engine._lookup(ActionId.parse(action))
+
+    def row_of(self, action):
+        """The row of ``action``; ``NotFound`` if it does not exist."""
+        return self._engine._row_of(action)
+
+    def record(self, row):
+        """The :class:`ActionRecord` of action ``row`` (read from the store on first use
+        after a load)."""
+        rec = self._engine._rec(int(row))
+        return ActionRecord(
+            row=rec.row, action=rec.compiled.id, phase=rec.phase, message=rec.message,
+            error_kind=rec.error_kind, cause=rec.cause,
+            attempts=tuple(replace(a) for a in rec.attempts),
+            user_retries=rec.user_retries, system_retries=rec.system_retries,
+            spec=rec.compiled.spec)
+
+    def action_at(self, row):
+        """The ActionId of action ``row``."""
+        return self._engine._aid(int(row))
+
+    def parent(self, row):
+        """The parent row of action ``row``, or -1."""
+        return int(self._engine._state.a_parent[row])
+
+    def children(self, row):
+        """Rows whose parent is action ``row``, ascending."""
+        st, n = self._engine._state, self._engine._next_row
+        return np.flatnonzero(st.a_parent[:n] == row).tolist()
+
+    def worker_sessions_by_id(self):
+        """Worker id -> its current session row."""
+        return dict(self._engine._workers)
+
+    def worker_at(self, session):
+        """The worker id of session row ``session``."""
+        return self._engine._worker_names[int(session)]
+
+    def runs(self):
+        """Run key -> run row."""
+        return dict(self._engine._runs)
+
+    def run_keys(self):
+        """Run keys by run row."""
+        return list(self._engine._run_keys)
+
+    def qruns(self):
+        """(queue index, run row) -> (queue, run) pair row."""
+        return dict(self._engine._qruns)
+
+    def tasks(self):
+        """Task names by task row (runtime history is per task)."""
+        return list(self._engine._task_names)
+
+    def queue_index(self, name):
+        """The index of queue ``name`` in the arrays (``q_*`` columns)."""
+        return self._engine._queue_index[name]
+
+    def queue(self, name):
+        """The live config of queue ``name`` (the file's table plus live changes)."""
+        return self._engine._queues[name]
+
+    def queue_changes(self):
+        """Live queue changes as persisted: queue name -> changed keys."""
+        return {k: dict(v) for k, v in self._engine._queue_changes.items()}
+
+    # ----------------------------------------------------------------- derived figures
+
+    def cluster_free(self, cluster):
+        """The gate's free vector of cluster index ``cluster`` (capacity less in flight,
+        capped by what its workers report)."""
+        return np.array(self._engine._kernel.cluster_free(int(cluster)), dtype=np.int64)
+
+    def head_eta(self, row):
+        """The shadow time of a blocked head ``row`` from the current state (None unknown)."""
+        return self._engine._head_eta(int(row))
+
+    def position(self, row):
+        """1-based place of queued action ``row`` among its queue's queued actions."""
+        return self._engine._position(int(row))
+
+    def live_lists(self):
+        """Per cluster: the rows of its live charged leases (the backfill shadow lists)."""
+        st = self._engine._state
+        out = []
+        for c in range(st.n_clusters):
+            rows, r = [], int(st.c_live[c])
+            while r >= 0:
+                rows.append(r)
+                r = int(st.a_lnext[r])
+            out.append(rows)
+        return out
