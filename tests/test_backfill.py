@@ -20,16 +20,21 @@ T100 = EDGES[62]    # ~ 56 s
 T500 = EDGES[70]    # ~ 311 s
 
 
-def config(backfill=True, nodes=1, **queue):
+def config(backfill=True, nodes=1, bf_max_candidates=64, **queue):
     return {
         "resources": ["cpu", "memory", "gpu:H100"],
         "clusters": {"east": {"node_shapes": [{"name": "h100", "count": nodes,
                                                "allocatable": NODE}]}},
         "queues": {"gpu": {"scheduling": "STRICT_FIFO", "backfill": backfill, **queue}},
         # Leases outlive every runtime here without heartbeats (the tests drive no workers).
-        "engine": {"default_queue": "gpu", "backfill_max_candidates": 64,
+        "engine": {"default_queue": "gpu", "backfill_max_candidates": bf_max_candidates,
                    "heartbeat_interval": 1e7},
     }
+
+
+def _task(eng, action):
+    view = eng.inspect()
+    return view.record(view.row_of(action)).spec.task
 
 
 def act(run, task, name="a", **kw):
@@ -99,7 +104,7 @@ def _seed_example(backfill):
         for a in eng.tick():
             eng.mark_running(a.action, a.generation)
             started[a.action.run] = now
-            rt = {"etl": T10, "train": T500}[eng._record(a.action).compiled.spec.task]
+            rt = {"etl": T10, "train": T500}[_task(eng, a.action)]
             live[a.action.run] = (a, now + rt)
         due = min(end for _a, end in live.values())
         clock.set_ns(due)
@@ -295,7 +300,7 @@ def test_history_records_successes_only():
     assert 3 <= eng.predicted_runtime("etl") < 3 * 1.25
     # The history is durable: a restart on the same store predicts the same.
     predicted = eng.predicted_runtime("etl")
-    store = eng._store
+    store = eng.store
     eng.close()
     again = Engine(eng.config, clock=clock,
                    store=MemoryStore(store.partitions, backing=store.backing))
@@ -353,7 +358,7 @@ def simulate(jobs, runtimes, backfill, budget=None):
         for a in eng.tick():
             eng.mark_running(a.action, a.generation)
             starts[a.action.run] = now
-            task = eng._record(a.action).compiled.spec.task
+            task = _task(eng, a.action)
             seq += 1
             heapq.heappush(events, (now + runtimes[task], 0, seq, (a.action, a.generation)))
         blocked = eng.queue_metrics("gpu")["head_blocked"]
@@ -393,31 +398,25 @@ def _never_delays(raw, edges, budget):
         assert starts_on[head_off] <= starts_off[head_off]
 
 def _live_lists(eng):
-    st = eng._state
-    out = []
-    for c in range(st.n_clusters):
-        rows, a = set(), int(st.c_live[c])
-        while a >= 0:
-            rows.add(a)
-            a = int(st.a_lnext[a])
-        out.append(rows)
-    return out
+    return [set(rows) for rows in eng.inspect().live_lists()]
 
 
 def test_live_lists_follow_assignments_and_releases_and_can_be_rebuilt():
     eng, clock = make_engine(config(nodes=2))
     placed = start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(6)])
-    rows = {eng._row_of(a.action) for a in placed}
+    view = eng.inspect()
+    rows = {view.row_of(a.action) for a in placed}
     assert _live_lists(eng) == [rows]
     eng.complete(placed[0].action, placed[0].generation)
     eng.abort(placed[1].action)
-    rows -= {eng._row_of(a.action) for a in placed[:2]}
+    rows -= {view.row_of(a.action) for a in placed[:2]}
     assert _live_lists(eng) == [rows]
-    st = eng._state
-    st.c_live[:] = -1                            # as after a reload: derived state lost
-    st.a_lnext[:] = -1
-    eng._kernel.relink_live(eng._next_row)
-    assert _live_lists(eng) == [rows]
+    # The lists are derived state: a restart on the same store rebuilds them.
+    store = eng.store
+    eng.close()
+    again = Engine(eng.config, clock=clock,
+                   store=MemoryStore(store.partitions, backing=store.backing))
+    assert _live_lists(again) == [rows]
 
 
 def test_eta_is_given_to_strict_heads_only_and_without_backfill_too():
@@ -440,17 +439,18 @@ def test_backfill_state_survives_a_restart():
     eng, clock = _gap_setup()
     eng.enqueue(gpus("q", "quick", 2))
     assert runs(eng.tick()) == ["q"]
-    st = eng._state
-    before = {name: getattr(st, name)[:eng._next_row].copy()
+    view = eng.inspect()
+    before = {name: getattr(view.arrays, name)[:view.action_rows].copy()
               for name in ("a_task", "a_pred_end", "a_backfilled")}
     assert before["a_backfilled"].sum() == 1
     eta = eng.explain("acme/ml/prod/g/a").eta_ns
-    store = eng._store
+    store = eng.store
     eng.close()
     again = Engine(eng.config, clock=clock,
                    store=MemoryStore(store.partitions, backing=store.backing))
+    view = again.inspect()
     for name, values in before.items():
-        assert (getattr(again._state, name)[:again._next_row] == values).all(), name
+        assert (getattr(view.arrays, name)[:view.action_rows] == values).all(), name
     assert again.predicted_runtime("quick") == T10 / S
     again.register_worker("w-east", "east", 1000)
     assert again.tick() == []
@@ -465,11 +465,12 @@ def test_backfill_state_survives_a_restart():
 # Behind a head blocked by its queue's budget (rule (a) only)
 
 
-def _budget_setup(backfill=True):
+def _budget_setup(backfill=True, bf_max_candidates=64):
     """Two nodes (16 GPUs) but a queue budget of 8 GPUs: two 2-GPU actions run (history
     T100), an 8-GPU head waits for the budget, not for the cluster: its budget shadow time is
     T100, when both have ended."""
     eng, clock = make_engine(config(backfill=backfill, nodes=2,
+                                    bf_max_candidates=bf_max_candidates,
                                     max_resources={"gpu:H100": 8}))
     warm(eng, small=T100, quick=T10, slow=T500)
     start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
@@ -519,10 +520,8 @@ def test_budget_head_is_not_delayed_and_an_overrun_closes_the_gap():
 
 
 def test_budget_backfill_is_bounded_per_tick():
-    eng, clock = _budget_setup()
+    eng, clock = _budget_setup(bf_max_candidates=1)
     eng.update_queue("gpu", backfill=True)
-    eng._state.bf_max_candidates = 1
-    eng._kernel.bind(eng._state)
     eng.enqueue_many([gpus(f"q{i}", "quick", 1) for i in range(3)])
     assert len(eng.tick()) == 1                  # one candidate tested behind the head
     assert len(eng.tick()) == 1

@@ -66,7 +66,7 @@ def open_engine(store, clock=None, cfg=CONFIG, workers=WORKERS):
 
 def restart(eng, clock, workers=WORKERS, cfg=CONFIG):
     """Stop ``eng`` and start a new engine on the same store data."""
-    store = eng._store
+    store = eng.store
     eng.close()
     if isinstance(store, MemoryStore):
         store = MemoryStore(store.partitions, backing=store.backing)
@@ -129,14 +129,15 @@ def random_workload(eng, clock, rng, steps, n):
 
 def decision_state(eng):
     """What must survive a restart: per row and per counter (in flight = adm - rel)."""
-    st, n = eng._state, eng._next_row
+    view = eng.inspect()
+    st, n = view.arrays, view.action_rows
     rows = {name: getattr(st, name)[:n].copy() for name in (
         "a_state", "a_gen", "a_released_gen", "a_end", "a_cluster", "a_queue", "a_run",
         "a_env", "a_fit", "a_demand", "a_charged", "a_attempt", "a_parent",
         "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due", "a_task",
         "a_pred_end", "a_backfilled")}
     rows["holder"] = np.where(st.a_worker[:n] >= 0,
-                              [eng._worker_names[w] if w >= 0 else "" for w in st.a_worker[:n]],
+                              [view.worker_at(w) if w >= 0 else "" for w in st.a_worker[:n]],
                               "")
     live = (st.a_state[:n] == RowState.SENT) | (st.a_state[:n] == RowState.RUNNING)
     rows["holder"] = np.where(live, rows["holder"], "")
@@ -144,15 +145,15 @@ def decision_state(eng):
         "q": st.q_adm - st.q_rel, "q_res": st.q_res_adm - st.q_res_rel,
         "q_runs": st.q_runs_adm - st.q_runs_rel, "c": st.c_adm - st.c_rel,
         "pending": st.q_pending.copy(),
-        "u": (st.u_adm - st.u_rel)[:len(eng._run_keys)],
+        "u": (st.u_adm - st.u_rel)[:len(view.run_keys())],
     }
-    qr = {key: int(st.qr_adm[r] - st.qr_rel[r]) for key, r in eng._qruns.items()}
-    phases = {str(eng._aid(r)): (eng._rec(r).phase, len(eng._rec(r).attempts),
-                                 eng._rec(r).user_retries, eng._rec(r).system_retries)
-              for r in range(n)}
+    qr = {key: int(st.qr_adm[r] - st.qr_rel[r]) for key, r in view.qruns().items()}
+    recs = [view.record(r) for r in range(n)]
+    phases = {str(rec.action): (rec.phase, len(rec.attempts), rec.user_retries,
+                                rec.system_retries) for rec in recs}
     fz = {f: (int(st.fz_state[f]), int(st.fz_gen[f]), int(st.fz_action[f]))
-          for f in range(eng._n_finalize)}
-    phases["history"] = {t: eng.history.encode(t) for t in eng._task_names
+          for f in range(view.finalize_rows)}
+    phases["history"] = {t: eng.history.encode(t) for t in view.tasks()
                          if eng.history.count(t)}
     return rows, counters, qr, phases, fz
 
@@ -186,9 +187,9 @@ def test_a_restart_rebuilds_the_same_decision_state_and_carries_on(seed):
         for a in eng.tick():
             eng.report(a.token, Phase.SUCCEEDED)
         clock.advance(40)
-    st = eng._state
+    st = eng.inspect().arrays
     assert (st.q_adm - st.q_rel == 0).all() and (st.c_adm - st.c_rel == 0).all()
-    assert not np.isin(st.a_state[:eng._next_row],
+    assert not np.isin(st.a_state[:eng.inspect().action_rows],
                        (RowState.SENT, RowState.RUNNING, RowState.QUEUED)).any()
 
 
@@ -261,8 +262,9 @@ def test_live_queue_updates_survive_a_restart():
     eng, clock = open_engine(MemoryStore(4))
     eng.update_queue("cpu", action_concurrency=7)
     eng, clock = restart(eng, clock)
-    assert eng._queues["cpu"].action_concurrency == 7
-    assert int(eng._state.q_action_cap[eng._queue_index["cpu"]]) == 7
+    view = eng.inspect()
+    assert view.queue("cpu").action_concurrency == 7
+    assert int(view.arrays.q_action_cap[view.queue_index("cpu")]) == 7
 
 
 TRANSITIONS = {
@@ -368,11 +370,11 @@ def test_full_map_refuses_the_transition_and_keeps_what_was_acknowledged(tmp_pat
             err = exc
             break
     assert err is not None and "partition 0" in str(err) and "1" in str(err)
-    n = eng._next_row
+    n = eng.inspect().action_rows
     assert n == len(acked)
     eng.close()
     eng2 = Engine(parse_config(cfg), clock=ManualClock())
-    assert eng2._next_row == len(acked)
+    assert eng2.inspect().action_rows == len(acked)
     eng2.close()
 
 
@@ -383,7 +385,7 @@ def test_a_full_map_grows_up_to_max_map_size(tmp_path):
     eng = Engine(parse_config(cfg), clock=ManualClock())
     for k in range(30):
         eng.enqueue_many([spec(k * 100 + i, run=f"r{k}") for i in range(100)])
-    assert eng._store.map_size > 1 << 20
+    assert eng.store.map_size > 1 << 20
     eng.close()
 
 
@@ -399,8 +401,8 @@ def test_a_full_map_grows_to_a_max_below_twice_its_size(tmp_path):
             eng.enqueue_many([spec(k * 100 + i, run=f"r{k}") for i in range(100)])
         except StoreFull:
             break
-        grown = grown or eng._store.map_size == 1536 << 10
-    assert grown and eng._store.map_size == 1536 << 10
+        grown = grown or eng.store.map_size == 1536 << 10
+    assert grown and eng.store.map_size == 1536 << 10
     eng.close()
 
 
@@ -451,7 +453,7 @@ def test_the_records_land_in_the_tenants_partition():
     ids = eng.enqueue_many([spec(i, tenant=t) for i, t in enumerate(["acme", "beta", "corp"])])
     from storage import partition_of
     for aid in ids:
-        row = eng._row_of(aid)
+        row = eng.inspect().row_of(aid)
         p = partition_of(aid.tenant, 4)
         assert row_key(row) in store.backing.data[p]["actions"]
         assert row_key(row) in store.backing.data[p]["specs"]
@@ -474,10 +476,23 @@ def test_the_loop_renews_the_claims_before_they_expire():
     from storage import Claim
     from storage._store import META_CLAIM  # noqa: PLC0415 - the claim record itself
     store = MemoryStore(4, claim_ttl_s=30.0)
-    eng, _ = open_engine(store)
+    wall = _Wall(time.time_ns())
+    eng = Engine(parse_config(CONFIG), clock=ManualClock(), store=store, wall_clock=wall)
     first = Claim.decode(store.backing.data[0]["meta"][META_CLAIM])
-    assert eng._next_renew_ns <= time.time_ns() + 10 * 10**9 + 10**6   # within ttl / 3
-    eng._next_renew_ns = 0                      # a third of the ttl has passed
+    wall.now += 9 * 10**9                       # less than a third of the ttl: no renewal
+    eng.schedule()
+    assert Claim.decode(store.backing.data[0]["meta"][META_CLAIM]) == first
+    wall.now += 2 * 10**9                       # a third of the ttl has passed
     eng.schedule()
     renewed = Claim.decode(store.backing.data[0]["meta"][META_CLAIM])
-    assert renewed.expiry_ns > first.expiry_ns and eng._next_renew_ns > time.time_ns()
+    assert renewed.expiry_ns == wall.now + 30 * 10**9 > first.expiry_ns
+
+
+class _Wall:
+    """An injectable wall clock (``time_ns``) for the claims."""
+
+    def __init__(self, now):
+        self.now = now
+
+    def time_ns(self):
+        return self.now

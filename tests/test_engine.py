@@ -287,7 +287,7 @@ def test_bad_free_capacity_in_a_heartbeat_is_a_clear_error_and_changes_nothing()
     for bad in ({"cpu": float("inf")}, {"cpu": 2**70}, {"tpu": 1}, {"cpu": "lots"}):
         with pytest.raises(SpecError, match="worker w-east: free_capacity: "):
             eng.heartbeat("w-east", [a.token], free_capacity=bad)
-    assert eng._kernel.cluster_free(0)[2] == 16          # the gate's view is unchanged
+    assert eng.inspect().cluster_free(0)[2] == 16          # the gate's view is unchanged
 
 
 def test_every_action_behind_a_capped_run_says_why():
@@ -347,10 +347,11 @@ def test_durations_given_as_timedelta_are_seconds_everywhere():
     pooled = spec("r", "pool", environment="env",
                   reuse=ReusePolicy(idle_ttl=timedelta(minutes=1)))
     eng.enqueue_many([slow, pooled])
-    assert eng.enqueue_many([slow, pooled]) == [eng._aid(0), eng._aid(1)]   # idempotent
-    stored = eng._record(slow.id).compiled.spec
+    view = eng.inspect()
+    assert eng.enqueue_many([slow, pooled]) == [view.action_at(0), view.action_at(1)]
+    stored = view.record(view.row_of(slow.id)).spec
     assert stored.timeouts.deadline == 5.0 and stored.retries.backoff_base == 2.0
-    assert eng._record(pooled.id).compiled.spec.reuse.idle_ttl == 60.0
+    assert view.record(view.row_of(pooled.id)).spec.reuse.idle_ttl == 60.0
     clock.advance(6)
     eng.schedule()
     assert eng.phase(slow.id) == Phase.TIMED_OUT

@@ -30,7 +30,6 @@ if str(ROOT) not in sys.path:
 
 from engine import ActionSpec, Engine, ManualClock, Phase, PodGroup, parse_config  # noqa: E402
 from engine._codes import TERMINAL_PHASES, LeaseKind, RowState  # noqa: E402
-from engine._model import ActionId  # noqa: E402
 
 KILLS = 12
 WORKERS = {"we": ("east", 40), "ww": ("west", 40)}
@@ -102,17 +101,18 @@ def child(path, log_path, seed):
 
 
 def recount_ok(eng):
-    st, n = eng._state, eng._next_row
+    view = eng.inspect()
+    st, n = view.arrays, view.action_rows
     gen, rel = st.a_gen[:n], st.a_released_gen[:n]
     live = np.flatnonzero((gen != 0) & (rel != gen))
-    nq = len(eng._queue_names)
+    nq = len(eng.config.queues)
     assert (st.q_adm - st.q_rel == np.bincount(st.a_queue[live], minlength=nq)).all()
     charged = live[st.a_charged[live] == 1]
     c_used = np.zeros_like(st.c_adm, dtype=np.int64)
     np.add.at(c_used, st.a_cluster[charged], st.a_demand[charged])
     assert ((st.c_adm - st.c_rel).astype(np.int64) == c_used).all()
     nw = st.n_workers
-    f = eng._n_finalize
+    f = view.finalize_rows
     flive = np.flatnonzero((st.fz_gen[:f] != 0) & (st.fz_released_gen[:f] != st.fz_gen[:f]))
     w_used = (np.bincount(st.a_worker[live], minlength=nw)
               + np.bincount(st.fz_worker[flive], minlength=nw))
@@ -122,26 +122,27 @@ def recount_ok(eng):
 def check(path, log_path):
     eng = Engine(config(path), clock=ManualClock(time.time_ns()))
     try:
-        st = eng._state
+        view = eng.inspect()
+        st = view.arrays
         lines = Path(log_path).read_text().splitlines()
         # A line cut by the kill is the one in flight: only whole lines were acknowledged.
         for line in lines:
             parts = line.split()
             if parts[0] == "E" and len(parts) == 2:
-                assert eng._lookup(ActionId.parse(parts[1])) is not None, f"lost {parts[1]}"
+                assert view.find(parts[1]) is not None, f"lost {parts[1]}"
             elif parts[0] == "A" and len(parts) == 4:
-                row = eng._lookup(ActionId.parse(parts[1]))
+                row = view.find(parts[1])
                 assert row is not None
                 if parts[2] == "run":
                     assert int(st.a_gen[row]) >= int(parts[3]), f"generation back: {line}"
-        n = eng._next_row
+        n = view.action_rows
         states = st.a_state[:n]
         in_flight = np.flatnonzero((states == RowState.SENT) | (states == RowState.RUNNING))
         for r in in_flight.tolist():
-            rec = eng._rec(r)
-            assert rec.phase not in TERMINAL_PHASES, f"{rec.compiled.id} ended but in flight"
+            rec = view.record(r)
+            assert rec.phase not in TERMINAL_PHASES, f"{rec.action} ended but in flight"
             w = int(st.a_worker[r])
-            assert w >= 0 and eng._worker_names[w] in WORKERS
+            assert w >= 0 and view.worker_at(w) in WORKERS
         # Carry on a little as the next incarnation, then recount.
         for wid, (cluster, slots) in WORKERS.items():
             eng.register_worker(wid, cluster, slots)

@@ -1,6 +1,8 @@
 """The durable record formats: the Cython codec and the numpy dtype reload reads them with
 must agree field by field (they are two spellings of one layout)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from cext import RecordCodec
@@ -23,7 +25,9 @@ def test_codec_and_dtype_agree_on_every_field():
                                  resources={"cpu": 1 + i, "gpu:H100": i % 2})
                       for i in range(5)])
     eng.tick()
-    st = eng._state
+    # The codec reads a State's columns: bind it to a copy of the engine's (inspection
+    # arrays are read-only), then make every field distinct.
+    st = SimpleNamespace(n_res=3, **eng.inspect().arrays.copy())
     st.a_deadline_due[:5] = np.arange(5) * 7 + 11          # distinct values in every field
     st.a_attempt[:5] = np.arange(5) + 3
     rows = np.array([4, 0, 2], dtype=np.int64)
@@ -49,7 +53,7 @@ def test_codec_and_dtype_agree_on_every_field():
 def test_codec_refuses_rows_outside_the_table_and_short_buffers():
     eng, _ = make_engine(CONFIG)
     codec = RecordCodec()
-    codec.bind(eng._state)
+    codec.bind(SimpleNamespace(n_res=3, **eng.inspect().arrays.copy()))
     import pytest
     with pytest.raises(IndexError):
         codec.encode_actions(np.array([10**9], dtype=np.int64), bytearray(codec.action_size))
