@@ -42,7 +42,6 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from cext._lease import validate  # noqa: E402
 from engine import ActionSpec, Engine, ManualClock, Phase, RetryPolicy  # noqa: E402
 from engine._codes import LeaseKind, Verdict  # noqa: E402
 from engine._config import parse_config  # noqa: E402
@@ -138,12 +137,11 @@ def main(argv=None):
     # The kernel alone, on the parsed array (what Engine.heartbeat hands it).
     arr = np.frombuffer(buf, dtype="<u8").reshape(-1, 3).astype(np.uint64, copy=False)
     verdicts = np.empty(n, dtype=np.uint8)
-    worker_row = eng._workers[WORKER]
-    codec = eng._codec
+    view = eng.inspect()
+    worker_row = view.worker_sessions_by_id()[WORKER]
 
     def kernel():
-        ok = validate(eng._kernel, arr, worker_row, eng.clock.now_ns(), codec.k0, codec.k1,
-                      verdicts, True)
+        ok = view.check_tokens(arr, worker_row, verdicts, extend=True)
         if ok != n:
             raise SystemExit(f"kernel accepted {ok} of {n}")
     kern = timed(kernel, args.repeats)

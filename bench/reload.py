@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import ActionSpec, Engine, ManualClock, parse_config  # noqa: E402
+from engine._records import action_dtype  # noqa: E402
 
 BATCH = 1000
 TENANTS = [f"tenant{i}" for i in range(64)]
@@ -103,8 +104,8 @@ def commit_latency(path):
     shutil.rmtree(path, ignore_errors=True)
     eng = Engine(parse_config(config(path)), clock=ManualClock(time.time_ns()))
     try:
-        store = eng._store
-        rec = b"\0" * eng._action_dtype.itemsize
+        store = eng.store
+        rec = b"\0" * action_dtype(len(eng.resources.names)).itemsize
         commits, enqueues = [], []
         for i in range(200):
             t = time.perf_counter()

@@ -21,7 +21,7 @@ from workload import Workload  # noqa: E402
 
 import cext  # noqa: E402
 from engine import ActionSpec, Engine, ManualClock, parse_config  # noqa: E402
-from engine._codes import RowState, WaitCode  # noqa: E402
+from engine._codes import RowState  # noqa: E402
 from storage import MemoryStore  # noqa: E402
 
 WARMUP_TICKS = 300
@@ -36,35 +36,31 @@ def steady():
     return w
 
 
-def _handle_failures(w):
-    # What Engine.schedule() does after the kernel: fail UNSCHEDULABLE rows in Python.
-    st, k = w.state, w.kernel
-    for i in range(k.f_count):
-        w.engine._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
-
-
-def test_tick_run(benchmark, steady):
-    """``TickKernel.run(now)`` alone: the nogil tick over ~1,000 pending candidates."""
+def test_engine_decide(benchmark, steady):
+    """``Engine.decide()``: the tick's decision over ~1,000 pending candidates (timers, the
+    expiry sweep, the nogil kernel, the failures it found), without its group commit."""
     w = steady
-    k = w.kernel
+    eng = w.engine
     rounds = {"placed": [], "candidates": [], "pending": []}
-    started = []
+    groups = []
 
     def setup():
-        if started:   # churn after the previous round: drain, complete, top up (untimed)
-            rounds["placed"].append(k.d_tail - k.d_head)
+        if groups:   # commit and churn after the previous round (untimed)
+            eng.commit(groups[-1])
+            rounds["placed"].append(groups[-1].placed)
             rounds["candidates"].append(w.candidates_last_tick())
-            _handle_failures(w)
             w.after_tick()
-        started.append(1)
         rounds["pending"].append(w.pending())
         w.advance()
-        return (w.clock.now_ns(),), {}
+        return (), {}
 
-    benchmark.pedantic(k.run, setup=setup, rounds=ROUNDS, warmup_rounds=1)
-    rounds["placed"].append(k.d_tail - k.d_head)
+    def target():
+        groups.append(eng.decide())
+
+    benchmark.pedantic(target, setup=setup, rounds=ROUNDS, warmup_rounds=1)
+    eng.commit(groups[-1])
+    rounds["placed"].append(groups[-1].placed)
     rounds["candidates"].append(w.candidates_last_tick())
-    _handle_failures(w)
     w.after_tick()
     benchmark.extra_info["candidates_median"] = float(np.median(rounds["candidates"]))
     benchmark.extra_info["placed_median"] = float(np.median(rounds["placed"]))
@@ -101,7 +97,7 @@ def test_engine_schedule(benchmark, steady):
 @pytest.fixture(scope="module")
 def admission_inputs(steady):
     st = steady.state
-    n = steady.engine._next_row
+    n = steady.view.action_rows
     rows = np.nonzero(st.a_state[:n] == RowState.QUEUED)[0][:256]
     demands = np.ascontiguousarray(st.a_demand[rows], dtype=np.int64)
     # A budget that admits part of the rows: the column-wise median demand.
@@ -128,8 +124,8 @@ def test_admission_check_bench(benchmark, admission_inputs):
 def test_push_many(benchmark):
     """``TickKernel.push_many``: link 1,000 filled-in rows into their lanes and rings."""
     w = Workload()    # fresh: exactly 1,000 pending rows, pushed by enqueue_many
-    st, k = w.state, w.kernel
-    rows = np.nonzero(st.a_state[: w.engine._next_row] == RowState.QUEUED)[0].astype(np.int32)
+    st, k = w.state, w.view.kernel
+    rows = np.nonzero(st.a_state[: w.view.action_rows] == RowState.QUEUED)[0].astype(np.int32)
     assert rows.size == 1000
 
     def setup():
@@ -168,7 +164,8 @@ def test_release(benchmark):
     clock = ManualClock(start_ns=10**18)
     eng = Engine(parse_config(_RELEASE_CONFIG), clock=clock, store=MemoryStore())
     eng.register_worker("w", "c", 1_000_000)
-    st, k = eng._state, eng._kernel
+    view = eng.inspect()
+    st, k = view.arrays, view.kernel
     batch = [0]
 
     def setup():
@@ -193,6 +190,6 @@ def test_release(benchmark):
     # no-op, and the counters never went past each other.
     assert int(st.q_adm[0] - st.q_rel[0]) == 0
     assert (st.c_adm == st.c_rel).all()
-    last = [int(r) for r in np.nonzero(st.a_gen[: eng._next_row] > 0)[0][-RELEASE_BATCH:]]
+    last = [int(r) for r in np.nonzero(st.a_gen[: view.action_rows] > 0)[0][-RELEASE_BATCH:]]
     assert not any(k.release(r, clock.now_ns()) for r in last)
     benchmark.extra_info["batch"] = RELEASE_BATCH

@@ -24,6 +24,7 @@ What it measures (bench/README.md has the goals and how to read each number):
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from workload import SEED, Workload  # noqa: E402
 
 import cext  # noqa: E402
 from engine._codes import WaitCode  # noqa: E402
+from engine._engine import kernel_pass  # noqa: E402
 
 WARMUP_TICKS = 600      # long enough for in-flight work to reach its steady level
 TIMED_TICKS = 500       # timed Engine.schedule() calls (>= 200)
@@ -67,7 +69,8 @@ def _p90(values):
 
 
 def measure_tick(seed, warmup, ticks):
-    """Median (and p90) wall time of Engine.schedule() over ``ticks`` steady-state ticks."""
+    """Median (and p90) wall time of the tick's decision (``Engine.decide()``) over ``ticks``
+    steady-state ticks; its group commit (``Engine.commit()``) is timed apart."""
     w = Workload(seed=seed, resource_gate="enforce")
     w.warm_up(warmup)
     clock = time.perf_counter_ns
@@ -77,11 +80,11 @@ def measure_tick(seed, warmup, ticks):
         "tick_ms": round(_median(ms), 4),
         "tick_ms_p90": round(_p90(ms), 4),
         "tick_ms_max": round(max(ms), 4),
-        # The same ticks without their group commit (encoding the decided rows and the
-        # in-memory store's commit): the decision alone, and the durability cost apart.
-        "tick_decide_ms": round(_median([(s["ns"] - s["commit_ns"]) / 1e6 for s in samples]),
-                                4),
+        # The group commit of the same ticks (encoding the decided rows and the in-memory
+        # store's commit), and the two together (what Engine.schedule() costs).
         "tick_commit_ms": round(_median([s["commit_ns"] / 1e6 for s in samples]), 4),
+        "tick_with_commit_ms": round(
+            _median([(s["ns"] + s["commit_ns"]) / 1e6 for s in samples]), 4),
         "ticks": len(samples),
         "pending_median": _median([s["pending"] for s in samples]),
         "assigned_per_tick_median": _median([s["placed"] for s in samples]),
@@ -98,10 +101,10 @@ def measure_tick(seed, warmup, ticks):
     out["sweep_ticks"] = len(sweeps)
     out["sweep_tick_ms_median"] = round(_median(sweeps), 4) if sweeps else None
     out["non_sweep_tick_ms_median"] = round(_median(plain), 4) if plain else None
-    out["action_rows_end"] = int(w.engine._next_row)
+    out["action_rows_end"] = int(w.view.action_rows)
     # Why the candidates of the last timed tick waited (or PLACED), for context.
-    st, n = w.state, w.engine._next_row
-    codes = st.a_wait_code[:n][st.a_wait_tick[:n] == w.kernel.tick_no]
+    st, n = w.state, w.view.action_rows
+    codes = st.a_wait_code[:n][st.a_wait_tick[:n] == w.view.tick_no]
     out["last_tick_wait_codes"] = {
         WaitCode(int(c)).name: int(k) for c, k in zip(*np.unique(codes, return_counts=True),
                                                        strict=True)}
@@ -125,8 +128,8 @@ def measure_gate(w, iterations, runs):
     gate: with the gate off the engine places different work (count caps only), so the two
     runs do different work per tick; that comparison came out at about zero either way.
     """
-    st, k = w.engine._state, w.engine._kernel
-    n = w.engine._next_row
+    st, k = w.state, w.view.kernel
+    n = w.view.action_rows
     queued = np.nonzero(st.a_state[:n] == 1)[0]
     by_queue = {}
     for row in queued:
@@ -164,7 +167,7 @@ def measure_admission(w, iterations, runs):
     the tightest finite cpu budget, so a realistic share of checks pass and fail.
     """
     st = w.state
-    n = w.engine._next_row
+    n = w.view.action_rows
     pending = np.nonzero(st.a_state[:n] == 1)[0]
     rng = np.random.default_rng(SEED)
     rows = rng.choice(pending, size=min(ADMISSION_ROWS, pending.size), replace=False)
@@ -224,42 +227,54 @@ def _traced_call(fn, arg, probe_filter):
     return result, blocks, size, peak
 
 
-def measure_allocations(w, ticks):
-    """Python allocations per steady-state tick (tracemalloc), kernel and Engine.tick().
+def _kernel_call_line():
+    # The line of engine._engine.kernel_pass that calls the kernel: allocations whose
+    # traceback passes through it were made by the Cython tick itself.
+    lines, first = inspect.getsourcelines(kernel_pass)
+    return first + next(i for i, line in enumerate(lines) if "kernel.run(" in line)
 
-    ``tick_allocations``: new allocation blocks made by ``engine._kernel.run(now)`` per tick
-    (median over ``ticks`` steady-state ticks), with the churn in between as in the timed run;
-    the engine's failure handling runs after the traced call, as ``Engine.schedule()`` would.
-    ``engine_tick_allocations``: the same for the whole ``Engine.tick()`` (schedule plus
-    ``drain_dispatch()``, which builds one frozen ``Assignment`` per placement, so it is not
-    expected to be 0). Counted are blocks allocated during the call and still alive when it
-    returns (its results); ``*_peak_bytes`` is the most traced memory seen during the call,
-    which would also show allocate-and-free inside it.
+
+def measure_allocations(w, ticks):
+    """Python allocations per steady-state tick (tracemalloc): the kernel, the decision and
+    the whole ``Engine.tick()``.
+
+    ``tick_allocations``: new allocation blocks made by the Cython tick per tick, traced
+    inside ``Engine.decide()`` (the real path) and kept when their traceback passes through
+    the kernel call (``engine._engine.kernel_pass``); median over ``ticks`` steady-state
+    ticks with the churn in between as in the timed run. ``decide_allocations``: the same for
+    all of ``Engine.decide()`` (timers, sweep, dirty marks, the group it returns).
+    ``engine_tick_allocations``: the whole ``Engine.tick()`` (schedule plus the drain, which
+    builds one frozen ``Assignment`` per placement, so it is not expected to be 0). Counted
+    are blocks allocated during the call and still alive when it returns; ``*_peak_bytes`` is
+    the most traced memory seen during the call, which also shows allocate-and-free inside it.
     """
     tracemalloc.start(32)
     try:
         probe_filter = tracemalloc.Filter(True, _probe.__code__.co_filename,
                                           lineno=_PROBE_LINE, all_frames=True)
+        kernel_filter = tracemalloc.Filter(True, kernel_pass.__code__.co_filename,
+                                           lineno=_kernel_call_line(), all_frames=True)
         # Self-test: the probe must see a call that does allocate (one bytes object: one
         # block), so that a 0 below means "no allocation", not "nothing traced".
         _, selftest, size, _ = _traced_call(bytes, 1000, probe_filter)
         if selftest != 1 or size < 1000:
             raise AssertionError(f"allocation probe self-test saw {selftest} blocks "
                                  f"({size} bytes), not 1 of >= 1000 bytes")
-        kernel = w.kernel
-        run = kernel.run
         eng = w.engine
-        k_blocks, k_bytes, k_peak = [], [], []
+        k_blocks, k_bytes, d_blocks, d_peak = [], [], [], []
         for _ in range(ticks):
             w.advance()
-            now = w.clock.now_ns()
-            _, blocks, size, peak = _traced_call(run, now, probe_filter)
-            k_blocks.append(blocks)
-            k_bytes.append(size)
-            k_peak.append(peak)
-            st = w.state
-            for i in range(kernel.f_count):   # what Engine.schedule() does after the kernel
-                eng._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
+            tracemalloc.clear_traces()
+            tracemalloc.reset_peak()
+            group = _probe(type(eng).decide, eng)
+            _, peak = tracemalloc.get_traced_memory()
+            snap = tracemalloc.take_snapshot()
+            kern = snap.filter_traces([kernel_filter]).traces
+            k_blocks.append(len(kern))
+            k_bytes.append(sum(t.size for t in kern))
+            d_blocks.append(len(snap.filter_traces([probe_filter]).traces))
+            d_peak.append(peak)
+            eng.commit(group)
             w.after_tick()
         e_blocks, e_bytes, e_peak, placed = [], [], [], []
         for _ in range(ticks):
@@ -275,8 +290,9 @@ def measure_allocations(w, ticks):
     return {
         "tick_allocations": _median(k_blocks),
         "tick_alloc_bytes": _median(k_bytes),
-        "tick_alloc_peak_bytes_max": int(max(k_peak)),
         "tick_allocations_max": int(max(k_blocks)),
+        "decide_allocations": _median(d_blocks),
+        "decide_alloc_peak_bytes_max": int(max(d_peak)),
         "engine_tick_allocations": _median(e_blocks),
         "engine_tick_alloc_bytes": _median(e_bytes),
         "engine_tick_alloc_peak_bytes_median": _median(e_peak),
@@ -313,7 +329,7 @@ def main(argv=None):
         "warmup_ticks": args.warmup,
         "queues": len(w.streams),
         "clusters": [c.name for c in w.config.clusters],
-        "workers": len(w.engine._worker_names),
+        "workers": w.view.worker_sessions,
         "resources": list(w.config.resources.names),
         "tick_interval_s": w.dt,
     }

@@ -256,8 +256,8 @@ class Workload:
         self.config = parse_config(data, "<bench>")
         self.clock = ManualClock(start_ns=1_700_000_000 * 10**9)
         self.engine = Engine(self.config, clock=self.clock, store=MemoryStore())
-        self.state = self.engine._state
-        self.kernel = self.engine._kernel
+        self.view = self.engine.inspect()
+        self.state = self.view.arrays
         self.dt = dt
         self.pending_per_queue = pending_per_queue
         for c in self.config.clusters:
@@ -267,14 +267,14 @@ class Workload:
             _QueueStream(seed, i, name, kind, data["queues"][name]["clusters"])
             for i, (name, kind) in enumerate(meta)
         ]
-        self.queue_rows = [self.engine._queue_index[s.name] for s in self.streams]
+        self.queue_rows = [self.view.queue_index(s.name) for s in self.streams]
         self.stream_of = {s.name: s for s in self.streams}
         # Heartbeats: every worker sends the tokens of the leases it holds once per
         # heartbeat_interval (staggered across workers), in batches of up to 1,000, as the
         # design's workers do; without them leases would expire. Only where the engine has
         # lease tokens (Engine.heartbeat).
         self.beats = hasattr(self.engine, "heartbeat")
-        self.held = {name: {} for name in self.engine._worker_names}   # worker -> {id: token}
+        self.held = {name: {} for name in self.view.worker_sessions_by_id()}   # worker -> tokens
         self.hb_ticks = max(1, round(self.config.engine.heartbeat_interval / dt)
                             if hasattr(self.config.engine, "heartbeat_interval") else 1)
         self.duration = {}      # ActionId -> runtime in ticks
@@ -305,12 +305,12 @@ class Workload:
     def after_tick(self, assignments=None):
         """Drain (unless given), mark running, complete what is due, top up."""
         eng = self.engine
-        st, k = self.state, self.kernel
-        for i in range(k.f_count):
-            aid = eng._aid(int(st.f_action[i]))
+        st, view = self.state, self.view
+        for i in range(view.unschedulable_count):
+            row = int(st.f_action[i])
+            aid = view.action_at(row)
             self.duration.pop(aid)
-            self.stream_of[eng._queue_names[int(st.a_queue[int(st.f_action[i])])]].left_queue(
-                aid.run)
+            self.stream_of[eng.config.queues[int(st.a_queue[row])].name].left_queue(aid.run)
         if assignments is None:
             assignments = eng.drain_dispatch()
         for asg in assignments:
@@ -350,8 +350,8 @@ class Workload:
 
     def candidates_last_tick(self):
         """Actions the last tick examined (every examined action is stamped with tick_no)."""
-        n = self.engine._next_row
-        return int(np.count_nonzero(self.state.a_wait_tick[:n] == self.kernel.tick_no))
+        n = self.view.action_rows
+        return int(np.count_nonzero(self.state.a_wait_tick[:n] == self.view.tick_no))
 
     def pending(self):
         return int(self.state.q_pending.sum())
@@ -368,7 +368,7 @@ class Workload:
         """One full cycle without timing (warm-up)."""
         self.advance()
         self.engine.schedule()
-        self.failed_total += self.kernel.f_count
+        self.failed_total += self.view.unschedulable_count
         self.after_tick()
 
     def warm_up(self, ticks):
@@ -376,34 +376,24 @@ class Workload:
             self.tick_untimed()
 
     def tick_timed(self, perf_counter_ns):
-        """One cycle; returns a dict of what the timed ``Engine.schedule()`` call did."""
+        """One cycle, ``Engine.schedule()`` as its two halves: the decision
+        (``Engine.decide()``: timers, expiry sweep, the Cython tick, the failures it found)
+        and the group commit (``Engine.commit()``: encode + the in-memory store), each
+        timed; returns a dict of what they did."""
         self.advance()
         pending = self.pending()
-        sweep_before = getattr(self.engine, "_next_sweep_ns", None)
         eng = self.engine
-        commit = eng._commit
-        spent = [0]
-
-        def timed_commit():
-            # The group commit at the end of the turn (encode + in-memory store), timed
-            # apart so the decision and the durability cost are both visible.
-            c0 = perf_counter_ns()
-            commit()
-            spent[0] += perf_counter_ns() - c0
-
-        eng._commit = timed_commit
-        try:
-            t0 = perf_counter_ns()
-            placed = eng.schedule()
-            t1 = perf_counter_ns()
-        finally:
-            del eng._commit
-        failed = self.kernel.f_count
+        t0 = perf_counter_ns()
+        group = eng.decide()
+        t1 = perf_counter_ns()
+        eng.commit(group)
+        t2 = perf_counter_ns()
+        failed = self.view.unschedulable_count
         self.failed_total += failed
-        out = {"ns": t1 - t0, "commit_ns": spent[0], "placed": placed, "failed": failed,
+        out = {"ns": t1 - t0, "commit_ns": t2 - t1, "placed": group.placed, "failed": failed,
                "pending": pending,
                "candidates": self.candidates_last_tick(),
-               # This call ran the engine's periodic lease-expiry sweep (if it has one).
-               "sweep": getattr(self.engine, "_next_sweep_ns", None) != sweep_before}
+               # This decision ran the engine's periodic lease-expiry sweep.
+               "sweep": group.swept}
         self.after_tick()
         return out

@@ -149,14 +149,15 @@ class Group:
     its turn runs, then ``"pending"``, then ``"committed"`` or ``"discarded"`` (an earlier
     or its own commit failed: nothing of it may be acted on)."""
 
-    __slots__ = ("seq", "state", "batch", "dispatch_tail", "placed")
+    __slots__ = ("seq", "state", "batch", "dispatch_tail", "placed", "swept")
 
     def __init__(self, seq):
         self.seq = seq
         self.state = "open"
         self.batch = None
         self.dispatch_tail = 0
-        self.placed = 0
+        self.placed = 0         # assignments the decision made (decide)
+        self.swept = False      # the decision ran the periodic lease-expiry sweep (decide)
 
     def __repr__(self):
         return f"Group({self.seq}, {self.state}, placed={self.placed})"
@@ -463,7 +464,7 @@ class Engine:
         assignments, which reach the dispatch channel's drainable end once it is
         committed."""
         with self.deferred_turn() as group:
-            group.placed = self._decide_body()
+            group.placed, group.swept = self._decide_body()
         return group
 
     def commit(self, group):
@@ -1016,7 +1017,7 @@ class Engine:
         wait in the dispatch channel (:meth:`drain_dispatch`). Actions that can never fit
         end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
         with self._turn():
-            return self._decide_body()
+            return self._decide_body()[0]
 
     def _decide_body(self):
         wall = self._wall.time_ns()
@@ -1024,7 +1025,8 @@ class Engine:
             self.renew()
         now = self.clock.now_ns()
         self._fire_timers(now)
-        if now >= self._next_sweep_ns:
+        swept = now >= self._next_sweep_ns
+        if swept:
             for lease in self.expired_leases():
                 self.expire(lease)
             self._next_sweep_ns = now + self._sweep_period_ns
@@ -1042,7 +1044,7 @@ class Engine:
                 self._dirty_fz.update(rows[fin].tolist())
         for i in range(kernel.f_count):
             self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
-        return placed
+        return placed, swept
 
     def drain_dispatch(self, limit=None):
         """Take assignments out of the dispatch channel, oldest first, with their tokens. An

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cext._lease import validate
 from engine._codes import LeaseKind, Phase
 from engine._model import ActionId
 
@@ -145,6 +146,25 @@ class Inspection:
     def unschedulable_count(self):
         """Actions the last tick found can never fit (failed after the kernel)."""
         return self._engine._kernel.f_count
+
+    @property
+    def kernel(self):
+        """The compiled tick (:class:`cext.TickKernel`) bound to these arrays, for kernel
+        micro-benchmarks and profiles: its queries (``gate_bench``, ``cluster_free``,
+        ``head_eta``, ``tick_no``) are safe; its mutators (``run``, ``push``, ``remove``,
+        ...) bypass the engine's bookkeeping and durability, so call them only on an engine
+        made for that measurement."""
+        return self._engine._kernel
+
+    def check_tokens(self, tokens, session, verdicts, extend=False):
+        """Run the heartbeat's token pass (the nogil Cython check ``Engine.heartbeat`` uses)
+        over a parsed ``(n, 3)`` uint64 token array for worker session row ``session``,
+        writing each verdict into ``verdicts``; returns how many were valid. With
+        ``extend`` the valid leases are extended as a heartbeat would (for benchmarks)."""
+        e = self._engine
+        codec = e._codec
+        return validate(e._kernel, tokens, int(session), e.clock.now_ns(), codec.k0,
+                        codec.k1, verdicts, bool(extend))
 
     # ----------------------------------------------------------------- channel and timers
 
