@@ -907,7 +907,13 @@ class Engine:
         st.a_enqueued[row] = now
         st.a_part[row] = part
         st.a_name_hash[row] = name_hash(str(c.id))
-        st.a_parent[row] = self._lookup(c.parent) if c.parent is not None else -1
+        parent = self._lookup(c.parent) if c.parent is not None else -1
+        st.a_parent[row] = parent
+        st.a_child[row] = -1
+        st.a_sibling[row] = -1
+        if parent >= 0:
+            st.a_sibling[row] = st.a_child[parent]
+            st.a_child[parent] = row
         st.a_task[row] = self._task_row(c.spec.task)   # backfill (issue 5)
         rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
         self._recs[row] = rec
@@ -1402,8 +1408,14 @@ class Engine:
         with self._turn():
             while stack:
                 row = stack.pop()
-                # Children point at their parent row: one vectorised scan per node.
-                stack.extend(np.flatnonzero(st.a_parent[:self._next_row] == row).tolist())
+                # The children index: each node costs its own children, oldest pushed first.
+                kids = []
+                kid = int(st.a_child[row])
+                while kid >= 0:
+                    kids.append(kid)
+                    kid = int(st.a_sibling[kid])
+                kids.reverse()
+                stack.extend(kids)
                 rec = self._rec(row)
                 if rec.phase in TERMINAL_PHASES:
                     continue

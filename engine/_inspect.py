@@ -224,8 +224,12 @@ class Inspection:
 
     def children(self, row):
         """Rows whose parent is action ``row``, ascending."""
-        st, n = self._engine._state, self._engine._next_row
-        return np.flatnonzero(st.a_parent[:n] == row).tolist()
+        st = self._engine._state
+        kids, kid = [], int(st.a_child[row])
+        while kid >= 0:
+            kids.append(kid)
+            kid = int(st.a_sibling[kid])
+        return sorted(kids)
 
     def worker_sessions_by_id(self):
         """Worker id -> its current session row."""

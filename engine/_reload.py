@@ -30,7 +30,7 @@ from engine._records import FINALIZE_DTYPE
 from engine._state import NEVER
 from storage import CorruptRecord, LmdbStore, scan_parallel
 
-__all__ = ["load"]
+__all__ = ["load", "link_children"]
 
 def _unpack(part, db, key, raw):
     try:
@@ -222,6 +222,7 @@ def _fill_actions(eng, recs, rows, parts, n, now):
         getattr(st, "a_" + name)[rows] = recs[name]
 
     _parallel(fill, columns)
+    link_children(st, n)
     holder = np.empty(n, dtype=np.int32)
     holder[rows] = recs["holder"]
     eng._restored_holder = holder      # identities, turned into session rows in _rebuild
@@ -229,6 +230,26 @@ def _fill_actions(eng, recs, rows, parts, n, now):
     # shard starts; the first lookup of a restored name waits for it.
     hashes = st.a_name_hash[:n].copy()
     eng._start_name_index(hashes)
+
+
+def link_children(st, n):
+    """Rebuild the children index (``a_child``, ``a_sibling``) of rows ``[:n]`` from their
+    parents, newest child first, as inserts leave it."""
+    parent = st.a_parent[:n]
+    kids = np.flatnonzero(parent >= 0).astype(np.int32)
+    st.a_child[:n] = -1
+    st.a_sibling[:n] = -1
+    if not kids.size:
+        return
+    kids = kids[np.lexsort((-kids.astype(np.int64), parent[kids]))]   # by parent, newest first
+    par = parent[kids]
+    first = np.ones(kids.size, dtype=bool)
+    first[1:] = par[1:] != par[:-1]
+    st.a_child[par[first]] = kids[first]
+    sibling = np.full(kids.size, -1, dtype=np.int32)
+    same = ~first[1:]
+    sibling[:-1][same] = kids[1:][same]
+    st.a_sibling[kids] = sibling
 
 
 def _parallel(fn, items):

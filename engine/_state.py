@@ -44,6 +44,10 @@ ACTION_FIELDS = {
     # generation last handed to the dispatcher, timer dues (NEVER = none), name hash.
     "a_part": (U8, 0, ()),
     "a_parent": (I32, -1, ()),
+    # Children index (derived, rebuilt at reload): the newest child, then the next older
+    # sibling, so a cascade visits only the descendants.
+    "a_child": (I32, -1, ()),
+    "a_sibling": (I32, -1, ()),
     "a_attempt": (I32, 0, ()),
     "a_delivered_gen": (I64, 0, ()),
     "a_deadline_due": (I64, NEVER, ()),

@@ -190,3 +190,34 @@ def test_the_store_holds_a_committed_group_across_a_restart():
     again = Engine(cfg, clock=ManualClock(), store=MemoryStore(4, backing=store.backing))
     view = again.inspect()
     assert int(view.arrays.a_gen[view.row_of("acme/p/d/r/a")]) == 1
+
+
+# -------------------------------------------------------------------------- children index
+
+
+def test_abort_follows_the_children_index_and_the_index_survives_a_restart():
+    cfg = parse_config(CONFIG)
+    store = MemoryStore(4)
+    eng = Engine(cfg, clock=ManualClock(), store=store)
+    root = spec("r", "root")
+    kids = [spec("r", f"k{i}", parent=root.id) for i in range(20)]
+    grand = [spec("r", f"g{i}-{j}", parent=kids[i].id) for i in range(20) for j in range(3)]
+    eng.enqueue_many([root, *kids])
+    eng.enqueue_many(grand)
+    view = eng.inspect()
+    row = view.row_of
+    assert view.children(row(root.id)) == sorted(row(k.id) for k in kids)
+    assert view.children(row(kids[7].id)) == [row(f"acme/p/d/r/g7-{j}") for j in range(3)]
+    before = {r: view.children(r) for r in range(view.action_rows)}
+    ended = eng.abort(kids[7].id)
+    assert sorted(str(a) for a in ended) == sorted(
+        [str(kids[7].id)] + [f"acme/p/d/r/g7-{j}" for j in range(3)])
+    eng.close()
+    again = Engine(cfg, clock=ManualClock(), store=MemoryStore(4, backing=store.backing))
+    view = again.inspect()
+    assert {r: view.children(r) for r in range(view.action_rows)} == before
+    again.enqueue_many([spec("r", "late", parent=kids[3].id)])   # appended after the load
+    assert view.children(view.row_of(kids[3].id))[-1] == view.row_of("acme/p/d/r/late")
+    ended = again.abort(root.id)
+    assert len(ended) == 1 + 19 + 19 * 3 + 1
+    assert all(again.phase(a) == Phase.ABORTED for a in ended)
