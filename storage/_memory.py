@@ -3,7 +3,8 @@
 Same validation, same claim (ownership) rules, same errors as ``LmdbStore``, no disk. Two
 ``MemoryStore`` objects built on the same :class:`MemoryBacking` behave like two processes
 opening the same store directory (one shard refused while the other's claim is live, takeover
-after expiry, fencing of the old holder). :meth:`MemoryStore.fail_next` injects a failure.
+after expiry, fencing of the old holder). :meth:`MemoryStore.fail_next` injects a failure
+(:meth:`MemoryStore.clear_failure` withdraws it).
 There is no map size (never ``StoreFull`` unless injected) and no crash to recover from.
 """
 
@@ -85,7 +86,14 @@ class MemoryStore(Store):
         return self._shard
 
     def fail_next(self, exc: BaseException) -> None:
+        """Make the next commit that passes validation and the claim check raise ``exc``
+        without applying its batch (once; a later ``fail_next`` replaces a pending one)."""
         self._fail_next = exc
+
+    def clear_failure(self) -> None:
+        """Drop a failure injected by :meth:`fail_next` that no commit has raised yet (a
+        no-op when none is pending)."""
+        self._fail_next = None
 
     def _claim_of(self, p: int) -> Claim | None:
         raw = self.backing.data[p]["meta"].get(META_CLAIM)

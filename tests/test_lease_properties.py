@@ -45,9 +45,18 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine import ActionId, ActionSpec, Engine, ManualClock, NotFound, Phase, RetryPolicy, Timeouts
+from engine import (
+    ActionId,
+    ActionSpec,
+    Engine,
+    ManualClock,
+    NotFound,
+    Phase,
+    RetryPolicy,
+    Timeouts,
+    parse_config,
+)
 from engine._codes import TERMINAL_PHASES, LeaseKind, Verdict
-from engine._config import parse_config
 from storage import MemoryStore
 
 HEARTBEAT_INTERVAL = 1.0

@@ -285,14 +285,15 @@ class MPool:
 
 
 def _snapshot(eng):
-    s = eng._state
-    arrays = {k: v.copy() for k, v in vars(s).items() if isinstance(v, np.ndarray)}
-    k = eng._kernel
-    scalars = (k.tick_no, k.d_head, k.d_tail, eng._next_row, len(eng._names),
-               s.n_workers, s.n_envs, eng._n_finalize, len(eng._timers))
-    recs = {r.compiled.id: (r.phase, r.message, len(r.attempts), r.user_retries,
-                            r.system_retries)
-            for r in eng._recs.values()}
+    ins = eng.inspect()
+    arrays = ins.arrays.copy()
+    scalars = (ins.tick_no, ins.dispatch_head, ins.dispatch_tail, ins.action_rows,
+               ins.worker_sessions, ins.env_rows, ins.finalize_rows, tuple(ins.timers()))
+    recs = {}
+    for row in range(ins.action_rows):
+        r = ins.record(row)
+        recs[r.action] = (r.phase, r.message, len(r.attempts), r.user_retries,
+                          r.system_retries)
     return arrays, scalars, recs
 
 
@@ -329,7 +330,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.cfg_dict = cfg
         self.clock = ManualClock(1_000_000_000)
         self.eng = Engine(parse_config(cfg), clock=self.clock, store=MemoryStore(), secret=SECRET)
+        self.ins = self.eng.inspect()
         e = cfg["engine"]
+        # The expiry sweep: the first tick runs it, then the first tick at least
+        # heartbeat_interval / 4 after the last sweep (the model keeps its own schedule).
+        self.sweep_period_ns = int(e["heartbeat_interval"] * 1e9 / 4)
+        self.next_sweep_ns = 0
         self.gate = e["resource_gate"] == "enforce"
         self.dispatch_cap = e["dispatch_capacity"]
         self.ttl_ns = int((e["heartbeat_interval"] * e["expiry_missed_beats"]
@@ -395,7 +401,7 @@ class EngineMachine(RuleBasedStateMachine):
                     f.status, f.end = "pending", "expired"
         self.workers[wid] = len(self.rows)
         self.rows.append([wid, cluster, slots, True])
-        assert self.eng._workers[wid] == self.workers[wid]
+        assert self.ins.worker_sessions_by_id()[wid] == self.workers[wid]
 
     def _connected(self):
         return sorted(w for w, row in self.workers.items() if self.rows[row][3])
@@ -430,7 +436,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _record(self, spec, demand, pods, env):
         aid = ActionId.parse(spec.id)
         queue = spec.run_queue or self.default_queue
-        row = self.eng._row_of(aid)
+        row = self.ins.row_of(aid)
         a = MAction(aid, spec, row, queue, int(aid.run[1:]), env, demand, pods)
         self.actions[aid] = a
         self.by_row[row] = a
@@ -541,13 +547,19 @@ class EngineMachine(RuleBasedStateMachine):
             with pytest.raises(ResourceExhausted):
                 self.eng.enqueue_many(all_specs)
             _assert_unchanged(before, _snapshot(self.eng), "a refused enqueue")
+            self._assert_not_stored([s for s, *_ in specs], "a refused enqueue")
             return
         ids = self.eng.enqueue_many(all_specs)
         assert ids == [ActionId.parse(s.id) for s in all_specs]
         for spec, demand, pods, env in specs:
             a = self._record(spec, demand, pods, env)
-            assert np.array_equal(self.eng._state.a_demand[a.row], demand), (
-                f"{a.aid}: demand {self.eng._state.a_demand[a.row]} != {demand}")
+            got = self.ins.arrays.a_demand[a.row]
+            assert np.array_equal(got, demand), f"{a.aid}: demand {got} != {demand}"
+
+    def _assert_not_stored(self, specs, what):
+        """No id of ``specs`` (refused, never enqueued before) can be found."""
+        for spec in specs:
+            assert self.ins.find(spec.id) is None, f"{what} stored {spec.id}"
 
     def _pick(self, items, i):
         return items[i % len(items)]
@@ -566,6 +578,7 @@ class EngineMachine(RuleBasedStateMachine):
             with pytest.raises(SpecError, match="aborted"):
                 self.eng.enqueue(new[0])  # no children for an aborted parent
             _assert_unchanged(before, _snapshot(self.eng), "a child of an aborted parent")
+            self._assert_not_stored([new[0]], "a child of an aborted parent")
             return
         self._enqueue_expect([new], [])
 
@@ -621,6 +634,7 @@ class EngineMachine(RuleBasedStateMachine):
             with pytest.raises(SpecError):
                 self.eng.enqueue(replace(fresh, parent=f"{a.aid.run_key}/nope"))
         _assert_unchanged(before, _snapshot(self.eng), f"a refused enqueue ({how})")
+        self._assert_not_stored([fresh], f"a refused enqueue ({how})")
 
     # --------------------------------------------------------------- workers
 
@@ -756,8 +770,9 @@ class EngineMachine(RuleBasedStateMachine):
         for f in self.finals:
             if f.status != "done" and f.give_up <= now:
                 f.status, f.end = "done", "aborted"
-        if now < self.eng._next_sweep_ns:
+        if now < self.next_sweep_ns:
             return
+        self.next_sweep_ns = now + self.sweep_period_ns
         for a in sorted(self._live(False), key=lambda a: a.row):
             if a.expiry < now:
                 self._expire(a, now)
@@ -768,9 +783,10 @@ class EngineMachine(RuleBasedStateMachine):
     def _do_tick(self, drain=None):
         """One tick, checked against the model; returns (run placements, failures, number
         of leases dispatched)."""
-        eng, s, k = self.eng, self.eng._state, self.eng._kernel
+        eng, ins = self.eng, self.ins
+        s = ins.arrays
         now = self.clock.now_ns()
-        ring_full = k.d_tail - k.d_head >= self.dispatch_cap
+        ring_full = ins.dispatch_tail - ins.dispatch_head >= self.dispatch_cap
         q_adm0 = s.q_adm.copy()
         q_runs0 = (s.q_runs_adm - s.q_runs_rel).astype(np.int64)
         q_res_adm0 = s.q_res_adm.copy()
@@ -779,18 +795,20 @@ class EngineMachine(RuleBasedStateMachine):
         self._model_timers_and_sweep(now)
         queued_before = [a for a in self.actions.values() if a.status == "queued"]
 
-        d_tail0 = k.d_tail
+        d_tail0 = ins.dispatch_tail
         if drain is None:
             got = eng.tick()  # schedule and drain everything, as the in-process dispatcher
         else:
             eng.schedule()
             got = None
-        placed = k.d_tail - d_tail0
-        tick_no = k.tick_no
-        cap = s.d_action.shape[0]
-        assert 0 <= k.d_tail - k.d_head <= cap, "dispatch ring over its capacity"
+        d_head, d_tail = ins.dispatch_head, ins.dispatch_tail
+        placed = d_tail - d_tail0
+        tick_no = ins.tick_no
+        cap = ins.dispatch_capacity
+        assert cap == s.d_action.shape[0]
+        assert 0 <= d_tail - d_head <= cap, "dispatch ring over its capacity"
         entries = []
-        for j in range(k.d_tail - placed, k.d_tail):
+        for j in range(d_tail - placed, d_tail):
             slot = j % cap
             entries.append((LeaseKind(int(s.d_kind[slot])), int(s.d_action[slot]),
                             int(s.d_gen[slot]), int(s.d_cluster[slot]), int(s.d_worker[slot])))
@@ -1166,14 +1184,14 @@ class EngineMachine(RuleBasedStateMachine):
         stuck = [(str(a.aid), self.eng.explain(a.aid)) for a in self.actions.values()
                  if a.status == "queued"]
         assert not stuck, f"queued forever with workers everywhere and nothing in flight: {stuck}"
-        s = self.eng._state
+        s = self.ins.arrays
         for qname, m in self.eng.queue_metrics().items():
             assert m["actions_in_flight"] == 0 and m["runs_in_flight"] == 0, (qname, m)
             assert all(v == 0 for v in m["in_flight_resources"].values()), (qname, m)
             assert m["depth"] == 0, (qname, m)
         for c in self.cluster_names:
             assert all(v == 0 for v in self.eng.cluster_in_flight(c).values()), c
-        n_w, n_e = s.n_workers, s.n_envs
+        n_w, n_e = self.ins.worker_sessions, self.ins.env_rows
         assert (s.w_adm[:n_w] == s.w_rel[:n_w]).all(), "a worker slot leaked"
         assert (s.e_adm[:n_e] == s.e_rel[:n_e]).all()
         assert (s.e_cluster[:n_e] == -1).all(), "a warm pool outlived its idle_ttl"
@@ -1219,10 +1237,10 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _check(self):
         self.healthy = False
-        eng, s = self.eng, self.eng._state
-        n = eng._next_row
+        eng, ins = self.eng, self.ins
+        s, n = ins.arrays, ins.action_rows
         n_q, n_c = len(self.queue_names), len(self.cluster_names)
-        n_e, n_w, n_f = s.n_envs, s.n_workers, eng._n_finalize
+        n_e, n_w, n_f = ins.env_rows, ins.worker_sessions, ins.finalize_rows
         state = s.a_state[:n]
         live = (state == RowState.SENT) | (state == RowState.RUNNING)
         charged = live & (s.a_charged[:n] == 1)
@@ -1299,7 +1317,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert (w_used >= 0).all(), w_used
         assert np.array_equal(w_used, recount), (w_used, recount)
         assert np.array_equal(w_used, m_load), (w_used, m_load)
-        n_u = len(eng._runs)
+        n_u = len(ins.runs())
         u_used = (s.u_adm[:n_u] - s.u_rel[:n_u]).astype(np.int64)
         assert np.array_equal(u_used, np.bincount(s.a_run[:n][live], minlength=n_u)), u_used
         e_used = (s.e_adm[:n_e] - s.e_rel[:n_e]).astype(np.int64)
@@ -1315,8 +1333,7 @@ class EngineMachine(RuleBasedStateMachine):
             if f.status == "sent":
                 assert int(s.fz_expiry[f.f]) == f.expiry, f.__dict__
         # 5 and 7: one state per action, agreeing with the model; phases as reported.
-        k = eng._kernel
-        assert k.d_tail - k.d_head == len(self.undrained)
+        assert ins.dispatch_tail - ins.dispatch_head == len(self.undrained)
         want = {"queued": RowState.QUEUED, "sent": RowState.SENT, "backoff": RowState.BACKOFF,
                 "running": RowState.RUNNING, "done": RowState.DONE}
         for a in self.actions.values():
@@ -1339,7 +1356,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert exp.phase == (Phase.RUNNING if a.status == "running"
                                      else Phase.INITIALIZING), exp
             # Attempt history: one record per attempt, generations strictly increasing.
-            atts = eng._record(a.aid).attempts
+            atts = ins.record(ins.row_of(a.aid)).attempts
             assert len(atts) == a.attempt, (a.aid, len(atts), a.attempt)
             gens = [t.generation for t in atts if t.generation]
             assert gens == sorted(set(gens)), f"{a.aid}: attempt generations {gens}"
@@ -1524,7 +1541,8 @@ def test_late_drain_keeps_attempts_and_finalize_leases_consistent(plan):
     current = "E"
     eng.register_worker(current, where[current], 4)
     aid = eng.enqueue(ActionSpec(id="t/p/d/r/a", task="t", resources={"cpu": 1}))
-    row = eng._row_of(aid)
+    ins = eng.inspect()
+    row = ins.row_of(aid)
     attempt_of, seen = {}, []
 
     def drain():
@@ -1536,7 +1554,7 @@ def test_late_drain_keeps_attempts_and_finalize_leases_consistent(plan):
 
     def schedule():
         eng.schedule()
-        gen = int(eng._state.a_gen[row])
+        gen = int(ins.arrays.a_gen[row])
         if gen and gen not in attempt_of:
             attempt_of[gen] = len(eng.attempts(aid))  # the attempt this generation runs
 
@@ -1588,7 +1606,9 @@ def test_batch_enqueue_agrees_with_one_by_one_on_run_max_action_concurrency(macs
         batch_ok = True
     except SpecError:
         batch_ok = False
-        assert not batch._names and batch._next_row == 0, "a refused batch stored something"
+        b = batch.inspect()
+        assert b.action_rows == 0 and all(b.find(x.id) is None for x in specs), (
+            "a refused batch stored something")
     assert batch_ok == each_ok, f"macs {macs}: batch accepted={batch_ok}, one by one={each_ok}"
     if batch_ok:
-        assert batch._state.u_cap[0] == one._state.u_cap[0]
+        assert batch.inspect().arrays.u_cap[0] == one.inspect().arrays.u_cap[0]

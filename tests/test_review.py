@@ -9,20 +9,30 @@ import numpy as np
 import pytest
 from test_durable import CONFIG, assert_same, decision_state, open_engine, restart, spec
 
-from engine import ActionSpec, Engine, Phase, PodGroup, RetryPolicy, Timeouts, parse_config
-from engine._codes import LeaseEnd, LeaseKind, RowState
-from engine._engine import (
-    LIVE_STATES,
+from engine import (
+    ActionSpec,
+    AlreadyExists,
+    Engine,
+    Phase,
+    PodGroup,
+    RetryPolicy,
+    ReusePolicy,
+    SpecError,
+    Timeouts,
+    parse_config,
+)
+from engine._codes import (
     T_DEADLINE,
     T_FINALIZE,
     T_QUEUED,
     T_RETRY,
     T_RUNTIME,
-    AlreadyExists,
+    LeaseEnd,
+    LeaseKind,
+    RowState,
 )
-from engine._errors import SpecError
+from engine._engine import LIVE_STATES
 from engine._history import RuntimeHistory
-from engine._model import ReusePolicy
 from storage import MemoryStore, StoreError
 
 AID = "acme/p/d/r1/a1"
@@ -52,7 +62,7 @@ def test_a_failed_registration_leaves_no_worker_whose_identity_is_not_durable():
     # leases then carried an identity the store never had, and the next reload refused the
     # store (CorruptRecord "lease holder is not a known worker").
     eng, clock = open_engine(MemoryStore(4), workers={})
-    eng._store.fail_next(StoreError("injected"))
+    eng.store.fail_next(StoreError("injected"))
     try:
         eng.register_worker("new", "west", 5)
     except StoreError:
@@ -108,18 +118,16 @@ WORKER_CLUSTERS = {"we": "east", "ww": "west"}
 
 
 def _reload_copy(eng, clock):
-    store = MemoryStore(eng._store.partitions, backing=copy.deepcopy(eng._store.backing))
+    store = MemoryStore(eng.store.partitions, backing=copy.deepcopy(eng.store.backing))
     return Engine(parse_config(FUZZ_CONFIG), clock=clock, store=store)
 
 
 def _pending_timers(eng):
     """Timers that would still act when they fire, as (due, kind, row)."""
-    st, out, now = eng._state, set(), eng.clock.now_ns()
-    items = [(t[0], t[2], t[3], t[4]) for t in eng._timers]
-    rt = eng._restored_timers
-    if rt is not None:
-        items += [tuple(int(a[i]) for a in rt) for i in range(eng._rt_pos, rt[0].size)]
-    for due, kind, row, ref in items:
+    ins = eng.inspect()
+    st, out, now = ins.arrays, set(), eng.clock.now_ns()
+    for t in ins.timers():          # set since the load and restored, not fired yet
+        due, kind, row, ref = t.due_ns, t.kind, t.row, t.ref
         if kind == T_FINALIZE:
             ok = st.fz_state[row] != RowState.DONE
         else:
@@ -136,11 +144,11 @@ def _pending_timers(eng):
 
 
 def _undelivered(eng):
-    k, st = eng._kernel, eng._state
+    ins = eng.inspect()
+    st = ins.arrays
     out = set()
-    for j in range(k.d_head, k.d_tail):
-        slot = j % st.d_action.shape[0]
-        row, gen, kind = int(st.d_action[slot]), int(st.d_gen[slot]), int(st.d_kind[slot])
+    for e in ins.dispatch():        # the ring from its head to its tail
+        row, gen, kind = e.row, e.generation, int(e.kind)
         if kind == LeaseKind.FINALIZE:
             live = (st.fz_gen[row] == gen and st.fz_end[row] == LeaseEnd.LIVE
                     and st.fz_state[row] == RowState.SENT)
@@ -148,32 +156,34 @@ def _undelivered(eng):
             live = (st.a_gen[row] == gen and st.a_end[row] == LeaseEnd.LIVE
                     and st.a_state[row] in LIVE_STATES)
         if live:
-            out.add((kind, row, gen, eng._worker_names[st.d_worker[slot]]))
+            out.add((kind, row, gen, e.worker))
     return sorted(out)
 
 
 def _full_state(eng):
     rows, counters, qr, phases, fz = decision_state(eng)
-    st, n = eng._state, eng._next_row
+    ins = eng.inspect()
+    st, n = ins.arrays, ins.action_rows
     counters = {k: v.copy() for k, v in counters.items()}
-    for e in range(st.n_envs):      # idle warm pools are not restored (documented)
+    for e in range(ins.env_rows):   # idle warm pools are not restored (documented)
         if st.e_cluster[e] >= 0 and st.e_adm[e] == st.e_rel[e]:
             counters["q_res"][st.e_queue[e]] -= st.e_footprint[e].astype(np.uint64)
             counters["c"][st.e_cluster[e]] -= st.e_footprint[e].astype(np.uint64)
-    edges = {r: (eng._rec(r).message, eng._rec(r).cause,
-                 [dataclasses.asdict(a) for a in eng._rec(r).attempts]) for r in range(n)}
+    recs = [ins.record(r) for r in range(n)]
+    edges = {r: (rec.message, rec.cause, [dataclasses.asdict(a) for a in rec.attempts])
+             for r, rec in enumerate(recs)}
     slots = {}
-    for w in range(st.n_workers):
-        name = eng._worker_names[w]
+    for w in range(ins.worker_sessions):
+        name = ins.worker_at(w)
         slots[name] = slots.get(name, 0) + int(st.w_adm[w] - st.w_rel[w])
     queued = [r for r in range(n) if st.a_state[r] == RowState.QUEUED]
     extra = {
         "fz": [(int(st.fz_end[f]), int(st.fz_released_gen[f]), int(st.fz_give_up[f]),
-                int(st.fz_attempt[f])) for f in range(eng._n_finalize)],
+                int(st.fz_attempt[f])) for f in range(ins.finalize_rows)],
         "timers": _pending_timers(eng), "undelivered": _undelivered(eng), "slots": slots,
-        "eta": [eng._head_eta(r) for r in queued], "position": [eng._position(r) for r in queued],
-        "pred": st.t_pred_rt[:len(eng._task_names)].tolist(), "tasks": list(eng._task_names),
-        "queues": dict(eng._queue_changes), "edges": edges,
+        "eta": [ins.head_eta(r) for r in queued], "position": [ins.position(r) for r in queued],
+        "pred": st.t_pred_rt[:len(ins.tasks())].tolist(), "tasks": ins.tasks(),
+        "queues": ins.queue_changes(), "edges": edges,
     }
     return (rows, counters, qr, phases, fz), extra
 
@@ -201,6 +211,12 @@ def _fuzz_spec(rng, i, acked):
         return spec(i, tenant, run, environment="env1", resources={"cpu": 2},
                     reuse=ReusePolicy(replicas=1, concurrency=2, idle_ttl=30.0), **kw)
     return spec(i, tenant, run, **kw)
+
+
+def _connected(eng, worker):
+    """Whether ``worker``'s current session is connected."""
+    ins = eng.inspect()
+    return bool(ins.arrays.w_connected[ins.worker_sessions_by_id()[worker]])
 
 
 def _fuzz_step(eng, clock, rng, acked, live, counter):
@@ -240,7 +256,7 @@ def _fuzz_step(eng, clock, rng, acked, live, counter):
             live.pop(token)
     elif op < 0.78:
         w = rng.choice(list(WORKER_CLUSTERS))
-        if eng._state.w_connected[eng._workers[w]]:
+        if _connected(eng, w):
             eng.unregister_worker(w)
         else:
             eng.register_worker(w, WORKER_CLUSTERS[w], 50)
@@ -253,7 +269,7 @@ def _fuzz_step(eng, clock, rng, acked, live, counter):
     else:
         clock.advance(rng.choice([1, 5, 15, 40, 70]))
         for w in WORKER_CLUSTERS:
-            if rng.random() < 0.8 and eng._state.w_connected[eng._workers[w]]:
+            if rng.random() < 0.8 and _connected(eng, w):
                 eng.heartbeat(w, [t for t, a in live.items() if a.worker == w])
 
 
@@ -265,7 +281,7 @@ def test_memory_equals_a_reload_of_the_store_after_every_transition(seed):
     for step in range(120):
         failing = rng.random() < 0.1
         if failing:
-            eng._store.fail_next(StoreError("injected"))
+            eng.store.fail_next(StoreError("injected"))
         try:
             _fuzz_step(eng, clock, rng, acked, live, counter)
         except StoreError:
@@ -273,7 +289,7 @@ def test_memory_equals_a_reload_of_the_store_after_every_transition(seed):
             live.clear()
         except SpecError:
             pass                                          # e.g. the parent was aborted
-        eng._store._fail_next = None
+        eng.store.clear_failure()                         # not consumed: withdrawn
         if rng.random() < 0.05:                           # a restart
             again = _reload_copy(eng, clock)
             eng.close()
