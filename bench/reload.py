@@ -79,7 +79,8 @@ import sys, time
 sys.path.insert(0, {root!r})
 from engine import Engine, ManualClock, parse_config
 eng = Engine(parse_config({cfg!r}), clock=ManualClock(time.time_ns()))
-print("READY", eng._next_row, int((eng._state.q_adm - eng._state.q_rel).sum()), flush=True)
+view = eng.inspect()
+print("READY", view.action_rows, int((view.arrays.q_adm - view.arrays.q_rel).sum()), flush=True)
 eng.close()
 """
 

@@ -31,6 +31,15 @@ cdef packed struct ActionHead:
     i64 runtime_due         # engine backstop of max_runtime
     u64 name_hash           # hash of the action id
     i64 pred_end            # predicted end of the live lease (ns; NEVER unknown)
+    i64 group               # enqueue group (shared spec and names)
+    i32 gidx                # index in the group
+    u8 lean                 # 1: this record is the whole outcome
+    u8 phase                # phase code of a lean row
+    u8 pad0                 # (alignment, always 0)
+    u8 pad1
+    i64 start               # lean: assignment of its attempt
+    i64 running             # lean: first RUNNING report
+    i64 done                # lean: end of its attempt
 
 
 cdef class RecordCodec:
@@ -61,6 +70,13 @@ cdef class RecordCodec:
     cdef i32[::1] a_task                    # task row
     cdef u8[::1] a_backfilled               # placed by backfill
     cdef i64[::1] a_pred_end                # predicted end
+    cdef i64[::1] a_group                   # enqueue group
+    cdef i32[::1] a_gidx                    # index in the group
+    cdef u8[::1] a_lean                     # lean flag
+    cdef u8[::1] a_phase                    # lean phase code
+    cdef i64[::1] a_start                   # lean assignment time
+    cdef i64[::1] a_running                 # lean RUNNING time
+    cdef i64[::1] a_done                    # lean end time
     cdef i64[:, ::1] a_demand               # demand vectors
     cdef i32[::1] w_ident                   # session row -> worker identity
 

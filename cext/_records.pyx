@@ -53,6 +53,13 @@ cdef class RecordCodec:
         self.a_task = state.a_task
         self.a_backfilled = state.a_backfilled
         self.a_pred_end = state.a_pred_end
+        self.a_group = state.a_group
+        self.a_gidx = state.a_gidx
+        self.a_lean = state.a_lean
+        self.a_phase = state.a_phase
+        self.a_start = state.a_start
+        self.a_running = state.a_running
+        self.a_done = state.a_done
         self.a_demand = state.a_demand
         self.w_ident = state.w_ident
 
@@ -98,5 +105,14 @@ cdef class RecordCodec:
         h.task = self.a_task[a]
         h.backfilled = self.a_backfilled[a]
         h.pred_end = self.a_pred_end[a]
+        h.group = self.a_group[a]
+        h.gidx = self.a_gidx[a]
+        h.lean = self.a_lean[a]
+        h.phase = self.a_phase[a]
+        h.pad0 = 0
+        h.pad1 = 0
+        h.start = self.a_start[a]
+        h.running = self.a_running[a]
+        h.done = self.a_done[a]
         memcpy(dst, &h, sizeof(ActionHead))
         memcpy(dst + sizeof(ActionHead), &self.a_demand[a, 0], 8 * self.n_res)

@@ -2,7 +2,8 @@
 
 import enum
 
-__all__ = ["RowState", "WaitCode", "Phase", "LeaseEnd", "Verdict", "LeaseKind"]
+__all__ = ["RowState", "WaitCode", "Phase", "LeaseEnd", "Verdict", "LeaseKind", "PHASES",
+           "PHASE_CODE", "LEAN_PHASES"]
 
 
 class RowState(enum.IntEnum):
@@ -65,6 +66,14 @@ class Phase(enum.StrEnum):
 
 
 TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.ABORTED, Phase.TIMED_OUT})
+
+# Phases by code (the a_phase column of a lean row, whose fixed record is its whole outcome).
+PHASES = tuple(Phase)
+PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
+# Phases a lean row may be in: one attempt on the common path (queued, dispatched, running,
+# succeeded). Anything else (a failure, a retry, an abort, a message) gives the row its
+# Python record (engine/_engine.py, "lean rows").
+LEAN_PHASES = frozenset({Phase.QUEUED, Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
 
 
 class LeaseEnd(enum.IntEnum):

@@ -7,6 +7,7 @@ keep the decision state. Time comes from an injectable clock.
 
 import collections
 import contextlib
+import copy
 import heapq
 import itertools
 import threading
@@ -20,6 +21,8 @@ from cext import RecordCodec, TickKernel
 from cext._lease import validate
 from engine._clock import SystemClock
 from engine._codes import (
+    PHASE_CODE,
+    PHASES,
     RESOURCE_WAITS,
     T_DEADLINE,
     T_FINALIZE,
@@ -36,10 +39,11 @@ from engine._codes import (
 )
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
+from engine._groups import EnqueueGroup, check_names, decode_group, encode_group, group_key
 from engine._history import RuntimeHistory
 from engine._inspect import Inspection
 from engine._leases import Attempt, ErrorKind, TokenCodec
-from engine._model import ActionId, compile_spec, fit_problem
+from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
 from engine._records import (
     FINALIZE_DTYPE,
     LAYOUT_KEY,
@@ -51,6 +55,7 @@ from engine._records import (
     encode_spec,
     name_hash,
     row_key,
+    spec_content,
 )
 from engine._reload import load
 from engine._state import NEVER, State
@@ -100,6 +105,7 @@ class Assignment:
     deadline_ns: int | None = None
     queued_deadline_ns: int | None = None
     max_runtime_s: float | None = None
+    input_ref: str | None = None   # a fan-out action's input reference (enqueue_fanout)
 
 
 @dataclass(frozen=True)
@@ -169,14 +175,10 @@ def kernel_pass(kernel, now):
     return kernel.run(now)
 
 
-def _pristine(rec):
-    """True while an action is exactly as enqueued (one untouched attempt, still queued)."""
-    if (rec.phase != Phase.QUEUED or len(rec.attempts) != 1 or rec.message
-            or rec.user_retries or rec.system_retries):
-        return False
-    a = rec.attempts[0]
-    return (a.generation == 0 and a.start_ns is None and a.end_ns is None and a.phase is None
-            and a.finalize is None and a.enqueued_ns == rec.first_enqueued_ns)
+_Q = PHASE_CODE[Phase.QUEUED]
+_INIT = PHASE_CODE[Phase.INITIALIZING]
+_RUNNING = PHASE_CODE[Phase.RUNNING]
+_SUCCEEDED = PHASE_CODE[Phase.SUCCEEDED]
 
 
 class Engine:
@@ -268,8 +270,11 @@ class Engine:
                 st.c_cap[i] = cluster.capacity
         for q in self.config.queues:
             self._apply_queue(q)
-        self._recs = {}             # row -> _Action (cache of the Python edges)
-        self._names = {}            # ActionId -> row (rows looked up or created since load)
+        self._recs = {}             # row -> _Action: rows whose Python record is their truth
+        self._hash_rows = {}        # name hash -> row (rows created or looked up since load)
+        self._collided = {}         # ActionId -> row, for the rare hash taken by another id
+        self._groups = {}           # group id -> EnqueueGroup (loaded on first use)
+        self._next_gid = 0
         self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
         self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows
         self._index_thread = None   # builds the index above after a load
@@ -303,7 +308,6 @@ class Engine:
         self._codec_records.bind(self._state)
 
     def _clear_dirty(self):
-        self._fresh = set()         # action rows inserted in this turn
         self._history_dirty = set()  # tasks whose history record to write
         self._dirty = set()         # action rows: fixed record and outcome to write
         self._dirty_fixed = set()   # action rows: fixed record only
@@ -370,7 +374,7 @@ class Engine:
         st = self._state
         with self._turn():
             for r in np.flatnonzero(st.a_state[:self._next_row] != RowState.DONE).tolist():
-                st.a_fit[r] = self._fit_mask(self._rec(r).compiled)
+                st.a_fit[r] = self._fit_mask(self._compiled_of(r))
                 self._dirty_fixed.add(r)
             self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
         self._refit_layout = None
@@ -598,22 +602,26 @@ class Engine:
         if rows:
             idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
             idx.sort()
+            # Rows whose Python record is their truth get an attempts record, and their
+            # fixed record says so; a lean row's fixed record is its whole outcome.
+            heavy = idx[st.a_edges[idx] == 1]
+            st.a_lean[heavy] = 0
             size = self._codec_records.action_size
             buf = bytearray(idx.size * size)
             self._codec_records.encode_actions(idx, buf)
             view = memoryview(buf)
             keys = idx.astype(">u8").tobytes()       # row_key of every row, in one pass
             parts = st.a_part[idx].tolist()
-            dirty, fresh = self._dirty, self._fresh
-            for i, r in enumerate(idx.tolist()):
+            recs = self._recs
+            for i in range(idx.size):
                 ops = batch.setdefault(parts[i], [])
                 key = keys[8 * i:8 * i + 8]
                 ops.append(("actions", key, view[i * size:(i + 1) * size]))
-                if r in dirty:
-                    rec = self._rec(r)
-                    # A new action's outcome is implied by its fixed record until it changes.
-                    if r not in fresh or not _pristine(rec):
-                        ops.append(("attempts", key, encode_outcome(rec)))
+            for r in heavy.tolist():
+                rec = recs.get(r)
+                if rec is not None:   # else restored and untouched: its record stands
+                    batch.setdefault(int(st.a_part[r]), []).append(
+                        ("attempts", row_key(r), encode_outcome(rec)))
         if self._dirty_fz:
             idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
             idx.sort()
@@ -758,48 +766,135 @@ class Engine:
         """Enqueue a batch atomically: every spec is checked first, and if any is bad (or a
         queue would pass its depth) nothing is stored. Re-enqueueing an existing id with the
         same spec is a no-op (clients may retry); with another spec it is ``AlreadyExists``.
+        Specs of identical content (all but the action name) are compiled and stored once.
         """
         cfg = self.config
-        compiled, ids, seen, per_queue, batch_run_caps = [], [], set(), {}, {}
+        plan, ids, seen, per_queue, batch_run_caps = [], [], set(), {}, {}
+        cache = {}      # (run key, content) -> (compiled template, content bytes)
         for i, spec in enumerate(specs):
             try:
-                c = compile_spec(spec, self._resources, self._queues, cfg.engine.default_queue)
+                if isinstance(spec, dict):
+                    spec = ActionSpec.from_dict(spec)
+                key = spec_content(spec) if isinstance(spec, ActionSpec) else None
+                hit = cache.get(key) if key is not None else None
+                if hit is None:
+                    c = compile_spec(spec, self._resources, self._queues,
+                                     cfg.engine.default_queue)
+                    if key is not None:
+                        cache[key] = (c, key)
+                else:
+                    # The same content in this run: the template's checks hold (its spec
+                    # stands for this one but for the id, which only the group records).
+                    c = copy.copy(hit[0])
+                    c.id = ActionId.parse(spec.id)
+                    if c.parent == c.id:
+                        raise SpecError(f"action {c.id}: an action cannot be its own parent")
             except SpecError as exc:
                 raise type(exc)(f"batch item {i}: {exc}") if len(specs) > 1 else exc from None
             existing = self._lookup(c.id)
             if existing is not None:
-                old = self._rec(existing).compiled.spec
-                # A restored spec comes back in its stored form (pods a tuple): compare
-                # the stored forms when the objects differ.
-                if old != c.spec and decode_spec(encode_spec(old)) != decode_spec(
-                        encode_spec(c.spec)):
+                if not self._same_spec(existing, spec):
                     raise AlreadyExists(f"action {c.id} exists with a different spec")
                 ids.append(c.id)
                 continue
             if c.id in seen:
                 raise SpecError(f"batch item {i}: action {c.id} appears twice in the batch")
             if c.parent is not None and c.parent not in seen:
-                prow = self._lookup(c.parent)
-                if prow is None:
-                    raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} "
-                                    f"not found")
-                if self._rec(prow).phase == Phase.ABORTED:
-                    raise SpecError(f"batch item {i}: action {c.id}: parent {c.parent} was "
-                                    f"aborted")
-            run = self._runs.get(c.id.run_key)
-            mac = c.spec.run_max_action_concurrency
-            if run is not None:
-                run_cap = int(self._state.u_cap[run])
-            else:
-                # A run new in this batch takes the cap of its first action here.
-                run_cap = batch_run_caps.setdefault(c.id.run_key, mac)
-            if mac and run_cap != mac:
-                raise SpecError(f"batch item {i}: action {c.id}: run {c.id.run_key} already "
-                                f"has max_action_concurrency {run_cap}")
+                self._check_parent(c, f"batch item {i}: ")
+            self._check_run_cap(c, batch_run_caps, f"batch item {i}: ")
             seen.add(c.id)
             per_queue[c.queue] = per_queue.get(c.queue, 0) + 1
-            compiled.append(c)
+            plan.append((key, c))
             ids.append(c.id)
+        self._check_depth(per_queue)
+        if not plan:
+            return ids
+        with self._turn():
+            now = self.clock.now_ns()
+            first = self._next_row
+            # Consecutive actions of identical content form one group (rows in batch order).
+            start = 0
+            for k in range(1, len(plan) + 1):
+                if k == len(plan) or plan[k][0] is None or plan[k][0] != plan[start][0]:
+                    run = plan[start:k]
+                    c0 = run[0][1]
+                    self._insert_group(c0, [c.id.action for _key, c in run], None, now,
+                                       np.fromiter((name_hash(str(c.id)) for _k, c in run),
+                                                   dtype=np.uint64, count=len(run)))
+                    start = k
+            self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
+        return ids
+
+    def enqueue_fanout(self, template, names, inputs=None):
+        """Enqueue ``len(names)`` actions that share ``template`` (an ActionSpec) and differ
+        only in their names: action ``i`` is the template's id with its last part replaced by
+        ``names[i]`` (the template's own name is not enqueued), with the optional input
+        reference ``inputs[i]`` (a string handed to the worker with the lease). The spec is
+        compiled, checked and stored once; the batch is one group commit. Atomic like
+        :meth:`enqueue_many`: a name that exists with the same spec is a no-op, with another
+        spec ``AlreadyExists``. Returns the ``ActionId`` of every name, in order."""
+        if isinstance(template, dict):
+            template = ActionSpec.from_dict(template)
+        c = compile_spec(template, self._resources, self._queues,
+                         self.config.engine.default_queue)
+        names, inputs = check_names(names, inputs)
+        aid = c.id
+        if c.parent is not None and c.parent.run_key == aid.run_key and c.parent.action in (
+                set(names)):
+            raise SpecError(f"fan-out of {aid.run_key}: action {c.parent} cannot be its own "
+                            f"parent")
+        prefix = aid.run_key + "/"
+        texts = [prefix + name for name in names]
+        hashes = np.fromiter((name_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
+        rows = self._probe(hashes, texts)
+        new = rows < 0
+        parts = (aid.tenant, aid.project, aid.domain, aid.run)
+        for i in np.flatnonzero(~new).tolist():
+            spec = replace(c.spec, id=texts[i])
+            old_ref = self._input_ref(int(rows[i]))
+            if not self._same_spec(int(rows[i]), spec) or old_ref != (
+                    inputs[i] if inputs is not None else None):
+                raise AlreadyExists(f"action {texts[i]} exists with a different spec")
+        ids = [ActionId(*parts, name) for name in names]
+        if not new.any():
+            return ids
+        if c.parent is not None:
+            self._check_parent(c, "")
+        self._check_run_cap(c, {}, "")
+        self._check_depth({c.queue: int(new.sum())})
+        idx = np.flatnonzero(new)
+        with self._turn():
+            now = self.clock.now_ns()
+            first = self._next_row
+            if idx.size == len(names):
+                self._insert_group(c, names, inputs, now, hashes)
+            else:
+                self._insert_group(c, [names[i] for i in idx.tolist()],
+                                   None if inputs is None else [inputs[i] for i in idx.tolist()],
+                                   now, hashes[idx])
+            self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
+        return ids
+
+    def _check_parent(self, c, where):
+        prow = self._lookup(c.parent)
+        if prow is None:
+            raise SpecError(f"{where}action {c.id}: parent {c.parent} not found")
+        if self._phase_of(prow) == Phase.ABORTED:
+            raise SpecError(f"{where}action {c.id}: parent {c.parent} was aborted")
+
+    def _check_run_cap(self, c, batch_run_caps, where):
+        run = self._runs.get(c.id.run_key)
+        mac = c.spec.run_max_action_concurrency
+        if run is not None:
+            run_cap = int(self._state.u_cap[run])
+        else:
+            # A run new in this batch takes the cap of its first action here.
+            run_cap = batch_run_caps.setdefault(c.id.run_key, mac)
+        if mac and run_cap != mac:
+            raise SpecError(f"{where}action {c.id}: run {c.id.run_key} already "
+                            f"has max_action_concurrency {run_cap}")
+
+    def _check_depth(self, per_queue):
         for qname, n in per_queue.items():
             q = self._queue_index[qname]
             depth = self._queues[qname].depth
@@ -807,13 +902,12 @@ class Engine:
                 raise ResourceExhausted(
                     f"queue {qname}: depth {depth} reached ({self._state.q_pending[q]} queued, "
                     f"{n} more asked); nothing was enqueued")
-        if not compiled:
-            return ids
-        with self._turn():
-            now = self.clock.now_ns()
-            rows = [self._insert(c, now) for c in compiled]
-            self._kernel.push_many(np.asarray(rows, dtype=np.int32))
-        return ids
+
+    def _same_spec(self, row, spec):
+        old = self._spec_of(row)
+        # A restored spec comes back in its stored form (pods a tuple): compare the stored
+        # forms when the objects differ.
+        return old == spec or decode_spec(encode_spec(old)) == decode_spec(encode_spec(spec))
 
     def _start_name_index(self, hashes):
         """Sort restored name hashes into the lookup index in a background thread."""
@@ -827,104 +921,252 @@ class Engine:
 
     def _lookup(self, aid):
         """The row of action ``aid``, or None."""
-        row = self._names.get(aid)
-        if row is not None:
+        text = str(aid)
+        return self._find(name_hash(text), text, aid)
+
+    def _find(self, h, text, aid=None):
+        row = self._hash_rows.get(h)
+        if row is not None and str(self._aid(row)) == text:
             return row
+        if self._collided:
+            row = self._collided.get(aid if aid is not None else ActionId.parse(text))
+            if row is not None:
+                return row
         if self._index_thread is not None:
             self._index_thread.join()
             self._index_thread = None
         if not self._idx_hash.size:
-            return row
-        h = np.uint64(name_hash(str(aid)))
-        i = int(np.searchsorted(self._idx_hash, h))
+            return None
+        i = int(np.searchsorted(self._idx_hash, np.uint64(h)))
         while i < self._idx_hash.size and self._idx_hash[i] == h:
             r = int(self._idx_row[i])
-            if self._rec(r).compiled.id == aid:   # a 64-bit hash may collide: verify
-                self._names[aid] = r
+            if str(self._aid(r)) == text:   # a 64-bit hash may collide: verify
+                self._index_row(h, r, aid if aid is not None else ActionId.parse(text))
                 return r
             i += 1
         return None
 
+    def _index_row(self, h, row, aid):
+        if self._hash_rows.setdefault(h, row) != row:
+            self._collided[aid] = row
+
+    def _probe(self, hashes, texts):
+        """Rows of the given names (-1 where new): one pass over the batch."""
+        out = np.full(len(texts), -1, dtype=np.int64)
+        get = self._hash_rows.get
+        hits = [i for i, h in enumerate(hashes.tolist()) if get(h) is not None]
+        if self._index_thread is not None:
+            self._index_thread.join()
+            self._index_thread = None
+        if self._idx_hash.size:
+            pos = np.searchsorted(self._idx_hash, hashes)
+            pos = np.minimum(pos, self._idx_hash.size - 1)
+            hits += np.flatnonzero(self._idx_hash[pos] == hashes).tolist()
+        if self._collided:
+            hits = range(len(texts))
+        for i in sorted(set(hits)):
+            row = self._find(int(hashes[i]), texts[i])
+            if row is not None:
+                out[i] = row
+        return out
+
+    # ------------------------------------------------------------------ rows and their edges
+    # A row is *lean* (a_edges 0) while its columns are its whole outcome: one attempt on the
+    # common path (queued, dispatched, running, succeeded), its spec in its enqueue group.
+    # It has no Python object; anything else (explain, attempts, a failure, a retry, an
+    # abort) gives it its Python record (_materialize), which is its truth from then on.
+
+    def _group_of(self, row):
+        gid = int(self._state.a_group[row])
+        g = self._groups.get(gid)
+        if g is None:
+            g = self._load_group(gid, int(self._state.a_part[row]))
+        return g
+
+    def _load_group(self, gid, part):
+        key = group_key(gid)
+        raw = self._store.get(part, "specs", key)
+        if raw is None:
+            raise CorruptRecord(part, "specs", key, f"enqueue group {gid} has no record")
+        try:
+            spec_bytes, names, inputs = decode_group(raw)
+            spec = decode_spec(spec_bytes)
+            c = compile_spec(spec, self._resources, self._queues,
+                             self.config.engine.default_queue)
+        except Exception as exc:
+            raise CorruptRecord(part, "specs", key, f"undecodable enqueue group: {exc}") \
+                from None
+        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs, spec_bytes)
+        return g
+
+    def _compiled_of(self, row):
+        """The compiled spec of ``row`` (its group's template for a lean row: the same but
+        for the id)."""
+        rec = self._recs.get(row)
+        return rec.compiled if rec is not None else self._group_of(row).compiled
+
+    def _spec_of(self, row):
+        rec = self._recs.get(row)
+        if rec is not None:
+            return rec.compiled.spec
+        g = self._group_of(row)
+        aid = g.action_id(int(self._state.a_gidx[row]))
+        return g.compiled.spec if aid == g.compiled.id else replace(g.compiled.spec,
+                                                                      id=str(aid))
+
+    def _input_ref(self, row):
+        return self._group_of(row).input_ref(int(self._state.a_gidx[row]))
+
+    def _phase_of(self, row):
+        rec = self._recs.get(row)
+        if rec is not None:
+            return rec.phase
+        if self._state.a_edges[row]:
+            return self._rec(row).phase
+        return PHASES[self._state.a_phase[row]]
+
     def _rec(self, row):
-        """The Python edges of ``row``, decoded from the store on first use after a load."""
+        """The Python record of ``row``, made from its columns (a lean row) or decoded from
+        the store on first use after a load."""
         rec = self._recs.get(row)
         if rec is None:
             rec = self._materialize(row)
         return rec
 
     def _aid(self, row):
-        return self._rec(row).compiled.id
+        rec = self._recs.get(row)
+        if rec is not None:
+            return rec.compiled.id
+        return self._group_of(row).action_id(int(self._state.a_gidx[row]))
 
     def _materialize(self, row):
         st = self._state
         part, key = int(st.a_part[row]), row_key(row)
-        raw_spec = self._store.get(part, "specs", key)
-        raw_out = self._store.get(part, "attempts", key)
-        pristine = raw_out is None and int(st.a_attempt[row]) == 1
-        if raw_spec is None or (raw_out is None and not pristine):
-            raise CorruptRecord(part, "specs" if raw_spec is None else "attempts", key,
-                                f"action row {row} has no such record")
-        try:
-            spec = decode_spec(raw_spec)
-            if pristine:     # never changed since its enqueue (no outcome record written)
-                phase, message, kind, cause, ur, sr = Phase.QUEUED.value, "", None, None, 0, 0
-                attempts = [Attempt(number=1, enqueued_ns=int(st.a_enqueued[row]))]
-            else:
-                phase, message, kind, cause, ur, sr, attempts = decode_outcome(raw_out)
-            c = compile_spec(spec, self._resources, self._queues,
-                             self.config.engine.default_queue)
-        except Exception as exc:
-            raise CorruptRecord(part, "specs", key, f"undecodable action record: {exc}") \
-                from None
+        g = self._group_of(row)
+        aid = g.action_id(int(st.a_gidx[row]))
+        c = copy.copy(g.compiled)
+        c.id = aid
+        c.spec = g.compiled.spec if aid == g.compiled.id else replace(g.compiled.spec,
+                                                                        id=str(aid))
         c.queue = self._queue_names[int(st.a_queue[row])]
-        rec = _Action(compiled=c, row=row, first_enqueued_ns=int(st.a_enqueued[row]),
-                      phase=Phase(phase), message=message, error_kind=kind, cause=cause,
-                      attempts=attempts, user_retries=ur, system_retries=sr)
+        if st.a_lean[row] and not st.a_edges[row]:
+            # Its columns are its outcome: one attempt on the common path.
+            if int(st.a_attempt[row]) != 1:
+                raise CorruptRecord(part, "actions", key, f"lean action row {row} is on "
+                                                          f"attempt {int(st.a_attempt[row])}")
+            att = Attempt(number=1, enqueued_ns=int(st.a_enqueued[row]))
+            start = int(st.a_start[row])
+            if start != NEVER:
+                att.generation = int(st.a_gen[row])
+                att.cluster = self._clusters[st.a_cluster[row]]
+                att.worker = self._worker_names[st.a_worker[row]]
+                att.start_ns = start
+            if int(st.a_running[row]) != NEVER:
+                att.running_ns = int(st.a_running[row])
+            phase = PHASES[st.a_phase[row]]
+            if phase == Phase.SUCCEEDED:
+                att.end_ns = int(st.a_done[row])
+                att.phase = phase.value
+            rec = _Action(compiled=c, row=row, first_enqueued_ns=int(st.a_enqueued[row]),
+                          phase=phase, attempts=[att])
+        else:
+            raw_out = self._store.get(part, "attempts", key)
+            if raw_out is None:
+                raise CorruptRecord(part, "attempts", key, f"action row {row} has no such "
+                                                           f"record")
+            try:
+                phase, message, kind, cause, ur, sr, attempts = decode_outcome(raw_out)
+            except Exception as exc:
+                raise CorruptRecord(part, "attempts", key, f"undecodable action record: "
+                                                           f"{exc}") from None
+            rec = _Action(compiled=c, row=row, first_enqueued_ns=int(st.a_enqueued[row]),
+                          phase=Phase(phase), message=message, error_kind=kind, cause=cause,
+                          attempts=attempts, user_retries=ur, system_retries=sr)
         self._recs[row] = rec
+        st.a_edges[row] = 1
         return rec
 
-    def _insert(self, c, now):
+    def _insert_group(self, c, names, inputs, now, hashes):
+        """Insert one enqueue group of ``len(names)`` new rows (vector operations)."""
         st = self._state
-        row = self._next_row
-        if st.ensure("actions", row + 1):
+        n = len(names)
+        first = self._next_row
+        if st.ensure("actions", first + n):
             self._bind()
-        self._next_row += 1
+        self._next_row += n
+        gid = self._next_gid
+        self._next_gid += 1
+        sl = slice(first, first + n)
+        rows = np.arange(first, first + n, dtype=np.int64)
         q = self._queue_index[c.queue]
         part = self._part_of(c.id.tenant)
         u = self._run_row(c, part)
         qr = self._qrun_row(q, u)
         env = self._env_row(c, q, part) if c.env_key is not None else -1
         fast = env >= 0 and st.e_cluster[env] >= 0
-        st.a_queue[row] = q
-        st.a_run[row] = u
-        st.a_qrun[row] = qr
-        st.a_lane[row] = 2 * qr + int(fast)
-        st.a_env[row] = env
-        st.a_fit[row] = self._fit_mask(c)
-        st.a_demand[row] = c.demand
-        st.a_gen[row] = 0
-        st.a_released_gen[row] = 0
-        st.a_enqueued[row] = now
-        st.a_part[row] = part
-        st.a_name_hash[row] = name_hash(str(c.id))
+        st.a_queue[sl] = q
+        st.a_run[sl] = u
+        st.a_qrun[sl] = qr
+        st.a_lane[sl] = 2 * qr + int(fast)
+        st.a_env[sl] = env
+        st.a_fit[sl] = self._fit_mask(c)
+        st.a_demand[sl] = c.demand
+        st.a_gen[sl] = 0
+        st.a_released_gen[sl] = 0
+        st.a_enqueued[sl] = now
+        st.a_part[sl] = part
+        st.a_name_hash[sl] = hashes
+        st.a_task[sl] = self._task_row(c.spec.task)   # backfill (issue 5)
+        st.a_group[sl] = gid
+        st.a_gidx[sl] = np.arange(n, dtype=np.int32)
+        st.a_attempt[sl] = 1
+        st.a_lean[sl] = 1
+        st.a_edges[sl] = 0
+        st.a_phase[sl] = _Q
+        st.a_start[sl] = NEVER
+        st.a_running[sl] = NEVER
+        st.a_done[sl] = NEVER
         parent = self._lookup(c.parent) if c.parent is not None else -1
-        st.a_parent[row] = parent
-        st.a_child[row] = -1
-        st.a_sibling[row] = -1
+        st.a_parent[sl] = parent
+        st.a_child[sl] = -1
         if parent >= 0:
-            st.a_sibling[row] = st.a_child[parent]
-            st.a_child[parent] = row
-        st.a_task[row] = self._task_row(c.spec.task)   # backfill (issue 5)
-        rec = _Action(compiled=c, row=row, first_enqueued_ns=now)
-        self._recs[row] = rec
-        self._fresh.add(row)
-        self._names[c.id] = row
-        self._op(part, "specs", row_key(row), encode_spec(c.spec))
+            # Newest child first: each row's next sibling is the one inserted before it.
+            st.a_sibling[first] = st.a_child[parent]
+            st.a_sibling[first + 1:first + n] = rows[:-1]
+            st.a_child[parent] = first + n - 1
+        else:
+            st.a_sibling[sl] = -1
+        if c.spec.id != str(c.id):
+            c.spec = replace(c.spec, id=str(c.id))
+        spec_bytes = encode_spec(c.spec)
+        self._groups[gid] = EnqueueGroup(gid, c, names, inputs, spec_bytes)
+        self._op(part, "specs", group_key(gid), encode_group(spec_bytes, names, inputs))
+        index = self._hash_rows
+        hl = hashes.tolist()
+        before = len(index)
+        taken = {h: index[h] for h in hl if h in index}
+        index.update(zip(hl, range(first, first + n), strict=True))
+        if taken or len(index) - before != n:
+            # A 64-bit hash shared with another id (astronomically rare): the first row keeps
+            # the hash, every later one is found by its id.
+            index.update(taken)
+            g = self._groups[gid]
+            owner = dict(taken)
+            for i, h in enumerate(hl):
+                if owner.setdefault(h, first + i) != first + i:
+                    index[h] = owner[h]
+                    self._collided[g.action_id(i)] = first + i
         t = c.spec.timeouts
         if t.deadline is not None:
-            self._timer(now + int(t.deadline * 1e9), T_DEADLINE, row, 0)
-        self._new_attempt(rec, now)
-        return row
+            due = now + int(t.deadline * 1e9)
+            for r in range(first, first + n):
+                self._timer(due, T_DEADLINE, r, 0)
+        if t.max_queued_time is not None:
+            due = now + int(t.max_queued_time * 1e9)
+            for r in range(first, first + n):
+                self._timer(due, T_QUEUED, r, 1)
+        self._dirty_fixed.update(range(first, first + n))
+        return rows
 
     def _new_attempt(self, rec, now):
         rec.attempts.append(Attempt(number=len(rec.attempts) + 1, enqueued_ns=now))
@@ -1091,6 +1333,9 @@ class Engine:
             if (int(st.a_gen[row]) != gen or st.a_end[row] != LeaseEnd.LIVE
                     or st.a_state[row] not in LIVE_STATES):
                 continue   # ended (expired, aborted) before it was dispatched
+            if not st.a_edges[row]:
+                out.append(self._drain_lean(row, gen, cluster, worker))
+                continue
             rec = self._rec(row)
             att = self._stamp_attempt(rec)
             if rec.phase not in TERMINAL_PHASES and st.a_state[row] == RowState.SENT:
@@ -1106,10 +1351,37 @@ class Engine:
                              if t.deadline is not None else None),
                 queued_deadline_ns=(att.enqueued_ns + int(t.max_queued_time * 1e9)
                                     if t.max_queued_time is not None else None),
-                max_runtime_s=t.max_runtime,
+                max_runtime_s=t.max_runtime, input_ref=self._input_ref(row),
             ))
         k.consume_dispatch(n)
         return out
+
+    def _drain_lean(self, row, gen, cluster, worker):
+        st = self._state
+        self._stamp_lean(row)
+        if st.a_state[row] == RowState.SENT:
+            st.a_phase[row] = _INIT
+        st.a_delivered_gen[row] = gen
+        self._dirty_fixed.add(row)
+        g = self._group_of(row)
+        i = int(st.a_gidx[row])
+        t = g.compiled.spec.timeouts
+        enq = int(st.a_enqueued[row])
+        return Assignment(
+            action=g.action_id(i), generation=gen, queue=self._queue_names[st.a_queue[row]],
+            cluster=cluster, worker=worker, kind=LeaseKind.RUN, attempt=1,
+            token=self._codec.mint(LeaseKind.RUN, row, gen),
+            deadline_ns=enq + int(t.deadline * 1e9) if t.deadline is not None else None,
+            queued_deadline_ns=(enq + int(t.max_queued_time * 1e9)
+                                if t.max_queued_time is not None else None),
+            max_runtime_s=t.max_runtime, input_ref=g.input_ref(i))
+
+    def _stamp_lean(self, row):
+        # A lean row has one attempt and one generation: stamped once, at its first use.
+        st = self._state
+        if st.a_start[row] == NEVER:
+            st.a_start[row] = self.clock.now_ns()
+            self._dirty_fixed.add(row)
 
     def tick(self):
         """Schedule once and return the assignments made (the in-process dispatcher), in
@@ -1164,30 +1436,32 @@ class Engine:
         state = st.a_state[row]
         if state == RowState.DONE:
             return
-        rec = self._rec(row)
-        if rec.phase in TERMINAL_PHASES:
+        if self._phase_of(row) in TERMINAL_PHASES:
             return
         if kind == T_DEADLINE:
             # The engine enforces the deadline before dispatch; a running attempt is
             # bounded by its worker, which was given the deadline with the lease.
             if state in (RowState.QUEUED, RowState.BACKOFF):
+                rec = self._rec(row)
                 self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
                                   message="deadline passed before dispatch")
                 self._finish(rec, Phase.TIMED_OUT, "deadline passed before dispatch",
                              cause="deadline")
         elif kind == T_QUEUED:
-            if state == RowState.QUEUED and len(rec.attempts) == ref:
+            if state == RowState.QUEUED and int(st.a_attempt[row]) == ref:
+                rec = self._rec(row)
                 self._kernel.remove(row)          # leaves the row in state DONE
                 self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
                                      "max_queued_time passed while queued", True)
         elif kind == T_RETRY:
-            if state == RowState.BACKOFF and len(rec.attempts) == ref:
+            if state == RowState.BACKOFF and int(st.a_attempt[row]) == ref:
                 self._kernel.push(row)
                 self._touch(row)
         elif kind == T_RUNTIME:
             # Engine backstop for max_runtime: the worker should have ended it.
             if (state == RowState.RUNNING and int(st.a_gen[row]) == ref
                     and st.a_end[row] == LeaseEnd.LIVE):
+                rec = self._rec(row)
                 self._stamp_attempt(rec)
                 self._end_lease(row, LeaseEnd.EXPIRED)
                 self._attempt_failed(
@@ -1329,8 +1603,11 @@ class Engine:
             elif phase == Phase.TIMED_OUT:
                 raise SpecError("a finalize lease ends SUCCEEDED or FAILED")
             return verdict
-        rec = self._rec(row)
         st = self._state
+        if not st.a_edges[row] and (phase in (Phase.INITIALIZING, Phase.RUNNING) or (
+                phase == Phase.SUCCEEDED and not message and not cleanup)):
+            return self._report_lean(row, phase)
+        rec = self._rec(row)
         now = self.clock.now_ns()
         att = self._stamp_attempt(rec)
         if phase == Phase.INITIALIZING:
@@ -1374,6 +1651,40 @@ class Engine:
         self._attempt_failed(rec, Phase.TIMED_OUT, None, cause, message, True, cleanup=cleanup)
         return verdict
 
+    def _report_lean(self, row, phase):
+        # The common path of a lean row, in its columns (same rules as _report).
+        st = self._state
+        self._stamp_lean(row)
+        self._dirty_fixed.add(row)
+        if phase == Phase.INITIALIZING:
+            if st.a_state[row] != RowState.RUNNING:
+                st.a_phase[row] = _INIT
+            return Verdict.OK
+        now = self.clock.now_ns()
+        g = self._group_of(row)
+        if phase == Phase.RUNNING:
+            if st.a_state[row] != RowState.RUNNING:
+                st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
+                st.a_running[row] = now
+                st.a_phase[row] = _RUNNING
+                pred = int(st.t_pred_rt[st.a_task[row]])
+                if pred != NEVER and now + pred > st.a_pred_end[row]:
+                    st.a_pred_end[row] = now + pred
+                t = g.compiled.spec.timeouts
+                if t.max_runtime is not None:
+                    grace = self.config.engine.runtime_grace
+                    self._timer(now + int((t.max_runtime + grace) * 1e9), T_RUNTIME, row,
+                                int(st.a_gen[row]))
+            return Verdict.OK
+        began = int(st.a_running[row])
+        if began == NEVER:
+            began = int(st.a_start[row])
+        self._record_runtime(g.compiled.spec.task, now - began)
+        self._end_lease(row, LeaseEnd.COMPLETED)
+        st.a_done[row] = now
+        st.a_phase[row] = _SUCCEEDED
+        return Verdict.OK
+
     def mark_running(self, action, generation):
         """In-process convenience: the holder of ``generation`` reports RUNNING."""
         self._report_as_holder(action, generation, Phase.RUNNING)
@@ -1389,11 +1700,11 @@ class Engine:
         self._report_as_holder(action, generation, phase, message=message, **kw)
 
     def _report_as_holder(self, action, generation, phase, **kw):
-        rec = self._rec(self._row_of(action))
-        token = self._codec.mint(LeaseKind.RUN, rec.row, generation)
+        row = self._row_of(action)
+        token = self._codec.mint(LeaseKind.RUN, row, generation)
         verdict = self.report(token, phase, **kw)
         if verdict != Verdict.OK:
-            raise SpecError(f"action {rec.compiled.id}: report for generation {generation} "
+            raise SpecError(f"action {self._aid(row)}: report for generation {generation} "
                             f"refused: {verdict.name}")
 
     # ------------------------------------------------------------------ abort
@@ -1416,9 +1727,9 @@ class Engine:
                     kid = int(st.a_sibling[kid])
                 kids.reverse()
                 stack.extend(kids)
-                rec = self._rec(row)
-                if rec.phase in TERMINAL_PHASES:
+                if self._phase_of(row) in TERMINAL_PHASES:
                     continue
+                rec = self._rec(row)
                 state = st.a_state[row]
                 cleanup = False
                 if state in LIVE_STATES:
@@ -1727,7 +2038,7 @@ class Engine:
             if blocker < 0:
                 return f"queue {qname}: head-of-line blocked"
             b = self._aid(blocker)
-            btask = self._rec(blocker).compiled.spec.task
+            btask = self._compiled_of(blocker).spec.task
             if code == WaitCode.HEAD_BUDGET:
                 bdim = int(st.a_wait_dim[blocker])
                 name = res.names[bdim]
@@ -1743,7 +2054,7 @@ class Engine:
         if code == WaitCode.POOL_BUSY:
             e = int(st.a_env[row])
             return (f"queue {qname}: warm pool {self._aid(row).run}/"
-                    f"{self._rec(row).compiled.spec.environment} on "
+                    f"{self._compiled_of(row).spec.environment} on "
                     f"{self._clusters[cluster]} has all {int(st.e_slots[e])} slots busy")
         if code == WaitCode.POOL_ELSEWHERE:
             return (f"queue {qname}: its warm pool runs on {self._clusters[cluster]}, which the "

@@ -24,6 +24,7 @@ __all__ = [
     "name_hash",
     "encode_spec",
     "decode_spec",
+    "spec_content",
     "encode_outcome",
     "decode_outcome",
     "LAYOUT_KEY",
@@ -69,6 +70,14 @@ def action_dtype(n_res):
         ("runtime_due", "<i8"),
         ("name_hash", "<u8"),     # hash of the action id (index at reload)
         ("pred_end", "<i8"),      # predicted end of the live lease (ns; NEVER unknown)
+        ("group", "<i8"),         # enqueue group (shared spec and names)
+        ("gidx", "<i4"),          # index in the group
+        ("lean", "u1"),           # 1: this record is the whole outcome (no attempts record)
+        ("phase", "u1"),          # phase code (engine._codes.PHASES) of a lean row
+        ("pad", "u2"),
+        ("start", "<i8"),         # lean: assignment of its attempt (NEVER: not yet)
+        ("running", "<i8"),       # lean: first RUNNING report
+        ("done", "<i8"),          # lean: end of its attempt
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
     ])
 
@@ -113,6 +122,18 @@ def _default(value):
 def encode_spec(spec):
     """An :class:`ActionSpec` as msgpack (its plain-data form)."""
     return msgpack.packb(spec.__dict__, default=_default, use_bin_type=True)
+
+
+def spec_content(spec):
+    """What two specs of one run must share to be compiled and stored once: everything but
+    the action name (bytes; specs of different runs never share it)."""
+    data = dict(spec.__dict__)
+    aid = data.get("id")
+    data["id"] = aid.rsplit("/", 1)[0] if isinstance(aid, str) else aid
+    try:
+        return msgpack.packb(data, default=_default, use_bin_type=True)
+    except (TypeError, ValueError):
+        return None     # not plain data: compile_spec words the error
 
 
 def decode_spec(raw):

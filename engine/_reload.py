@@ -90,7 +90,8 @@ _PRESET = frozenset({
     "a_parent", "a_attempt", "a_fit", "a_gen", "a_released_gen", "a_delivered_gen",
     "a_enqueued", "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due",
     "a_name_hash", "a_demand", "a_worker", "a_qrun", "a_lane", "a_task", "a_backfilled",
-    "a_pred_end",
+    "a_pred_end", "a_group", "a_gidx", "a_lean", "a_phase", "a_start", "a_running", "a_done",
+    "a_edges",
 })
 
 
@@ -216,13 +217,17 @@ def _fill_actions(eng, recs, rows, parts, n, now):
     columns = ("state", "end", "charged", "part", "queue", "run", "env", "cluster", "parent",
                "attempt", "fit", "gen", "released_gen", "delivered_gen", "enqueued",
                "deadline_due", "queued_due", "retry_due", "runtime_due", "name_hash", "demand",
-               "task", "backfilled", "pred_end")
+               "task", "backfilled", "pred_end", "group", "gidx", "lean", "phase", "start",
+               "running", "done")
 
     def fill(name):
         getattr(st, "a_" + name)[rows] = recs[name]
 
     _parallel(fill, columns)
     link_children(st, n)
+    eng._next_gid = int(st.a_group[:n].max()) + 1 if n else 0
+    # A row with an attempts record has its Python record as truth (decoded on first use).
+    st.a_edges[:n] = st.a_lean[:n] == 0
     holder = np.empty(n, dtype=np.int32)
     holder[rows] = recs["holder"]
     eng._restored_holder = holder      # identities, turned into session rows in _rebuild

@@ -55,6 +55,18 @@ ACTION_FIELDS = {
     "a_retry_due": (I64, NEVER, ()),
     "a_runtime_due": (I64, NEVER, ()),
     "a_name_hash": (U64, 0, ()),
+    # Lean rows (engine/_engine.py): the enqueue group (its shared spec and the names), the
+    # row's index in it, and while a_lean the whole outcome of its one attempt: phase code
+    # and assignment, RUNNING and end times (NEVER = not yet).
+    "a_group": (I64, -1, ()),
+    "a_gidx": (I32, -1, ()),
+    "a_lean": (U8, 0, ()),
+    "a_phase": (U8, 0, ()),
+    "a_start": (I64, NEVER, ()),
+    "a_running": (I64, NEVER, ()),
+    "a_done": (I64, NEVER, ()),
+    # In memory only: 1 when the row's Python record (spec, outcome, attempts) is its truth.
+    "a_edges": (U8, 0, ()),
     # --- backfill (see docs/architecture.md, "Backfill") ---
     "a_task": (I32, -1, ()),            # task row (runtime history is per task name)
     "a_pred_end": (I64, NEVER, ()),     # predicted end (ns) of the live lease; NEVER = unknown

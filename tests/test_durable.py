@@ -24,6 +24,7 @@ from engine import (
 )
 from engine._codes import LeaseKind, RowState, Verdict
 from engine._errors import ConfigError
+from engine._groups import group_key
 from engine._records import row_key
 from storage import (
     CorruptRecord,
@@ -453,10 +454,12 @@ def test_the_records_land_in_the_tenants_partition():
     ids = eng.enqueue_many([spec(i, tenant=t) for i, t in enumerate(["acme", "beta", "corp"])])
     from storage import partition_of
     for aid in ids:
-        row = eng.inspect().row_of(aid)
+        view = eng.inspect()
+        row = view.row_of(aid)
         p = partition_of(aid.tenant, 4)
         assert row_key(row) in store.backing.data[p]["actions"]
-        assert row_key(row) in store.backing.data[p]["specs"]
+        # Its spec is stored once for its enqueue group, in the same partition.
+        assert group_key(int(view.arrays.a_group[row])) in store.backing.data[p]["specs"]
 
 
 def test_spec_records_round_trip_every_declaration():

@@ -1,0 +1,97 @@
+"""Enqueue groups: actions enqueued together with one spec.
+
+A fan-out (a map task: N actions that differ only in their names) is one group; so is every
+run of identical content in an ``enqueue_many`` batch (a batch of distinct specs is one group
+per spec). A group's spec is compiled, checked and stored once (``specs`` database, key
+:func:`group_key`), with the names of its actions and their input references; each action's
+fixed record carries its group and its index in it. An action of a group is *lean* while its
+fixed record is its whole outcome (see ``engine/_engine.py``): no Python object per action.
+"""
+
+import re
+
+import msgpack
+
+from engine._errors import SpecError
+from engine._model import ActionId
+
+__all__ = ["EnqueueGroup", "group_key", "encode_group", "decode_group", "check_names",
+           "MAX_INPUT_REF"]
+
+#: Longest input reference a fan-out action may carry (bytes of UTF-8).
+MAX_INPUT_REF = 4096
+
+# The action part of an id (engine/_model.py's segment rule).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def group_key(gid):
+    """The ``specs`` key of group ``gid``: ``b"g"`` and 8 bytes big-endian (a row's key is 8
+    bytes, so the two never meet)."""
+    return b"g" + int(gid).to_bytes(8, "big")
+
+
+class EnqueueGroup:
+    """One group in memory: its compiled template (the first action's id), the names of its
+    actions by index, and their input references (None when the group has none)."""
+
+    __slots__ = ("gid", "compiled", "names", "inputs", "parts", "spec_bytes")
+
+    def __init__(self, gid, compiled, names, inputs, spec_bytes):
+        self.gid = gid
+        self.compiled = compiled
+        self.names = names
+        self.inputs = inputs
+        aid = compiled.id
+        self.parts = (aid.tenant, aid.project, aid.domain, aid.run)
+        self.spec_bytes = spec_bytes
+
+    def action_id(self, index):
+        """The ActionId of the group's action ``index``."""
+        return ActionId(*self.parts, self.names[index])
+
+    def input_ref(self, index):
+        """The input reference of action ``index``, or None."""
+        return None if self.inputs is None else self.inputs[index]
+
+
+def encode_group(spec_bytes, names, inputs):
+    """The stored record of a group: its encoded spec, names and input references."""
+    return msgpack.packb([spec_bytes, names, inputs], use_bin_type=True)
+
+
+def decode_group(raw):
+    """``(spec_bytes, names, inputs)`` of :func:`encode_group` output."""
+    spec_bytes, names, inputs = msgpack.unpackb(raw, raw=False)
+    return spec_bytes, names, inputs
+
+
+def check_names(names, inputs):
+    """Check a fan-out's names (and input references); returns them as lists. Raises
+    ``SpecError`` naming the first bad item."""
+    if isinstance(names, (str, bytes)):
+        raise SpecError("names must be a list of action names, not one string")
+    names = list(names)
+    if not names:
+        raise SpecError("a fan-out needs at least one name")
+    match = _NAME.fullmatch
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or match(name) is None:
+            raise SpecError(f"names[{i}]: {name!r} is not an action name (a letter or digit, "
+                            f"then letters, digits, '_', '.', '-')")
+    if len(set(names)) != len(names):
+        seen = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise SpecError(f"names[{i}]: {name!r} appears twice")
+            seen.add(name)
+    if inputs is not None:
+        inputs = list(inputs)
+        if len(inputs) != len(names):
+            raise SpecError(f"inputs has {len(inputs)} items for {len(names)} names")
+        for i, ref in enumerate(inputs):
+            if ref is not None and (not isinstance(ref, str)
+                                    or len(ref.encode()) > MAX_INPUT_REF):
+                raise SpecError(f"inputs[{i}]: an input reference is a string of at most "
+                                f"{MAX_INPUT_REF} bytes, not {ref!r:.80}")
+    return names, inputs
