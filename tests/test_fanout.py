@@ -1,0 +1,249 @@
+"""Fan-out enqueue and lean rows: one spec for many actions, the common path in columns,
+the Python record only where something unusual happens; all of it across restarts."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine import (
+    ActionSpec,
+    AlreadyExists,
+    Engine,
+    ManualClock,
+    Phase,
+    ResourceExhausted,
+    RetryPolicy,
+    SpecError,
+    Timeouts,
+    parse_config,
+)
+from engine._codes import Verdict
+from storage import MemoryStore
+
+CONFIG = {
+    "resources": ["cpu", "memory"],
+    "clusters": {"east": {"capacity": {"cpu": 64, "memory": "256Gi"}}},
+    "queues": {"cpu": {"scheduling": "GREEDY_CAPACITY", "depth": 500}},
+    "engine": {"default_queue": "cpu", "system_retries": 1},
+}
+
+
+def engine(store=None, clock=None):
+    eng = Engine(parse_config(CONFIG), clock=clock or ManualClock(), store=store or MemoryStore(4))
+    eng.register_worker("w", "east", 1000)
+    return eng
+
+
+def restart(eng):
+    store = eng.store
+    eng.close()
+    again = Engine(eng.config, clock=eng.clock,
+                   store=MemoryStore(store.partitions, backing=store.backing))
+    again.register_worker("w", "east", 1000)
+    return again
+
+
+def template(name="map", **kw):
+    kw.setdefault("resources", {"cpu": 1})
+    return ActionSpec(id=f"acme/p/d/r/{name}", task="square", **kw)
+
+
+def history(eng, aid):
+    return [(a.number, a.generation, a.cluster, a.worker, a.start_ns, a.running_ns, a.end_ns,
+             a.phase) for a in eng.attempts(aid)]
+
+
+def test_a_fan_out_shares_one_group_and_runs_the_common_path_in_columns():
+    eng = engine()
+    ids = eng.enqueue_fanout(template(), [f"i{k}" for k in range(5)],
+                             inputs=[f"s3://in/{k}" for k in range(5)])
+    assert [str(a) for a in ids] == [f"acme/p/d/r/i{k}" for k in range(5)]
+    view = eng.inspect()
+    rows = [view.row_of(a) for a in ids]
+    assert len(set(view.arrays.a_group[rows].tolist())) == 1
+    assert eng.phase(ids[0]) == Phase.QUEUED
+    eng.clock.advance(1)
+    out = eng.tick()
+    assert sorted(a.input_ref for a in out) == [f"s3://in/{k}" for k in range(5)]
+    assert {a.action for a in out} == set(ids)
+    by_id = {a.action: a for a in out}
+    eng.clock.advance(2)
+    for a in out:
+        assert eng.report(a.token, Phase.RUNNING) == Verdict.OK
+    eng.clock.advance(3)
+    for a in out:
+        assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+    a0 = by_id[ids[0]]
+    assert eng.phase(ids[0]) == Phase.SUCCEEDED
+    assert history(eng, ids[0]) == [(1, a0.generation, "east", "w", 10**9, 3 * 10**9,
+                                     6 * 10**9, "SUCCEEDED")]
+    assert eng.history.count("square") == 5
+    # A finished lease refuses its token.
+    assert eng.report(a0.token, Phase.RUNNING) == Verdict.COMPLETED
+
+
+@pytest.mark.parametrize("stage", ["queued", "sent", "drained", "running", "succeeded"])
+def test_lean_rows_come_back_the_same_after_a_restart(stage):
+    eng = engine()
+    ids = eng.enqueue_fanout(template(), ["a", "b", "c"])
+    out = []
+    if stage != "queued":
+        eng.clock.advance(1)
+        if stage == "sent":
+            eng.schedule()
+        else:
+            out = eng.tick()
+    if stage in ("running", "succeeded"):
+        eng.clock.advance(1)
+        for a in out:
+            eng.report(a.token, Phase.RUNNING)
+    if stage == "succeeded":
+        eng.clock.advance(1)
+        for a in out:
+            eng.report(a.token, Phase.SUCCEEDED)
+    before = {a: (eng.phase(a), history(eng, a)) for a in ids}
+    again = restart(eng)
+    assert {a: (again.phase(a), history(again, a)) for a in ids} == before
+    # The restored shard carries on: every action ends SUCCEEDED.
+    if stage == "sent":
+        out = again.drain_dispatch()
+        assert len(out) == 3            # never handed out: dispatched again, same generation
+    elif stage == "queued":
+        again.clock.advance(1)
+        out = again.tick()
+    for a in out:
+        if stage != "succeeded":
+            assert again.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+    assert all(again.phase(a) == Phase.SUCCEEDED for a in ids)
+
+
+def test_a_failed_lean_row_keeps_its_history_across_restarts_and_retries():
+    eng = engine()
+    [a, b] = eng.enqueue_fanout(template(retries=RetryPolicy(count=1, backoff_base=1.0)), ["a", "b"])
+    eng.clock.advance(1)
+    out = {x.action: x for x in eng.tick()}
+    assert eng.report(out[a].token, Phase.FAILED, error_kind="USER",
+                      message="exit 3") == Verdict.OK
+    eng.explain(b)                    # gives b its Python record; nothing changes
+    eng = restart(eng)
+    assert [h[-1] for h in history(eng, a)] == ["FAILED", None]
+    assert eng.report(out[b].token, Phase.SUCCEEDED) == Verdict.OK
+    eng.clock.advance(2)
+    retry = {x.action: x for x in eng.tick()}
+    assert retry[a].attempt == 2
+    assert eng.report(retry[a].token, Phase.SUCCEEDED) == Verdict.OK
+    eng = restart(eng)
+    assert [h[-1] for h in history(eng, a)] == ["FAILED", "SUCCEEDED"]
+    assert eng.attempts(a)[0].message == "exit 3"
+    assert [h[-1] for h in history(eng, b)] == ["SUCCEEDED"]
+    assert eng.phase(a) == eng.phase(b) == Phase.SUCCEEDED
+
+
+def test_a_fan_out_again_is_a_no_op_and_only_new_names_are_added():
+    eng = engine()
+    store = eng.store
+    first = eng.enqueue_fanout(template(), ["a", "b"], inputs=["x", "y"])
+    commits = store.commits
+    assert eng.enqueue_fanout(template(), ["a", "b"], inputs=["x", "y"]) == first
+    assert store.commits == commits and eng.inspect().action_rows == 2
+    ids = eng.enqueue_fanout(template(), ["b", "c", "a", "d"], inputs=["y", "z", "x", "w"])
+    assert [a.action for a in ids] == ["b", "c", "a", "d"]
+    assert eng.inspect().action_rows == 4
+    with pytest.raises(AlreadyExists):
+        eng.enqueue_fanout(template(resources={"cpu": 2}), ["a"])
+    with pytest.raises(AlreadyExists):
+        eng.enqueue_fanout(template(), ["a"], inputs=["other"])
+    # enqueue_many and a fan-out see the same actions.
+    assert eng.enqueue_many([dataclasses.replace(template(), id="acme/p/d/r/c")]) == [ids[1]]
+    eng = restart(eng)
+    assert eng.enqueue_fanout(template(), ["d", "e"], inputs=["w", "v"])[1].action == "e"
+    assert eng.inspect().action_rows == 5
+
+
+@pytest.mark.parametrize("names, inputs, match", [
+    ("abc", None, "list of action names"),
+    ([], None, "at least one name"),
+    (["ok", "bad/name"], None, r"names\[1\]"),
+    (["ok", "-dash"], None, r"names\[1\]"),
+    (["a", "b", "a"], None, r"names\[2\]: 'a' appears twice"),
+    (["a", "b"], ["x"], "inputs has 1 items for 2 names"),
+    (["a"], [3], r"inputs\[0\]"),
+    (["a"], ["x" * 5000], r"inputs\[0\]"),
+])
+def test_bad_fan_outs_are_refused_naming_the_item_and_store_nothing(names, inputs, match):
+    eng = engine()
+    commits = eng.store.commits
+    with pytest.raises(SpecError, match=match):
+        eng.enqueue_fanout(template(), names, inputs=inputs)
+    assert eng.inspect().action_rows == 0 and eng.store.commits == commits
+
+
+def test_a_fan_out_is_atomic_on_its_parent_its_depth_and_its_template():
+    eng = engine()
+    with pytest.raises(SpecError, match="parent acme/p/d/r/root not found"):
+        eng.enqueue_fanout(template(parent="acme/p/d/r/root"), ["a"])
+    with pytest.raises(SpecError, match="resources"):
+        eng.enqueue_fanout(template(resources={"gpu": 1}), ["a"])
+    with pytest.raises(ResourceExhausted, match="depth 500"):
+        eng.enqueue_fanout(template(), [f"n{k}" for k in range(501)])
+    [root] = eng.enqueue_many([template("root")])
+    with pytest.raises(SpecError, match="its own parent"):
+        eng.enqueue_fanout(template(parent=str(root)), ["a", "root"])
+    assert eng.inspect().action_rows == 1
+    kids = eng.enqueue_fanout(template(parent=str(root)), ["k1", "k2"])
+    view = eng.inspect()
+    assert view.children(view.row_of(root)) == sorted(view.row_of(k) for k in kids)
+    ended = eng.abort(root)
+    assert {str(a) for a in ended} == {str(root), *map(str, kids)}
+    with pytest.raises(SpecError, match="was aborted"):
+        eng.enqueue_fanout(template(parent=str(root)), ["k3"])
+
+
+def test_identical_content_in_enqueue_many_is_one_group_in_batch_order():
+    eng = engine()
+    same = [template(f"s{k}") for k in range(3)]
+    other = template("o", resources={"cpu": 2})
+    ids = eng.enqueue_many([same[0], same[1], other, same[2]])
+    view = eng.inspect()
+    groups = [int(view.arrays.a_group[view.row_of(a)]) for a in ids]
+    assert groups[0] == groups[1] != groups[2] != groups[3]
+    assert [view.row_of(a) for a in ids] == [0, 1, 2, 3]
+    assert [view.record(r).spec for r in range(4)] == [same[0], same[1], other, same[2]]
+    # Durations given as timedelta come back as seconds for every member of a group.
+    from datetime import timedelta
+    tds = [template(f"t{k}", timeouts=Timeouts(max_runtime=timedelta(minutes=1)))
+           for k in range(2)]
+    for aid in eng.enqueue_many(tds):
+        assert view.record(view.row_of(aid)).spec.timeouts.max_runtime == 60.0
+
+
+def test_a_batch_where_two_names_share_a_hash_keeps_both_findable(monkeypatch):
+    import engine._engine as module
+    monkeypatch.setattr(module, "name_hash", lambda text: 7)   # every name collides
+    eng = engine()
+    ids = eng.enqueue_fanout(template(), ["a", "b", "c"])
+    ids += eng.enqueue_many([template("d")])
+    view = eng.inspect()
+    assert [view.row_of(a) for a in ids] == [0, 1, 2, 3]
+    assert eng.enqueue_fanout(template(), ["c", "a"]) == [ids[2], ids[0]]
+    assert view.find("acme/p/d/r/zz") is None
+    eng = restart(eng)
+    view = eng.inspect()
+    assert [view.row_of(a) for a in ids] == [0, 1, 2, 3]
+    assert view.find("acme/p/d/r/zz") is None
+
+
+def test_lean_rows_hold_no_python_record_until_asked():
+    eng = engine()
+    ids = eng.enqueue_fanout(template(), [f"n{k}" for k in range(200)])
+    eng.clock.advance(1)
+    out = eng.tick()
+    for a in out:
+        eng.report(a.token, Phase.RUNNING)
+        eng.report(a.token, Phase.SUCCEEDED)
+    view = eng.inspect()
+    edges = view.arrays.a_edges[:view.action_rows]
+    assert not edges.any()              # the whole life cycle in columns
+    eng.explain(ids[7])
+    assert np.flatnonzero(view.arrays.a_edges[:view.action_rows]).tolist() == [7]
