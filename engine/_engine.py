@@ -49,6 +49,7 @@ from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,
     action_dtype,
+    decode_content,
     decode_outcome,
     decode_spec,
     encode_outcome,
@@ -813,15 +814,17 @@ class Engine:
             now = self.clock.now_ns()
             first = self._next_row
             # Consecutive actions of identical content form one group (rows in batch order).
-            start = 0
+            groups, start = [], 0
             for k in range(1, len(plan) + 1):
                 if k == len(plan) or plan[k][0] is None or plan[k][0] != plan[start][0]:
                     run = plan[start:k]
                     c0 = run[0][1]
-                    self._insert_group(c0, [c.id.action for _key, c in run], None, now,
-                                       np.fromiter((name_hash(str(c.id)) for _k, c in run),
-                                                   dtype=np.uint64, count=len(run)))
+                    content = run[0][0] if run[0][0] is not None else spec_content(c0.spec)
+                    groups.append((c0, [c.id.action for _key, c in run], None,
+                                   np.fromiter((name_hash(str(c.id)) for _k, c in run),
+                                               dtype=np.uint64, count=len(run)), content))
                     start = k
+            self._insert_groups(groups, now)
             self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
         return ids
 
@@ -866,12 +869,14 @@ class Engine:
         with self._turn():
             now = self.clock.now_ns()
             first = self._next_row
+            content = spec_content(c.spec)
             if idx.size == len(names):
-                self._insert_group(c, names, inputs, now, hashes)
+                self._insert_groups([(c, names, inputs, hashes, content)], now)
             else:
-                self._insert_group(c, [names[i] for i in idx.tolist()],
-                                   None if inputs is None else [inputs[i] for i in idx.tolist()],
-                                   now, hashes[idx])
+                self._insert_groups([(c, [names[i] for i in idx.tolist()],
+                                      None if inputs is None else [inputs[i] for i in
+                                                                   idx.tolist()],
+                                      hashes[idx], content)], now)
             self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
         return ids
 
@@ -989,14 +994,14 @@ class Engine:
         if raw is None:
             raise CorruptRecord(part, "specs", key, f"enqueue group {gid} has no record")
         try:
-            spec_bytes, names, inputs = decode_group(raw)
-            spec = decode_spec(spec_bytes)
+            content, names, inputs = decode_group(raw)
+            spec = decode_content(content, names[0])
             c = compile_spec(spec, self._resources, self._queues,
                              self.config.engine.default_queue)
         except Exception as exc:
             raise CorruptRecord(part, "specs", key, f"undecodable enqueue group: {exc}") \
                 from None
-        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs, spec_bytes)
+        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
         return g
 
     def _compiled_of(self, row):
@@ -1086,39 +1091,82 @@ class Engine:
         st.a_edges[row] = 1
         return rec
 
-    def _insert_group(self, c, names, inputs, now, hashes):
-        """Insert one enqueue group of ``len(names)`` new rows (vector operations)."""
+    def _insert_groups(self, groups, now):
+        """Insert enqueue groups ``[(compiled, names, inputs, hashes, content)]`` as new
+        rows in order: per group what it shares (run, lanes, pool, fit, task, its record),
+        per row vector operations over the whole batch."""
         st = self._state
-        n = len(names)
+        counts = np.fromiter((len(g[1]) for g in groups), dtype=np.int64, count=len(groups))
+        n = int(counts.sum())
         first = self._next_row
         if st.ensure("actions", first + n):
             self._bind()
         self._next_row += n
-        gid = self._next_gid
-        self._next_gid += 1
         sl = slice(first, first + n)
-        rows = np.arange(first, first + n, dtype=np.int64)
-        q = self._queue_index[c.queue]
-        part = self._part_of(c.id.tenant)
-        u = self._run_row(c, part)
-        qr = self._qrun_row(q, u)
-        env = self._env_row(c, q, part) if c.env_key is not None else -1
-        fast = env >= 0 and st.e_cluster[env] >= 0
-        st.a_queue[sl] = q
-        st.a_run[sl] = u
-        st.a_qrun[sl] = qr
-        st.a_lane[sl] = 2 * qr + int(fast)
-        st.a_env[sl] = env
-        st.a_fit[sl] = self._fit_mask(c)
-        st.a_demand[sl] = c.demand
+        cols = {k: np.empty(len(groups), dtype=np.int64) for k in (
+            "queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent")}
+        fits = np.empty(len(groups), dtype=np.uint64)
+        demand = np.empty((len(groups), st.n_res), dtype=np.int64)
+        start = first
+        deadlines, queued = [], []
+        offsets = (first + np.cumsum(counts) - counts).tolist()
+        local, done = {}, 0         # id text -> row of this batch's earlier groups
+        st.a_child[sl] = -1         # (before the loop: a parent may be in this batch)
+        for k, (c, names, inputs, _hashes, content) in enumerate(groups):
+            gid = self._next_gid
+            self._next_gid += 1
+            q = self._queue_index[c.queue]
+            part = self._part_of(c.id.tenant)
+            u = self._run_row(c, part)
+            qr = self._qrun_row(q, u)
+            env = self._env_row(c, q, part) if c.env_key is not None else -1
+            fast = env >= 0 and st.e_cluster[env] >= 0
+            parent = -1
+            if c.parent is not None:
+                # The parent may be earlier in this batch (its columns are not set yet).
+                while done < k:
+                    g0, lo = groups[done][0], offsets[done]
+                    prefix = g0.id.run_key + "/"
+                    local.update((prefix + name, lo + i)
+                                 for i, name in enumerate(groups[done][1]))
+                    done += 1
+                parent = local.get(str(c.parent))
+                if parent is None:
+                    parent = self._lookup(c.parent)
+            for key, value in (("queue", q), ("run", u), ("qrun", qr),
+                               ("lane", 2 * qr + int(fast)), ("env", env), ("part", part),
+                               ("task", self._task_row(c.spec.task)), ("group", gid),
+                               ("parent", parent)):
+                cols[key][k] = value
+            fits[k] = self._fit_mask(c)
+            demand[k] = c.demand
+            m = len(names)
+            if parent >= 0:
+                # Newest child first: each row's next sibling is the one inserted before it.
+                st.a_sibling[start] = st.a_child[parent]
+                st.a_sibling[start + 1:start + m] = np.arange(start, start + m - 1)
+                st.a_child[parent] = start + m - 1
+            else:
+                st.a_sibling[start:start + m] = -1
+            if c.spec.id != str(c.id):
+                c.spec = replace(c.spec, id=str(c.id))
+            self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
+            self._op(part, "specs", group_key(gid), encode_group(content, names, inputs))
+            t = c.spec.timeouts
+            if t.deadline is not None:
+                deadlines.append((start, start + m, now + int(t.deadline * 1e9)))
+            if t.max_queued_time is not None:
+                queued.append((start, start + m, now + int(t.max_queued_time * 1e9)))
+            start += m
+        for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent"):
+            getattr(st, "a_" + key)[sl] = np.repeat(cols[key], counts)
+        st.a_fit[sl] = np.repeat(fits, counts)
+        st.a_demand[sl] = np.repeat(demand, counts, axis=0)
+        st.a_gidx[sl] = np.arange(n, dtype=np.int32) - np.repeat(
+            (np.cumsum(counts) - counts).astype(np.int32), counts)
         st.a_gen[sl] = 0
         st.a_released_gen[sl] = 0
         st.a_enqueued[sl] = now
-        st.a_part[sl] = part
-        st.a_name_hash[sl] = hashes
-        st.a_task[sl] = self._task_row(c.spec.task)   # backfill (issue 5)
-        st.a_group[sl] = gid
-        st.a_gidx[sl] = np.arange(n, dtype=np.int32)
         st.a_attempt[sl] = 1
         st.a_lean[sl] = 1
         st.a_edges[sl] = 0
@@ -1126,23 +1174,21 @@ class Engine:
         st.a_start[sl] = NEVER
         st.a_running[sl] = NEVER
         st.a_done[sl] = NEVER
-        parent = self._lookup(c.parent) if c.parent is not None else -1
-        st.a_parent[sl] = parent
-        st.a_child[sl] = -1
-        if parent >= 0:
-            # Newest child first: each row's next sibling is the one inserted before it.
-            st.a_sibling[first] = st.a_child[parent]
-            st.a_sibling[first + 1:first + n] = rows[:-1]
-            st.a_child[parent] = first + n - 1
-        else:
-            st.a_sibling[sl] = -1
-        if c.spec.id != str(c.id):
-            c.spec = replace(c.spec, id=str(c.id))
-        spec_bytes = encode_spec(c.spec)
-        self._groups[gid] = EnqueueGroup(gid, c, names, inputs, spec_bytes)
-        self._op(part, "specs", group_key(gid), encode_group(spec_bytes, names, inputs))
+        hashes = groups[0][3] if len(groups) == 1 else np.concatenate([g[3] for g in groups])
+        st.a_name_hash[sl] = hashes
+        self._index_new(hashes, first, groups)
+        for lo, hi, due in deadlines:
+            for r in range(lo, hi):
+                self._timer(due, T_DEADLINE, r, 0)
+        for lo, hi, due in queued:
+            for r in range(lo, hi):
+                self._timer(due, T_QUEUED, r, 1)
+        self._dirty_fixed.update(range(first, first + n))
+
+    def _index_new(self, hashes, first, groups):
         index = self._hash_rows
         hl = hashes.tolist()
+        n = len(hl)
         before = len(index)
         taken = {h: index[h] for h in hl if h in index}
         index.update(zip(hl, range(first, first + n), strict=True))
@@ -1150,23 +1196,11 @@ class Engine:
             # A 64-bit hash shared with another id (astronomically rare): the first row keeps
             # the hash, every later one is found by its id.
             index.update(taken)
-            g = self._groups[gid]
             owner = dict(taken)
             for i, h in enumerate(hl):
                 if owner.setdefault(h, first + i) != first + i:
                     index[h] = owner[h]
-                    self._collided[g.action_id(i)] = first + i
-        t = c.spec.timeouts
-        if t.deadline is not None:
-            due = now + int(t.deadline * 1e9)
-            for r in range(first, first + n):
-                self._timer(due, T_DEADLINE, r, 0)
-        if t.max_queued_time is not None:
-            due = now + int(t.max_queued_time * 1e9)
-            for r in range(first, first + n):
-                self._timer(due, T_QUEUED, r, 1)
-        self._dirty_fixed.update(range(first, first + n))
-        return rows
+                    self._collided[self._aid(first + i)] = first + i
 
     def _new_attempt(self, rec, now):
         rec.attempts.append(Attempt(number=len(rec.attempts) + 1, enqueued_ns=now))

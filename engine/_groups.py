@@ -35,16 +35,16 @@ class EnqueueGroup:
     """One group in memory: its compiled template (the first action's id), the names of its
     actions by index, and their input references (None when the group has none)."""
 
-    __slots__ = ("gid", "compiled", "names", "inputs", "parts", "spec_bytes")
+    __slots__ = ("gid", "compiled", "names", "inputs", "parts", "content")
 
-    def __init__(self, gid, compiled, names, inputs, spec_bytes):
+    def __init__(self, gid, compiled, names, inputs, content):
         self.gid = gid
         self.compiled = compiled
         self.names = names
         self.inputs = inputs
         aid = compiled.id
         self.parts = (aid.tenant, aid.project, aid.domain, aid.run)
-        self.spec_bytes = spec_bytes
+        self.content = content     # engine._records.spec_content of its spec
 
     def action_id(self, index):
         """The ActionId of the group's action ``index``."""
@@ -55,15 +55,16 @@ class EnqueueGroup:
         return None if self.inputs is None else self.inputs[index]
 
 
-def encode_group(spec_bytes, names, inputs):
-    """The stored record of a group: its encoded spec, names and input references."""
-    return msgpack.packb([spec_bytes, names, inputs], use_bin_type=True)
+def encode_group(content, names, inputs):
+    """The stored record of a group: its spec's content (``engine._records.spec_content``:
+    the spec less the action name), the names and the input references."""
+    return msgpack.packb([content, names, inputs], use_bin_type=True)
 
 
 def decode_group(raw):
-    """``(spec_bytes, names, inputs)`` of :func:`encode_group` output."""
-    spec_bytes, names, inputs = msgpack.unpackb(raw, raw=False)
-    return spec_bytes, names, inputs
+    """``(content, names, inputs)`` of :func:`encode_group` output."""
+    content, names, inputs = msgpack.unpackb(raw, raw=False)
+    return content, names, inputs
 
 
 def check_names(names, inputs):

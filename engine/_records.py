@@ -25,6 +25,7 @@ __all__ = [
     "encode_spec",
     "decode_spec",
     "spec_content",
+    "decode_content",
     "encode_outcome",
     "decode_outcome",
     "LAYOUT_KEY",
@@ -134,6 +135,13 @@ def spec_content(spec):
         return msgpack.packb(data, default=_default, use_bin_type=True)
     except (TypeError, ValueError):
         return None     # not plain data: compile_spec words the error
+
+
+def decode_content(raw, name):
+    """The :class:`ActionSpec` of :func:`spec_content` output for action ``name``."""
+    data = msgpack.unpackb(raw, raw=False)
+    data["id"] = f"{data['id']}/{name}"
+    return ActionSpec.from_dict(data)
 
 
 def decode_spec(raw):

@@ -120,7 +120,8 @@ def test_lean_rows_come_back_the_same_after_a_restart(stage):
 
 def test_a_failed_lean_row_keeps_its_history_across_restarts_and_retries():
     eng = engine()
-    [a, b] = eng.enqueue_fanout(template(retries=RetryPolicy(count=1, backoff_base=1.0)), ["a", "b"])
+    retry = RetryPolicy(count=1, backoff_base=1.0)
+    [a, b] = eng.enqueue_fanout(template(retries=retry), ["a", "b"])
     eng.clock.advance(1)
     out = {x.action: x for x in eng.tick()}
     assert eng.report(out[a].token, Phase.FAILED, error_kind="USER",
