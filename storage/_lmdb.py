@@ -40,7 +40,8 @@ What is applied when ``commit`` fails part-way:
   may or may not have reached the disk; the store refuses further writes; after a reopen the
   group is either entirely present or entirely absent;
 * failure after the commit point (``StoreFailed``, ``outcome="durable"``): some partitions
-  show the group, some do not, until the reopen, which completes it from the journal.
+  show the group, some do not, until the reopen, which completes it from the journal. A full
+  map there is not a failure: the store completes the group itself (see *Map size*).
 
 So, as seen after a reopen, a group is all or nothing, whatever failed and wherever the
 process was killed (``tests/test_storage_crash.py`` SIGKILLs a writer at random points and
@@ -63,10 +64,29 @@ power loss may lose or corrupt recent transactions. For tests and benchmarks onl
 Map size
 --------
 ``map_size`` is per partition (the journal gets ``map_size * partitions``). Only the pages
-used are allocated on disk. When a partition's map is full, ``commit`` raises ``StoreFull``
-with nothing applied; ``resize(new_map_size)`` grows every map (no transaction may be open
-in this process, i.e. not while a ``scan`` generator is alive) and the same commit can then
-be retried.
+used are allocated on disk. How far maps grow is the caller's policy (the engine doubles them
+up to ``storage.max_map_size``): when the write phase of a group finds a partition's map full,
+``commit`` raises ``StoreFull`` with nothing applied; ``resize(new_map_size)`` grows every map
+(no transaction may be open in this process, i.e. not while a ``scan`` generator is alive)
+and the same commit can then be retried. The store grows a map by itself only to finish what
+is already decided, for as long as that one write needs it, and then sets it back:
+
+* *after the commit point*: near a full map LMDB's commit of a partition often needs a page or
+  two more than the write phase used, and fails (it writes nothing). The group is durable, so
+  it is completed: that partition's map is grown and its part applied again in a new
+  transaction (exactly the replay). If the data now passes the map, the partition is *over*
+  and refuses every new group with ``StoreFull`` until ``resize`` grows it: so a partition
+  passes its map by at most what one commit needed, and the caller's limit holds otherwise;
+* *at open*: claims and the journal replay. LMDB opens a map no smaller than the data it
+  holds, but with no room to spare, whatever the configured ``map_size``; a replay that needs
+  room grows the map until it fits. A store therefore always reopens with its own config;
+* the store's own records (``renew``, the claims released at ``close``, checkpoints).
+
+The journal's map is full only for a new group (nothing applied): it is checkpointed and the
+commit tried again, and when even the emptied journal cannot hold the group's record (LMDB
+needs contiguous pages for it) the journal's map grows, for good: it only holds the groups in
+flight. Besides, the journal is checkpointed as soon as it passes a quarter of its map (or
+``journal_checkpoint_bytes``, if smaller), so a small map rarely gets there.
 """
 
 from __future__ import annotations
@@ -108,6 +128,13 @@ __all__ = ["LmdbStore", "partition_dir"]
 
 DEFAULT_MAP_SIZE = 1 << 30
 DEFAULT_CHECKPOINT_BYTES = 64 << 20
+#: A map the store grows by itself, for as long as one write needs it (finishing a group the
+#: journal holds, or the store's own records: claims, journal replay, checkpoints), grows by
+#: 1/16 of its size, at least 32 pages; the step doubles on every further try of the same
+#: write, at most _GROW_TRIES times. Afterwards the map is set back (see ``_restore_map``).
+_GROW_DIV = 16
+_GROW_MIN = 32 * mmap.PAGESIZE
+_GROW_TRIES = 20
 _DB_INDEX = {name: i for i, name in enumerate(DBS)}
 _ZERO = (0).to_bytes(8, "big")
 
@@ -140,6 +167,16 @@ def _abort(txns) -> None:
             txn.abort()
         except Exception:  # noqa: BLE001, S110 - aborting is best effort, nothing to report
             pass
+
+
+class _MapFull(Exception):
+    """Internal to ``open``: environment ``where`` (a partition, or ``partitions``: the
+    journal) is full; everything was aborted and the attempt is to be retried after growing
+    it."""
+
+    def __init__(self, where: int):
+        self.where = where
+        super().__init__(where)
 
 
 class LmdbStore(Store):
@@ -183,6 +220,9 @@ class LmdbStore(Store):
         self._failed: StoreFailed | None = None
         self._lost: OwnershipError | None = None
         self._fail_next: BaseException | None = None
+        #: partitions whose data passed their map size when the store grew the map for one
+        #: write of its own (_restore_map); they take no new group until resize grows them
+        self._over: set[int] = set()
 
     # ------------------------------------------------------------------ properties
 
@@ -297,12 +337,62 @@ class LmdbStore(Store):
         return {n: env.open_db(n.encode(), txn=txn, create=True) for n in names}
 
     def _open_locked(self, envs, jenv, shard: str, now_ns: int) -> None:
+        """Claims, journal replay and the emptied journal, retried after growing whichever map
+        was full: a group the journal holds is always completed, whatever map size the store
+        is opened with (LMDB opens a map no smaller than the data it holds, but possibly with
+        no room to spare). A map grown here is set back afterwards (``_restore_map``)."""
+        P = self.partitions
+        tries = [0] * (P + 1)           # growth steps per environment (index P: the journal)
+        before = {}                     # environment index -> its map size before growing
+        while True:
+            try:
+                claim, jlog, last = self._open_attempt(envs, jenv, shard, now_ns)
+                break
+            except _MapFull as full:
+                where = full.where
+            env = jenv if where == P else envs[where]
+            before.setdefault(where, env.info()["map_size"])
+            if tries[where] >= _GROW_TRIES:
+                name = "the journal" if where == P else f"partition {where}"
+                raise StoreError(f"store {self.path}: map full while opening (claims or journal "
+                                 f"replay): {name} still full at map_size "
+                                 f"{env.info()['map_size']} after growing it "
+                                 f"{_GROW_TRIES} times")
+            try:
+                self._grow(env, tries[where])
+            except lmdb.Error as e:
+                raise StoreError(f"store {self.path}: growing a full map while opening "
+                                 f"failed: {e}") from None
+            tries[where] += 1
+        over = set()
+        for where, size in before.items():
+            try:
+                if self._restore_map(jenv if where == P else envs[where], size) and where < P:
+                    over.add(where)
+            except lmdb.Error as e:
+                raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
+        self._envs, self._jenv, self._jlog = envs, jenv, jlog
+        self._over = over
+        # LMDB keeps the larger of the configured and the used size
+        self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))
+        self._claim, self._shard = claim, shard
+        self._next_gid = last + 1
+        self._journal_bytes = 0
+        self._failed = self._lost = None
+
+    def _open_attempt(self, envs, jenv, shard: str, now_ns: int):
+        """One attempt of :meth:`_open_locked`; :class:`_MapFull` (everything aborted) names
+        the environment that was full. Retrying after a partial success is exact: a
+        partition that committed holds our claim (same shard: taken over again) and
+        ``meta/applied`` (its replayed groups are skipped)."""
         P = self.partitions
         txns = []
         jtxn = None
+        where = None
         try:
             handles = []
             for p, env in enumerate(envs):
+                where = p
                 txn = env.begin(write=True)
                 txns.append(txn)
                 handles.append(self._init_env(p, env, txn,
@@ -315,8 +405,10 @@ class LmdbStore(Store):
             claim = new_claim(shard, now_ns + self._ttl_ns)
             enc = claim.encode()
             for p, txn in enumerate(txns):
+                where = p
                 txn.put(META_CLAIM, enc, db=handles[p]["meta"])
             # journal: replay what a crash left unapplied
+            where = P
             jtxn = jenv.begin(write=True)
             jh = self._init_env(None, jenv, jtxn, {"partitions": P, "journal": 1},
                                 ("log", "meta"))
@@ -339,34 +431,29 @@ class LmdbStore(Store):
                     if not 0 <= p < P:
                         raise CorruptRecord(None, "log", gkey, f"partition {p} out of range")
                     if applied[p] < gid:
+                        where = p
                         self._apply(p, txns[p], ops)
                         txns[p].put(META_APPLIED, gkey, db=handles[p]["meta"])
                         applied[p] = gid
-            for txn in txns:
+            for p, txn in enumerate(txns):
+                where = p
                 txn.commit()
             txns = []
             for env in envs:
                 env.sync(True)
+            where = P
             jtxn.drop(jh["log"], delete=False)
             jtxn.commit()
             jtxn = None
-        except lmdb.MapFullError as e:
-            raise StoreError(f"store {self.path}: map full while opening (claims or journal "
-                             f"replay) at map_size {self._map_size}: open with a larger "
-                             f"map_size ({e})") from None
+        except lmdb.MapFullError:
+            raise _MapFull(where) from None
         except lmdb.Error as e:
             raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
         finally:
             _abort(txns)
             if jtxn is not None:
                 _abort([jtxn])
-        self._envs, self._jenv, self._jlog = envs, jenv, jh["log"]
-        # LMDB keeps the larger of the configured and the recorded map size
-        self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))
-        self._claim, self._shard = claim, shard
-        self._next_gid = last + 1
-        self._journal_bytes = 0
-        self._failed = self._lost = None
+        return claim, jh["log"], last
 
     def close(self) -> None:
         """Checkpoint the journal, release the claims still ours (expiry 0, so another shard
@@ -381,11 +468,14 @@ class LmdbStore(Store):
                 released = Claim(self._claim.shard, self._claim.pid, self._claim.host, 0,
                                  self._claim.token).encode()
                 for p, env in enumerate(self._envs):
-                    with env.begin(write=True) as txn:
-                        meta = self._dbh[p]["meta"]
+                    meta = self._dbh[p]["meta"]
+
+                    def release(txn, p=p, meta=meta):
                         raw = txn.get(META_CLAIM, db=meta)
                         if raw is not None and Claim.decode(raw, p).token == self._claim.token:
                             txn.put(META_CLAIM, released, db=meta)
+
+                    self._write_growing(env, release)
                     if self._sync:
                         env.sync(True)
             except Exception as e:  # noqa: BLE001 - close anyway, then report
@@ -411,7 +501,8 @@ class LmdbStore(Store):
             raise self._lost
 
     def _apply(self, p: int, txn, ops) -> None:
-        """Apply ``ops`` to partition ``p`` inside its write transaction ``txn``."""
+        """Apply ``ops`` to partition ``p`` inside its write transaction ``txn`` (a full map
+        raises ``lmdb.MapFullError``: the caller knows what to do)."""
         h = self._dbh[p]
         meta = h["meta"]
         for op in ops:
@@ -425,9 +516,6 @@ class LmdbStore(Store):
                     txn.delete(key, db=dbh)
                 else:
                     txn.put(key, value, db=dbh)
-            except lmdb.MapFullError:
-                raise StoreFull(p, self._envs[p].info()["map_size"] if self._envs
-                                else self._map_size) from None
             except (KeyError, TypeError, ValueError, BufferError, lmdb.BadValsizeError) as e:
                 if isinstance(e, InvalidBatch):
                     raise
@@ -449,20 +537,96 @@ class LmdbStore(Store):
                 raise exc
             return
         parts.sort(key=lambda t: t[0])
+        for p, _ops in parts:
+            if p in self._over:
+                raise StoreFull(p, self._envs[p].info()["map_size"])
         journaled = len(parts) > 1
-        if journaled and self._journal_bytes >= self._checkpoint_bytes:
-            try:
-                self._checkpoint()
-            except lmdb.Error as e:
-                raise StoreError(f"store {self.path}: journal checkpoint failed: {e}; nothing "
-                                 f"of this commit was applied") from e
+        if journaled and self._journal_bytes >= min(
+                self._checkpoint_bytes, self._jenv.info()["map_size"] // 4):
+            self._checkpoint_before(None)
         gid = self._next_gid
         gkey = gid.to_bytes(8, "big")
+        jtries = 0
+        while True:
+            try:
+                txns, jtxn, entry = self._write_phase(parts, journaled, gkey)
+            except StoreFull as e:
+                if e.partition is not None:
+                    raise
+                full = e
+            else:
+                if not journaled:
+                    break
+                # 2. commit point
+                try:
+                    jtxn.commit()
+                    break
+                except lmdb.MapFullError:
+                    # LMDB aborted the transaction before writing anything
+                    _abort(txns)
+                    full = StoreFull(None, self._jenv.info()["map_size"])
+                except BaseException as e:
+                    _abort(txns)
+                    self._failed = StoreFailed(
+                        f"journal commit of group {gid} failed ({type(e).__name__}: {e}); "
+                        f"outcome unknown until the store is reopened (then all or nothing)",
+                        None, "unknown")
+                    raise self._failed from e
+            # The journal's map is full; nothing was applied. Empty the journal and try again;
+            # if even the empty journal cannot hold this group's record (it needs contiguous
+            # pages), grow the journal's map: it only ever holds the groups in flight.
+            if self._journal_bytes:
+                self._checkpoint_before(full)
+                continue
+            if jtries >= _GROW_TRIES:
+                raise full
+            try:
+                self._grow(self._jenv, jtries)
+            except (lmdb.Error, StoreError) as e:
+                raise full from e
+            jtries += 1
+        if journaled:
+            self._journal_bytes += len(entry) + 64
+        # 3. apply
+        for i, (p, ops) in enumerate(parts):
+            try:
+                if _crash_hook is not None:
+                    _crash_hook("journal-committed" if i == 0 and journaled
+                                else "partition-committed")
+                try:
+                    txns[i].commit()
+                except lmdb.MapFullError:
+                    # LMDB aborted the transaction before writing anything
+                    if not journaled:
+                        raise StoreFull(p, self._envs[p].info()["map_size"]) from None
+                    self._complete(p, ops, gkey)
+                if not journaled and self._sync:
+                    self._envs[p].sync(True)
+            except BaseException as e:
+                _abort(txns[i:])
+                if isinstance(e, StoreFull) or (isinstance(e, OwnershipError)
+                                                and e is self._lost):
+                    raise
+                outcome = "durable" if journaled else "unknown"
+                self._failed = StoreFailed(
+                    f"partition {p}: commit of group {gid} failed after "
+                    f"{'the journal commit' if journaled else 'the write phase'} "
+                    f"({type(e).__name__}: {e}); "
+                    + ("the group is durable and a reopen completes it" if journaled
+                       else "outcome unknown until the store is reopened"),
+                    p, outcome)
+                raise self._failed from e
+        self._next_gid = gid + 1
+
+    def _write_phase(self, parts, journaled: bool, gkey: bytes):
+        """Begin a write transaction per partition of ``parts``, check the claims, apply the
+        ops, and for a journaled group write its journal record: ``(txns, jtxn, entry)``,
+        nothing committed. Any failure aborts everything (nothing applied) and raises."""
         txns = []
         jtxn = None
+        entry = None
         where = None
         try:
-            # 1. write phase: nothing is committed until every write succeeded
             for p, ops in parts:
                 where = p
                 txn = self._envs[p].begin(write=True)
@@ -500,62 +664,125 @@ class LmdbStore(Store):
                 raise StoreError(f"{w}: LMDB error while writing: {e}; nothing of this commit "
                                  f"was applied") from e
             raise
-        # 2. commit point
-        if journaled:
-            try:
-                jtxn.commit()
-            except lmdb.MapFullError:
-                # LMDB aborted the transaction before writing anything
-                _abort(txns)
-                raise StoreFull(None, self._jenv.info()["map_size"]) from None
-            except BaseException as e:
-                _abort(txns)
-                self._failed = StoreFailed(
-                    f"journal commit of group {gid} failed ({type(e).__name__}: {e}); outcome "
-                    f"unknown until the store is reopened (then all or nothing)", None,
-                    "unknown")
-                raise self._failed from e
-            self._journal_bytes += len(entry) + 64
-        # 3. apply
-        for i, (p, _ops) in enumerate(parts):
-            try:
-                if _crash_hook is not None:
-                    _crash_hook("journal-committed" if i == 0 and journaled
-                                else "partition-committed")
-                txns[i].commit()
-                if not journaled and self._sync:
-                    self._envs[p].sync(True)
-            except BaseException as e:
-                _abort(txns[i:])
-                if not journaled and isinstance(e, lmdb.MapFullError):
-                    raise StoreFull(p, self._envs[p].info()["map_size"]) from None
-                outcome = "durable" if journaled else "unknown"
-                self._failed = StoreFailed(
-                    f"partition {p}: commit of group {gid} failed after "
-                    f"{'the journal commit' if journaled else 'the write phase'} "
-                    f"({type(e).__name__}: {e}); "
-                    + ("the group is durable and a reopen completes it" if journaled
-                       else "outcome unknown until the store is reopened"),
-                    p, outcome)
-                raise self._failed from e
-        self._next_gid = gid + 1
+        return txns, jtxn, entry
 
-    def _checkpoint(self) -> None:
+    def _checkpoint_before(self, full: StoreFull | None) -> None:
+        """Checkpoint the journal before the write phase of a commit (nothing of it applied);
+        ``full``: the journal's map was full (raised if the checkpoint fails)."""
+        try:
+            self._checkpoint(settle=full is not None)
+        except lmdb.Error as e:
+            if full is not None:
+                raise full from e
+            raise StoreError(f"store {self.path}: journal checkpoint failed: {e}; nothing "
+                             f"of this commit was applied") from e
+
+    def _complete(self, p: int, ops, gkey: bytes) -> None:
+        """Partition ``p``'s commit of a group the journal already holds failed on a full map
+        (LMDB's commit needs pages of its own, past those the write phase used) and LMDB
+        aborted it. The group is durable and must be completed: grow ``p``'s map for as long
+        as it takes and apply its part again, exactly as the replay at open would."""
+        meta = self._dbh[p]["meta"]
+
+        def redo(txn):
+            raw = txn.get(META_CLAIM, db=meta)
+            try:
+                check_held(p, Claim.decode(raw, p) if raw is not None else None,
+                           self._claim, "commit")
+            except OwnershipError as e:
+                self._lost = e          # the new owner's open replays the group
+                raise
+            self._apply(p, txn, ops)
+            txn.put(META_APPLIED, gkey, db=meta)
+
+        self._write_growing(self._envs[p], redo, full=True)
+
+    def _grow(self, env, tries: int) -> None:
+        """Grow ``env``'s map by one step (the ``tries``-th for the same write: steps
+        double). No transaction of ``env`` may be open in this process."""
+        if self._readers:
+            raise StoreError(f"cannot grow a map of {self.path}: {self._readers} scan(s) still "
+                             f"hold a read transaction")
+        size = env.info()["map_size"]
+        env.set_mapsize(_page_round(size + (max(size // _GROW_DIV, _GROW_MIN) << tries)))
+
+    def _restore_map(self, env, size: int) -> bool:
+        """Set ``env``'s map back to ``size`` after the store grew it for one write: maps grow
+        for good only by :meth:`resize` (the caller's policy, e.g. ``storage.max_map_size``).
+        LMDB keeps at least the size of the data, so the pages that write needed stay: then
+        (returns True) a partition is marked *over* its map and refuses new groups with
+        ``StoreFull`` until :meth:`resize` (else the store's own writes would let it creep
+        past any limit: near a full map it is often LMDB's commit, not the write phase, that
+        needs the next page)."""
+        if env.info()["map_size"] != size:
+            env.set_mapsize(size)
+        now = env.info()["map_size"]
+        for p, e in enumerate(self._envs):
+            if env is e:
+                self._map_size = max(self._map_size, now)
+                if now > size:
+                    self._over.add(p)
+        return now > size
+
+    def _write_growing(self, env, write, full: bool = False) -> None:
+        """``write(txn)`` in one write transaction of ``env``, committed; on a full map (or
+        at once if ``full``: the map was just found full) the map is grown (:meth:`_grow`)
+        and the write tried again; then the map is set back (:meth:`_restore_map`). For the
+        store's own records and for finishing a durable group, never for a new group (that
+        one is refused with ``StoreFull``: the caller decides how far maps grow)."""
+        before = env.info()["map_size"]
+        tries = 0
+        try:
+            while True:
+                if full:
+                    self._grow(env, tries)
+                    tries += 1
+                txn = env.begin(write=True)
+                try:
+                    write(txn)
+                    txn.commit()
+                    return
+                except lmdb.MapFullError:
+                    _abort([txn])
+                    if tries >= _GROW_TRIES:
+                        raise
+                    full = True
+                except BaseException:
+                    _abort([txn])
+                    raise
+        finally:
+            if tries:
+                self._restore_map(env, before)
+
+    def _checkpoint(self, settle: bool = False) -> None:
         """Sync every partition, then delete this store's journal records (every one of them
         is applied). Only records up to our last group are deleted, never a newer owner's:
         a process that lost its claims without noticing yet cannot delete the journal record
-        of a group the new owner has not applied yet."""
+        of a group the new owner has not applied yet.
+
+        LMDB reuses the pages a transaction frees only two transactions later; ``settle``
+        (the journal's map was full) commits one more, empty-handed write transaction so that
+        the very next one can use them."""
         if self._journal_bytes == 0:
             return
         for env in self._envs:
             env.sync(True)
-        with self._jenv.begin(write=True, db=self._jlog) as jtxn:
-            cur = jtxn.cursor()
+
+        def delete_applied(jtxn):
+            cur = jtxn.cursor(db=self._jlog)
             if cur.first():
                 while int.from_bytes(cur.key() or b"\xff" * 8, "big") < self._next_gid:
                     if not cur.delete():
                         break
+
+        def touch(jtxn):
+            jtxn.put(_ZERO, b"", db=self._jlog)    # group 0 never exists: no trace left
+            jtxn.delete(_ZERO, db=self._jlog)
+
+        self._write_growing(self._jenv, delete_applied)
         self._journal_bytes = 0
+        if settle:
+            self._write_growing(self._jenv, touch)
 
     def renew(self, now_ns: int) -> int:
         self._check_writable()
@@ -563,30 +790,58 @@ class LmdbStore(Store):
         claim = Claim(self._claim.shard, self._claim.pid, self._claim.host, expiry,
                       self._claim.token)
         enc = claim.encode()
-        txns = []
-        try:
-            for p, env in enumerate(self._envs):
-                txn = env.begin(write=True)
-                txns.append(txn)
-                meta = self._dbh[p]["meta"]
-                raw = txn.get(META_CLAIM, db=meta)
-                try:
-                    check_held(p, Claim.decode(raw, p) if raw is not None else None,
-                               self._claim, "renew", int(now_ns))
-                except OwnershipError as e:
-                    self._lost = e
-                    raise
-                txn.put(META_CLAIM, enc, db=meta)
-            for txn in txns:
-                txn.commit()
+        tries = [0] * self.partitions
+        before = {}                     # partition -> its map size before growing
+        while True:
             txns = []
-            if self._sync:
-                for env in self._envs:
-                    env.sync(True)
+            where = None
+            try:
+                for p, env in enumerate(self._envs):
+                    where = p
+                    txn = env.begin(write=True)
+                    txns.append(txn)
+                    meta = self._dbh[p]["meta"]
+                    raw = txn.get(META_CLAIM, db=meta)
+                    try:
+                        check_held(p, Claim.decode(raw, p) if raw is not None else None,
+                                   self._claim, "renew", int(now_ns))
+                    except OwnershipError as e:
+                        self._lost = e
+                        raise
+                    txn.put(META_CLAIM, enc, db=meta)
+                for p, txn in enumerate(txns):
+                    where = p
+                    txn.commit()
+                txns = []
+                if self._sync:
+                    for env in self._envs:
+                        env.sync(True)
+                break
+            except lmdb.MapFullError as e:
+                # A claim is the store's own record: grow the full map and renew again (the
+                # partitions renewed already pass the check: the token is unchanged).
+                _abort(txns)
+                txns = []
+                if tries[where] >= _GROW_TRIES:
+                    raise StoreError(f"store {self.path}: map full while renewing claims: "
+                                     f"{e}") from e
+                before.setdefault(where, self._envs[where].info()["map_size"])
+                try:
+                    self._grow(self._envs[where], tries[where])
+                except lmdb.Error as e2:
+                    raise StoreError(f"store {self.path}: LMDB error while renewing claims: "
+                                     f"{e2}") from e2
+                tries[where] += 1
+            except lmdb.Error as e:
+                raise StoreError(f"store {self.path}: LMDB error while renewing claims: "
+                                 f"{e}") from e
+            finally:
+                _abort(txns)
+        try:
+            for p, size in before.items():
+                self._restore_map(self._envs[p], size)
         except lmdb.Error as e:
-            raise StoreError(f"store {self.path}: LMDB error while renewing claims: {e}") from e
-        finally:
-            _abort(txns)
+            raise StoreError(f"store {self.path}: LMDB error after renewing claims: {e}") from e
         self._claim = claim
         return expiry
 
@@ -602,9 +857,12 @@ class LmdbStore(Store):
             raise StoreError(f"cannot resize {self.path}: {self._readers} scan(s) still hold a "
                              f"read transaction")
         try:
-            for env in self._envs:
-                env.set_mapsize(new)
-            if self._jenv is not None:
+            # a map is never shrunk (the store may have grown one for a write of its own)
+            for p, env in enumerate(self._envs):
+                if env.info()["map_size"] < new:
+                    env.set_mapsize(new)
+                    self._over.discard(p)
+            if self._jenv is not None and self._jenv.info()["map_size"] < new * self.partitions:
                 self._jenv.set_mapsize(new * self.partitions)
         except lmdb.Error as e:
             raise StoreError(f"store {self.path}: resize to {new} failed: {e}") from e

@@ -30,6 +30,8 @@ should do:
 
 * :class:`StoreFull` -- the map of a partition (or of the journal) is full. Nothing of the
   commit was applied; grow the map (``LmdbStore.resize``) and retry, or refuse the transition.
+  A group is refused this way only before its commit point: once the journal holds it,
+  ``LmdbStore`` completes it, growing the map it needs (see its "Map size" section).
 * :class:`OwnershipError` -- another shard holds (``open``) or took over (``renew``,
   ``commit``) a partition. Nothing was applied; after ``renew``/``commit`` raise it the caller
   no longer owns the store and **must stop** (split-brain guard).

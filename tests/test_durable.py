@@ -4,6 +4,7 @@
 A restart is simulated by opening a second Engine on the same backing (MemoryStore) or the
 same directory (LmdbStore) after the first stopped."""
 
+import os
 import random
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from engine import (
     ActionSpec,
     Engine,
     ManualClock,
+    NotFound,
     Phase,
     PodGroup,
     RetryPolicy,
@@ -404,6 +406,85 @@ def test_a_full_map_grows_to_a_max_below_twice_its_size(tmp_path):
             break
         grown = grown or eng.store.map_size == 1536 << 10
     assert grown and eng.store.map_size == 1536 << 10
+    eng.close()
+
+
+# Issue 15: groups spanning two partitions (so they go through the journal) on a small map.
+TENANTS6 = ["acme", "beta", "corp", "dyn", "echo", "fox"]     # partitions 1 0 1 0 1 1 of 2
+
+
+def mixed_config(path, max_map_size):
+    return parse_config({
+        "resources": ["cpu"],
+        "clusters": {"c": {"capacity": {"cpu": 64}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 1000000}},
+        "engine": {"default_queue": "q"},
+        "storage": {"path": str(path), "partitions": 2, "map_size": "1Mi",
+                    "max_map_size": max_map_size},
+    })
+
+
+def mixed_batch(b, size=20):
+    """Batch ``b``: ``size`` actions of the six tenants in turn (both partitions)."""
+    ids = range(b * size, (b + 1) * size)
+    return [ActionSpec(id=f"{TENANTS6[i % 6]}/p/d/r{b % 5}/a{i}", task="t",
+                       resources={"cpu": 1}) for i in ids]
+
+
+def assert_queued_exactly(eng, acked):
+    assert eng.queue_metrics("q")["depth"] == len(acked)
+    for aid in acked[::97] + acked[-3:]:
+        assert eng.phase(aid) == Phase.QUEUED
+
+
+def test_mixed_tenant_groups_on_a_small_map_grow_and_reopen_with_the_same_config(tmp_path):
+    # About 2,700 actions in, a partition's commit after the journal needed one more page than
+    # the write phase: the shard used to fail (StoreFailed, then a reopen at the configured map
+    # size could not replay the journal) and could not restart with its own config.
+    path = tmp_path / "s"
+    cfg = mixed_config(path, "1Gi")
+    eng = Engine(cfg, clock=ManualClock())
+    acked = []
+    for b in range(300):                                  # 6,000 actions
+        acked += [str(a) for a in eng.enqueue_many(mixed_batch(b))]
+    assert_queued_exactly(eng, acked)
+    eng.close()
+    sizes = [os.path.getsize(path / f"p{p:02d}" / "data.mdb") for p in range(2)]   # layout
+    assert max(sizes) > 1 << 20, sizes                    # it grew past the configured map
+    eng = Engine(cfg, clock=ManualClock())                # the same config reopens it
+    assert_queued_exactly(eng, acked)
+    for b in range(300, 400):                             # and it keeps growing from there
+        acked += [str(a) for a in eng.enqueue_many(mixed_batch(b))]
+    eng.close()
+    eng = Engine(cfg, clock=ManualClock())
+    assert_queued_exactly(eng, acked)
+    eng.close()
+
+
+@pytest.mark.parametrize("max_map_size", ["1Mi", "1536Ki"])
+def test_mixed_tenant_groups_at_max_map_size_are_refused_and_the_store_reopens(
+        tmp_path, max_map_size):
+    path = tmp_path / "s"
+    cfg = mixed_config(path, max_map_size)
+    acked, nxt = [], 0
+    for _ in range(3):                      # fill, refuse, reopen with the same config; again
+        eng = Engine(cfg, clock=ManualClock())
+        assert_queued_exactly(eng, acked)
+        err = None
+        for b in range(nxt, nxt + 1000):
+            try:
+                acked += [str(a) for a in eng.enqueue_many(mixed_batch(b))]
+            except StoreFull as exc:
+                err, nxt = exc, b
+                break
+        assert err is not None, "the map never filled"
+        # Memory restored: everything acknowledged is there, the refused batch is not.
+        assert_queued_exactly(eng, acked)
+        with pytest.raises(NotFound):
+            eng.phase(mixed_batch(nxt)[0].id)
+        eng.close()
+    eng = Engine(cfg, clock=ManualClock())
+    assert_queued_exactly(eng, acked)
     eng.close()
 
 

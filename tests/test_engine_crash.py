@@ -10,7 +10,10 @@ random moment, reloads the store, and checks:
 * every in-flight count equals a recount from the leases, after the reloaded engine has
   carried on for a while (ticks and reports), not just at load.
 
-Then the next child carries on from the same store, and so on: many kills in a row.
+Then the next child carries on from the same store, and so on: many kills in a row. The
+store runs on the smallest map the config allows (``storage.map_size = "1Mi"``): the busiest
+partitions pass it, so maps fill (in write phases and in partition commits after the
+journal), grow, and every restart opens them again at the configured size.
 Run by pytest; the same file is the child (``python tests/test_engine_crash.py child ...``).
 """
 
@@ -44,7 +47,7 @@ def config(path):
                    "cpu": {"scheduling": "GREEDY_CAPACITY", "max_resources": {"cpu": 60},
                            "depth": 100000}},
         "engine": {"default_queue": "cpu", "initial_capacity": 64, "heartbeat_interval": 10},
-        "storage": {"path": str(path), "partitions": 4, "shard": "crash"},
+        "storage": {"path": str(path), "partitions": 4, "shard": "crash", "map_size": "1Mi"},
     })
 
 

@@ -311,6 +311,120 @@ def test_failure_after_commit_point_is_completed_by_reopen(hl, monkeypatch, stag
     s.close()
 
 
+# Issue 15: a full map inside a journaled group (after the commit point) and at open.
+
+
+def two_partition_group(g, size=300):
+    return {0: [("actions", k(g), b"x" * size)], 1: [("actions", k(g), b"y" * size)]}
+
+
+def test_a_journaled_group_that_fills_a_partition_at_its_commit_is_completed(hl):
+    # Near a full map the write phase of a group fits but LMDB's commit of a partition after
+    # the journal commit needs a page more (~520 groups in, here). The group is durable: the
+    # store grows that map for as long as it takes, completes the group and sets the map back,
+    # then refuses new groups cleanly (no resize here: as at max_map_size), never StoreFailed.
+    s = hl.new(map_size=256 << 10, sync=False)
+    s.open("a", T0)
+    acked = 0
+    with pytest.raises(StoreFull):
+        for g in range(5000):
+            s.commit(two_partition_group(g))
+            acked += 1
+    assert acked > 500
+    assert [key for _, key, _ in s.scan("actions")] == [k(g) for g in range(acked)] * 2
+    s.renew(T0 + S)                   # the store's own records still go in
+    s.close()
+    for p in (0, 1):                  # past the map by at most what one commit needed
+        assert (hl.path / f"p{p:02d}" / "data.mdb").stat().st_size <= (256 + 64) << 10
+    for i in range(2):                # the same config opens it, again and again
+        s = hl.new(map_size=256 << 10)
+        s.open("a", T0 + (i + 2) * S)
+        assert len(list(s.scan("actions"))) == 2 * acked
+        s.close()
+
+
+def test_journaled_groups_grow_the_maps_with_resize_and_reopen_at_the_configured_size(hl):
+    # What the engine does on StoreFull (grow by doubling, retry): never StoreFailed.
+    s = hl.new(map_size=256 << 10, sync=False)
+    s.open("a", T0)
+    for g in range(2000):
+        while True:
+            try:
+                s.commit(two_partition_group(g))
+                break
+            except StoreFull:
+                s.resize(s.map_size * 2)
+    assert s.map_size > 256 << 10
+    s.close()
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0 + S)
+    assert len(list(s.scan("actions"))) == 4000
+    s.commit(two_partition_group(2000))
+    s.close()
+
+
+def test_reopen_grows_a_partition_that_the_journal_replay_needs(hl, monkeypatch):
+    # A durable group written while the map was grown; the reopen at the configured (smaller)
+    # map size must grow the map to replay it, not refuse to open.
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0)
+    s.resize(4 << 20)
+
+    def hook(at):
+        if at == "journal-committed":
+            raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
+    big = {p: [("actions", k(i), bytes([p]) * (100 << 10)) for i in range(6)] for p in (0, 1)}
+    with pytest.raises(StoreFailed) as ei:
+        s.commit(big)
+    assert ei.value.outcome == "durable"
+    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
+    s.close()
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0 + S)
+    assert s.map_size > 600 << 10
+    assert sorted(s.scan("actions")) == sorted(
+        (p, key, value) for p, ops in big.items() for _, key, value in ops)
+    s.close()
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0 + 2 * S)
+    assert len(list(s.scan("actions"))) == 12
+    s.close()
+
+
+def test_a_small_journal_is_checkpointed_before_it_fills(hl):
+    # The journal's map is map_size * partitions, far below the 64 MiB checkpoint threshold:
+    # records of groups that overwrite the same keys would fill it; it is emptied instead.
+    s = hl.new(map_size=64 << 10)
+    s.open("a", T0)
+    for g in range(200):
+        s.commit({p: [("actions", k(p), bytes([g % 251]) * 2000)] for p in range(P)})
+    s.close()
+    s = hl.new(map_size=64 << 10)
+    s.open("a", T0 + S)
+    assert [v for _, _, v in s.scan("actions")] == [bytes([199]) * 2000] * P
+    s.close()
+
+
+def test_a_full_journal_is_emptied_and_takes_the_group(hl):
+    # Below the checkpoint threshold the journal (512 KiB here) holds ~270 KiB of records; the
+    # next group's 240 KiB record does not fit: the journal is checkpointed (and, when even
+    # the empty journal has no room for the record's contiguous pages, grown), not refused.
+    s = hl.new(map_size=128 << 10, sync=False)
+    s.open("a", T0)
+    for g in range(28):
+        s.commit({p: [("actions", k(p), bytes([g]) * 1100)] for p in range(P)})
+    big = {p: [("specs", k(p), bytes([p]) * (60 << 10))] for p in range(P)}
+    s.commit(big)
+    s.close()
+    s = hl.new(map_size=128 << 10)
+    s.open("a", T0 + S)
+    assert [v for _, _, v in s.scan("specs")] == [ops[0][2] for ops in big.values()]
+    assert [v for _, _, v in s.scan("actions")] == [bytes([27]) * 1100] * P
+    s.close()
+
+
 # --------------------------------------------------------------------------------------------
 # ownership
 

@@ -7,6 +7,11 @@ landed): every acknowledged group fully present, no group partially present.
 Kills land at random times, and (through ``storage._lmdb._crash_hook``) exactly inside the
 commit: after the journal commit before any partition commit, and between partition commits.
 
+The store runs on a small map (``MAP``, as configured: every open uses it) that the child
+grows by doubling on ``StoreFull``, as the engine does, so maps fill and grow between kills:
+a partition commit after the journal meets a full map, and reopens replay the journal into
+maps that LMDB opened no larger than their data.
+
 Run by pytest; the same file is the child (``python tests/test_storage_crash.py child ...``).
 """
 
@@ -22,11 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from storage import LmdbStore, OwnershipError  # noqa: E402
+from storage import LmdbStore, OwnershipError, StoreFull  # noqa: E402
 
 P = 8
 SHARD = "crash"
 SEED = 20260509
+MAP = 32 << 10                  # per partition (the smallest allowed): the data grows past it
 
 
 def k(i: int) -> bytes:
@@ -66,7 +72,7 @@ def apply(model: dict, g: int) -> None:
 
 
 def disk_state(path) -> dict:
-    store = LmdbStore(path, partitions=P, map_size=1 << 26)
+    store = LmdbStore(path, partitions=P, map_size=MAP)
     store.open(SHARD, time.time_ns())
     try:
         return {(p, db, key): value for db in ("actions", "queues")
@@ -89,11 +95,15 @@ def child(path: str, start: int) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
         lm._crash_hook = hook
-    store = LmdbStore(path, partitions=P, map_size=1 << 26)
+    store = LmdbStore(path, partitions=P, map_size=MAP)
     store.open(SHARD, time.time_ns())
     g = start
     while True:
-        store.commit(group_ops(g))
+        try:
+            store.commit(group_ops(g))
+        except StoreFull:
+            store.resize(store.map_size * 2)    # nothing was applied: grow and retry
+            continue
         sys.stdout.write(f"{g}\n")
         sys.stdout.flush()
         g += 1
@@ -137,7 +147,7 @@ def test_sigkill_never_leaves_a_partial_group(tmp_path):
             last_acked = run_child(path, done + 1, stage=stage, nth=nth)
         if not checked_refusal and last_acked > done:
             # the killed shard's claim is still live: another shard must be refused
-            other = LmdbStore(path, partitions=P, map_size=1 << 26)
+            other = LmdbStore(path, partitions=P, map_size=MAP)
             try:
                 other.open("intruder", time.time_ns())
                 raise AssertionError("a second shard opened a live store")
@@ -159,6 +169,8 @@ def test_sigkill_never_leaves_a_partial_group(tmp_path):
             f"{mode} kill: disk matches neither group {done - 1} nor {done} "
             f"(last acknowledged {last_acked})")
     assert done > 20, "the children hardly committed anything"
+    grown = [(path / f"p{p:02d}" / "data.mdb").stat().st_size for p in range(P)]
+    assert max(grown) > MAP, f"the maps never grew: {grown}"
     print(f"{len(plan)} kills, {done} groups, {in_flight_present} with the group in flight "
           f"complete after the reopen")
 
