@@ -55,3 +55,11 @@ cdef enum TokenVerdict:
 cdef enum LeaseKind:
     KIND_RUN = 0        # the run lease of an action (id = action row)
     KIND_FINALIZE = 1   # a finalize lease (id = finalize row)
+
+
+# Row arguments from Python are checked once where they enter the kernel: past that point
+# the release build indexes unchecked, so a bad row would read or write outside a table.
+cdef inline int check_index(Py_ssize_t value, Py_ssize_t n, str name, str what) except -1:
+    if value < 0 or value >= n:
+        raise IndexError(f"{name}={value} is not {what} (0 <= {name} < {n})")
+    return 0
