@@ -2,11 +2,9 @@
 
 from cext._tick cimport TickKernel
 from cext._types cimport (
-    END_ABORTED, END_COMPLETED, END_EXPIRED, TOK_ABORTED,
+    END_ABORTED, END_COMPLETED, END_EXPIRED, KIND_BIT, TOK_ABORTED,
     TOK_COMPLETED, TOK_EXPIRED, TOK_OK, TOK_STALE, TOK_UNKNOWN, check_index, i32, i64, u8, u64,
 )
-
-cdef u64 KIND_BIT = (<u64>1) << 63
 
 
 def mint(u64[:, ::1] tokens not None, u64 k0, u64 k1):

@@ -13,8 +13,8 @@ cimport cython
 
 from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
-    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
-    W_CANDIDATE_LIMIT,
+    END_LIVE, KIND_FINALIZE, KIND_RUN, NEVER, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
+    UNLIMITED, W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
@@ -23,8 +23,6 @@ from cext._types cimport (
 
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-cdef i64 UNLIMITED = 1 << 62
-cdef i64 NEVER = 0x7FFFFFFFFFFFFFFF   # a time that never comes (no prediction)
 cdef i64 NO_CAP = UNLIMITED   # an uncapped count
 
 # Outcomes of one candidate.
