@@ -33,7 +33,9 @@ extensions = [
         f"cext.{name}",
         [f"cext/{name}.pyx"],
         include_dirs=[numpy.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        # LEASEHOLD_DEBUG: cext._types.DEBUG, so tests know which build they run against.
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                       ("LEASEHOLD_DEBUG", "1" if DEBUG else "0")],
         extra_compile_args=COMPILE_ARGS,
     )
     for name in MODULES

@@ -12,10 +12,14 @@ ctypedef uint64_t u64   # monotonic counters and cluster bitmasks (numpy uint64)
 # Macros, not module globals: each is one compile-time constant in every module.
 cdef extern from *:
     """
+    #ifndef LEASEHOLD_DEBUG
+    #define LEASEHOLD_DEBUG 0
+    #endif
     #define LH_UNLIMITED ((int64_t)1 << 62)
     #define LH_NEVER INT64_MAX
     #define LH_KIND_BIT ((uint64_t)1 << 63)
     """
+    const bint DEBUG_BUILD "LEASEHOLD_DEBUG"   # setup.py: 1 in the LEASEHOLD_DEBUG=1 build
     const i64 UNLIMITED "LH_UNLIMITED"         # no limit (quantities stay below it)
     const i64 NEVER "LH_NEVER"                 # a time that never comes
     const u64 KIND_BIT "LH_KIND_BIT"           # LeaseKind bit of a token's lease id

@@ -1,12 +1,26 @@
-"""Kernel entry points check the rows they are given from Python, in both builds: past the
-entry point the release build indexes unchecked."""
+"""The debug build traps (LEASEHOLD_DEBUG=1; `make test-debug` runs the suite against it).
+
+Wraparound is off in both builds, so in the debug build a -1 index trips the bounds check
+instead of reading the last row. Kernel helpers are ``noexcept``: the IndexError cannot
+propagate and Cython reports it through ``sys.unraisablehook``, which pyproject.toml turns
+into a failure of the test it happened in. Rows handed to the kernel from Python are checked
+at the entry point, in both builds. Each test asserts what the build it runs against does.
+"""
+
+import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cext import DEBUG
 from cext._lease import validate
+from cext._types import bounds_probe
 from engine import ActionSpec
 from tests.conftest import make_engine
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = {
     "resources": ["cpu"],
@@ -14,6 +28,81 @@ CONFIG = {
     "queues": {"q": {}},
     "engine": {"default_queue": "q"},
 }
+
+
+@pytest.fixture
+def unraisable(monkeypatch):
+    """What reaches sys.unraisablehook during the test, as (type, message); the hook is
+    replaced, so these do not fail the test itself."""
+    seen = []
+    # Keep strings only: holding the exception or its object could resurrect them.
+    monkeypatch.setattr(sys, "unraisablehook",
+                        lambda u: seen.append((u.exc_type, str(u.exc_value))))
+    return seen
+
+
+def test_out_of_range_index_traps_in_the_debug_build_and_is_refused_in_release(unraisable):
+    values = np.arange(10, 13, dtype=np.int64)
+    assert bounds_probe(values, 2) == 12
+    if DEBUG:
+        # -1 would read 12 with wraparound on; it traps like the index past the end.
+        assert bounds_probe(values, -1) == 0
+        assert bounds_probe(values, 3) == 0
+        assert unraisable == [(IndexError, "Out of bounds on buffer access (axis 0)")] * 2
+    else:
+        # No bounds check to trap: the probe refuses the index before reading it.
+        with pytest.raises(IndexError, match=r"i=-1 is not an index of values \(0 <= i < 3\)"):
+            bounds_probe(values, -1)
+        with pytest.raises(IndexError, match="i=3 is not"):
+            bounds_probe(values, 3)
+        assert unraisable == []
+
+
+INNER = '''
+import numpy as np
+
+from cext._types import bounds_probe
+
+
+def test_probe_minus_one():
+    assert bounds_probe(np.zeros(2, dtype=np.int64), -1) == 0
+
+
+def test_del_raises():
+    class Boom:
+        def __del__(self):
+            raise RuntimeError("boom in __del__")
+
+    Boom()
+'''
+
+
+def test_an_exception_inside_noexcept_code_fails_the_test_it_happens_in(pytester, monkeypatch):
+    # A run of its own with this project's pytest configuration and conftest.
+    shutil.copy(ROOT / "pyproject.toml", pytester.path / "pyproject.toml")
+    (pytester.path / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", pytester.path / "tests" / "conftest.py")
+    (pytester.path / "tests" / "test_inner.py").write_text(INNER)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))     # this checkout's cext and engine
+    monkeypatch.setenv("COLUMNS", "400")            # summary lines in full
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf",
+                                           "tests/test_inner.py")
+    result.assert_outcomes(failed=2)
+    if DEBUG:
+        # The probe returned normally: the unraisable IndexError is what fails it.
+        result.stdout.fnmatch_lines([
+            "IndexError: Out of bounds on buffer access (axis 0)",
+            "*PytestUnraisableExceptionWarning: Exception ignored in: 'cext._types._read'*",
+        ])
+        result.stdout.fnmatch_lines([
+            "FAILED tests/test_inner.py::test_probe_minus_one - "
+            "pytest.PytestUnraisableExceptionWarning*"])
+    else:
+        result.stdout.fnmatch_lines([
+            "FAILED tests/test_inner.py::test_probe_minus_one - IndexError: i=-1 is not*"])
+    # Any unraisable exception fails its test, in either build.
+    result.stdout.fnmatch_lines([
+        "FAILED tests/test_inner.py::test_del_raises - pytest.PytestUnraisableExceptionWarning*"])
 
 
 def test_kernel_entry_points_check_the_rows_they_are_given():
