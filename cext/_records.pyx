@@ -1,4 +1,3 @@
-# cython: language_level=3
 """Record codecs: action rows packed into their durable fixed-size records in one C loop.
 
 The engine encodes the rows a loop turn touched right before its group commit; doing it
