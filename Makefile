@@ -14,11 +14,15 @@ run: $(EXT)
 test: $(EXT)
 	$(PY) -m pytest
 
-# The same suite against a build with bounds/wraparound/initialisation checks on;
-# the release build is restored afterwards.
+# The same suite against the debug build: bounds and initialisation checks on (wraparound
+# stays off), so a bad or -1 index raises and fails the test it happens in. LEASEHOLD_DEBUG
+# for pytest makes it refuse a release build. The release stamp goes first, so an interrupted
+# run cannot leave the debug build in place for `make test`; it is rebuilt afterwards.
 test-debug: $(DEPS)
+	rm -f $(EXT)
 	LEASEHOLD_DEBUG=1 $(PY) setup.py -q build_ext --inplace
-	$(PY) -m pytest; status=$$?; rm -f $(EXT); $(MAKE) --no-print-directory build; exit $$status
+	LEASEHOLD_DEBUG=1 $(PY) -m pytest; status=$$?; $(MAKE) --no-print-directory build; \
+	exit $$status
 
 build: $(EXT)
 

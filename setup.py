@@ -1,8 +1,10 @@
 """Build Leasehold: pure-Python packages plus the Cython hot path in ``cext/``.
 
-One directive set for every extension. ``LEASEHOLD_DEBUG=1`` turns bounds,
-wraparound and initialisation checks back on (and drops ``-O3``), so the test
-suite can run against a build that traps out-of-range indexing.
+One directive set for every extension. ``LEASEHOLD_DEBUG=1`` turns bounds and
+initialisation checks on (and drops ``-O3``), so the test suite can run against a
+build that traps out-of-range indexing. Wraparound stays off in both builds: with
+it on, a stray -1 row would silently read the last row instead of tripping the
+bounds check (and the release build, which has no check, reads before the buffer).
 """
 
 import os
@@ -16,7 +18,7 @@ DEBUG = os.environ.get("LEASEHOLD_DEBUG", "") not in ("", "0")
 DIRECTIVES = {
     "language_level": 3,
     "boundscheck": DEBUG,
-    "wraparound": DEBUG,
+    "wraparound": False,
     "initializedcheck": DEBUG,
     "cdivision": True,
     "embedsignature": True,
@@ -24,14 +26,16 @@ DIRECTIVES = {
 
 COMPILE_ARGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 
-MODULES = ["_gate", "_tick", "_lease", "_records"]
+MODULES = ["_types", "_gate", "_tick", "_lease", "_records"]
 
 extensions = [
     Extension(
         f"cext.{name}",
         [f"cext/{name}.pyx"],
         include_dirs=[numpy.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        # LEASEHOLD_DEBUG: cext._types.DEBUG, so tests know which build they run against.
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                       ("LEASEHOLD_DEBUG", "1" if DEBUG else "0")],
         extra_compile_args=COMPILE_ARGS,
     )
     for name in MODULES

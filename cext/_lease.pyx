@@ -2,11 +2,9 @@
 
 from cext._tick cimport TickKernel
 from cext._types cimport (
-    END_ABORTED, END_COMPLETED, END_EXPIRED, TOK_ABORTED,
-    TOK_COMPLETED, TOK_EXPIRED, TOK_OK, TOK_STALE, TOK_UNKNOWN, i32, i64, u8, u64,
+    END_ABORTED, END_COMPLETED, END_EXPIRED, KIND_BIT, TOK_ABORTED,
+    TOK_COMPLETED, TOK_EXPIRED, TOK_OK, TOK_STALE, TOK_UNKNOWN, check_index, i32, i64, u8, u64,
 )
-
-cdef u64 KIND_BIT = (<u64>1) << 63
 
 
 def mint(u64[:, ::1] tokens not None, u64 k0, u64 k1):
@@ -61,6 +59,8 @@ def validate(TickKernel k not None, const u64[:, ::1] tokens not None, i32 worke
         raise ValueError("tokens must be an n x 3 uint64 array")
     if verdicts.shape[0] < n:
         raise ValueError("verdicts is shorter than tokens")
+    if worker != -1:
+        check_index(worker, k.n_workers, "worker", "-1 or a worker row in use")
     cdef u64 lease, row
     cdef i64 gen, until
     cdef u8 v

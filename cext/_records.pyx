@@ -1,4 +1,3 @@
-# cython: language_level=3
 """Record codecs: action rows packed into their durable fixed-size records in one C loop.
 
 The engine encodes the rows a loop turn touched right before its group commit; doing it
@@ -9,7 +8,7 @@ column), this is ~50 ns per row.
 cimport cython
 from libc.string cimport memcpy
 
-from cext._types cimport i32, i64, u8
+from cext._types cimport check_index, i32, i64, u8
 
 __all__ = ["RecordCodec", "ACTION_HEAD_SIZE"]
 
@@ -70,8 +69,8 @@ cdef class RecordCodec:
         if out.shape[0] < n * self.action_size:
             raise ValueError("output buffer too small")
         for i in range(n):
-            if rows[i] < 0 or rows[i] >= self.a_state.shape[0]:
-                raise IndexError(f"row {rows[i]} outside the action table")
+            if not 0 <= rows[i] < self.a_state.shape[0]:
+                check_index(rows[i], self.a_state.shape[0], f"rows[{i}]", "an action row")
         with nogil:
             for i in range(n):
                 self._encode(rows[i], &out[i * self.action_size])

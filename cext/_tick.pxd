@@ -180,6 +180,7 @@ cdef class TickKernel:
     cdef i64[::1] s_bf_key             # [N] scratch: predicted ends being sorted
     cdef i32[::1] s_bf_row             # [N] scratch: ... and their rows
 
+    cdef int _check_counts(self, Py_ssize_t n_workers, Py_ssize_t n_envs) except -1
     cdef void _cluster_free(self, int c) noexcept nogil
     cdef void _snapshot_free(self) noexcept nogil
     cdef void _queue_budget(self, i32 q) noexcept nogil

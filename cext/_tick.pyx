@@ -13,18 +13,16 @@ cimport cython
 
 from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
-    END_LIVE, KIND_FINALIZE, KIND_RUN, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
-    W_CANDIDATE_LIMIT,
+    END_LIVE, KIND_FINALIZE, KIND_RUN, NEVER, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
+    UNLIMITED, W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
-    W_UNSCHEDULABLE_SHAPE, i32, i64, u8, u64,
+    W_UNSCHEDULABLE_SHAPE, check_index, i32, i64, u8, u64,
 )
 
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-cdef i64 UNLIMITED = 1 << 62
-cdef i64 NEVER = 0x7FFFFFFFFFFFFFFF   # a time that never comes (no prediction)
 cdef i64 NO_CAP = UNLIMITED   # an uncapped count
 
 # Outcomes of one candidate.
@@ -209,9 +207,23 @@ cdef class TickKernel:
         self.s_bf_gap = state.s_bf_gap
         self.s_bf_key = state.s_bf_key
         self.s_bf_row = state.s_bf_row
+        if self.n_clusters > 8 * <Py_ssize_t>sizeof(u64):
+            raise ValueError(f"{self.n_clusters} clusters do not fit the uint64 cluster masks")
+        self._check_counts(self.n_workers, self.n_envs)
+
+    cdef int _check_counts(self, Py_ssize_t n_workers, Py_ssize_t n_envs) except -1:
+        # The tick loops over rows 0..n-1 of these tables unchecked.
+        if not 0 <= n_workers <= self.w_connected.shape[0]:
+            raise ValueError(f"n_workers={n_workers} is not in "
+                             f"[0, {self.w_connected.shape[0]}] (the worker table)")
+        if not 0 <= n_envs <= self.e_cluster.shape[0]:
+            raise ValueError(f"n_envs={n_envs} is not in "
+                             f"[0, {self.e_cluster.shape[0]}] (the environment table)")
+        return 0
 
     def set_counts(self, Py_ssize_t n_workers, Py_ssize_t n_envs):
         """Rows in use in the worker and environment tables."""
+        self._check_counts(n_workers, n_envs)
         self.n_workers = n_workers
         self.n_envs = n_envs
 
@@ -270,8 +282,7 @@ cdef class TickKernel:
 
     def cluster_free(self, int c):
         """The free vector of cluster ``c`` as the gate sees it now (a copy)."""
-        if c < 0 or c >= self.n_clusters:
-            raise IndexError(f"no cluster row {c}")
+        check_index(c, self.n_clusters, "c", "a cluster row")
         self._cluster_free(c)
         return [self.s_free[r] for r in range(self.n_res)]
 
@@ -350,11 +361,16 @@ cdef class TickKernel:
 
     def push(self, i32 a):
         """Append queued action ``a`` to the tail of its lane (its row must be filled in)."""
+        check_index(a, self.a_state.shape[0], "a", "an action row")
         self._link(a)
 
     def push_many(self, i32[::1] rows not None):
         """Append many filled-in rows, in order."""
         cdef Py_ssize_t i
+        # Checked before linking any: a bad row leaves every lane as it was.
+        for i in range(rows.shape[0]):
+            if not 0 <= rows[i] < self.a_state.shape[0]:
+                check_index(rows[i], self.a_state.shape[0], f"rows[{i}]", "an action row")
         with nogil:
             for i in range(rows.shape[0]):
                 self._link(rows[i])
@@ -362,8 +378,9 @@ cdef class TickKernel:
     def remove(self, i32 a):
         """Take queued action ``a`` out of its lane (abort, deadline, timeout); the row is
         left in state DONE for the caller to set what comes next."""
+        check_index(a, self.a_state.shape[0], "a", "an action row")
         if self.a_state[a] != ST_QUEUED:
-            raise ValueError(f"action row {a} is not queued")
+            raise ValueError(f"action row a={a} is not queued")
         self._unlink(a)
         self.a_state[a] = ST_DONE
 
@@ -400,6 +417,7 @@ cdef class TickKernel:
 
     def release(self, i32 a, i64 now):
         """Release the in-flight counts of ``a``'s current generation; False if already done."""
+        check_index(a, self.a_state.shape[0], "a", "an action row")
         return self._release(a, now)
 
     cdef void _reap_pools(self, i64 now) noexcept nogil:
@@ -578,6 +596,7 @@ cdef class TickKernel:
 
     def push_finalize(self, i32 f):
         """Queue finalize lease ``f`` (its row filled in) for placement first next tick."""
+        check_index(f, self.fz_state.shape[0], "f", "a finalize row")
         self.fz_state[f] = ST_QUEUED
         self.fz_next[f] = -1
         if self.fz_tail >= 0:
@@ -589,6 +608,7 @@ cdef class TickKernel:
     def remove_finalize(self, i32 f):
         """Take pending finalize lease ``f`` out of the pending list."""
         cdef i32 g = self.fz_head, prev = -1
+        check_index(f, self.fz_state.shape[0], "f", "a finalize row")
         while g >= 0 and g != f:
             prev = g
             g = self.fz_next[g]
@@ -604,6 +624,7 @@ cdef class TickKernel:
 
     def release_finalize(self, i32 f):
         """Release the worker slot of ``f``'s current generation once; False if done."""
+        check_index(f, self.fz_state.shape[0], "f", "a finalize row")
         cdef i64 gen = self.fz_gen[f]
         if gen == 0 or self.fz_released_gen[f] == gen:
             return False
@@ -1128,8 +1149,9 @@ cdef class TickKernel:
         cdef i64 best = NEVER, t
         cdef int c
         cdef u64 fit
-        if h < 0 or h >= self.a_state.shape[0] or self.a_state[h] != ST_QUEUED:
-            raise ValueError(f"action row {h} is not queued")
+        check_index(h, self.a_state.shape[0], "h", "an action row")
+        if self.a_state[h] != ST_QUEUED:
+            raise ValueError(f"action row h={h} is not queued")
         fit = self.a_fit[h] & self.q_clusters[self.a_queue[h]]
         with nogil:
             while fit != 0:
@@ -1146,8 +1168,9 @@ cdef class TickKernel:
         queue's budget left plus what the queue's live leases release covers it; None when
         unknown. Uses the tick's scratch between ticks."""
         cdef i64 t
-        if h < 0 or h >= self.a_state.shape[0] or self.a_state[h] != ST_QUEUED:
-            raise ValueError(f"action row {h} is not queued")
+        check_index(h, self.a_state.shape[0], "h", "an action row")
+        if self.a_state[h] != ST_QUEUED:
+            raise ValueError(f"action row h={h} is not queued")
         with nogil:
             self._queue_budget(self.a_queue[h])
             t = self._budget_shadow(self.a_queue[h], h, now)
@@ -1177,6 +1200,7 @@ cdef class TickKernel:
         cdef int dim
         cdef u64 avail
         cdef i64 start, end
+        check_index(q, self.n_queues, "q", "a queue row")
         for i in range(n):
             if rows[i] < 0 or rows[i] >= self.a_state.shape[0] or self.a_queue[rows[i]] != q:
                 raise ValueError(f"row {rows[i]} is not an action of queue {q}")
@@ -1312,12 +1336,22 @@ cdef class TickKernel:
 
     def push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w):
         """Append one entry to the dispatch ring (reload: a decided lease never handed out)."""
+        if kind == KIND_RUN:
+            check_index(row, self.a_state.shape[0], "row", "an action row")
+        elif kind == KIND_FINALIZE:
+            check_index(row, self.fz_state.shape[0], "row", "a finalize row")
+        else:
+            raise ValueError(f"kind={kind} is not a LeaseKind")
+        check_index(c, self.n_clusters, "c", "a cluster row")
+        check_index(w, self.n_workers, "w", "a worker row in use")
         if self.d_tail - self.d_head >= self.d_action.shape[0]:
             raise OverflowError("dispatch channel full")
         self._push_dispatch(kind, row, gen, c, w)
 
     def set_pools_live(self, i64 n):
         """Set the number of warm pools holding a footprint (reload recounts them)."""
+        if not 0 <= n <= self.n_envs:
+            raise ValueError(f"n={n} is not in [0, {self.n_envs}] (environment rows in use)")
         self.n_pools_live = n
 
     def consume_dispatch(self, i64 n):

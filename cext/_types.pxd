@@ -1,5 +1,7 @@
-# Shared dtype-named typedefs and codes for every Cython module of Leasehold.
-# Codes are mirrored in engine/_codes.py; keep the two in step.
+# Shared dtype-named typedefs, codes and constants for every Cython module of Leasehold.
+# Codes are mirrored in engine/_codes.py (constants in engine/_units.py, engine/_state.py,
+# engine/_leases.py, engine/_config.py); cext/_types.pyx exposes these values to Python and
+# tests/test_layout.py fails when the two sides differ.
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 ctypedef int64_t i64    # counts, quantities, nanosecond times (numpy int64)
@@ -7,8 +9,23 @@ ctypedef int32_t i32    # row indices (numpy int32); -1 = none
 ctypedef uint8_t u8     # states, codes, flags (numpy uint8)
 ctypedef uint64_t u64   # monotonic counters and cluster bitmasks (numpy uint64)
 
+# Macros, not module globals: each is one compile-time constant in every module.
+cdef extern from *:
+    """
+    #ifndef LEASEHOLD_DEBUG
+    #define LEASEHOLD_DEBUG 0
+    #endif
+    #define LH_UNLIMITED ((int64_t)1 << 62)
+    #define LH_NEVER INT64_MAX
+    #define LH_KIND_BIT ((uint64_t)1 << 63)
+    """
+    const bint DEBUG_BUILD "LEASEHOLD_DEBUG"   # setup.py: 1 in the LEASEHOLD_DEBUG=1 build
+    const i64 UNLIMITED "LH_UNLIMITED"         # no limit (quantities stay below it)
+    const i64 NEVER "LH_NEVER"                 # a time that never comes
+    const u64 KIND_BIT "LH_KIND_BIT"           # LeaseKind bit of a token's lease id
+
 # Row state of an action / its run lease.
-cdef enum ActionState:
+cpdef enum ActionState:
     ST_FREE = 0        # row unused
     ST_QUEUED = 1      # pending: in a lane, waiting for the tick
     ST_SENT = 2        # assigned to a worker by the tick, not yet reported running
@@ -17,7 +34,7 @@ cdef enum ActionState:
     ST_BACKOFF = 5     # between attempts: waiting out its retry backoff (not in a lane)
 
 # Why the tick did not place a queued action (or stopped a queue).
-cdef enum WaitCode:
+cpdef enum WaitCode:
     W_NONE = 0                 # never examined
     W_PLACED = 1               # placed by the tick
     W_QUEUE_ACTIONS = 2        # queue action_concurrency reached
@@ -36,14 +53,14 @@ cdef enum WaitCode:
     W_POOL_ELSEWHERE = 15      # its warm pool runs on a cluster the queue no longer allows
 
 # How the current generation of a lease ended (a heartbeat for it is refused with this).
-cdef enum LeaseEnd:
+cpdef enum LeaseEnd:
     END_LIVE = 0        # still held
     END_COMPLETED = 1   # a terminal report was recorded
     END_EXPIRED = 2     # heartbeats stopped; expired by the engine
     END_ABORTED = 3     # the action (or an ancestor) was aborted
 
 # Verdict on one presented token.
-cdef enum TokenVerdict:
+cpdef enum TokenVerdict:
     TOK_OK = 0          # valid: the lease is extended
     TOK_STALE = 1       # an older generation: the lease moved on
     TOK_EXPIRED = 2     # this generation expired
@@ -52,6 +69,14 @@ cdef enum TokenVerdict:
     TOK_UNKNOWN = 5     # forged, altered, not this worker's, or no such lease
 
 # Lease kinds, in the top bit of a token's lease id.
-cdef enum LeaseKind:
+cpdef enum LeaseKind:
     KIND_RUN = 0        # the run lease of an action (id = action row)
     KIND_FINALIZE = 1   # a finalize lease (id = finalize row)
+
+
+# Row arguments from Python are checked once where they enter the kernel: past that point
+# the release build indexes unchecked, so a bad row would read or write outside a table.
+cdef inline int check_index(Py_ssize_t value, Py_ssize_t n, str name, str what) except -1:
+    if value < 0 or value >= n:
+        raise IndexError(f"{name}={value} is not {what} (0 <= {name} < {n})")
+    return 0

@@ -1,4 +1,5 @@
-"""Codes shared with the Cython kernel (mirror of cext/_types.pxd; keep them in step)."""
+"""Codes shared with the Cython kernel (mirror of cext/_types.pxd; tests/test_layout.py fails
+when the two differ)."""
 
 import enum
 

@@ -1,13 +1,30 @@
 """Shared helpers: small configs and engines on a manual clock."""
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
 
+import cext
 from engine import Engine, ManualClock
 from engine._config import parse_config
 from storage import MemoryStore
+
+pytest_plugins = ["pytester"]   # tests/test_debug_traps.py runs a suite of its own
+
+
+def pytest_report_header(config):
+    build = "debug (bounds and initialisation checks)" if cext.DEBUG else "release"
+    return f"cext: {build} build, {sys.modules[cext.TickKernel.__module__].__file__}"
+
+
+def pytest_configure(config):
+    # make test-debug sets LEASEHOLD_DEBUG for pytest too: a run meant for the debug build must
+    # not pass against a release build that happens to be in place.
+    if os.environ.get("LEASEHOLD_DEBUG", "") not in ("", "0") and not cext.DEBUG:
+        raise pytest.UsageError("LEASEHOLD_DEBUG is set but cext is a release build: "
+                                "rebuild with LEASEHOLD_DEBUG=1 (make test-debug does)")
 
 
 def make_engine(config, workers=None, store=None):
