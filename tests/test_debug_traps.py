@@ -10,11 +10,12 @@ at the entry point, in both builds. Each test asserts what the build it runs aga
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from cext import DEBUG
+from cext import DEBUG, RecordCodec
 from cext._lease import validate
 from cext._types import bounds_probe
 from engine import ActionSpec
@@ -107,7 +108,8 @@ def test_an_exception_inside_noexcept_code_fails_the_test_it_happens_in(pytester
 
 def test_kernel_entry_points_check_the_rows_they_are_given():
     eng, _ = make_engine(CONFIG)
-    k, st = eng._kernel, eng._state
+    view = eng.inspect()
+    k, st = view.kernel, view.arrays
     n = st.a_state.shape[0]
     nf = st.fz_state.shape[0]
     for bad in (-1, n):
@@ -126,7 +128,9 @@ def test_kernel_entry_points_check_the_rows_they_are_given():
     with pytest.raises(IndexError, match=r"^rows\[1\]=-1 is not an action row"):
         k.push_many(np.array([0, -1], dtype=np.int32))
     with pytest.raises(IndexError, match=r"^rows\[0\]=-1 is not an action row"):
-        eng._codec_records.encode_actions(np.array([-1], dtype=np.int64), bytearray(4096))
+        codec = RecordCodec()
+        codec.bind(SimpleNamespace(n_res=st.n_res, **st.copy()))
+        codec.encode_actions(np.array([-1], dtype=np.int64), bytearray(4096))
 
     # The dispatch ring stores what it is given: every field is checked first.
     with pytest.raises(IndexError, match=r"^row=-1 is not an action row"):
