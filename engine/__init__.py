@@ -3,6 +3,7 @@
 from engine._clock import ManualClock, SystemClock
 from engine._codes import Phase, WaitCode
 from engine._config import Config, QueueConfig, load_config, parse_config
+from engine._dispatch import DispatchBatch
 from engine._engine import AlreadyExists, Assignment, Engine, Explanation, Group, Refusal
 from engine._errors import ConfigError, LeaseholdError, NotFound, ResourceExhausted, SpecError
 from engine._inspect import ActionRecord, DispatchEntry, Inspection, PendingTimer
@@ -11,6 +12,7 @@ from engine._model import ActionId, ActionSpec, PodGroup, RetryPolicy, ReusePoli
 __all__ = [
     "ActionId",
     "ActionRecord",
+    "DispatchBatch",
     "DispatchEntry",
     "Group",
     "Inspection",

@@ -38,6 +38,7 @@ from engine._codes import (
     WaitCode,
 )
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
+from engine._dispatch import Assignment, DispatchBatch
 from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
 from engine._groups import EnqueueGroup, check_names, decode_group, encode_group, group_key
 from engine._history import RuntimeHistory
@@ -78,35 +79,14 @@ _DUE_COLUMNS = {T_DEADLINE: "a_deadline_due", T_QUEUED: "a_queued_due", T_RETRY:
                 T_RUNTIME: "a_runtime_due"}
 BOUNDS = ("deadline", "max_queued_time", "max_runtime")
 
-__all__ = ["Engine", "Assignment", "Explanation", "AlreadyExists", "Refusal", "Group",
-           "kernel_pass"]
+__all__ = ["Engine", "Assignment", "DispatchBatch", "Explanation", "AlreadyExists", "Refusal",
+           "Group", "kernel_pass"]
 
 
 class AlreadyExists(SpecError):
     """An action with this id exists with a different spec; nothing was stored."""
 
     code = "ALREADY_EXISTS"
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """A decision of the tick, pushed to ``worker``: run ``action`` (kind ``run``) or clean
-    up one of its attempts (kind ``finalize``) under lease ``generation``. The worker presents
-    ``token`` on every heartbeat and report; the bounds let it enforce max_queued_time (until
-    running), max_runtime and the deadline."""
-
-    action: ActionId
-    generation: int
-    queue: str
-    cluster: str
-    worker: str
-    kind: LeaseKind = LeaseKind.RUN
-    token: bytes = b""
-    attempt: int = 1
-    deadline_ns: int | None = None
-    queued_deadline_ns: int | None = None
-    max_runtime_s: float | None = None
-    input_ref: str | None = None   # a fan-out action's input reference (enqueue_fanout)
 
 
 @dataclass(frozen=True)
@@ -1337,38 +1317,70 @@ class Engine:
         with self._turn():
             return self._drain(limit)
 
+    def drain_columns(self, limit=None):
+        """The columnar :meth:`drain_dispatch`: the same entries, bookkeeping and durability,
+        returned as one :class:`DispatchBatch` of arrays (tokens minted in one pass) instead
+        of an ``Assignment`` per lease."""
+        with self._turn():
+            return self._drain_columns(limit)
+
     def _drain(self, limit):
+        return self._drain_columns(limit).assignments()
+
+    def _drain_columns(self, limit):
         k, st = self._kernel, self._state
         # A deferred turn hands out only what committed groups decided.
         n = (self._committed_tail if self._deferring else k.d_tail) - k.d_head
         if limit is not None:
             n = min(n, limit)
-        cap = st.d_action.shape[0]
-        out = []
-        for j in range(k.d_head, k.d_head + n):
-            slot = j % cap
-            row, gen = int(st.d_action[slot]), int(st.d_gen[slot])
-            cluster = self._clusters[st.d_cluster[slot]]
-            worker = self._worker_names[st.d_worker[slot]]
-            if st.d_kind[slot] == LeaseKind.FINALIZE:
-                if int(st.fz_gen[row]) != gen or st.fz_end[row] != LeaseEnd.LIVE:
-                    continue   # ended before it was dispatched: nothing to send
-                arow, number = int(st.fz_action[row]), int(st.fz_attempt[row])
+        if n <= 0:
+            return DispatchBatch(DispatchBatch.empty_columns(), {}, self._clusters,
+                                 self._worker_names, self._queue_names)
+        slots = np.arange(k.d_head, k.d_head + n) % st.d_action.shape[0]
+        rows = st.d_action[slots].astype(np.int64)
+        gens = st.d_gen[slots].copy()
+        kinds = st.d_kind[slots].copy()
+        fin = kinds == _FINALIZE
+        run = ~fin
+        keep = np.zeros(n, dtype=bool)
+        # Entries whose lease ended before the drain (expired, aborted) are never delivered.
+        r = rows[run]
+        keep[run] = ((st.a_gen[r] == gens[run]) & (st.a_end[r] == LeaseEnd.LIVE)
+                     & ((st.a_state[r] == RowState.SENT) | (st.a_state[r] == RowState.RUNNING)))
+        f = rows[fin]
+        keep[fin] = (st.fz_gen[f] == gens[fin]) & (st.fz_end[f] == LeaseEnd.LIVE)
+        k.consume_dispatch(n)
+        rows, gens, kinds, fin, slots = rows[keep], gens[keep], kinds[keep], fin[keep], \
+            slots[keep]
+        m = rows.size
+        arows = rows.copy()
+        attempt = np.empty(m, dtype=np.int32)
+        att_enq = np.empty(m, dtype=np.int64)
+        if fin.any():
+            arows[fin] = st.fz_action[rows[fin]]
+            attempt[fin] = st.fz_attempt[rows[fin]]
+        lean = ~fin & (st.a_edges[arows] == 0)
+        if lean.any():
+            # The common path in columns: stamped once, INITIALIZING while sent, delivered.
+            lr = rows[lean]
+            now = self.clock.now_ns()
+            st.a_start[lr] = np.where(st.a_start[lr] == NEVER, now, st.a_start[lr])
+            sent = lr[st.a_state[lr] == RowState.SENT]
+            st.a_phase[sent] = _INIT
+            st.a_delivered_gen[lr] = gens[lean]
+            attempt[lean] = 1
+            att_enq[lean] = st.a_enqueued[lr]
+            self._dirty_fixed.update(lr.tolist())
+        for i in np.flatnonzero(~lean).tolist():
+            row, gen = int(rows[i]), int(gens[i])
+            if fin[i]:
+                arow, number = int(arows[i]), int(attempt[i])
                 rec = self._rec(arow)
                 rec.attempts[number - 1].finalize = "SENT"
                 st.fz_delivered_gen[row] = gen
                 self._dirty_fz.add(row)
                 self._touch(arow)
-                out.append(Assignment(
-                    action=rec.compiled.id, generation=gen, queue=rec.compiled.queue,
-                    cluster=cluster, worker=worker, kind=LeaseKind.FINALIZE, attempt=number,
-                    token=self._codec.mint(LeaseKind.FINALIZE, row, gen)))
-                continue
-            if (int(st.a_gen[row]) != gen or st.a_end[row] != LeaseEnd.LIVE
-                    or st.a_state[row] not in LIVE_STATES):
-                continue   # ended (expired, aborted) before it was dispatched
-            if not st.a_edges[row]:
-                out.append(self._drain_lean(row, gen, cluster, worker))
+                att_enq[i] = rec.attempts[number - 1].enqueued_ns
                 continue
             rec = self._rec(row)
             att = self._stamp_attempt(rec)
@@ -1376,39 +1388,24 @@ class Engine:
                 rec.phase = Phase.INITIALIZING
             st.a_delivered_gen[row] = gen
             self._touch(row)
-            t = rec.compiled.spec.timeouts
-            out.append(Assignment(
-                action=rec.compiled.id, generation=gen, queue=rec.compiled.queue,
-                cluster=cluster, worker=worker, kind=LeaseKind.RUN, attempt=att.number,
-                token=self._codec.mint(LeaseKind.RUN, row, gen),
-                deadline_ns=(rec.first_enqueued_ns + int(t.deadline * 1e9)
-                             if t.deadline is not None else None),
-                queued_deadline_ns=(att.enqueued_ns + int(t.max_queued_time * 1e9)
-                                    if t.max_queued_time is not None else None),
-                max_runtime_s=t.max_runtime, input_ref=self._input_ref(row),
-            ))
-        k.consume_dispatch(n)
-        return out
-
-    def _drain_lean(self, row, gen, cluster, worker):
-        st = self._state
-        self._stamp_lean(row)
-        if st.a_state[row] == RowState.SENT:
-            st.a_phase[row] = _INIT
-        st.a_delivered_gen[row] = gen
-        self._dirty_fixed.add(row)
-        g = self._group_of(row)
-        i = int(st.a_gidx[row])
-        t = g.compiled.spec.timeouts
-        enq = int(st.a_enqueued[row])
-        return Assignment(
-            action=g.action_id(i), generation=gen, queue=self._queue_names[st.a_queue[row]],
-            cluster=cluster, worker=worker, kind=LeaseKind.RUN, attempt=1,
-            token=self._codec.mint(LeaseKind.RUN, row, gen),
-            deadline_ns=enq + int(t.deadline * 1e9) if t.deadline is not None else None,
-            queued_deadline_ns=(enq + int(t.max_queued_time * 1e9)
-                                if t.max_queued_time is not None else None),
-            max_runtime_s=t.max_runtime, input_ref=g.input_ref(i))
+            attempt[i] = att.number
+            att_enq[i] = att.enqueued_ns
+        tokens = np.empty((m, 3), dtype=np.uint64)
+        tokens[:, 0] = (kinds.astype(np.uint64) << np.uint64(63)) | rows.astype(np.uint64)
+        tokens[:, 1] = gens.astype(np.uint64)
+        self._codec.mint_array(tokens)
+        group = st.a_group[arows].copy()
+        cols = {
+            "kind": kinds, "lease_row": rows, "action_row": arows, "generation": gens,
+            "cluster": st.d_cluster[slots].copy(), "worker": st.d_worker[slots].copy(),
+            "attempt": attempt, "queue": st.a_queue[arows].copy(), "group": group,
+            "index": st.a_gidx[arows].copy(), "first_enqueued_ns": st.a_enqueued[arows].copy(),
+            "attempt_enqueued_ns": att_enq, "tokens": tokens,
+        }
+        groups = {gid: self._group_of(int(arows[i])) for gid, i in zip(
+            *np.unique(group, return_index=True), strict=True)}
+        return DispatchBatch(cols, {int(g): v for g, v in groups.items()}, self._clusters,
+                             self._worker_names, self._queue_names)
 
     def _stamp_lean(self, row):
         # A lean row has one attempt and one generation: stamped once, at its first use.
