@@ -1602,6 +1602,15 @@ class Engine:
         ``cause`` naming the bound). ``cleanup`` asks for a finalize lease for this attempt.
         Returns the verdict: anything but ``Verdict.OK`` means the report was refused (for
         example a late report from an older generation) and changed nothing."""
+        phase, kind_ = self._check_report(phase, error_kind, cause)
+        verdict, kind, row = self._check_token(token)
+        if verdict != Verdict.OK:
+            return verdict
+        with self._turn():
+            return self._report(kind, row, phase, kind_, cause, recoverable, message, cleanup)
+
+    def _check_report(self, phase, error_kind, cause):
+        """Check one report's arguments (as :meth:`report` does); returns (phase, kind)."""
         try:
             phase = Phase(phase)
         except ValueError:
@@ -1620,11 +1629,125 @@ class Engine:
         if phase == Phase.TIMED_OUT and cause not in BOUNDS:
             raise SpecError(f"TIMED_OUT needs cause naming the bound "
                             f"({', '.join(BOUNDS)}), not {cause!r}")
-        verdict, kind, row = self._check_token(token)
-        if verdict != Verdict.OK:
-            return verdict
+        return phase, kind_
+
+    def report_many(self, tokens, phases, *, worker=None, error_kinds=None, causes=None,
+                    recoverable=None, messages=None, cleanup=None):
+        """The reports of one worker message, in one loop turn (one group commit): each is
+        what :meth:`report` would do with ``tokens[i]`` (24-byte tokens back to back, a list,
+        or an n x 3 uint64 array) and ``phases[i]`` (a Phase or its name), and the optional
+        per-report ``error_kinds``, ``causes``, ``recoverable``, ``messages`` and ``cleanup``
+        sequences. All tokens are checked in one nogil pass (against ``worker``'s sessions
+        when given, else any holder); the common transitions of lean rows (INITIALIZING,
+        RUNNING, SUCCEEDED) apply as vector operations, the rest one by one in order.
+        Arguments are checked first: a bad one raises ``SpecError`` naming its index and
+        nothing is applied. Returns the refused reports as :class:`Refusal` (token,
+        verdict); they changed nothing."""
+        arr = self._codec.parse(tokens)
+        n = arr.shape[0]
+        phases = list(phases)
+        if len(phases) != n:
+            raise SpecError(f"{len(phases)} phases for {n} tokens")
+
+        def column(name, values, default):
+            if values is None:
+                return [default] * n
+            values = list(values)
+            if len(values) != n:
+                raise SpecError(f"{name} has {len(values)} items for {n} tokens")
+            return values
+
+        kinds_in = column("error_kinds", error_kinds, None)
+        causes = column("causes", causes, None)
+        recoverable = column("recoverable", recoverable, True)
+        messages = column("messages", messages, "")
+        cleanup = column("cleanup", cleanup, False)
+        checked = []
+        for i in range(n):
+            try:
+                checked.append(self._check_report(phases[i], kinds_in[i], causes[i]))
+            except SpecError as exc:
+                raise SpecError(f"report {i}: {exc}") from None
+        session = -1
+        if worker is not None:
+            session = self._worker_row(worker)
+        verdicts = np.empty(n, dtype=np.uint8)
+        validate(self._kernel, arr, session, self.clock.now_ns(), self._codec.k0,
+                 self._codec.k1, verdicts, False)
+        lease = arr[:, 0]
+        is_run = (lease >> np.uint64(63)) == 0
+        rows = (lease & np.uint64((1 << 63) - 1)).astype(np.int64)
+        codes = np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n)
+        st = self._state
+        ok = verdicts == Verdict.OK
+        simple = np.fromiter((not messages[i] and not cleanup[i] for i in range(n)),
+                             dtype=bool, count=n)
+        fast = ok & is_run & simple & np.isin(codes, (_INIT, _RUNNING, _SUCCEEDED))
+        fast[fast] = st.a_edges[rows[fast]] == 0
+        if fast.any():
+            # A lease reported twice in one message takes the ordered path.
+            fr = rows[fast]
+            uniq, counts = np.unique(fr, return_counts=True)
+            if (counts > 1).any():
+                fast[fast] = ~np.isin(fr, uniq[counts > 1])
+        refused = []
         with self._turn():
-            return self._report(kind, row, phase, kind_, cause, recoverable, message, cleanup)
+            if fast.any():
+                self._report_lean_many(rows[fast], codes[fast])
+            for i in np.flatnonzero(~fast).tolist():
+                if ok[i]:
+                    # Earlier reports of this message may have moved this lease on.
+                    verdict, kind, row = self._check_token(arr[i:i + 1])
+                else:
+                    verdict = Verdict(int(verdicts[i]))
+                if verdict != Verdict.OK:
+                    refused.append(Refusal(arr[i].astype("<u8").tobytes(), verdict))
+                    continue
+                phase, kind_ = checked[i]
+                self._report(kind, row, phase, kind_, causes[i], recoverable[i], messages[i],
+                             cleanup[i])
+        return refused
+
+    def _report_lean_many(self, rows, codes):
+        # _report_lean over distinct lean rows, in vector operations.
+        st = self._state
+        now = self.clock.now_ns()
+        st.a_start[rows] = np.where(st.a_start[rows] == NEVER, now, st.a_start[rows])
+        self._dirty_fixed.update(rows.tolist())
+        init = rows[(codes == _INIT) & (st.a_state[rows] != RowState.RUNNING)]
+        st.a_phase[init] = _INIT
+        run = rows[(codes == _RUNNING) & (st.a_state[rows] != RowState.RUNNING)]
+        if run.size:
+            st.a_state[run] = RowState.RUNNING      # stops the queued-time clock
+            st.a_running[run] = now
+            st.a_phase[run] = _RUNNING
+            pred = st.t_pred_rt[st.a_task[run]]
+            later = (pred != NEVER) & (now + np.minimum(pred, NEVER - now) > st.a_pred_end[run])
+            st.a_pred_end[run[later]] = now + pred[later]
+            grace = self.config.engine.runtime_grace
+            for gid in np.unique(st.a_group[run]).tolist():
+                t = self._group_of(int(run[st.a_group[run] == gid][0])).compiled.spec.timeouts
+                if t.max_runtime is not None:
+                    due = now + int((t.max_runtime + grace) * 1e9)
+                    for r in run[st.a_group[run] == gid].tolist():
+                        self._timer(due, T_RUNTIME, r, int(st.a_gen[r]))
+        done = rows[codes == _SUCCEEDED]
+        if done.size:
+            began = np.where(st.a_running[done] != NEVER, st.a_running[done], st.a_start[done])
+            tasks = st.a_task[done]
+            for t in np.unique(tasks).tolist():
+                name = self._task_names[t]
+                self.history.record_many_ns(name, np.maximum(0, now - began[tasks == t]))
+                self._history_dirty.add(name)
+                self._refresh_prediction(name, t)
+            st.a_end[done] = LeaseEnd.COMPLETED
+            st.a_expiry[done] = NEVER
+            release = self._kernel.release
+            for r in done.tolist():
+                release(r, now)
+            st.a_state[done] = RowState.DONE
+            st.a_done[done] = now
+            st.a_phase[done] = _SUCCEEDED
 
     def _report(self, kind, row, phase, kind_, cause, recoverable, message, cleanup):
         verdict = Verdict.OK

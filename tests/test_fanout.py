@@ -248,3 +248,126 @@ def test_lean_rows_hold_no_python_record_until_asked():
     assert not edges.any()              # the whole life cycle in columns
     eng.explain(ids[7])
     assert np.flatnonzero(view.arrays.a_edges[:view.action_rows]).tolist() == [7]
+
+
+# ------------------------------------------------------------------- columnar drain, reports
+
+SECRET = bytes(range(16))
+
+
+def twin():
+    """Two engines that will mint the same tokens for the same decisions."""
+    out = []
+    for _ in range(2):
+        eng = Engine(parse_config(CONFIG), clock=ManualClock(), store=MemoryStore(4),
+                     secret=SECRET)
+        eng.register_worker("w", "east", 1000)
+        out.append(eng)
+    return out
+
+
+def state(eng):
+    view = eng.inspect()
+    n = view.action_rows
+    arrays = {k: v[:n].copy() for k, v in view.arrays.copy().items()
+              if k.startswith("a_") and k != "a_pred_end"}
+    arrays.update({k: v.copy() for k, v in view.arrays.copy().items()
+                   if k[:2] in ("q_", "c_", "w_")})
+    recs = [(eng.phase(view.action_at(r)), history(eng, view.action_at(r))) for r in range(n)]
+    return arrays, recs, view.timers(), (eng.history.encode("square")
+                                         if eng.history.count("square") else None)
+
+
+def assert_same_state(a, b):
+    (xa, ra, ta, ha), (xb, rb, tb, hb) = state(a), state(b)
+    assert xa.keys() == xb.keys()
+    for k in xa:
+        np.testing.assert_array_equal(xa[k], xb[k], err_msg=k)
+    assert ra == rb and ta == tb and ha == hb
+
+
+def test_drain_columns_is_drain_dispatch_in_columns():
+    a, b = twin()
+    for eng in (a, b):
+        eng.enqueue_fanout(template(timeouts=Timeouts(deadline=600, max_queued_time=60)),
+                           [f"n{k}" for k in range(30)], inputs=[f"in{k}" for k in range(30)])
+        eng.enqueue_many([template("solo")])
+        eng.clock.advance(1)
+        eng.schedule()
+    batch = a.drain_columns()
+    listed = b.drain_dispatch()
+    assert len(batch) == len(listed) == 31
+    assert batch.assignments() == listed
+    assert batch.tokens.tobytes() == b"".join(x.token for x in listed)
+    assert [batch.action(i) for i in range(len(batch))] == [x.action for x in listed]
+    assert_same_state(a, b)
+    assert len(a.drain_columns()) == 0
+
+
+def test_report_many_equals_the_same_reports_one_by_one():
+    a, b = twin()
+    for eng in (a, b):
+        eng.enqueue_fanout(template(retries=RetryPolicy(count=1, backoff_base=1.0),
+                                    timeouts=Timeouts(max_runtime=30)),
+                           [f"n{k}" for k in range(12)])
+        eng.clock.advance(1)
+    out = a.tick()
+    assert b.tick() == out
+    tok = [x.token for x in out]
+    forged = bytes(24)
+    reports = [
+        (tok[0], "RUNNING", {}), (tok[1], "RUNNING", {}), (tok[2], "SUCCEEDED", {}),
+        (tok[3], "INITIALIZING", {}), (tok[4], "RUNNING", {}), (tok[4], "SUCCEEDED", {}),
+        (tok[5], "FAILED", {"error_kinds": "USER", "messages": "exit 1"}),
+        (tok[6], "SUCCEEDED", {"messages": "done, with a note"}),
+        (tok[7], "TIMED_OUT", {"causes": "max_runtime"}),
+        (tok[8], "SUCCEEDED", {}), (tok[8], "RUNNING", {}),        # late RUNNING: refused
+        (forged, "RUNNING", {}),
+        (tok[9], "FAILED", {"error_kinds": "SYSTEM", "causes": "OOM", "cleanup": True}),
+    ]
+    for eng in (a, b):
+        eng.clock.advance(2)
+    columns = {k: [r[2].get(k) for r in reports] for k in
+               ("error_kinds", "causes", "messages", "cleanup")}
+    columns["messages"] = [m or "" for m in columns["messages"]]
+    columns["cleanup"] = [bool(c) for c in columns["cleanup"]]
+    refused = a.report_many(b"".join(r[0] for r in reports), [r[1] for r in reports],
+                            **columns)
+    one_by_one = []
+    for token, phase, kw in reports:
+        kw = {{"error_kinds": "error_kind", "causes": "cause", "messages": "message"}.get(
+            k, k): v for k, v in kw.items()}
+        verdict = b.report(token, phase, **kw)
+        if verdict != Verdict.OK:
+            one_by_one.append((token, verdict))
+    assert [(r.token, r.verdict) for r in refused] == one_by_one
+    assert [v for _t, v in one_by_one] == [Verdict.COMPLETED, Verdict.UNKNOWN]
+    assert_same_state(a, b)
+    # Durable: a restart of the batched engine sees the same.
+    again = restart(a)
+    assert [again.phase(x.action) for x in out] == [b.phase(x.action) for x in out]
+
+
+def test_report_many_checks_every_argument_before_applying_any():
+    eng = engine()
+    eng.enqueue_fanout(template(), ["a", "b"])
+    eng.clock.advance(1)
+    out = eng.tick()
+    commits = eng.store.commits
+    tokens = b"".join(x.token for x in out)
+    with pytest.raises(SpecError, match="report 1: FAILED needs error_kind"):
+        eng.report_many(tokens, ["SUCCEEDED", "FAILED"])
+    with pytest.raises(SpecError, match="report 0: a worker cannot report QUEUED"):
+        eng.report_many(tokens, ["QUEUED", "SUCCEEDED"])
+    with pytest.raises(SpecError, match="1 phases for 2 tokens"):
+        eng.report_many(tokens, ["SUCCEEDED"])
+    with pytest.raises(SpecError, match="whole number"):
+        eng.report_many(tokens[:-1], ["SUCCEEDED", "SUCCEEDED"])
+    assert eng.store.commits == commits
+    assert all(eng.phase(x.action) == Phase.INITIALIZING for x in out)
+    # Checked against the worker named: another worker's reports are refused.
+    eng.register_worker("v", "east", 10)
+    refused = eng.report_many(tokens, ["SUCCEEDED", "SUCCEEDED"], worker="v")
+    assert [r.verdict for r in refused] == [Verdict.UNKNOWN, Verdict.UNKNOWN]
+    assert eng.report_many(tokens, ["SUCCEEDED", "SUCCEEDED"], worker="w") == []
+    assert all(eng.phase(x.action) == Phase.SUCCEEDED for x in out)
