@@ -1,0 +1,184 @@
+"""The whole life cycle in process, over the real LmdbStore with sync on: prints ONE JSON object.
+
+* ``lifecycle_per_s``: ``N`` (100,000) actions through fan-out enqueue (``enqueue_fanout``,
+  batches of ``BATCH`` actions of one task), the tick (``Engine.schedule``: decide, then one
+  synced group commit), the columnar drain (``drain_columns``) and one ``report_many`` of
+  SUCCEEDED per drained batch, as a worker would send it. Every transition is durable before
+  the next one acts on it. Wall time from the first enqueue to the last report's return.
+* ``abort_100k_ms``: ``Engine.abort`` of the root of a run of 100,000 actions (half of them
+  running, half queued): one call, one group commit.
+* ``bytes_per_live_action``: memory (tracemalloc: the Python heap and numpy buffers) the
+  engine holds per live fan-out action, with ``LIVE`` (100,000) actions enqueued on a
+  table sized for them; ``table_bytes_per_row`` is the part of it that is the action table's
+  columns.
+* ``rss_growth_pct``: process RSS after ``CHURN`` (5,000,000) actions went through the life
+  cycle with about ``LIVE_CHURN`` (10,000) live at any time, against RSS after the first
+  ``LIVE_CHURN * 10``; memory should be bounded by live work, not by history.
+
+Usage: ``python bench/lifecycle.py [--n N] [--churn N]``.
+"""
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+from engine import ActionSpec, Engine, ManualClock, Phase, parse_config  # noqa: E402
+from engine._state import ACTION_FIELDS  # noqa: E402
+
+BATCH = 1000
+N = 100_000
+LIVE = 100_000
+CHURN = 5_000_000
+LIVE_CHURN = 10_000
+
+
+def config(path, capacity=1 << 17):
+    return {
+        "resources": ["cpu", "memory"],
+        "clusters": {"east": {}},          # unknown capacity: unlimited
+        "queues": {"batch": {"scheduling": "GREEDY_CAPACITY", "depth": 4_000_000}},
+        "engine": {"default_queue": "batch", "initial_capacity": capacity,
+                   "max_candidates": 1 << 16, "dispatch_capacity": 1 << 17,
+                   "heartbeat_interval": 3600},
+        "storage": {"path": str(path), "partitions": 16, "map_size": "1Gi",
+                    "max_map_size": "64Gi"},
+    }
+
+
+def template(run, task="work"):
+    return ActionSpec(id=f"tenant{run % 64}/p/d/run{run}/map", task=task,
+                      resources={"cpu": "250m", "memory": "512Mi"})
+
+
+def lifecycle(path, n):
+    eng = Engine(parse_config(config(path)), clock=ManualClock(time.time_ns()))
+    eng.register_worker("w", "east", 1 << 30)
+    names = [f"i{k}" for k in range(BATCH)]
+    done = 0
+    t0 = time.perf_counter()
+    for b in range(n // BATCH):
+        eng.enqueue_fanout(template(b), names)
+        eng.schedule()
+        batch = eng.drain_columns()
+        refused = eng.report_many(batch.tokens, [Phase.SUCCEEDED] * len(batch), worker="w")
+        if refused:
+            raise SystemExit(f"{len(refused)} reports refused")
+        done += len(batch)
+    elapsed = time.perf_counter() - t0
+    eng.close()
+    if done != n:
+        raise SystemExit(f"{done} of {n} actions went through")
+    return n / elapsed
+
+
+def abort_run(path, n):
+    eng = Engine(parse_config(config(path)), clock=ManualClock(time.time_ns()))
+    eng.register_worker("w", "east", n // 2)     # half of them run, half wait for a slot
+    [root] = eng.enqueue_many([ActionSpec(id="acme/p/d/big/root", task="root",
+                                          resources={"cpu": "250m"})])
+    kids = ActionSpec(id="acme/p/d/big/k", task="k", parent=str(root),
+                      resources={"cpu": "250m"})
+    for start in range(0, n - 1, 10_000):
+        eng.enqueue_fanout(kids, [f"k{i}" for i in range(start, min(n - 1, start + 10_000))])
+    while eng.schedule():
+        eng.drain_columns()
+    t = time.perf_counter()
+    ended = eng.abort(root)
+    ms = (time.perf_counter() - t) * 1e3
+    eng.close()
+    if len(ended) != n:
+        raise SystemExit(f"abort ended {len(ended)} of {n}")
+    return ms
+
+
+def memory_per_action(path, n):
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    eng = Engine(parse_config(config(path, capacity=n)), clock=ManualClock(time.time_ns()))
+    empty = tracemalloc.get_traced_memory()[0]
+    names = [f"i{k}" for k in range(BATCH)]
+    for b in range(n // BATCH):
+        eng.enqueue_fanout(template(b), names)
+    gc.collect()
+    full = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    view = eng.inspect()
+    table = sum(getattr(view.arrays, k).nbytes for k in ACTION_FIELDS)
+    rows = view.arrays.a_state.shape[0]
+    eng.close()
+    del base
+    return (full - empty + table) / n, table / rows
+
+
+def churn(path, total, live):
+    eng = Engine(parse_config(config(path, capacity=1 << 14)), clock=ManualClock(time.time_ns()))
+    eng.register_worker("w", "east", live)
+    proc = psutil.Process()
+    names = [f"i{k}" for k in range(BATCH)]
+    rss_warm = None
+    done = b = 0
+    while done < total:
+        eng.enqueue_fanout(template(b), names)
+        b += 1
+        eng.schedule()
+        batch = eng.drain_columns()
+        eng.report_many(batch.tokens, [Phase.SUCCEEDED] * len(batch))
+        done += len(batch)
+        if rss_warm is None and done >= live * 10:
+            gc.collect()
+            rss_warm = proc.memory_info().rss
+    gc.collect()
+    rss_end = proc.memory_info().rss
+    eng.close()
+    return (rss_end - rss_warm) / rss_warm * 100, rss_warm, rss_end
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=N)
+    ap.add_argument("--churn", type=int, default=CHURN)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="leasehold-lifecycle-"))
+    try:
+        rates = [lifecycle(base / f"l{i}", args.n) for i in range(3)]
+        abort_ms = abort_run(base / "abort", 100_000)
+        per_action, per_row = memory_per_action(base / "mem", LIVE)
+        growth, rss_warm, rss_end = churn(base / "churn", args.churn, LIVE_CHURN)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps({
+        "lifecycle_per_s": round(float(np.median(rates))),
+        "lifecycle_runs_per_s": [round(r) for r in rates],
+        "actions": args.n,
+        "abort_100k_ms": round(abort_ms, 1),
+        "bytes_per_live_action": round(per_action),
+        "table_bytes_per_row": round(per_row),
+        "rss_growth_pct": round(growth, 1),
+        "rss_warm_bytes": rss_warm,
+        "rss_end_bytes": rss_end,
+        "churn_actions": args.churn,
+        "cpus": os.cpu_count(),
+        "goal_lifecycle_per_s": 150_000,
+        "goal_abort_100k_ms": 100,
+        "goal_bytes_per_live_action": 1024,
+        "goal_rss_growth_pct": 10,
+    }))
+
+
+if __name__ == "__main__":
+    main()
