@@ -6,11 +6,13 @@ from engine._config import Config, QueueConfig, load_config, parse_config
 from engine._dispatch import DispatchBatch
 from engine._engine import AlreadyExists, Assignment, Engine, Explanation, Group, Refusal
 from engine._errors import ConfigError, LeaseholdError, NotFound, ResourceExhausted, SpecError
+from engine._groups import ActionIds
 from engine._inspect import ActionRecord, DispatchEntry, Inspection, PendingTimer
 from engine._model import ActionId, ActionSpec, PodGroup, RetryPolicy, ReusePolicy, Timeouts
 
 __all__ = [
     "ActionId",
+    "ActionIds",
     "ActionRecord",
     "DispatchBatch",
     "DispatchEntry",

@@ -40,7 +40,14 @@ from engine._codes import (
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._dispatch import Assignment, DispatchBatch
 from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
-from engine._groups import EnqueueGroup, check_names, decode_group, encode_group, group_key
+from engine._groups import (
+    ActionIds,
+    EnqueueGroup,
+    check_names,
+    decode_group,
+    encode_group,
+    group_key,
+)
 from engine._history import RuntimeHistory
 from engine._inspect import Inspection
 from engine._leases import Attempt, ErrorKind, TokenCodec
@@ -815,7 +822,8 @@ class Engine:
         reference ``inputs[i]`` (a string handed to the worker with the lease). The spec is
         compiled, checked and stored once; the batch is one group commit. Atomic like
         :meth:`enqueue_many`: a name that exists with the same spec is a no-op, with another
-        spec ``AlreadyExists``. Returns the ``ActionId`` of every name, in order."""
+        spec ``AlreadyExists``. Returns the ids of every name, in order (an
+        :class:`~engine.ActionIds` sequence of ``ActionId``)."""
         if isinstance(template, dict):
             template = ActionSpec.from_dict(template)
         c = compile_spec(template, self._resources, self._queues,
@@ -838,7 +846,7 @@ class Engine:
             if not self._same_spec(int(rows[i]), spec) or old_ref != (
                     inputs[i] if inputs is not None else None):
                 raise AlreadyExists(f"action {texts[i]} exists with a different spec")
-        ids = [ActionId(*parts, name) for name in names]
+        ids = ActionIds(parts, names)
         if not new.any():
             return ids
         if c.parent is not None:
@@ -1645,6 +1653,8 @@ class Engine:
         verdict); they changed nothing."""
         arr = self._codec.parse(tokens)
         n = arr.shape[0]
+        if isinstance(phases, (Phase, str)):
+            phases = [phases] * n       # one phase for every report
         phases = list(phases)
         if len(phases) != n:
             raise SpecError(f"{len(phases)} phases for {n} tokens")
@@ -1657,17 +1667,29 @@ class Engine:
                 raise SpecError(f"{name} has {len(values)} items for {n} tokens")
             return values
 
+        plain = messages is None and cleanup is None
         kinds_in = column("error_kinds", error_kinds, None)
         causes = column("causes", causes, None)
         recoverable = column("recoverable", recoverable, True)
         messages = column("messages", messages, "")
         cleanup = column("cleanup", cleanup, False)
-        checked = []
+        checked, seen = [], {}
         for i in range(n):
+            key = (phases[i], kinds_in[i], causes[i])
             try:
-                checked.append(self._check_report(phases[i], kinds_in[i], causes[i]))
-            except SpecError as exc:
-                raise SpecError(f"report {i}: {exc}") from None
+                hit = seen.get(key)
+            except TypeError:           # unhashable: checked (and refused) below
+                hit = None
+            if hit is None:
+                try:
+                    hit = self._check_report(*key)
+                except SpecError as exc:
+                    raise SpecError(f"report {i}: {exc}") from None
+                try:
+                    seen[key] = hit
+                except TypeError:
+                    pass
+            checked.append(hit)
         session = -1
         if worker is not None:
             session = self._worker_row(worker)
@@ -1680,8 +1702,8 @@ class Engine:
         codes = np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n)
         st = self._state
         ok = verdicts == Verdict.OK
-        simple = np.fromiter((not messages[i] and not cleanup[i] for i in range(n)),
-                             dtype=bool, count=n)
+        simple = np.ones(n, dtype=bool) if plain else np.fromiter(
+            (not messages[i] and not cleanup[i] for i in range(n)), dtype=bool, count=n)
         fast = ok & is_run & simple & np.isin(codes, (_INIT, _RUNNING, _SUCCEEDED))
         fast[fast] = st.a_edges[rows[fast]] == 0
         if fast.any():

@@ -9,13 +9,14 @@ fixed record is its whole outcome (see ``engine/_engine.py``): no Python object 
 """
 
 import re
+from collections.abc import Sequence
 
 import msgpack
 
 from engine._errors import SpecError
 from engine._model import ActionId
 
-__all__ = ["EnqueueGroup", "group_key", "encode_group", "decode_group", "check_names",
+__all__ = ["ActionIds", "EnqueueGroup", "group_key", "encode_group", "decode_group", "check_names",
            "MAX_INPUT_REF"]
 
 #: Longest input reference a fan-out action may carry (bytes of UTF-8).
@@ -53,6 +54,36 @@ class EnqueueGroup:
     def input_ref(self, index):
         """The input reference of action ``index``, or None."""
         return None if self.inputs is None else self.inputs[index]
+
+
+class ActionIds(Sequence):
+    """The ids of a fan-out, in order: a sequence of :class:`~engine.ActionId` made on access
+    (equal to any sequence of the same ids)."""
+
+    __slots__ = ("_parts", "_names")
+
+    def __init__(self, parts, names):
+        self._parts = parts
+        self._names = names
+
+    def __len__(self):
+        return len(self._names)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [ActionId(*self._parts, name) for name in self._names[i]]
+        return ActionId(*self._parts, self._names[i])
+
+    def __eq__(self, other):
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and all(a == b for a, b in zip(self, other,
+                                                                      strict=True))
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"ActionIds({len(self)} in {'/'.join(self._parts)})"
 
 
 def encode_group(content, names, inputs):

@@ -223,7 +223,7 @@ def test_a_batch_where_two_names_share_a_hash_keeps_both_findable(monkeypatch):
     import engine._engine as module
     monkeypatch.setattr(module, "name_hash", lambda text: 7)   # every name collides
     eng = engine()
-    ids = eng.enqueue_fanout(template(), ["a", "b", "c"])
+    ids = list(eng.enqueue_fanout(template(), ["a", "b", "c"]))
     ids += eng.enqueue_many([template("d")])
     view = eng.inspect()
     assert [view.row_of(a) for a in ids] == [0, 1, 2, 3]
