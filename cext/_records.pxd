@@ -40,6 +40,7 @@ cdef packed struct ActionHead:
     i64 start               # lean: assignment of its attempt
     i64 running             # lean: first RUNNING report
     i64 done                # lean: end of its attempt
+    i64 abort               # lean ABORTED: the row whose abort ended it
 
 
 cdef class RecordCodec:
@@ -77,6 +78,7 @@ cdef class RecordCodec:
     cdef i64[::1] a_start                   # lean assignment time
     cdef i64[::1] a_running                 # lean RUNNING time
     cdef i64[::1] a_done                    # lean end time
+    cdef i64[::1] a_abort                   # lean abort root
     cdef i64[:, ::1] a_demand               # demand vectors
     cdef i32[::1] w_ident                   # session row -> worker identity
 

@@ -72,9 +72,10 @@ TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.ABORTED, Phase
 PHASES = tuple(Phase)
 PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
 # Phases a lean row may be in: one attempt on the common path (queued, dispatched, running,
-# succeeded). Anything else (a failure, a retry, an abort, a message) gives the row its
-# Python record (engine/_engine.py, "lean rows").
-LEAN_PHASES = frozenset({Phase.QUEUED, Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
+# succeeded), or aborted while queued. Anything else (a failure, a retry, an abort of what
+# runs, a message) gives the row its Python record (engine/_engine.py, "lean rows").
+LEAN_PHASES = frozenset({Phase.QUEUED, Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED,
+                         Phase.ABORTED})
 
 
 class LeaseEnd(enum.IntEnum):

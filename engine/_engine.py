@@ -19,6 +19,7 @@ import numpy as np
 
 from cext import RecordCodec, TickKernel
 from cext._lease import validate
+from cext._tree import descendants
 from engine._clock import SystemClock
 from engine._codes import (
     PHASE_CODE,
@@ -43,6 +44,7 @@ from engine._errors import ConfigError, NotFound, ResourceExhausted, SpecError
 from engine._groups import (
     ActionIds,
     EnqueueGroup,
+    abort_key,
     check_names,
     decode_group,
     encode_group,
@@ -167,6 +169,8 @@ _Q = PHASE_CODE[Phase.QUEUED]
 _INIT = PHASE_CODE[Phase.INITIALIZING]
 _RUNNING = PHASE_CODE[Phase.RUNNING]
 _SUCCEEDED = PHASE_CODE[Phase.SUCCEEDED]
+_ABORTED = PHASE_CODE[Phase.ABORTED]
+_LEAN_TERMINAL = (_SUCCEEDED, _ABORTED)
 
 
 class Engine:
@@ -262,6 +266,7 @@ class Engine:
         self._hash_rows = {}        # name hash -> row (rows created or looked up since load)
         self._collided = {}         # ActionId -> row, for the rare hash taken by another id
         self._groups = {}           # group id -> EnqueueGroup (loaded on first use)
+        self._abort_reasons = {}    # row an abort was called on -> its reason (lean rows)
         self._next_gid = 0
         self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
         self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows
@@ -846,7 +851,7 @@ class Engine:
             if not self._same_spec(int(rows[i]), spec) or old_ref != (
                     inputs[i] if inputs is not None else None):
                 raise AlreadyExists(f"action {texts[i]} exists with a different spec")
-        ids = ActionIds(parts, names)
+        ids = ActionIds.of_names(parts, names)
         if not new.any():
             return ids
         if c.parent is not None:
@@ -1057,11 +1062,14 @@ class Engine:
             if int(st.a_running[row]) != NEVER:
                 att.running_ns = int(st.a_running[row])
             phase = PHASES[st.a_phase[row]]
-            if phase == Phase.SUCCEEDED:
+            message = ""
+            if phase in (Phase.SUCCEEDED, Phase.ABORTED):
                 att.end_ns = int(st.a_done[row])
                 att.phase = phase.value
+            if phase == Phase.ABORTED:
+                message = att.message = self._abort_reason(row)
             rec = _Action(compiled=c, row=row, first_enqueued_ns=int(st.a_enqueued[row]),
-                          phase=phase, attempts=[att])
+                          phase=phase, message=message, attempts=[att])
         else:
             raw_out = self._store.get(part, "attempts", key)
             if raw_out is None:
@@ -1888,34 +1896,68 @@ class Engine:
     def abort(self, action, reason="aborted"):
         """Abort ``action`` and every descendant: queued ones end at once; sent or running
         ones are refused at their next heartbeat (their worker stops them) and get a
-        finalize lease for cleanup. Returns the ids that ended."""
-        ended = []
-        stack = [self._row_of(action)]
+        finalize lease for cleanup. Returns the ids that ended (an ``ActionIds``
+        sequence)."""
+        if not isinstance(reason, str):
+            raise SpecError(f"an abort reason is a string, not {reason!r}")
+        root = self._row_of(action)
         st = self._state
+        out = np.empty(self._next_row, dtype=np.int64)
+        rows = out[:descendants(st.a_child, st.a_sibling, root, out)]
         with self._turn():
-            while stack:
-                row = stack.pop()
-                # The children index: each node costs its own children, oldest pushed first.
-                kids = []
-                kid = int(st.a_child[row])
-                while kid >= 0:
-                    kids.append(kid)
-                    kid = int(st.a_sibling[kid])
-                kids.reverse()
-                stack.extend(kids)
+            now = self.clock.now_ns()
+            lean = st.a_edges[rows] == 0
+            phase = st.a_phase[rows]
+            # Lean rows still queued end in their columns, with the reason stored once.
+            quick = lean & (st.a_state[rows] == RowState.QUEUED) & (phase == _Q)
+            q = rows[quick]
+            if q.size:
+                remove = self._kernel.remove
+                for r in q.tolist():
+                    remove(r)
+                st.a_state[q] = RowState.DONE
+                st.a_phase[q] = _ABORTED
+                st.a_done[q] = now
+                st.a_abort[q] = root
+                self._dirty_fixed.update(q.tolist())
+                self._op(int(st.a_part[root]), "attempts", abort_key(root),
+                         msgpack.packb(reason))
+                self._abort_reasons[root] = reason
+            # The rest one by one: what still runs gets its finalize lease.
+            done = lean & ~quick & np.isin(phase, _LEAN_TERMINAL)
+            ended = quick.copy()
+            for i in np.flatnonzero(~quick & ~done).tolist():
+                row = int(rows[i])
                 if self._phase_of(row) in TERMINAL_PHASES:
                     continue
                 rec = self._rec(row)
-                state = st.a_state[row]
                 cleanup = False
-                if state in LIVE_STATES:
+                if st.a_state[row] in LIVE_STATES:
                     self._stamp_attempt(rec)
                     self._end_lease(row, LeaseEnd.ABORTED)
                     cleanup = True
                 self._end_attempt(rec, Phase.ABORTED, message=reason, cleanup=cleanup)
                 self._finish(rec, Phase.ABORTED, reason)
-                ended.append(rec.compiled.id)
-        return ended
+                ended[i] = True
+            hit = rows[ended]
+            gids = st.a_group[hit]
+            groups = {g: self._group_of(int(hit[k])) for g, k in zip(
+                *np.unique(gids, return_index=True), strict=True)}
+            return ActionIds.of_rows({int(g): v for g, v in groups.items()}, gids,
+                                     st.a_gidx[hit])
+
+    def _abort_reason(self, row):
+        # The reason of the abort that ended lean row ``row`` (stored once per abort).
+        root = int(self._state.a_abort[row])
+        reason = self._abort_reasons.get(root)
+        if reason is None:
+            part = int(self._state.a_part[root])
+            raw = self._store.get(part, "attempts", abort_key(root))
+            if raw is None:
+                raise CorruptRecord(part, "attempts", abort_key(root),
+                                    f"aborted row {row} has no abort reason")
+            reason = self._abort_reasons[root] = msgpack.unpackb(raw)
+        return reason
 
     # ------------------------------------------------------------------ transitions
 

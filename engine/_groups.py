@@ -16,8 +16,8 @@ import msgpack
 from engine._errors import SpecError
 from engine._model import ActionId
 
-__all__ = ["ActionIds", "EnqueueGroup", "group_key", "encode_group", "decode_group", "check_names",
-           "MAX_INPUT_REF"]
+__all__ = ["ActionIds", "EnqueueGroup", "abort_key", "group_key", "encode_group",
+           "decode_group", "check_names", "MAX_INPUT_REF"]
 
 #: Longest input reference a fan-out action may carry (bytes of UTF-8).
 MAX_INPUT_REF = 4096
@@ -57,22 +57,39 @@ class EnqueueGroup:
 
 
 class ActionIds(Sequence):
-    """The ids of a fan-out, in order: a sequence of :class:`~engine.ActionId` made on access
-    (equal to any sequence of the same ids)."""
+    """Action ids in order: a sequence of :class:`~engine.ActionId` made on access (equal to
+    any sequence of the same ids). A fan-out returns the ids of its names; an abort the ids
+    of the rows it ended."""
 
-    __slots__ = ("_parts", "_names")
+    __slots__ = ("_get", "_n")
 
-    def __init__(self, parts, names):
-        self._parts = parts
-        self._names = names
+    def __init__(self, get, n):
+        self._get = get     # index -> ActionId
+        self._n = n
+
+    @classmethod
+    def of_names(cls, parts, names):
+        """The ids ``parts + name`` of every name (one run)."""
+        return cls(lambda i: ActionId(*parts, names[i]), len(names))
+
+    @classmethod
+    def of_rows(cls, groups, gids, gidx):
+        """The ids of rows given by their groups (``{gid: EnqueueGroup}``), group ids and
+        indexes (arrays, captured now: later changes of the rows do not show)."""
+        gids, gidx = gids.tolist(), gidx.tolist()
+        return cls(lambda i: groups[gids[i]].action_id(gidx[i]), len(gids))
 
     def __len__(self):
-        return len(self._names)
+        return self._n
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [ActionId(*self._parts, name) for name in self._names[i]]
-        return ActionId(*self._parts, self._names[i])
+            return [self._get(k) for k in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"index {i} out of range for {self._n} ids")
+        return self._get(i)
 
     def __eq__(self, other):
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
@@ -83,7 +100,13 @@ class ActionIds(Sequence):
     __hash__ = None
 
     def __repr__(self):
-        return f"ActionIds({len(self)} in {'/'.join(self._parts)})"
+        return f"ActionIds({list(self[:3])}{' ...' if self._n > 3 else ''}, {self._n} ids)"
+
+
+def abort_key(row):
+    """The ``attempts`` key of an abort's reason, by the row it was called on (a row's key
+    is 8 bytes, so the two never meet)."""
+    return b"a" + int(row).to_bytes(8, "big")
 
 
 def encode_group(content, names, inputs):

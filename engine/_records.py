@@ -79,6 +79,7 @@ def action_dtype(n_res):
         ("start", "<i8"),         # lean: assignment of its attempt (NEVER: not yet)
         ("running", "<i8"),       # lean: first RUNNING report
         ("done", "<i8"),          # lean: end of its attempt
+        ("abort", "<i8"),         # lean ABORTED: the row whose abort ended it (its reason)
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
     ])
 

@@ -91,7 +91,7 @@ _PRESET = frozenset({
     "a_enqueued", "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due",
     "a_name_hash", "a_demand", "a_worker", "a_qrun", "a_lane", "a_task", "a_backfilled",
     "a_pred_end", "a_group", "a_gidx", "a_lean", "a_phase", "a_start", "a_running", "a_done",
-    "a_edges",
+    "a_abort", "a_edges",
 })
 
 
@@ -218,7 +218,7 @@ def _fill_actions(eng, recs, rows, parts, n, now):
                "attempt", "fit", "gen", "released_gen", "delivered_gen", "enqueued",
                "deadline_due", "queued_due", "retry_due", "runtime_due", "name_hash", "demand",
                "task", "backfilled", "pred_end", "group", "gidx", "lean", "phase", "start",
-               "running", "done")
+               "running", "done", "abort")
 
     def fill(name):
         getattr(st, "a_" + name)[rows] = recs[name]

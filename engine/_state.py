@@ -65,6 +65,7 @@ ACTION_FIELDS = {
     "a_start": (I64, NEVER, ()),
     "a_running": (I64, NEVER, ()),
     "a_done": (I64, NEVER, ()),
+    "a_abort": (I64, -1, ()),           # lean ABORTED: the row whose abort ended it
     # In memory only: 1 when the row's Python record (spec, outcome, attempts) is its truth.
     "a_edges": (U8, 0, ()),
     # --- backfill (see docs/architecture.md, "Backfill") ---

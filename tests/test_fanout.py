@@ -371,3 +371,38 @@ def test_report_many_checks_every_argument_before_applying_any():
     assert [r.verdict for r in refused] == [Verdict.UNKNOWN, Verdict.UNKNOWN]
     assert eng.report_many(tokens, ["SUCCEEDED", "SUCCEEDED"], worker="w") == []
     assert all(eng.phase(x.action) == Phase.SUCCEEDED for x in out)
+
+
+def test_an_abort_ends_queued_lean_rows_in_columns_and_what_runs_gets_cleanup():
+    eng = engine()
+    eng.register_worker("small", "east", 1)
+    [root] = eng.enqueue_many([template("root")])
+    kids = eng.enqueue_fanout(template("k", parent=str(root)), [f"k{i}" for i in range(6)])
+    eng.clock.advance(1)
+    placed = {a.action: a for a in eng.tick()}
+    assert len(placed) == 7                      # the root and its six children run
+    more = eng.enqueue_fanout(template("m", parent=str(kids[0])), [f"m{i}" for i in range(40)])
+    eng.clock.advance(1)
+    ended = eng.abort(root, reason="user pressed stop")
+    assert len(ended) == 47 and set(ended) == {root, *kids, *more}
+    view = eng.inspect()
+    rows = [view.row_of(m) for m in more]
+    assert not view.arrays.a_edges[rows].any()   # the queued ones ended in their columns
+    assert eng.attempts(more[3])[0].message == "user pressed stop"
+    for a in placed.values():
+        [r] = eng.heartbeat(a.worker, [a.token])
+        assert r.verdict == Verdict.ABORTED
+    fins = [a for a in eng.tick() if a.kind.name == "FINALIZE"]
+    assert len(fins) == 7
+    again = restart(eng)
+    for aid in (root, kids[2], more[0], more[39]):
+        assert again.phase(aid) == Phase.ABORTED
+    [att] = again.attempts(more[5])
+    assert (att.phase, att.message, att.generation) == ("ABORTED", "user pressed stop", 0)
+    assert att.end_ns == 2 * 10**9
+    assert again.attempts(kids[1])[0].finalize in ("PENDING", "SENT")
+    with pytest.raises(SpecError, match="was aborted"):
+        again.enqueue_fanout(template("x", parent=str(root)), ["x"])
+    assert list(again.abort(root)) == []         # nothing left to end
+    with pytest.raises(SpecError, match="reason is a string"):
+        again.abort(root, reason=3)

@@ -1,0 +1,43 @@
+"""The tree of a run: every descendant of a row, from the children index, in one nogil pass
+(abort walks only the tree it ends, never the whole table)."""
+
+from cext._types cimport check_index, i32, i64
+
+__all__ = ["descendants"]
+
+
+def descendants(const i32[::1] child not None, const i32[::1] sibling not None, i64 root,
+                i64[::1] out not None):
+    """Write ``root`` and every descendant into ``out`` breadth first (a row's children
+    newest first, as the index holds them) and return how many; ``out`` must have room for
+    them (the action table's size always does)."""
+    check_index(root, child.shape[0], "root", "an action row")
+    if sibling.shape[0] != child.shape[0]:
+        raise ValueError("child and sibling columns differ in length")
+    if out.shape[0] < 1:
+        raise ValueError("out has no room")
+    cdef Py_ssize_t n
+    with nogil:
+        n = _descendants(child, sibling, root, out)
+    if n < 0:
+        raise ValueError(f"out has room for {out.shape[0]} rows, the tree is larger (or the "
+                         f"children index has a cycle)")
+    return n
+
+
+cdef Py_ssize_t _descendants(const i32[::1] child, const i32[::1] sibling, i64 root,
+                             i64[::1] out) noexcept nogil:
+    # Breadth first, using ``out`` itself as the queue; -1 when it does not fit.
+    cdef Py_ssize_t head = 0, n = 1, cap = out.shape[0]
+    cdef i32 kid
+    out[0] = root
+    while head < n:
+        kid = child[out[head]]
+        head += 1
+        while kid >= 0:
+            if n == cap:
+                return -1
+            out[n] = kid
+            n += 1
+            kid = sibling[kid]
+    return n
