@@ -81,7 +81,7 @@ from storage import (
     partition_of,
 )
 
-LIVE_STATES = (RowState.SENT, RowState.RUNNING)
+LIVE_STATES = (int(RowState.SENT), int(RowState.RUNNING))
 _FINALIZE = int(LeaseKind.FINALIZE)
 # The durable column of each action timer (reload rebuilds the timers from them).
 _DUE_COLUMNS = {T_DEADLINE: "a_deadline_due", T_QUEUED: "a_queued_due", T_RETRY: "a_retry_due",
@@ -165,6 +165,13 @@ def kernel_pass(kernel, now):
     return kernel.run(now)
 
 
+# Row states and lease ends as plain ints: numpy probes an IntEnum value for the array
+# protocols on every assignment (a slow attribute miss per write on Python 3.11).
+_ST_QUEUED, _ST_SENT, _ST_RUNNING, _ST_DONE, _ST_BACKOFF = (
+    int(RowState.QUEUED), int(RowState.SENT), int(RowState.RUNNING), int(RowState.DONE),
+    int(RowState.BACKOFF))
+_END_LIVE, _END_COMPLETED, _END_EXPIRED, _END_ABORTED = (
+    int(LeaseEnd.LIVE), int(LeaseEnd.COMPLETED), int(LeaseEnd.EXPIRED), int(LeaseEnd.ABORTED))
 _Q = PHASE_CODE[Phase.QUEUED]
 _INIT = PHASE_CODE[Phase.INITIALIZING]
 _RUNNING = PHASE_CODE[Phase.RUNNING]
@@ -366,7 +373,7 @@ class Engine:
         # every action that may still be placed, durably with the new layout.
         st = self._state
         with self._turn():
-            for r in np.flatnonzero(st.a_state[:self._next_row] != RowState.DONE).tolist():
+            for r in np.flatnonzero(st.a_state[:self._next_row] != _ST_DONE).tolist():
                 st.a_fit[r] = self._fit_mask(self._compiled_of(r))
                 self._dirty_fixed.add(r)
             self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
@@ -1004,9 +1011,7 @@ class Engine:
         return rec.compiled if rec is not None else self._group_of(row).compiled
 
     def _spec_of(self, row):
-        rec = self._recs.get(row)
-        if rec is not None:
-            return rec.compiled.spec
+        """The exact spec of ``row`` (its group's, with its own id)."""
         g = self._group_of(row)
         aid = g.action_id(int(self._state.a_gidx[row]))
         return g.compiled.spec if aid == g.compiled.id else replace(g.compiled.spec,
@@ -1042,10 +1047,10 @@ class Engine:
         part, key = int(st.a_part[row]), row_key(row)
         g = self._group_of(row)
         aid = g.action_id(int(st.a_gidx[row]))
+        # The group's compiled template with this row's id; its spec stays the group's (the
+        # same but for the id: _spec_of gives the exact one).
         c = copy.copy(g.compiled)
         c.id = aid
-        c.spec = g.compiled.spec if aid == g.compiled.id else replace(g.compiled.spec,
-                                                                        id=str(aid))
         c.queue = self._queue_names[int(st.a_queue[row])]
         if st.a_lean[row] and not st.a_edges[row]:
             # Its columns are its outcome: one attempt on the common path.
@@ -1361,10 +1366,10 @@ class Engine:
         keep = np.zeros(n, dtype=bool)
         # Entries whose lease ended before the drain (expired, aborted) are never delivered.
         r = rows[run]
-        keep[run] = ((st.a_gen[r] == gens[run]) & (st.a_end[r] == LeaseEnd.LIVE)
-                     & ((st.a_state[r] == RowState.SENT) | (st.a_state[r] == RowState.RUNNING)))
+        keep[run] = ((st.a_gen[r] == gens[run]) & (st.a_end[r] == _END_LIVE)
+                     & ((st.a_state[r] == _ST_SENT) | (st.a_state[r] == _ST_RUNNING)))
         f = rows[fin]
-        keep[fin] = (st.fz_gen[f] == gens[fin]) & (st.fz_end[f] == LeaseEnd.LIVE)
+        keep[fin] = (st.fz_gen[f] == gens[fin]) & (st.fz_end[f] == _END_LIVE)
         k.consume_dispatch(n)
         rows, gens, kinds, fin, slots = rows[keep], gens[keep], kinds[keep], fin[keep], \
             slots[keep]
@@ -1381,7 +1386,7 @@ class Engine:
             lr = rows[lean]
             now = self.clock.now_ns()
             st.a_start[lr] = np.where(st.a_start[lr] == NEVER, now, st.a_start[lr])
-            sent = lr[st.a_state[lr] == RowState.SENT]
+            sent = lr[st.a_state[lr] == _ST_SENT]
             st.a_phase[sent] = _INIT
             st.a_delivered_gen[lr] = gens[lean]
             attempt[lean] = 1
@@ -1400,7 +1405,7 @@ class Engine:
                 continue
             rec = self._rec(row)
             att = self._stamp_attempt(rec)
-            if rec.phase not in TERMINAL_PHASES and st.a_state[row] == RowState.SENT:
+            if rec.phase not in TERMINAL_PHASES and st.a_state[row] == _ST_SENT:
                 rec.phase = Phase.INITIALIZING
             st.a_delivered_gen[row] = gen
             self._touch(row)
@@ -1481,36 +1486,36 @@ class Engine:
             self._finalize_give_up(row, ref)
             return
         state = st.a_state[row]
-        if state == RowState.DONE:
+        if state == _ST_DONE:
             return
         if self._phase_of(row) in TERMINAL_PHASES:
             return
         if kind == T_DEADLINE:
             # The engine enforces the deadline before dispatch; a running attempt is
             # bounded by its worker, which was given the deadline with the lease.
-            if state in (RowState.QUEUED, RowState.BACKOFF):
+            if state in (_ST_QUEUED, _ST_BACKOFF):
                 rec = self._rec(row)
                 self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
                                   message="deadline passed before dispatch")
                 self._finish(rec, Phase.TIMED_OUT, "deadline passed before dispatch",
                              cause="deadline")
         elif kind == T_QUEUED:
-            if state == RowState.QUEUED and int(st.a_attempt[row]) == ref:
+            if state == _ST_QUEUED and int(st.a_attempt[row]) == ref:
                 rec = self._rec(row)
                 self._kernel.remove(row)          # leaves the row in state DONE
                 self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
                                      "max_queued_time passed while queued", True)
         elif kind == T_RETRY:
-            if state == RowState.BACKOFF and int(st.a_attempt[row]) == ref:
+            if state == _ST_BACKOFF and int(st.a_attempt[row]) == ref:
                 self._kernel.push(row)
                 self._touch(row)
         elif kind == T_RUNTIME:
             # Engine backstop for max_runtime: the worker should have ended it.
-            if (state == RowState.RUNNING and int(st.a_gen[row]) == ref
-                    and st.a_end[row] == LeaseEnd.LIVE):
+            if (state == _ST_RUNNING and int(st.a_gen[row]) == ref
+                    and st.a_end[row] == _END_LIVE):
                 rec = self._rec(row)
                 self._stamp_attempt(rec)
-                self._end_lease(row, LeaseEnd.EXPIRED)
+                self._end_lease(row, _END_EXPIRED)
                 self._attempt_failed(
                     rec, Phase.TIMED_OUT, None, "max_runtime",
                     "engine backstop: still running past max_runtime plus grace", True,
@@ -1525,10 +1530,10 @@ class Engine:
         st = self._state
         # Rows that are not live carry expiry NEVER, so this is one compare per row.
         rows = np.flatnonzero(st.a_expiry[:self._next_row] < now)
-        rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == LeaseEnd.LIVE)]
+        rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == _END_LIVE)]
         out = [(LeaseKind.RUN, int(r), int(st.a_gen[r]), int(st.a_worker[r])) for r in rows]
         frows = np.flatnonzero(st.fz_expiry[:self._n_finalize] < now)
-        frows = frows[(st.fz_state[frows] == RowState.SENT) & (st.fz_end[frows] == LeaseEnd.LIVE)]
+        frows = frows[(st.fz_state[frows] == _ST_SENT) & (st.fz_end[frows] == _END_LIVE)]
         out += [(LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), int(st.fz_worker[f]))
                 for f in frows]
         return out
@@ -1550,9 +1555,9 @@ class Engine:
         st = self._state
         if kind == LeaseKind.FINALIZE:
             if (int(st.fz_gen[row]) != gen or int(st.fz_worker[row]) != worker
-                    or st.fz_state[row] != RowState.SENT or st.fz_end[row] != LeaseEnd.LIVE):
+                    or st.fz_state[row] != _ST_SENT or st.fz_end[row] != _END_LIVE):
                 return False
-            st.fz_end[row] = LeaseEnd.EXPIRED
+            st.fz_end[row] = _END_EXPIRED
             st.fz_expiry[row] = NEVER
             self._kernel.release_finalize(row)
             arow = int(st.fz_action[row])
@@ -1562,11 +1567,11 @@ class Engine:
             self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
             return True
         if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
-                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != LeaseEnd.LIVE):
+                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != _END_LIVE):
             return False
         rec = self._rec(row)
         self._stamp_attempt(rec)
-        self._end_lease(row, LeaseEnd.EXPIRED)
+        self._end_lease(row, _END_EXPIRED)
         self._attempt_failed(rec, Phase.FAILED, ErrorKind.SYSTEM, "EXPIRED",
                              "lease expired: heartbeats stopped", True, cleanup=True)
         return True
@@ -1744,11 +1749,11 @@ class Engine:
         now = self.clock.now_ns()
         st.a_start[rows] = np.where(st.a_start[rows] == NEVER, now, st.a_start[rows])
         self._dirty_fixed.update(rows.tolist())
-        init = rows[(codes == _INIT) & (st.a_state[rows] != RowState.RUNNING)]
+        init = rows[(codes == _INIT) & (st.a_state[rows] != _ST_RUNNING)]
         st.a_phase[init] = _INIT
-        run = rows[(codes == _RUNNING) & (st.a_state[rows] != RowState.RUNNING)]
+        run = rows[(codes == _RUNNING) & (st.a_state[rows] != _ST_RUNNING)]
         if run.size:
-            st.a_state[run] = RowState.RUNNING      # stops the queued-time clock
+            st.a_state[run] = _ST_RUNNING      # stops the queued-time clock
             st.a_running[run] = now
             st.a_phase[run] = _RUNNING
             pred = st.t_pred_rt[st.a_task[run]]
@@ -1770,12 +1775,12 @@ class Engine:
                 self.history.record_many_ns(name, np.maximum(0, now - began[tasks == t]))
                 self._history_dirty.add(name)
                 self._refresh_prediction(name, t)
-            st.a_end[done] = LeaseEnd.COMPLETED
+            st.a_end[done] = _END_COMPLETED
             st.a_expiry[done] = NEVER
             release = self._kernel.release
             for r in done.tolist():
                 release(r, now)
-            st.a_state[done] = RowState.DONE
+            st.a_state[done] = _ST_DONE
             st.a_done[done] = now
             st.a_phase[done] = _SUCCEEDED
 
@@ -1783,7 +1788,7 @@ class Engine:
         verdict = Verdict.OK
         if kind == LeaseKind.FINALIZE:
             if phase in (Phase.SUCCEEDED, Phase.FAILED):
-                self._end_finalize(row, LeaseEnd.COMPLETED, phase.value)
+                self._end_finalize(row, _END_COMPLETED, phase.value)
             elif phase == Phase.TIMED_OUT:
                 raise SpecError("a finalize lease ends SUCCEEDED or FAILED")
             return verdict
@@ -1796,14 +1801,14 @@ class Engine:
         att = self._stamp_attempt(rec)
         if phase == Phase.INITIALIZING:
             # Reports may arrive out of order: a running attempt never goes back.
-            if st.a_state[row] != RowState.RUNNING and rec.phase != Phase.INITIALIZING:
+            if st.a_state[row] != _ST_RUNNING and rec.phase != Phase.INITIALIZING:
                 rec.phase = Phase.INITIALIZING
                 self._touch(row)
             return verdict
         if phase == Phase.RUNNING:
-            if st.a_state[row] != RowState.RUNNING:
+            if st.a_state[row] != _ST_RUNNING:
                 self._touch(row)
-                st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
+                st.a_state[row] = _ST_RUNNING   # stops the queued-time clock
                 att.running_ns = now
                 rec.phase = Phase.RUNNING
                 # Backfill (issue 5): history measures from RUNNING, so the prediction does.
@@ -1821,17 +1826,17 @@ class Engine:
             began = att.running_ns if att.running_ns is not None else att.start_ns
             if began is not None:
                 self._record_runtime(rec.compiled.spec.task, now - began)
-            self._end_lease(row, LeaseEnd.COMPLETED)
+            self._end_lease(row, _END_COMPLETED)
             self._end_attempt(rec, Phase.SUCCEEDED, message=message, cleanup=cleanup)
             self._finish(rec, Phase.SUCCEEDED, message)
             return verdict
         if phase == Phase.FAILED:
-            self._end_lease(row, LeaseEnd.COMPLETED)
+            self._end_lease(row, _END_COMPLETED)
             self._attempt_failed(rec, Phase.FAILED, kind_, cause, message,
                                  bool(recoverable), cleanup=cleanup)
             return verdict
         # TIMED_OUT, with the bound the worker enforced.
-        self._end_lease(row, LeaseEnd.COMPLETED)
+        self._end_lease(row, _END_COMPLETED)
         self._attempt_failed(rec, Phase.TIMED_OUT, None, cause, message, True, cleanup=cleanup)
         return verdict
 
@@ -1841,14 +1846,14 @@ class Engine:
         self._stamp_lean(row)
         self._dirty_fixed.add(row)
         if phase == Phase.INITIALIZING:
-            if st.a_state[row] != RowState.RUNNING:
+            if st.a_state[row] != _ST_RUNNING:
                 st.a_phase[row] = _INIT
             return Verdict.OK
         now = self.clock.now_ns()
         g = self._group_of(row)
         if phase == Phase.RUNNING:
-            if st.a_state[row] != RowState.RUNNING:
-                st.a_state[row] = RowState.RUNNING   # stops the queued-time clock
+            if st.a_state[row] != _ST_RUNNING:
+                st.a_state[row] = _ST_RUNNING   # stops the queued-time clock
                 st.a_running[row] = now
                 st.a_phase[row] = _RUNNING
                 pred = int(st.t_pred_rt[st.a_task[row]])
@@ -1864,7 +1869,7 @@ class Engine:
         if began == NEVER:
             began = int(st.a_start[row])
         self._record_runtime(g.compiled.spec.task, now - began)
-        self._end_lease(row, LeaseEnd.COMPLETED)
+        self._end_lease(row, _END_COMPLETED)
         st.a_done[row] = now
         st.a_phase[row] = _SUCCEEDED
         return Verdict.OK
@@ -1909,13 +1914,13 @@ class Engine:
             lean = st.a_edges[rows] == 0
             phase = st.a_phase[rows]
             # Lean rows still queued end in their columns, with the reason stored once.
-            quick = lean & (st.a_state[rows] == RowState.QUEUED) & (phase == _Q)
+            quick = lean & (st.a_state[rows] == _ST_QUEUED) & (phase == _Q)
             q = rows[quick]
             if q.size:
                 remove = self._kernel.remove
                 for r in q.tolist():
                     remove(r)
-                st.a_state[q] = RowState.DONE
+                st.a_state[q] = _ST_DONE
                 st.a_phase[q] = _ABORTED
                 st.a_done[q] = now
                 st.a_abort[q] = root
@@ -1934,7 +1939,7 @@ class Engine:
                 cleanup = False
                 if st.a_state[row] in LIVE_STATES:
                     self._stamp_attempt(rec)
-                    self._end_lease(row, LeaseEnd.ABORTED)
+                    self._end_lease(row, _END_ABORTED)
                     cleanup = True
                 self._end_attempt(rec, Phase.ABORTED, message=reason, cleanup=cleanup)
                 self._finish(rec, Phase.ABORTED, reason)
@@ -1968,7 +1973,7 @@ class Engine:
         st.a_end[row] = end
         st.a_expiry[row] = NEVER
         self._kernel.release(row, self.clock.now_ns())
-        st.a_state[row] = RowState.DONE
+        st.a_state[row] = _ST_DONE
         self._touch(row)
 
     def _end_attempt(self, rec, phase, kind=None, cause=None, message="", recoverable=None,
@@ -2014,7 +2019,7 @@ class Engine:
             self._finish(rec, Phase.TIMED_OUT, "deadline passes before the retry is due",
                          cause="deadline")
             return
-        self._state.a_state[rec.row] = RowState.BACKOFF
+        self._state.a_state[rec.row] = _ST_BACKOFF
         rec.phase = Phase.QUEUED
         self._new_attempt(rec, ready)
         self._timer(ready, T_RETRY, rec.row, len(rec.attempts))
@@ -2044,10 +2049,10 @@ class Engine:
         st = self._state
         row = rec.row
         self._touch(row)
-        if st.a_state[row] == RowState.QUEUED:
+        if st.a_state[row] == _ST_QUEUED:
             self._kernel.remove(row)
         self._kernel.release(row, self.clock.now_ns())
-        st.a_state[row] = RowState.DONE
+        st.a_state[row] = _ST_DONE
         rec.phase = phase
         rec.message = message
         rec.error_kind = kind
@@ -2079,7 +2084,7 @@ class Engine:
         st.fz_end[f] = end
         st.fz_expiry[f] = NEVER
         self._kernel.release_finalize(f)
-        st.fz_state[f] = RowState.DONE
+        st.fz_state[f] = _ST_DONE
         arow = int(st.fz_action[f])
         self._rec(arow).attempts[int(st.fz_attempt[f]) - 1].finalize = outcome
         self._dirty_fz.add(f)
@@ -2088,11 +2093,11 @@ class Engine:
     def _finalize_give_up(self, f, _ref):
         # Its own generous bound passed: record the leak loudly rather than retry forever.
         st = self._state
-        if st.fz_state[f] == RowState.DONE:
+        if st.fz_state[f] == _ST_DONE:
             return
-        if st.fz_state[f] == RowState.QUEUED:
+        if st.fz_state[f] == _ST_QUEUED:
             self._kernel.remove_finalize(f)
-        self._end_finalize(f, LeaseEnd.ABORTED, "ABANDONED")
+        self._end_finalize(f, _END_ABORTED, "ABANDONED")
 
     # ------------------------------------------------------------------ backfill (issue 5)
     # Runtime history per task name feeds EASY backfill: each task row of t_pred_rt holds
@@ -2145,7 +2150,7 @@ class Engine:
         st = self._state
         n = self._next_row
         q = st.a_queue[row]
-        queued = (st.a_state[:n] == RowState.QUEUED) & (st.a_queue[:n] == q)
+        queued = (st.a_state[:n] == _ST_QUEUED) & (st.a_queue[:n] == q)
         enq = st.a_enqueued[:n]
         ahead = queued & ((enq < enq[row]) | ((enq == enq[row]) & (np.arange(n) < row)))
         return int(np.count_nonzero(ahead)) + 1
@@ -2174,7 +2179,7 @@ class Engine:
         aid = rec.compiled.id
         st = self._state
         row = rec.row
-        if st.a_state[row] == RowState.BACKOFF:
+        if st.a_state[row] == _ST_BACKOFF:
             att = rec.attempt
             wait_s = max(0.0, (att.enqueued_ns - self.clock.now_ns()) / 1e9)
             prev = rec.attempts[-2]
@@ -2187,7 +2192,7 @@ class Engine:
                 f"queue {rec.compiled.queue}: assigned to "
                 f"{self._clusters[st.a_cluster[row]]}/{self._worker_names[st.a_worker[row]]} "
                 f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
-        if st.a_state[row] != RowState.QUEUED:
+        if st.a_state[row] != _ST_QUEUED:
             return Explanation(aid, rec.phase, None, rec.message)
         q = int(st.a_queue[row])
         lane = int(st.a_lane[row])
@@ -2317,7 +2322,7 @@ class Engine:
             inflight = (st.q_res_adm[q] - st.q_res_rel[q]).astype(np.int64)
             head = int(st.q_head[q])
             blocked = None
-            if head >= 0 and st.a_state[head] == RowState.QUEUED:
+            if head >= 0 and st.a_state[head] == _ST_QUEUED:
                 exp = self.explain(self._aid(head))
                 blocked = {
                     "since_ns": int(st.q_head_since[q]),

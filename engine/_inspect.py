@@ -212,7 +212,7 @@ class Inspection:
             error_kind=rec.error_kind, cause=rec.cause,
             attempts=tuple(replace(a) for a in rec.attempts),
             user_retries=rec.user_retries, system_retries=rec.system_retries,
-            spec=rec.compiled.spec)
+            spec=self._engine._spec_of(rec.row))
 
     def action_at(self, row):
         """The ActionId of action ``row``."""
