@@ -64,6 +64,7 @@ from engine._records import (
     decode_spec,
     encode_outcome,
     encode_spec,
+    finalize_columns,
     name_hash,
     row_key,
     spec_content,
@@ -627,18 +628,11 @@ class Engine:
             idx.sort()
             recs = np.zeros(idx.size, FINALIZE_DTYPE)
             recs["row"] = idx
-            recs["state"] = st.fz_state[idx]
-            recs["end"] = st.fz_end[idx]
+            for name in finalize_columns():
+                recs[name] = getattr(st, "fz_" + name)[idx]
             rows_ = st.fz_action[idx]
-            recs["action"] = rows_
-            recs["cluster"] = st.fz_cluster[idx]
             recs["pref"] = self._ident_of_rows(st.fz_pref[idx])
             recs["holder"] = self._ident_of_rows(st.fz_worker[idx])
-            recs["attempt"] = st.fz_attempt[idx]
-            recs["gen"] = st.fz_gen[idx]
-            recs["released_gen"] = st.fz_released_gen[idx]
-            recs["delivered_gen"] = st.fz_delivered_gen[idx]
-            recs["give_up"] = st.fz_give_up[idx]
             parts = st.a_part[rows_].tolist()
             for i, f in enumerate(idx.tolist()):
                 batch.setdefault(parts[i], []).append(

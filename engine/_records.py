@@ -19,6 +19,10 @@ from engine._model import ActionSpec
 
 __all__ = [
     "action_dtype",
+    "action_columns",
+    "finalize_columns",
+    "ACTION_RECORD_DERIVED",
+    "FINALIZE_RECORD_DERIVED",
     "FINALIZE_DTYPE",
     "row_key",
     "name_hash",
@@ -84,6 +88,22 @@ def action_dtype(n_res):
     ])
 
 
+#: Fields of the action record that are not a column copied as is: the row (its key), the
+#: holder's durable identity (a_worker mapped through w_ident), the fast-lane bit (a_lane & 1)
+#: and padding. Every other field ``f`` is the column ``a_<f>`` (engine/_state.py).
+ACTION_RECORD_DERIVED = ("row", "holder", "fast", "pad")
+
+
+def action_columns(n_res):
+    """The record fields that are action columns copied as is (``a_<field>``), derived from
+    :func:`action_dtype`: what reload scatters into the columns."""
+    return tuple(f for f in action_dtype(n_res).names if f not in ACTION_RECORD_DERIVED)
+
+
+#: Fields of the finalize record that are not a column copied as is (``fz_<field>``).
+FINALIZE_RECORD_DERIVED = ("row", "pad", "pref", "holder")
+
+
 FINALIZE_DTYPE = np.dtype([
     ("row", "<i8"),          # the finalize row (also its key)
     ("state", "u1"),
@@ -99,6 +119,11 @@ FINALIZE_DTYPE = np.dtype([
     ("delivered_gen", "<i8"),
     ("give_up", "<i8"),      # its own bound (ns)
 ])
+
+
+def finalize_columns():
+    """The finalize record fields copied as is into ``fz_<field>``."""
+    return tuple(f for f in FINALIZE_DTYPE.names if f not in FINALIZE_RECORD_DERIVED)
 
 
 def row_key(row):

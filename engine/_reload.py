@@ -26,7 +26,7 @@ from engine._codes import (
     RowState,
 )
 from engine._errors import ConfigError
-from engine._records import FINALIZE_DTYPE
+from engine._records import FINALIZE_DTYPE, action_columns, finalize_columns
 from engine._state import NEVER
 from storage import CorruptRecord, LmdbStore, scan_parallel
 
@@ -85,14 +85,10 @@ class _Progress:
 
 
 # Action columns reload writes for every row (the rest keep their fill values).
-_PRESET = frozenset({
-    "a_state", "a_end", "a_charged", "a_part", "a_queue", "a_run", "a_env", "a_cluster",
-    "a_parent", "a_attempt", "a_fit", "a_gen", "a_released_gen", "a_delivered_gen",
-    "a_enqueued", "a_deadline_due", "a_queued_due", "a_retry_due", "a_runtime_due",
-    "a_name_hash", "a_demand", "a_worker", "a_qrun", "a_lane", "a_task", "a_backfilled",
-    "a_pred_end", "a_group", "a_gidx", "a_lean", "a_phase", "a_start", "a_running", "a_done",
-    "a_abort", "a_edges",
-})
+# Action columns reload writes for every row (the rest keep their fill values): the record's
+# columns, and those rebuilt from it (holders, lanes, (queue, run) pairs, the edges flag).
+_PRESET = frozenset({"a_" + f for f in action_columns(0)}
+                    | {"a_worker", "a_qrun", "a_lane", "a_edges"})
 
 
 def load(eng):
@@ -214,11 +210,7 @@ def _fill_actions(eng, recs, rows, parts, n, now):
     if recs.size and int(recs["task"].max()) >= len(eng._task_names):
         raise CorruptRecord(None, "actions", None, "task row without a history record")
     # Column by column (numpy releases the GIL while it copies): split over the cores.
-    columns = ("state", "end", "charged", "part", "queue", "run", "env", "cluster", "parent",
-               "attempt", "fit", "gen", "released_gen", "delivered_gen", "enqueued",
-               "deadline_due", "queued_due", "retry_due", "runtime_due", "name_hash", "demand",
-               "task", "backfilled", "pred_end", "group", "gidx", "lean", "phase", "start",
-               "running", "done", "abort")
+    columns = action_columns(0)
 
     def fill(name):
         getattr(st, "a_" + name)[rows] = recs[name]
@@ -278,15 +270,8 @@ def _load_finalize(eng, now):
     eng._n_finalize = nf
     if nf and int(recs["action"].max()) >= eng._next_row:
         raise CorruptRecord(None, "finalize", None, "finalize lease of an unknown action")
-    st.fz_state[:nf] = recs["state"]
-    st.fz_end[:nf] = recs["end"]
-    st.fz_action[:nf] = recs["action"]
-    st.fz_cluster[:nf] = recs["cluster"]
-    st.fz_attempt[:nf] = recs["attempt"]
-    st.fz_gen[:nf] = recs["gen"]
-    st.fz_released_gen[:nf] = recs["released_gen"]
-    st.fz_delivered_gen[:nf] = recs["delivered_gen"]
-    st.fz_give_up[:nf] = recs["give_up"]
+    for name in finalize_columns():
+        getattr(st, "fz_" + name)[:nf] = recs[name]
     eng._restored_fz_holder = recs["holder"]
     eng._restored_fz_pref = recs["pref"]
 
