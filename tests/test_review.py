@@ -31,8 +31,8 @@ from engine._codes import (
     LeaseKind,
     RowState,
 )
-from engine._engine import LIVE_STATES
 from engine._history import RuntimeHistory
+from engine._rows import LIVE_STATES
 from storage import MemoryStore, StoreError
 
 AID = "acme/p/d/r1/a1"

@@ -1,0 +1,388 @@
+"""Admission: enqueue (one spec, a batch, a fan-out), the checks that make a batch atomic, and the
+rows, runs, lanes, warm pools and fit masks a new action takes.
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+import copy
+from dataclasses import replace
+
+import msgpack
+import numpy as np
+
+from engine._codes import (
+    T_DEADLINE,
+    T_QUEUED,
+    Phase,
+)
+from engine._errors import ResourceExhausted, SpecError
+from engine._groups import (
+    ActionIds,
+    EnqueueGroup,
+    check_names,
+    encode_group,
+    group_key,
+)
+from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
+from engine._records import (
+    decode_spec,
+    encode_spec,
+    name_hash,
+    row_key,
+    spec_content,
+)
+from engine._rows import (
+    PH_QUEUED,
+)
+from engine._state import NEVER
+from engine._units import format_quantity
+
+__all__ = ["AdmissionMixin"]
+
+
+class AlreadyExists(SpecError):
+    """An action with this id exists with a different spec; nothing was stored."""
+
+    code = "ALREADY_EXISTS"
+
+
+class AdmissionMixin:
+    """Admission (a part of Engine)."""
+
+    def enqueue(self, spec):
+        """Enqueue one action; returns its ``ActionId``. See :meth:`enqueue_many`."""
+        return self.enqueue_many([spec])[0]
+
+    def enqueue_many(self, specs):
+        """Enqueue a batch atomically: every spec is checked first, and if any is bad (or a
+        queue would pass its depth) nothing is stored. Re-enqueueing an existing id with the
+        same spec is a no-op (clients may retry); with another spec it is ``AlreadyExists``.
+        Specs of identical content (all but the action name) are compiled and stored once.
+        """
+        cfg = self.config
+        plan, ids, seen, per_queue, batch_run_caps = [], [], set(), {}, {}
+        cache = {}      # (run key, content) -> (compiled template, content bytes)
+        for i, spec in enumerate(specs):
+            try:
+                if isinstance(spec, dict):
+                    spec = ActionSpec.from_dict(spec)
+                key = spec_content(spec) if isinstance(spec, ActionSpec) else None
+                hit = cache.get(key) if key is not None else None
+                if hit is None:
+                    c = compile_spec(spec, self._resources, self._queues,
+                                     cfg.engine.default_queue)
+                    if key is not None:
+                        cache[key] = (c, key)
+                else:
+                    # The same content in this run: the template's checks hold (its spec
+                    # stands for this one but for the id, which only the group records).
+                    c = copy.copy(hit[0])
+                    c.id = ActionId.parse(spec.id)
+                    if c.parent == c.id:
+                        raise SpecError(f"action {c.id}: an action cannot be its own parent")
+            except SpecError as exc:
+                raise type(exc)(f"batch item {i}: {exc}") if len(specs) > 1 else exc from None
+            existing = self._lookup(c.id)
+            if existing is not None:
+                if not self._same_spec(existing, spec):
+                    raise AlreadyExists(f"action {c.id} exists with a different spec")
+                ids.append(c.id)
+                continue
+            if c.id in seen:
+                raise SpecError(f"batch item {i}: action {c.id} appears twice in the batch")
+            if c.parent is not None and c.parent not in seen:
+                self._check_parent(c, f"batch item {i}: ")
+            self._check_run_cap(c, batch_run_caps, f"batch item {i}: ")
+            seen.add(c.id)
+            per_queue[c.queue] = per_queue.get(c.queue, 0) + 1
+            plan.append((key, c))
+            ids.append(c.id)
+        self._check_depth(per_queue)
+        if not plan:
+            return ids
+        with self._turn():
+            now = self.clock.now_ns()
+            first = self._next_row
+            # Consecutive actions of identical content form one group (rows in batch order).
+            groups, start = [], 0
+            for k in range(1, len(plan) + 1):
+                if k == len(plan) or plan[k][0] is None or plan[k][0] != plan[start][0]:
+                    run = plan[start:k]
+                    c0 = run[0][1]
+                    content = run[0][0] if run[0][0] is not None else spec_content(c0.spec)
+                    groups.append((c0, [c.id.action for _key, c in run], None,
+                                   np.fromiter((name_hash(str(c.id)) for _k, c in run),
+                                               dtype=np.uint64, count=len(run)), content))
+                    start = k
+            self._insert_groups(groups, now)
+            self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
+        return ids
+
+    def enqueue_fanout(self, template, names, inputs=None):
+        """Enqueue ``len(names)`` actions that share ``template`` (an ActionSpec) and differ
+        only in their names: action ``i`` is the template's id with its last part replaced by
+        ``names[i]`` (the template's own name is not enqueued), with the optional input
+        reference ``inputs[i]`` (a string handed to the worker with the lease). The spec is
+        compiled, checked and stored once; the batch is one group commit. Atomic like
+        :meth:`enqueue_many`: a name that exists with the same spec is a no-op, with another
+        spec ``AlreadyExists``. Returns the ids of every name, in order (an
+        :class:`~engine.ActionIds` sequence of ``ActionId``)."""
+        if isinstance(template, dict):
+            template = ActionSpec.from_dict(template)
+        c = compile_spec(template, self._resources, self._queues,
+                         self.config.engine.default_queue)
+        names, inputs = check_names(names, inputs)
+        aid = c.id
+        if c.parent is not None and c.parent.run_key == aid.run_key and c.parent.action in (
+                set(names)):
+            raise SpecError(f"fan-out of {aid.run_key}: action {c.parent} cannot be its own "
+                            f"parent")
+        prefix = aid.run_key + "/"
+        texts = [prefix + name for name in names]
+        hashes = np.fromiter((name_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
+        rows = self._probe(hashes, texts)
+        new = rows < 0
+        parts = (aid.tenant, aid.project, aid.domain, aid.run)
+        for i in np.flatnonzero(~new).tolist():
+            spec = replace(c.spec, id=texts[i])
+            old_ref = self._input_ref(int(rows[i]))
+            if not self._same_spec(int(rows[i]), spec) or old_ref != (
+                    inputs[i] if inputs is not None else None):
+                raise AlreadyExists(f"action {texts[i]} exists with a different spec")
+        ids = ActionIds.of_names(parts, names)
+        if not new.any():
+            return ids
+        if c.parent is not None:
+            self._check_parent(c, "")
+        self._check_run_cap(c, {}, "")
+        self._check_depth({c.queue: int(new.sum())})
+        idx = np.flatnonzero(new)
+        with self._turn():
+            now = self.clock.now_ns()
+            first = self._next_row
+            content = spec_content(c.spec)
+            if idx.size == len(names):
+                self._insert_groups([(c, names, inputs, hashes, content)], now)
+            else:
+                self._insert_groups([(c, [names[i] for i in idx.tolist()],
+                                      None if inputs is None else [inputs[i] for i in
+                                                                   idx.tolist()],
+                                      hashes[idx], content)], now)
+            self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
+        return ids
+
+    def _check_parent(self, c, where):
+        prow = self._lookup(c.parent)
+        if prow is None:
+            raise SpecError(f"{where}action {c.id}: parent {c.parent} not found")
+        if self._phase_of(prow) == Phase.ABORTED:
+            raise SpecError(f"{where}action {c.id}: parent {c.parent} was aborted")
+
+    def _check_run_cap(self, c, batch_run_caps, where):
+        run = self._runs.get(c.id.run_key)
+        mac = c.spec.run_max_action_concurrency
+        if run is not None:
+            run_cap = int(self._state.u_cap[run])
+        else:
+            # A run new in this batch takes the cap of its first action here.
+            run_cap = batch_run_caps.setdefault(c.id.run_key, mac)
+        if mac and run_cap != mac:
+            raise SpecError(f"{where}action {c.id}: run {c.id.run_key} already "
+                            f"has max_action_concurrency {run_cap}")
+
+    def _check_depth(self, per_queue):
+        for qname, n in per_queue.items():
+            q = self._queue_index[qname]
+            depth = self._queues[qname].depth
+            if self._state.q_pending[q] + n > depth:
+                raise ResourceExhausted(
+                    f"queue {qname}: depth {depth} reached ({self._state.q_pending[q]} queued, "
+                    f"{n} more asked); nothing was enqueued")
+
+    def _same_spec(self, row, spec):
+        old = self._spec_of(row)
+        # A restored spec comes back in its stored form (pods a tuple): compare the stored
+        # forms when the objects differ.
+        return old == spec or decode_spec(encode_spec(old)) == decode_spec(encode_spec(spec))
+
+    def _insert_groups(self, groups, now):
+        """Insert enqueue groups ``[(compiled, names, inputs, hashes, content)]`` as new
+        rows in order: per group what it shares (run, lanes, pool, fit, task, its record),
+        per row vector operations over the whole batch."""
+        st = self._state
+        counts = np.fromiter((len(g[1]) for g in groups), dtype=np.int64, count=len(groups))
+        n = int(counts.sum())
+        first = self._next_row
+        if st.ensure("actions", first + n):
+            self._bind()
+        self._next_row += n
+        sl = slice(first, first + n)
+        cols = {k: np.empty(len(groups), dtype=np.int64) for k in (
+            "queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent")}
+        fits = np.empty(len(groups), dtype=np.uint64)
+        demand = np.empty((len(groups), st.n_res), dtype=np.int64)
+        start = first
+        deadlines, queued = [], []
+        offsets = (first + np.cumsum(counts) - counts).tolist()
+        local, done = {}, 0         # id text -> row of this batch's earlier groups
+        st.a_child[sl] = -1         # (before the loop: a parent may be in this batch)
+        for k, (c, names, inputs, _hashes, content) in enumerate(groups):
+            gid = self._next_gid
+            self._next_gid += 1
+            q = self._queue_index[c.queue]
+            part = self._part_of(c.id.tenant)
+            u = self._run_row(c, part)
+            qr = self._qrun_row(q, u)
+            env = self._env_row(c, q, part) if c.env_key is not None else -1
+            fast = env >= 0 and st.e_cluster[env] >= 0
+            parent = -1
+            if c.parent is not None:
+                # The parent may be earlier in this batch (its columns are not set yet).
+                while done < k:
+                    g0, lo = groups[done][0], offsets[done]
+                    prefix = g0.id.run_key + "/"
+                    local.update((prefix + name, lo + i)
+                                 for i, name in enumerate(groups[done][1]))
+                    done += 1
+                parent = local.get(str(c.parent))
+                if parent is None:
+                    parent = self._lookup(c.parent)
+            for key, value in (("queue", q), ("run", u), ("qrun", qr),
+                               ("lane", 2 * qr + int(fast)), ("env", env), ("part", part),
+                               ("task", self._task_row(c.spec.task)), ("group", gid),
+                               ("parent", parent)):
+                cols[key][k] = value
+            fits[k] = self._fit_mask(c)
+            demand[k] = c.demand
+            m = len(names)
+            if parent >= 0:
+                # Newest child first: each row's next sibling is the one inserted before it.
+                st.a_sibling[start] = st.a_child[parent]
+                st.a_sibling[start + 1:start + m] = np.arange(start, start + m - 1)
+                st.a_child[parent] = start + m - 1
+            else:
+                st.a_sibling[start:start + m] = -1
+            if c.spec.id != str(c.id):
+                c.spec = replace(c.spec, id=str(c.id))
+            self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
+            self._op(part, "specs", group_key(gid), encode_group(content, names, inputs))
+            t = c.spec.timeouts
+            if t.deadline is not None:
+                deadlines.append((start, start + m, now + int(t.deadline * 1e9)))
+            if t.max_queued_time is not None:
+                queued.append((start, start + m, now + int(t.max_queued_time * 1e9)))
+            start += m
+        for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent"):
+            getattr(st, "a_" + key)[sl] = np.repeat(cols[key], counts)
+        st.a_fit[sl] = np.repeat(fits, counts)
+        st.a_demand[sl] = np.repeat(demand, counts, axis=0)
+        st.a_gidx[sl] = np.arange(n, dtype=np.int32) - np.repeat(
+            (np.cumsum(counts) - counts).astype(np.int32), counts)
+        st.a_gen[sl] = 0
+        st.a_released_gen[sl] = 0
+        st.a_enqueued[sl] = now
+        st.a_attempt[sl] = 1
+        st.a_lean[sl] = 1
+        st.a_edges[sl] = 0
+        st.a_phase[sl] = PH_QUEUED
+        st.a_start[sl] = NEVER
+        st.a_running[sl] = NEVER
+        st.a_done[sl] = NEVER
+        hashes = groups[0][3] if len(groups) == 1 else np.concatenate([g[3] for g in groups])
+        st.a_name_hash[sl] = hashes
+        self._index_new(hashes, first, groups)
+        for lo, hi, due in deadlines:
+            for r in range(lo, hi):
+                self._timer(due, T_DEADLINE, r, 0)
+        for lo, hi, due in queued:
+            for r in range(lo, hi):
+                self._timer(due, T_QUEUED, r, 1)
+        self._dirty_fixed.update(range(first, first + n))
+
+    def _index_new(self, hashes, first, groups):
+        index = self._hash_rows
+        hl = hashes.tolist()
+        n = len(hl)
+        before = len(index)
+        taken = {h: index[h] for h in hl if h in index}
+        index.update(zip(hl, range(first, first + n), strict=True))
+        if taken or len(index) - before != n:
+            # A 64-bit hash shared with another id (astronomically rare): the first row keeps
+            # the hash, every later one is found by its id.
+            index.update(taken)
+            owner = dict(taken)
+            for i, h in enumerate(hl):
+                if owner.setdefault(h, first + i) != first + i:
+                    index[h] = owner[h]
+                    self._collided[self._aid(first + i)] = first + i
+
+    def _run_row(self, c, part):
+        st = self._state
+        row = self._runs.get(c.id.run_key)
+        if row is None:
+            row = len(self._runs)
+            if st.ensure("runs", row + 1):
+                self._bind()
+            self._runs[c.id.run_key] = row
+            self._run_keys.append(c.id.run_key)
+            st.u_cap[row] = c.spec.run_max_action_concurrency
+            self._op(part, "runs", row_key(row), msgpack.packb(
+                [c.id.run_key, c.spec.run_max_action_concurrency]))
+        return row
+
+    def _qrun_row(self, q, u):
+        st = self._state
+        row = self._qruns.get((q, u))
+        if row is None:
+            row = len(self._qruns)
+            if st.ensure("qruns", row + 1):
+                self._bind()
+            self._qruns[(q, u)] = row
+            st.qr_queue[row] = q
+            st.qr_run[row] = u
+        return row
+
+    def _env_row(self, c, q, part):
+        st = self._state
+        row = self._envs.get(c.env_key)
+        if row is None:
+            row = len(self._envs)
+            if st.ensure("envs", row + 1):
+                self._bind()
+            self._envs[c.env_key] = row
+            st.e_queue[row] = q
+            st.e_slots[row] = c.env_slots
+            st.e_idle_ttl[row] = c.env_idle_ttl_ns
+            st.e_footprint[row] = c.demand
+            st.n_envs = row + 1
+            self._op(part, "envs", row_key(row), msgpack.packb(
+                [c.env_key, c.queue, c.env_slots, c.env_idle_ttl_ns, c.demand.tolist()]))
+            self._kernel.set_counts(st.n_workers, st.n_envs)
+        return row
+
+    def _fit_mask(self, c):
+        # Clusters that could ever hold it: total within capacity, every pod on some shape.
+        key = (c.pods.tobytes(), c.pod_counts.tobytes(), c.demand.tobytes())
+        mask = self._fit_cache.get(key)
+        if mask is None:
+            mask = 0
+            for i, _name in enumerate(self._clusters):
+                if self._never_fits(c, i) is None:
+                    mask |= 1 << i
+            self._fit_cache[key] = mask
+        return mask
+
+    def _never_fits(self, c, i):
+        """Why action ``c`` can never run on cluster ``i`` (None if it could)."""
+        res = self._resources
+        cap = self._state.c_cap[i]
+        problem = fit_problem(c, cap, self._shapes[i])
+        if problem is None:
+            return None
+        kind, k = problem
+        if kind == "capacity":
+            name = res.names[k]
+            return (f"cluster {self._clusters[i]} has {format_quantity(name, int(cap[k]))} "
+                    f"{name} in all, it needs {format_quantity(name, int(c.demand[k]))}")
+        role = c.spec.pods[k].role if c.spec.pods else "pod"
+        return (f"{role} ({res.describe(c.pods[k])}) fits no node shape of cluster "
+                f"{self._clusters[i]}")

@@ -1,0 +1,200 @@
+"""Attempts: how an attempt ends (outcome, retries with backoff, UNSCHEDULABLE, abort of a tree)
+and the row's terminal phase.
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+
+import msgpack
+import numpy as np
+
+from cext._tree import descendants
+from engine._codes import (
+    T_QUEUED,
+    T_RETRY,
+    TERMINAL_PHASES,
+    Phase,
+    WaitCode,
+)
+from engine._errors import SpecError
+from engine._groups import (
+    ActionIds,
+    abort_key,
+)
+from engine._leases import Attempt, ErrorKind
+from engine._rows import (
+    END_ABORTED,
+    LEAN_TERMINAL,
+    LIVE_STATES,
+    PH_ABORTED,
+    PH_QUEUED,
+    ST_BACKOFF,
+    ST_DONE,
+    ST_QUEUED,
+)
+from engine._units import format_quantity
+from storage import (
+    CorruptRecord,
+)
+
+__all__ = ["AttemptsMixin"]
+
+
+class AttemptsMixin:
+    """Attempts (a part of Engine)."""
+
+    def abort(self, action, reason="aborted"):
+        """Abort ``action`` and every descendant: queued ones end at once; sent or running
+        ones are refused at their next heartbeat (their worker stops them) and get a
+        finalize lease for cleanup. Returns the ids that ended (an ``ActionIds``
+        sequence)."""
+        if not isinstance(reason, str):
+            raise SpecError(f"an abort reason is a string, not {reason!r}")
+        root = self._row_of(action)
+        st = self._state
+        out = np.empty(self._next_row, dtype=np.int64)
+        rows = out[:descendants(st.a_child, st.a_sibling, root, out)]
+        with self._turn():
+            now = self.clock.now_ns()
+            lean = st.a_edges[rows] == 0
+            phase = st.a_phase[rows]
+            # Lean rows still queued end in their columns, with the reason stored once.
+            quick = lean & (st.a_state[rows] == ST_QUEUED) & (phase == PH_QUEUED)
+            q = rows[quick]
+            if q.size:
+                remove = self._kernel.remove
+                for r in q.tolist():
+                    remove(r)
+                st.a_state[q] = ST_DONE
+                st.a_phase[q] = PH_ABORTED
+                st.a_done[q] = now
+                st.a_abort[q] = root
+                self._dirty_fixed.update(q.tolist())
+                self._op(int(st.a_part[root]), "attempts", abort_key(root),
+                         msgpack.packb(reason))
+                self._abort_reasons[root] = reason
+            # The rest one by one: what still runs gets its finalize lease.
+            done = lean & ~quick & np.isin(phase, LEAN_TERMINAL)
+            ended = quick.copy()
+            for i in np.flatnonzero(~quick & ~done).tolist():
+                row = int(rows[i])
+                if self._phase_of(row) in TERMINAL_PHASES:
+                    continue
+                rec = self._rec(row)
+                cleanup = False
+                if st.a_state[row] in LIVE_STATES:
+                    self._stamp_attempt(rec)
+                    self._end_lease(row, END_ABORTED)
+                    cleanup = True
+                self._end_attempt(rec, Phase.ABORTED, message=reason, cleanup=cleanup)
+                self._finish(rec, Phase.ABORTED, reason)
+                ended[i] = True
+            hit = rows[ended]
+            gids = st.a_group[hit]
+            groups = {g: self._group_of(int(hit[k])) for g, k in zip(
+                *np.unique(gids, return_index=True), strict=True)}
+            return ActionIds.of_rows({int(g): v for g, v in groups.items()}, gids,
+                                     st.a_gidx[hit])
+
+    def _abort_reason(self, row):
+        # The reason of the abort that ended lean row ``row`` (stored once per abort).
+        root = int(self._state.a_abort[row])
+        reason = self._abort_reasons.get(root)
+        if reason is None:
+            part = int(self._state.a_part[root])
+            raw = self._store.get(part, "attempts", abort_key(root))
+            if raw is None:
+                raise CorruptRecord(part, "attempts", abort_key(root),
+                                    f"aborted row {row} has no abort reason")
+            reason = self._abort_reasons[root] = msgpack.unpackb(raw)
+        return reason
+
+    def _new_attempt(self, rec, now):
+        rec.attempts.append(Attempt(number=len(rec.attempts) + 1, enqueued_ns=now))
+        self._state.a_attempt[rec.row] = len(rec.attempts)
+        self._touch(rec.row)
+        t = rec.compiled.spec.timeouts
+        if t.max_queued_time is not None:
+            self._timer(now + int(t.max_queued_time * 1e9), T_QUEUED, rec.row,
+                        len(rec.attempts))
+
+    def _end_attempt(self, rec, phase, kind=None, cause=None, message="", recoverable=None,
+                     cleanup=False):
+        att = rec.attempt
+        self._touch(rec.row)
+        att.end_ns = self.clock.now_ns()
+        att.phase = phase.value
+        att.error_kind = kind.value if kind is not None else None
+        att.cause = cause
+        att.message = message
+        att.recoverable = recoverable
+        if cleanup and att.generation:
+            self._new_finalize(rec, att)
+
+    def _attempt_failed(self, rec, phase, kind, cause, message, recoverable, cleanup=False):
+        """End the current attempt and retry it if its budget allows, else finish."""
+        self._end_attempt(rec, phase, kind, cause, message, recoverable, cleanup)
+        spec = rec.compiled.spec
+        if phase == Phase.TIMED_OUT and cause == "deadline":
+            retry = False
+        elif kind == ErrorKind.SYSTEM:
+            retry = cause != "UNSCHEDULABLE" and (
+                rec.system_retries < self.config.engine.system_retries)
+            if retry:
+                rec.system_retries += 1
+        else:
+            # USER errors and the per-attempt bounds spend the user's retries.
+            retry = recoverable and rec.user_retries < spec.retries.count
+            if retry:
+                rec.user_retries += 1
+        if not retry:
+            text = f"{cause}: {message}" if cause else message
+            self._finish(rec, phase, text, kind=kind.value if kind else None, cause=cause)
+            return
+        now = self.clock.now_ns()
+        r = spec.retries
+        n = rec.user_retries + rec.system_retries - 1
+        delay = min(r.backoff_base * r.backoff_factor ** n, r.backoff_cap)
+        ready = now + int(delay * 1e9)
+        t = spec.timeouts
+        if t.deadline is not None and ready >= rec.first_enqueued_ns + int(t.deadline * 1e9):
+            self._finish(rec, Phase.TIMED_OUT, "deadline passes before the retry is due",
+                         cause="deadline")
+            return
+        self._state.a_state[rec.row] = ST_BACKOFF
+        rec.phase = Phase.QUEUED
+        self._new_attempt(rec, ready)
+        self._timer(ready, T_RETRY, rec.row, len(rec.attempts))
+
+    def _fail_unschedulable(self, row, code):
+        rec = self._rec(row)
+        self._touch(row)
+        c = rec.compiled
+        qname = c.queue
+        if code == WaitCode.UNSCHEDULABLE_CAP:
+            q = self._queues[qname]
+            dim = int(self._state.a_wait_dim[row])
+            name = self._resources.names[dim]
+            cap = format_quantity(name, int(q.max_resources[dim]))
+            why = (f"needs {name}={format_quantity(name, int(c.demand[dim]))}, more than "
+                   f"queue {qname}'s max {name}={cap}")
+        else:
+            allowed = [self._cluster_index[n] for n in self._queues[qname].clusters]
+            why = "; ".join(self._never_fits(c, i) or f"cluster {self._clusters[i]}: ?"
+                            for i in allowed) or f"queue {qname} allows no cluster"
+        message = f"UNSCHEDULABLE: {why}"
+        self._end_attempt(rec, Phase.FAILED, ErrorKind.SYSTEM, "UNSCHEDULABLE", message, False)
+        self._finish(rec, Phase.FAILED, message, kind=ErrorKind.SYSTEM.value,
+                     cause="UNSCHEDULABLE")
+
+    def _finish(self, rec, phase, message, kind=None, cause=None):
+        st = self._state
+        row = rec.row
+        self._touch(row)
+        if st.a_state[row] == ST_QUEUED:
+            self._kernel.remove(row)
+        self._kernel.release(row, self.clock.now_ns())
+        st.a_state[row] = ST_DONE
+        rec.phase = phase
+        rec.message = message
+        rec.error_kind = kind
+        rec.cause = cause

@@ -1,0 +1,245 @@
+"""Explain: an action's phase and what it waits for (wait reasons worded), its position and ETA,
+attempts, queue and cluster metrics.
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engine._codes import (
+    RESOURCE_WAITS,
+    Phase,
+    WaitCode,
+)
+from engine._errors import NotFound
+from engine._model import ActionId
+from engine._rows import (
+    LIVE_STATES,
+    ST_BACKOFF,
+    ST_QUEUED,
+)
+from engine._units import format_quantity
+
+__all__ = ["ExplainMixin"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What an action is doing, and if it waits, what for."""
+
+    action: ActionId
+    phase: Phase
+    wait: WaitCode | None
+    reason: str
+    # --- backfill (issue 5) ---
+    eta_ns: int | None = None     # a blocked head's shadow time (estimated start); None unknown
+    position: int | None = None   # 1-based place among its queue's queued actions, by enqueue
+
+
+class ExplainMixin:
+    """Explain (a part of Engine)."""
+
+    def phase(self, action):
+        """The action's phase."""
+        return self.explain(action).phase
+
+    def explain(self, action):
+        """The action's phase and, while it waits, the reason (code and message), its
+        position in its queue (by enqueue time) and, for a blocked head, its estimated start
+        (``eta_ns``: its shadow time from the runtime history of what runs; None unknown)."""
+        rec = self._record(action)
+        aid = rec.compiled.id
+        st = self._state
+        row = rec.row
+        if st.a_state[row] == ST_BACKOFF:
+            att = rec.attempt
+            wait_s = max(0.0, (att.enqueued_ns - self.clock.now_ns()) / 1e9)
+            prev = rec.attempts[-2]
+            return Explanation(aid, Phase.QUEUED, None,
+                               f"attempt {att.number} waits {wait_s:.1f}s of retry backoff "
+                               f"(attempt {prev.number}: {prev.phase} {prev.cause or ''})")
+        if st.a_state[row] in LIVE_STATES and rec.phase == Phase.QUEUED:
+            return Explanation(
+                aid, Phase.QUEUED, WaitCode.PLACED,
+                f"queue {rec.compiled.queue}: assigned to "
+                f"{self._clusters[st.a_cluster[row]]}/{self._worker_names[st.a_worker[row]]} "
+                f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
+        if st.a_state[row] != ST_QUEUED:
+            return Explanation(aid, rec.phase, None, rec.message)
+        q = int(st.a_queue[row])
+        lane = int(st.a_lane[row])
+        if int(st.a_wait_tick[row]) == self._kernel.tick_no:
+            code = WaitCode(int(st.a_wait_code[row]))
+            reason = self._reason(row, code, int(st.a_wait_cluster[row]),
+                                  int(st.a_wait_dim[row]), int(st.a_wait_blocker[row]))
+        elif int(st.ln_skip_tick[lane]) == self._kernel.tick_no:
+            code = WaitCode(int(st.ln_skip_code[lane]))   # behind a capped run
+            reason = self._reason(row, code, -1, -1, -1)
+        else:
+            code = WaitCode(int(st.q_stop_code[q]))
+            reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
+        phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
+        # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
+        # every queued action its position in the queue.
+        eta = None
+        if int(st.q_head[q]) == row and st.q_strict[q] and code in (
+                WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE, WaitCode.QUEUE_BUDGET):
+            # Only a STRICT_FIFO head holds what frees up; a GREEDY one may be passed over.
+            # A head short of budget starts when its queue's leases release enough of it.
+            if code == WaitCode.QUEUE_BUDGET:
+                eta = self._kernel.budget_eta(row, self.clock.now_ns())
+            else:
+                eta = self._head_eta(row)
+            if eta is not None:
+                wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
+                reason += f"; estimated start in {wait_s:.1f}s (runtime history)"
+        position = self._position(row)
+        if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
+            reason += f"; position {position} in queue {self._queue_names[q]}"
+        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
+
+    def attempts(self, action):
+        """The action's attempts, oldest first (copies): cluster, worker, start, end,
+        phase, error kind, cause, message, finalize outcome."""
+        return [replace(a) for a in self._record(action).attempts]
+
+    def _reason(self, row, code, cluster, dim, blocker):
+        st = self._state
+        res = self._resources
+        q = int(st.a_queue[row])
+        qname = self._queue_names[q]
+        queue = self._queues[qname]
+        if code == WaitCode.NONE:
+            return f"queue {qname}: queued, not examined by a tick yet"
+        if code == WaitCode.QUEUE_ACTIONS:
+            return f"queue {qname}: action_concurrency {queue.action_concurrency} reached"
+        if code == WaitCode.QUEUE_RUNS:
+            return (f"queue {qname}: run_concurrency {queue.run_concurrency} reached "
+                    f"({int(st.q_runs_adm[q] - st.q_runs_rel[q])} runs in flight)")
+        if code == WaitCode.RUN_ACTIONS:
+            u = int(st.a_run[row])
+            return (f"run {self._run_keys[u]}: max_action_concurrency "
+                    f"{int(st.u_cap[u])} reached")
+        if code == WaitCode.QUEUE_BUDGET:
+            name = res.names[dim]
+            used = int(st.q_res_adm[q, dim] - st.q_res_rel[q, dim])
+            return (f"queue {qname}: max_resources reached (needs {name}="
+                    f"{format_quantity(name, int(st.a_demand[row, dim]))}; "
+                    f"{format_quantity(name, used)} of "
+                    f"{format_quantity(name, int(queue.max_resources[dim]))} in flight)")
+        if code == WaitCode.CLUSTER_CAPACITY:
+            return f"queue {qname}: waiting for capacity ({self._need(row, cluster, dim)})"
+        if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET):
+            if blocker < 0:
+                return f"queue {qname}: head-of-line blocked"
+            b = self._aid(blocker)
+            btask = self._compiled_of(blocker).spec.task
+            if code == WaitCode.HEAD_BUDGET:
+                bdim = int(st.a_wait_dim[blocker])
+                name = res.names[bdim]
+                need = f"{name}={format_quantity(name, int(st.a_demand[blocker, bdim]))}"
+                return (f"queue {qname}: head-of-line blocked by {b.run}/{btask} "
+                        f"(needs {need} of the queue budget)")
+            bdim = self._short_dim(blocker, cluster)
+            return (f"queue {qname}: head-of-line blocked by {b.run}/{btask} "
+                    f"({self._need(blocker, cluster, bdim)})")
+        if code == WaitCode.NO_WORKER:
+            names = ", ".join(self._queues[qname].clusters)
+            return f"queue {qname}: no connected worker with a free slot on {names}"
+        if code == WaitCode.POOL_BUSY:
+            e = int(st.a_env[row])
+            return (f"queue {qname}: warm pool {self._aid(row).run}/"
+                    f"{self._compiled_of(row).spec.environment} on "
+                    f"{self._clusters[cluster]} has all {int(st.e_slots[e])} slots busy")
+        if code == WaitCode.POOL_ELSEWHERE:
+            return (f"queue {qname}: its warm pool runs on {self._clusters[cluster]}, which the "
+                    f"queue no longer allows; it waits until that pool idles out")
+        if code == WaitCode.DISPATCH_FULL:
+            return (f"queue {qname}: dispatch channel full "
+                    f"({st.d_action.shape[0]} waiting); retried next tick")
+        if code == WaitCode.CANDIDATE_LIMIT:
+            return (f"queue {qname}: not reached this tick (max_candidates "
+                    f"{self.config.engine.max_candidates} examined first)")
+        if code == WaitCode.PLACED:
+            return f"queue {qname}: placed"
+        return f"queue {qname}: {code.name}"
+
+    def _short_dim(self, row, cluster):
+        free = np.array(self._kernel.cluster_free(cluster), dtype=np.int64)
+        short = np.nonzero(self._state.a_demand[row] > free)[0]
+        return int(short[0]) if short.size else -1
+
+    def _need(self, row, cluster, dim):
+        st = self._state
+        res = self._resources
+        if cluster < 0 or dim < 0:
+            return f"needs {res.describe(st.a_demand[row])}"
+        name = res.names[dim]
+        free = int(self._kernel.cluster_free(cluster)[dim])
+        return (f"needs {name}={format_quantity(name, int(st.a_demand[row, dim]))}; "
+                f"cluster {self._clusters[cluster]} has {format_quantity(name, free)} free")
+
+    def queue_metrics(self, name=None):
+        """Per queue: runs and actions in flight, in-flight resources, depth and head_blocked
+        (since, action, reason, demand) or None; ``backfilled`` (placements made by EASY
+        backfill, cumulative) and ``head_eta_ns`` (the blocked head's shadow time, None when
+        not blocked or unknown). One queue when ``name`` is given."""
+        st = self._state
+        names = [name] if name is not None else self._queue_names
+        out = {}
+        for qname in names:
+            if qname not in self._queue_index:
+                raise NotFound(f"queue {qname!r} does not exist")
+            q = self._queue_index[qname]
+            inflight = (st.q_res_adm[q] - st.q_res_rel[q]).astype(np.int64)
+            head = int(st.q_head[q])
+            blocked = None
+            if head >= 0 and st.a_state[head] == ST_QUEUED:
+                exp = self.explain(self._aid(head))
+                blocked = {
+                    "since_ns": int(st.q_head_since[q]),
+                    "action": str(self._aid(head)),
+                    "reason": exp.reason,
+                    "code": exp.wait.name if exp.wait is not None else None,
+                    "demand": self._resources.describe(st.a_demand[head]),
+                }
+            eta = None
+            if blocked is not None and exp.wait in (WaitCode.CLUSTER_CAPACITY,
+                                                    WaitCode.HEAD_OF_LINE,
+                                                    WaitCode.QUEUE_BUDGET):
+                eta = exp.eta_ns
+            out[qname] = {
+                "backfilled": int(st.q_backfilled[q]),     # backfill (issue 5)
+                "head_eta_ns": eta,                        # backfill (issue 5)
+                "runs_in_flight": int(st.q_runs_adm[q] - st.q_runs_rel[q]),
+                "actions_in_flight": int(st.q_adm[q] - st.q_rel[q]),
+                "in_flight_resources": {
+                    n: int(v) for n, v in zip(self._resources.names, inflight, strict=True)
+                },
+                "depth": int(st.q_pending[q]),
+                "head_blocked": blocked,
+            }
+        return out[name] if name is not None else out
+
+    def cluster_in_flight(self, cluster):
+        """In-flight resources charged to ``cluster`` as ``{resource: amount}``."""
+        if cluster not in self._cluster_index:
+            raise NotFound(f"cluster {cluster!r} is not configured")
+        c = self._cluster_index[cluster]
+        st = self._state
+        used = (st.c_adm[c] - st.c_rel[c]).astype(np.int64)
+        return {n: int(v) for n, v in zip(self._resources.names, used, strict=True)}
+
+    def _head_eta(self, row):
+        # The shadow time of a blocked head, from the current state (None: unknown).
+        return self._kernel.head_eta(row, self.clock.now_ns())
+
+    def _position(self, row):
+        st = self._state
+        n = self._next_row
+        q = st.a_queue[row]
+        queued = (st.a_state[:n] == ST_QUEUED) & (st.a_queue[:n] == q)
+        enq = st.a_enqueued[:n]
+        ahead = queued & ((enq < enq[row]) | ((enq == enq[row]) & (np.arange(n) < row)))
+        return int(np.count_nonzero(ahead)) + 1

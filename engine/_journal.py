@@ -1,0 +1,265 @@
+"""The journal of loop turns: what a turn touched (dirty rows and edges), its group commit,
+deferred groups (decide, then commit), and memory restored to what the store holds after a
+failed commit.
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+import contextlib
+
+import msgpack
+import numpy as np
+
+from engine._records import (
+    FINALIZE_DTYPE,
+    encode_outcome,
+    finalize_columns,
+    row_key,
+)
+from engine._reload import load
+from storage import (
+    OwnershipError,
+    StoreError,
+    StoreFailed,
+    StoreFull,
+)
+
+__all__ = ["JournalMixin"]
+
+
+class Group:
+    """One deferred loop turn (:meth:`Engine.decide`, :meth:`Engine.deferred_turn`): its
+    encoded store group, waiting for :meth:`Engine.commit`. ``state`` is ``"open"`` while
+    its turn runs, then ``"pending"``, then ``"committed"`` or ``"discarded"`` (an earlier
+    or its own commit failed: nothing of it may be acted on)."""
+
+    __slots__ = ("seq", "state", "batch", "dispatch_tail", "placed", "swept")
+
+    def __init__(self, seq):
+        self.seq = seq
+        self.state = "open"
+        self.batch = None
+        self.dispatch_tail = 0
+        self.placed = 0         # assignments the decision made (decide)
+        self.swept = False      # the decision ran the periodic lease-expiry sweep (decide)
+
+    def __repr__(self):
+        return f"Group({self.seq}, {self.state}, placed={self.placed})"
+
+
+class JournalMixin:
+    """The journal of loop turns (a part of Engine)."""
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Group everything done inside into one loop turn: one store transaction and one
+        sync at the end, and nothing acknowledged before it (calls inside return as usual,
+        but the group becomes durable only when the block exits without error). On a
+        failed commit memory is restored to what the store holds and the error raised."""
+        with self._turn():
+            yield self
+
+    @contextlib.contextmanager
+    def deferred_turn(self):
+        """A loop turn whose commit is left to the caller: the block's transitions are
+        applied in memory and encoded, when it exits, into a :class:`Group` (yielded at
+        entry, filled at exit) to pass to :meth:`commit`. Nothing done inside is durable,
+        nor may it be acknowledged, until that commit returns; decisions it makes stay in
+        the dispatch channel until then. Several groups may be pending (decide turn N+1
+        while turn N syncs); they commit in order. While any is pending only deferred
+        turns may run."""
+        if self._depth:
+            raise StoreError("a deferred turn cannot be nested in another turn")
+        group = Group(next(self._group_seq))
+        self._deferring = True
+        try:
+            with self._turn():
+                yield group
+        finally:
+            self._deferring = False
+        if self._stopped is None and group.state == "open":
+            group.batch = self._pending_batch
+            group.dispatch_tail = self._kernel.d_tail
+            group.state = "pending"
+            self._pending_batch = None
+            self._pending.append(group)
+
+    def commit(self, group):
+        """Make a pending :class:`Group` durable (groups commit in the order they were
+        decided). On failure memory is restored to what the store holds, which discards
+        this group and every later pending one (their state becomes ``"discarded"``), and
+        the error is raised: nothing of them may be acted on."""
+        if group.state != "pending":
+            raise StoreError(f"group {group.seq} is {group.state}, not pending")
+        if self._pending[0] is not group:
+            raise StoreError(f"group {group.seq} commits after group {self._pending[0].seq}")
+        try:
+            self._write(group.batch)
+        except BaseException:
+            for g in self._pending:
+                g.state = "discarded"
+                g.batch = None
+            self._pending.clear()
+            raise
+        self._pending.popleft()
+        group.state = "committed"
+        group.batch = None
+        self._committed_tail = group.dispatch_tail
+
+    @property
+    def pending_groups(self):
+        """Deferred groups decided but not committed yet, oldest first."""
+        return tuple(self._pending)
+
+    @contextlib.contextmanager
+    def _turn(self):
+        if self._stopped is not None:
+            raise StoreError(f"shard stopped: {self._stopped}")
+        if self._depth == 0 and self._pending and not self._deferring:
+            raise StoreError(f"{len(self._pending)} decided group(s) not committed yet: "
+                             f"commit them before another turn")
+        self._depth += 1
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                if ok and self._deferring:
+                    self._pending_batch = self._encode() if self._has_dirty() else {}
+                    self._clear_dirty()
+                elif ok:
+                    self._commit()
+                elif self._has_dirty():
+                    # An error after memory changed: put memory back to what disk holds
+                    # (which also discards every pending deferred group).
+                    for g in self._pending:
+                        g.state = "discarded"
+                        g.batch = None
+                    self._pending.clear()
+                    self._restore()
+
+    def _has_dirty(self):
+        return bool(self._dirty or self._dirty_fixed or self._dirty_fz or self._ops
+                    or self._history_dirty)
+
+    def _touch(self, row):
+        self._dirty.add(row)
+
+    def _commit(self):
+        if self._has_dirty():
+            self._write(self._encode())
+        self._committed_tail = self._kernel.d_tail
+
+    def _write(self, batch):
+        """Commit one encoded group; on failure restore memory := disk and raise."""
+        if not batch:
+            self._clear_dirty()
+            return
+        store = self._store
+        while True:
+            try:
+                store.commit(batch)
+                break
+            except StoreFull:
+                grow = getattr(store, "resize", None)
+                size = getattr(store, "map_size", None)
+                limit = self.config.storage.max_map_size
+                if grow is not None and size is not None and size < limit:
+                    grow(min(size * 2, limit))   # nothing was applied: retry the group
+                    continue
+                self._restore()
+                raise
+            except OwnershipError as exc:
+                self._stopped = f"ownership lost: {exc}"
+                raise
+            except StoreFailed:
+                # Unknown outcome: reopen (finishes or discards the group) and reload.
+                store.close()
+                store.open(self.config.storage.shard, self._wall.time_ns())
+                self._restore()
+                raise
+            except BaseException:
+                self._restore()
+                raise
+        self._clear_dirty()
+
+    def _restore(self):
+        """Memory := disk, keeping the connected workers' sessions."""
+        connected = [(name, self._clusters[self._state.w_cluster[row]],
+                      int(self._state.w_slots[row]))
+                     for name, row in self._workers.items() if self._state.w_connected[row]]
+        self._clear_dirty()
+        self._load()
+        for name, cluster, slots in connected:
+            # Only workers whose identity is durable: a registration that failed with this
+            # turn is undone (re-registering it here would drop its identity record).
+            if name in self._idents:
+                self._register(name, cluster, slots)
+        self._clear_dirty()
+
+    def _load(self):
+        load(self)
+        self._committed_tail = self._kernel.d_tail   # restored decisions are durable
+
+    def _encode(self):
+        """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
+        st = self._state
+        batch = {p: list(ops) for p, ops in self._ops.items()}
+        for task in self._history_dirty:
+            data = self.history.encode(task) if self.history.count(task) else None
+            batch.setdefault(0, []).append(
+                ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
+        rows = self._dirty | self._dirty_fixed
+        if rows:
+            idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
+            idx.sort()
+            # Rows whose Python record is their truth get an attempts record, and their
+            # fixed record says so; a lean row's fixed record is its whole outcome.
+            heavy = idx[st.a_edges[idx] == 1]
+            st.a_lean[heavy] = 0
+            size = self._codec_records.action_size
+            buf = bytearray(idx.size * size)
+            self._codec_records.encode_actions(idx, buf)
+            view = memoryview(buf)
+            keys = idx.astype(">u8").tobytes()       # row_key of every row, in one pass
+            parts = st.a_part[idx].tolist()
+            recs = self._recs
+            for i in range(idx.size):
+                ops = batch.setdefault(parts[i], [])
+                key = keys[8 * i:8 * i + 8]
+                ops.append(("actions", key, view[i * size:(i + 1) * size]))
+            for r in heavy.tolist():
+                rec = recs.get(r)
+                if rec is not None:   # else restored and untouched: its record stands
+                    batch.setdefault(int(st.a_part[r]), []).append(
+                        ("attempts", row_key(r), encode_outcome(rec)))
+        if self._dirty_fz:
+            idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
+            idx.sort()
+            recs = np.zeros(idx.size, FINALIZE_DTYPE)
+            recs["row"] = idx
+            for name in finalize_columns():
+                recs[name] = getattr(st, "fz_" + name)[idx]
+            rows_ = st.fz_action[idx]
+            recs["pref"] = self._ident_of_rows(st.fz_pref[idx])
+            recs["holder"] = self._ident_of_rows(st.fz_worker[idx])
+            parts = st.a_part[rows_].tolist()
+            for i, f in enumerate(idx.tolist()):
+                batch.setdefault(parts[i], []).append(
+                    ("finalize", row_key(f), recs[i:i + 1].tobytes()))
+        return batch
+
+    def _ident_of_rows(self, rows):
+        rows = np.asarray(rows)
+        return np.where(rows >= 0, self._state.w_ident[np.maximum(rows, 0)], -1)
+
+    def _clear_dirty(self):
+        self._history_dirty = set()  # tasks whose history record to write
+        self._dirty = set()         # action rows: fixed record and outcome to write
+        self._dirty_fixed = set()   # action rows: fixed record only
+        self._dirty_fz = set()      # finalize rows
+        self._ops = {}              # partition -> [(db, key, value)] of the edges
+
+    def _op(self, part, db, key, value):
+        self._ops.setdefault(part, []).append((db, key, value))

@@ -1,0 +1,683 @@
+"""Leases: worker sessions and adoption, the drain of the dispatch channel, heartbeats, reports
+(one and a message's worth) and expiry, and finalize leases.
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from cext._lease import validate
+from engine._codes import (
+    PHASE_CODE,
+    T_FINALIZE,
+    T_RUNTIME,
+    TERMINAL_PHASES,
+    LeaseKind,
+    Phase,
+    Verdict,
+)
+from engine._dispatch import DispatchBatch
+from engine._errors import NotFound, SpecError
+from engine._leases import ErrorKind
+from engine._records import (
+    row_key,
+)
+from engine._rows import (
+    BOUNDS,
+    END_ABORTED,
+    END_COMPLETED,
+    END_EXPIRED,
+    END_LIVE,
+    KIND_FINALIZE,
+    LIVE_STATES,
+    PH_INIT,
+    PH_RUNNING,
+    PH_SUCCEEDED,
+    ST_DONE,
+    ST_QUEUED,
+    ST_RUNNING,
+    ST_SENT,
+)
+from engine._state import NEVER
+
+__all__ = ["LeasingMixin"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A token the engine refused, and why (the worker stops the attempt behind it)."""
+
+    token: bytes
+    verdict: Verdict
+
+
+class LeasingMixin:
+    """Leases (a part of Engine)."""
+
+    def register_worker(self, worker_id, cluster, slots):
+        """Connect a worker of ``cluster`` offering ``slots`` lease slots (reconnect: same id).
+
+        After a restart, a worker that held leases adopts them when it registers again
+        (same id): its next heartbeat validates them. A worker registering again within a
+        running shard starts a new session, and its old session's leases expire."""
+        if not isinstance(worker_id, str) or not worker_id:
+            raise SpecError(f"worker id must be a non-empty string, not {worker_id!r}")
+        if cluster not in self._cluster_index:
+            raise NotFound(f"worker {worker_id}: cluster {cluster!r} is not configured "
+                           f"(clusters: {', '.join(self._clusters)})")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise SpecError(f"worker {worker_id}: slots {slots!r} must be an integer >= 1")
+        old = self._workers.get(worker_id)
+        c = self._cluster_index[cluster]
+        if old is not None and self._state.w_cluster[old] != c:
+            raise SpecError(f"worker {worker_id} is registered in cluster "
+                            f"{self._clusters[self._state.w_cluster[old]]}, not {cluster}")
+        with self._turn():
+            self._register(worker_id, cluster, slots)
+
+    def _register(self, worker_id, cluster, slots):
+        st = self._state
+        c = self._cluster_index[cluster]
+        old = self._workers.get(worker_id)
+        # Every connection is a new session row: leases of an earlier session are refused
+        # as stale when the worker presents them again, and expire.
+        row = len(self._worker_names)
+        if st.ensure("workers", row + 1):
+            self._bind()
+        ident = self._idents.get(worker_id)
+        if ident is None:
+            ident = len(self._ident_names)
+            self._idents[worker_id] = ident
+            self._ident_names.append((worker_id, cluster))
+            self._op(0, "workers", row_key(ident), msgpack.packb([worker_id, cluster]))
+        if old is not None:
+            st.w_connected[old] = 0
+        st.w_ident[row] = ident
+        self._workers[worker_id] = row
+        self._worker_names.append(worker_id)
+        st.n_workers = row + 1
+        self._kernel.set_counts(st.n_workers, st.n_envs)
+        st.w_cluster[row] = c
+        st.w_slots[row] = slots
+        st.w_connected[row] = 1
+        if old is not None and old in self._adoptable:
+            self._adopt(old, row)
+        elif old is not None:
+            self._end_session(old)
+
+    def _adopt(self, old, row):
+        # Restored leases of this worker move to its new session (tokens carry no session).
+        st = self._state
+        self._adoptable.discard(old)
+        n, nf = self._next_row, self._n_finalize
+        held = int(st.w_adm[old] - st.w_rel[old])
+        st.a_worker[:n][st.a_worker[:n] == old] = row
+        st.fz_worker[:nf][st.fz_worker[:nf] == old] = row
+        st.fz_pref[:nf][st.fz_pref[:nf] == old] = row
+        st.w_adm[row] += held
+        st.w_rel[old] = st.w_adm[old]
+
+    def _end_session(self, old):
+        # A new session proves the old one is gone: its leases expire now (the tokens it
+        # still presents are refused on heartbeat and report alike) and are reassigned.
+        st = self._state
+        n, nf = self._next_row, self._n_finalize
+        for r in np.flatnonzero((st.a_worker[:n] == old) & (st.a_expiry[:n] != NEVER)):
+            self._expire_lease((LeaseKind.RUN, int(r), int(st.a_gen[r]), old))
+        for f in np.flatnonzero((st.fz_worker[:nf] == old) & (st.fz_expiry[:nf] != NEVER)):
+            self._expire_lease((LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), old))
+
+    def unregister_worker(self, worker_id):
+        """Disconnect a worker: nothing new is placed on it. Its leases stay in flight until
+        they are reported or expire; returns their action ids."""
+        row = self._worker_row(worker_id)
+        st = self._state
+        st.w_connected[row] = 0
+        n = self._next_row
+        held = np.nonzero((st.a_worker[:n] == row) & np.isin(st.a_state[:n], LIVE_STATES))[0]
+        return [self._aid(int(a)) for a in held]
+
+    def _worker_row(self, worker_id):
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise NotFound(f"worker {worker_id!r} is not registered") from None
+
+    def drain_dispatch(self, limit=None):
+        """Take assignments out of the dispatch channel, oldest first, with their tokens. An
+        entry whose lease ended before it was drained (expired, aborted) is dropped: it is
+        never delivered, so nothing can run under a generation that already ended. Handing
+        an assignment out is recorded durably (a restart re-dispatches only what was never
+        handed out)."""
+        with self._turn():
+            return self._drain(limit)
+
+    def drain_columns(self, limit=None):
+        """The columnar :meth:`drain_dispatch`: the same entries, bookkeeping and durability,
+        returned as one :class:`DispatchBatch` of arrays (tokens minted in one pass) instead
+        of an ``Assignment`` per lease."""
+        with self._turn():
+            return self._drain_columns(limit)
+
+    def _drain(self, limit):
+        return self._drain_columns(limit).assignments()
+
+    def _drain_columns(self, limit):
+        k, st = self._kernel, self._state
+        # A deferred turn hands out only what committed groups decided.
+        n = (self._committed_tail if self._deferring else k.d_tail) - k.d_head
+        if limit is not None:
+            n = min(n, limit)
+        if n <= 0:
+            return DispatchBatch(DispatchBatch.empty_columns(), {}, self._clusters,
+                                 self._worker_names, self._queue_names)
+        slots = np.arange(k.d_head, k.d_head + n) % st.d_action.shape[0]
+        rows = st.d_action[slots].astype(np.int64)
+        gens = st.d_gen[slots].copy()
+        kinds = st.d_kind[slots].copy()
+        fin = kinds == KIND_FINALIZE
+        run = ~fin
+        keep = np.zeros(n, dtype=bool)
+        # Entries whose lease ended before the drain (expired, aborted) are never delivered.
+        r = rows[run]
+        keep[run] = ((st.a_gen[r] == gens[run]) & (st.a_end[r] == END_LIVE)
+                     & ((st.a_state[r] == ST_SENT) | (st.a_state[r] == ST_RUNNING)))
+        f = rows[fin]
+        keep[fin] = (st.fz_gen[f] == gens[fin]) & (st.fz_end[f] == END_LIVE)
+        k.consume_dispatch(n)
+        rows, gens, kinds, fin, slots = rows[keep], gens[keep], kinds[keep], fin[keep], \
+            slots[keep]
+        m = rows.size
+        arows = rows.copy()
+        attempt = np.empty(m, dtype=np.int32)
+        att_enq = np.empty(m, dtype=np.int64)
+        if fin.any():
+            arows[fin] = st.fz_action[rows[fin]]
+            attempt[fin] = st.fz_attempt[rows[fin]]
+        lean = ~fin & (st.a_edges[arows] == 0)
+        if lean.any():
+            # The common path in columns: stamped once, INITIALIZING while sent, delivered.
+            lr = rows[lean]
+            now = self.clock.now_ns()
+            st.a_start[lr] = np.where(st.a_start[lr] == NEVER, now, st.a_start[lr])
+            sent = lr[st.a_state[lr] == ST_SENT]
+            st.a_phase[sent] = PH_INIT
+            st.a_delivered_gen[lr] = gens[lean]
+            attempt[lean] = 1
+            att_enq[lean] = st.a_enqueued[lr]
+            self._dirty_fixed.update(lr.tolist())
+        for i in np.flatnonzero(~lean).tolist():
+            row, gen = int(rows[i]), int(gens[i])
+            if fin[i]:
+                arow, number = int(arows[i]), int(attempt[i])
+                rec = self._rec(arow)
+                rec.attempts[number - 1].finalize = "SENT"
+                st.fz_delivered_gen[row] = gen
+                self._dirty_fz.add(row)
+                self._touch(arow)
+                att_enq[i] = rec.attempts[number - 1].enqueued_ns
+                continue
+            rec = self._rec(row)
+            att = self._stamp_attempt(rec)
+            if rec.phase not in TERMINAL_PHASES and st.a_state[row] == ST_SENT:
+                rec.phase = Phase.INITIALIZING
+            st.a_delivered_gen[row] = gen
+            self._touch(row)
+            attempt[i] = att.number
+            att_enq[i] = att.enqueued_ns
+        tokens = np.empty((m, 3), dtype=np.uint64)
+        tokens[:, 0] = (kinds.astype(np.uint64) << np.uint64(63)) | rows.astype(np.uint64)
+        tokens[:, 1] = gens.astype(np.uint64)
+        self._codec.mint_array(tokens)
+        group = st.a_group[arows].copy()
+        cols = {
+            "kind": kinds, "lease_row": rows, "action_row": arows, "generation": gens,
+            "cluster": st.d_cluster[slots].copy(), "worker": st.d_worker[slots].copy(),
+            "attempt": attempt, "queue": st.a_queue[arows].copy(), "group": group,
+            "index": st.a_gidx[arows].copy(), "first_enqueued_ns": st.a_enqueued[arows].copy(),
+            "attempt_enqueued_ns": att_enq, "tokens": tokens,
+        }
+        groups = {gid: self._group_of(int(arows[i])) for gid, i in zip(
+            *np.unique(group, return_index=True), strict=True)}
+        return DispatchBatch(cols, {int(g): v for g, v in groups.items()}, self._clusters,
+                             self._worker_names, self._queue_names)
+
+    def _stamp_attempt(self, rec):
+        # Record where the current attempt went, once per generation.
+        st = self._state
+        att = rec.attempt
+        gen = int(st.a_gen[rec.row])
+        if att.generation != gen:
+            att.generation = gen
+            att.cluster = self._clusters[st.a_cluster[rec.row]]
+            att.worker = self._worker_names[st.a_worker[rec.row]]
+            att.start_ns = self.clock.now_ns()
+            self._touch(rec.row)
+        return att
+
+    def _stamp_lean(self, row):
+        # A lean row has one attempt and one generation: stamped once, at its first use.
+        st = self._state
+        if st.a_start[row] == NEVER:
+            st.a_start[row] = self.clock.now_ns()
+            self._dirty_fixed.add(row)
+
+    def expired_leases(self, now=None):
+        """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``.
+        Apply each with :meth:`expire`, which refuses a lease that moved on since."""
+        now = self.clock.now_ns() if now is None else now
+        st = self._state
+        # Rows that are not live carry expiry NEVER, so this is one compare per row.
+        rows = np.flatnonzero(st.a_expiry[:self._next_row] < now)
+        rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == END_LIVE)]
+        out = [(LeaseKind.RUN, int(r), int(st.a_gen[r]), int(st.a_worker[r])) for r in rows]
+        frows = np.flatnonzero(st.fz_expiry[:self._n_finalize] < now)
+        frows = frows[(st.fz_state[frows] == ST_SENT) & (st.fz_end[frows] == END_LIVE)]
+        out += [(LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), int(st.fz_worker[f]))
+                for f in frows]
+        return out
+
+    def expire(self, lease):
+        """Expire one lease from :meth:`expired_leases`; True if applied. Refused (False)
+        when its generation or holder is no longer the one observed, it already ended, or a
+        heartbeat extended it since the snapshot."""
+        kind, row, _gen, _worker = lease
+        st = self._state
+        expiry = st.fz_expiry[row] if kind == LeaseKind.FINALIZE else st.a_expiry[row]
+        if expiry >= self.clock.now_ns():
+            return False
+        with self._turn():
+            return self._expire_lease(lease)
+
+    def _expire_lease(self, lease):
+        kind, row, gen, worker = lease
+        st = self._state
+        if kind == LeaseKind.FINALIZE:
+            if (int(st.fz_gen[row]) != gen or int(st.fz_worker[row]) != worker
+                    or st.fz_state[row] != ST_SENT or st.fz_end[row] != END_LIVE):
+                return False
+            st.fz_end[row] = END_EXPIRED
+            st.fz_expiry[row] = NEVER
+            self._kernel.release_finalize(row)
+            arow = int(st.fz_action[row])
+            self._rec(arow).attempts[int(st.fz_attempt[row]) - 1].finalize = "PENDING"
+            self._touch(arow)
+            self._dirty_fz.add(row)
+            self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
+            return True
+        if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
+                or st.a_state[row] not in LIVE_STATES or st.a_end[row] != END_LIVE):
+            return False
+        rec = self._rec(row)
+        self._stamp_attempt(rec)
+        self._end_lease(row, END_EXPIRED)
+        self._attempt_failed(rec, Phase.FAILED, ErrorKind.SYSTEM, "EXPIRED",
+                             "lease expired: heartbeats stopped", True, cleanup=True)
+        return True
+
+    def heartbeat(self, worker_id, tokens, free_capacity=None):
+        """Validate and extend a batch of tokens from one worker in one Cython pass (check
+        all, then extend the valid ones); record the free capacity it sees in its cluster
+        (``{resource: quantity}``) for the gate. Returns the refused tokens with verdicts;
+        the worker stops the attempt behind each one. Extension is best-effort."""
+        row = self._worker_row(worker_id)
+        st = self._state
+        if not st.w_connected[row]:
+            raise NotFound(f"worker {worker_id!r} is not connected")
+        arr = self._codec.parse(tokens)
+        if free_capacity is not None:
+            try:
+                vec = self._resources.vector(free_capacity, unset=-1)
+            except ValueError as exc:
+                raise SpecError(f"worker {worker_id}: free_capacity: {exc}") from None
+            c = int(st.w_cluster[row])
+            given = vec >= 0
+            st.c_obs[c, given] = vec[given]
+            st.c_obs_mark[c, given] = st.c_adm[c, given]
+        verdicts = np.empty(arr.shape[0], dtype=np.uint8)
+        validate(self._kernel, arr, row, self.clock.now_ns(), self._codec.k0,
+                 self._codec.k1, verdicts, True)
+        bad = np.nonzero(verdicts)[0]
+        return [Refusal(arr[i].astype("<u8").tobytes(), Verdict(int(verdicts[i]))) for i in bad]
+
+    def _check_token(self, token):
+        arr = self._codec.parse(token)
+        if arr.shape[0] != 1:
+            raise SpecError(f"a report carries exactly one token, not {arr.shape[0]}")
+        verdict = np.empty(1, dtype=np.uint8)
+        validate(self._kernel, arr, -1, self.clock.now_ns(), self._codec.k0, self._codec.k1,
+                 verdict, False)
+        lease = int(arr[0, 0])
+        return Verdict(int(verdict[0])), LeaseKind(lease >> 63), lease & ((1 << 63) - 1)
+
+    def report(self, token, phase, *, error_kind=None, cause=None, recoverable=True,
+               message="", cleanup=False):
+        """A worker's report on the lease behind ``token``: progress (INITIALIZING, RUNNING)
+        or a terminal outcome (SUCCEEDED; FAILED with ``error_kind`` USER (``recoverable``
+        or not) or SYSTEM with a ``cause`` such as OOM, EVICTED, NODE_LOST; TIMED_OUT with
+        ``cause`` naming the bound). ``cleanup`` asks for a finalize lease for this attempt.
+        Returns the verdict: anything but ``Verdict.OK`` means the report was refused (for
+        example a late report from an older generation) and changed nothing."""
+        phase, kind_ = self._check_report(phase, error_kind, cause)
+        verdict, kind, row = self._check_token(token)
+        if verdict != Verdict.OK:
+            return verdict
+        with self._turn():
+            return self._report(kind, row, phase, kind_, cause, recoverable, message, cleanup)
+
+    def _check_report(self, phase, error_kind, cause):
+        """Check one report's arguments (as :meth:`report` does); returns (phase, kind)."""
+        try:
+            phase = Phase(phase)
+        except ValueError:
+            raise SpecError(f"unknown phase {phase!r}") from None
+        if phase in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES, Phase.ABORTED):
+            raise SpecError(f"a worker cannot report {phase}")
+        kind_ = None
+        if phase == Phase.FAILED:
+            try:
+                kind_ = ErrorKind(error_kind)
+            except ValueError:
+                raise SpecError(f"FAILED needs error_kind USER or SYSTEM, not "
+                                f"{error_kind!r}") from None
+            if kind_ == ErrorKind.SYSTEM and not cause:
+                raise SpecError("a SYSTEM failure needs a cause (OOM, EVICTED, ...)")
+        if phase == Phase.TIMED_OUT and cause not in BOUNDS:
+            raise SpecError(f"TIMED_OUT needs cause naming the bound "
+                            f"({', '.join(BOUNDS)}), not {cause!r}")
+        return phase, kind_
+
+    def report_many(self, tokens, phases, *, worker=None, error_kinds=None, causes=None,
+                    recoverable=None, messages=None, cleanup=None):
+        """The reports of one worker message, in one loop turn (one group commit): each is
+        what :meth:`report` would do with ``tokens[i]`` (24-byte tokens back to back, a list,
+        or an n x 3 uint64 array) and ``phases[i]`` (a Phase or its name), and the optional
+        per-report ``error_kinds``, ``causes``, ``recoverable``, ``messages`` and ``cleanup``
+        sequences. All tokens are checked in one nogil pass (against ``worker``'s sessions
+        when given, else any holder); the common transitions of lean rows (INITIALIZING,
+        RUNNING, SUCCEEDED) apply as vector operations, the rest one by one in order.
+        Arguments are checked first: a bad one raises ``SpecError`` naming its index and
+        nothing is applied. Returns the refused reports as :class:`Refusal` (token,
+        verdict); they changed nothing."""
+        arr = self._codec.parse(tokens)
+        n = arr.shape[0]
+        if isinstance(phases, (Phase, str)):
+            phases = [phases] * n       # one phase for every report
+        phases = list(phases)
+        if len(phases) != n:
+            raise SpecError(f"{len(phases)} phases for {n} tokens")
+
+        def column(name, values, default):
+            if values is None:
+                return [default] * n
+            values = list(values)
+            if len(values) != n:
+                raise SpecError(f"{name} has {len(values)} items for {n} tokens")
+            return values
+
+        plain = messages is None and cleanup is None
+        kinds_in = column("error_kinds", error_kinds, None)
+        causes = column("causes", causes, None)
+        recoverable = column("recoverable", recoverable, True)
+        messages = column("messages", messages, "")
+        cleanup = column("cleanup", cleanup, False)
+        checked, seen = [], {}
+        for i in range(n):
+            key = (phases[i], kinds_in[i], causes[i])
+            try:
+                hit = seen.get(key)
+            except TypeError:           # unhashable: checked (and refused) below
+                hit = None
+            if hit is None:
+                try:
+                    hit = self._check_report(*key)
+                except SpecError as exc:
+                    raise SpecError(f"report {i}: {exc}") from None
+                try:
+                    seen[key] = hit
+                except TypeError:
+                    pass
+            checked.append(hit)
+        session = -1
+        if worker is not None:
+            session = self._worker_row(worker)
+        verdicts = np.empty(n, dtype=np.uint8)
+        validate(self._kernel, arr, session, self.clock.now_ns(), self._codec.k0,
+                 self._codec.k1, verdicts, False)
+        lease = arr[:, 0]
+        is_run = (lease >> np.uint64(63)) == 0
+        rows = (lease & np.uint64((1 << 63) - 1)).astype(np.int64)
+        codes = np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n)
+        st = self._state
+        ok = verdicts == Verdict.OK
+        simple = np.ones(n, dtype=bool) if plain else np.fromiter(
+            (not messages[i] and not cleanup[i] for i in range(n)), dtype=bool, count=n)
+        fast = ok & is_run & simple & np.isin(codes, (PH_INIT, PH_RUNNING, PH_SUCCEEDED))
+        fast[fast] = st.a_edges[rows[fast]] == 0
+        if fast.any():
+            # A lease reported twice in one message takes the ordered path.
+            fr = rows[fast]
+            uniq, counts = np.unique(fr, return_counts=True)
+            if (counts > 1).any():
+                fast[fast] = ~np.isin(fr, uniq[counts > 1])
+        refused = []
+        with self._turn():
+            if fast.any():
+                self._report_lean_many(rows[fast], codes[fast])
+            for i in np.flatnonzero(~fast).tolist():
+                if ok[i]:
+                    # Earlier reports of this message may have moved this lease on.
+                    verdict, kind, row = self._check_token(arr[i:i + 1])
+                else:
+                    verdict = Verdict(int(verdicts[i]))
+                if verdict != Verdict.OK:
+                    refused.append(Refusal(arr[i].astype("<u8").tobytes(), verdict))
+                    continue
+                phase, kind_ = checked[i]
+                self._report(kind, row, phase, kind_, causes[i], recoverable[i], messages[i],
+                             cleanup[i])
+        return refused
+
+    def _report_lean_many(self, rows, codes):
+        # _report_lean over distinct lean rows, in vector operations.
+        st = self._state
+        now = self.clock.now_ns()
+        st.a_start[rows] = np.where(st.a_start[rows] == NEVER, now, st.a_start[rows])
+        self._dirty_fixed.update(rows.tolist())
+        init = rows[(codes == PH_INIT) & (st.a_state[rows] != ST_RUNNING)]
+        st.a_phase[init] = PH_INIT
+        run = rows[(codes == PH_RUNNING) & (st.a_state[rows] != ST_RUNNING)]
+        if run.size:
+            st.a_state[run] = ST_RUNNING      # stops the queued-time clock
+            st.a_running[run] = now
+            st.a_phase[run] = PH_RUNNING
+            pred = st.t_pred_rt[st.a_task[run]]
+            later = (pred != NEVER) & (now + np.minimum(pred, NEVER - now) > st.a_pred_end[run])
+            st.a_pred_end[run[later]] = now + pred[later]
+            grace = self.config.engine.runtime_grace
+            for gid in np.unique(st.a_group[run]).tolist():
+                t = self._group_of(int(run[st.a_group[run] == gid][0])).compiled.spec.timeouts
+                if t.max_runtime is not None:
+                    due = now + int((t.max_runtime + grace) * 1e9)
+                    for r in run[st.a_group[run] == gid].tolist():
+                        self._timer(due, T_RUNTIME, r, int(st.a_gen[r]))
+        done = rows[codes == PH_SUCCEEDED]
+        if done.size:
+            began = np.where(st.a_running[done] != NEVER, st.a_running[done], st.a_start[done])
+            tasks = st.a_task[done]
+            for t in np.unique(tasks).tolist():
+                name = self._task_names[t]
+                self.history.record_many_ns(name, np.maximum(0, now - began[tasks == t]))
+                self._history_dirty.add(name)
+                self._refresh_prediction(name, t)
+            st.a_end[done] = END_COMPLETED
+            st.a_expiry[done] = NEVER
+            release = self._kernel.release
+            for r in done.tolist():
+                release(r, now)
+            st.a_state[done] = ST_DONE
+            st.a_done[done] = now
+            st.a_phase[done] = PH_SUCCEEDED
+
+    def _report(self, kind, row, phase, kind_, cause, recoverable, message, cleanup):
+        verdict = Verdict.OK
+        if kind == LeaseKind.FINALIZE:
+            if phase in (Phase.SUCCEEDED, Phase.FAILED):
+                self._end_finalize(row, END_COMPLETED, phase.value)
+            elif phase == Phase.TIMED_OUT:
+                raise SpecError("a finalize lease ends SUCCEEDED or FAILED")
+            return verdict
+        st = self._state
+        if not st.a_edges[row] and (phase in (Phase.INITIALIZING, Phase.RUNNING) or (
+                phase == Phase.SUCCEEDED and not message and not cleanup)):
+            return self._report_lean(row, phase)
+        rec = self._rec(row)
+        now = self.clock.now_ns()
+        att = self._stamp_attempt(rec)
+        if phase == Phase.INITIALIZING:
+            # Reports may arrive out of order: a running attempt never goes back.
+            if st.a_state[row] != ST_RUNNING and rec.phase != Phase.INITIALIZING:
+                rec.phase = Phase.INITIALIZING
+                self._touch(row)
+            return verdict
+        if phase == Phase.RUNNING:
+            if st.a_state[row] != ST_RUNNING:
+                self._touch(row)
+                st.a_state[row] = ST_RUNNING   # stops the queued-time clock
+                att.running_ns = now
+                rec.phase = Phase.RUNNING
+                # Backfill (issue 5): history measures from RUNNING, so the prediction does.
+                pred = int(st.t_pred_rt[st.a_task[row]])
+                if pred != NEVER and now + pred > st.a_pred_end[row]:
+                    st.a_pred_end[row] = now + pred
+                t = rec.compiled.spec.timeouts
+                if t.max_runtime is not None:
+                    grace = self.config.engine.runtime_grace
+                    self._timer(now + int((t.max_runtime + grace) * 1e9), T_RUNTIME, row,
+                                int(st.a_gen[row]))
+            return verdict
+        if phase == Phase.SUCCEEDED:
+            # Backfill (issue 5): a success teaches the task's history (failures do not).
+            began = att.running_ns if att.running_ns is not None else att.start_ns
+            if began is not None:
+                self._record_runtime(rec.compiled.spec.task, now - began)
+            self._end_lease(row, END_COMPLETED)
+            self._end_attempt(rec, Phase.SUCCEEDED, message=message, cleanup=cleanup)
+            self._finish(rec, Phase.SUCCEEDED, message)
+            return verdict
+        if phase == Phase.FAILED:
+            self._end_lease(row, END_COMPLETED)
+            self._attempt_failed(rec, Phase.FAILED, kind_, cause, message,
+                                 bool(recoverable), cleanup=cleanup)
+            return verdict
+        # TIMED_OUT, with the bound the worker enforced.
+        self._end_lease(row, END_COMPLETED)
+        self._attempt_failed(rec, Phase.TIMED_OUT, None, cause, message, True, cleanup=cleanup)
+        return verdict
+
+    def _report_lean(self, row, phase):
+        # The common path of a lean row, in its columns (same rules as _report).
+        st = self._state
+        self._stamp_lean(row)
+        self._dirty_fixed.add(row)
+        if phase == Phase.INITIALIZING:
+            if st.a_state[row] != ST_RUNNING:
+                st.a_phase[row] = PH_INIT
+            return Verdict.OK
+        now = self.clock.now_ns()
+        g = self._group_of(row)
+        if phase == Phase.RUNNING:
+            if st.a_state[row] != ST_RUNNING:
+                st.a_state[row] = ST_RUNNING   # stops the queued-time clock
+                st.a_running[row] = now
+                st.a_phase[row] = PH_RUNNING
+                pred = int(st.t_pred_rt[st.a_task[row]])
+                if pred != NEVER and now + pred > st.a_pred_end[row]:
+                    st.a_pred_end[row] = now + pred
+                t = g.compiled.spec.timeouts
+                if t.max_runtime is not None:
+                    grace = self.config.engine.runtime_grace
+                    self._timer(now + int((t.max_runtime + grace) * 1e9), T_RUNTIME, row,
+                                int(st.a_gen[row]))
+            return Verdict.OK
+        began = int(st.a_running[row])
+        if began == NEVER:
+            began = int(st.a_start[row])
+        self._record_runtime(g.compiled.spec.task, now - began)
+        self._end_lease(row, END_COMPLETED)
+        st.a_done[row] = now
+        st.a_phase[row] = PH_SUCCEEDED
+        return Verdict.OK
+
+    def mark_running(self, action, generation):
+        """In-process convenience: the holder of ``generation`` reports RUNNING."""
+        self._report_as_holder(action, generation, Phase.RUNNING)
+
+    def complete(self, action, generation, phase=Phase.SUCCEEDED, message="", **kw):
+        """In-process convenience: the holder of ``generation`` reports a terminal phase
+        (same rules as :meth:`report`); a refused report raises ``SpecError``."""
+        phase = Phase(phase)
+        if phase not in TERMINAL_PHASES:
+            raise SpecError(f"{phase} is not a terminal phase")
+        if phase == Phase.FAILED and "error_kind" not in kw:
+            kw["error_kind"] = ErrorKind.USER
+        self._report_as_holder(action, generation, phase, message=message, **kw)
+
+    def _report_as_holder(self, action, generation, phase, **kw):
+        row = self._row_of(action)
+        token = self._codec.mint(LeaseKind.RUN, row, generation)
+        verdict = self.report(token, phase, **kw)
+        if verdict != Verdict.OK:
+            raise SpecError(f"action {self._aid(row)}: report for generation {generation} "
+                            f"refused: {verdict.name}")
+
+    def _end_lease(self, row, end):
+        # The current generation ends: later tokens for it get `end` as their verdict, and
+        # its in-flight counts are released (once per generation).
+        st = self._state
+        st.a_end[row] = end
+        st.a_expiry[row] = NEVER
+        self._kernel.release(row, self.clock.now_ns())
+        st.a_state[row] = ST_DONE
+        self._touch(row)
+
+    def _new_finalize(self, rec, att):
+        st = self._state
+        f = self._n_finalize
+        if st.ensure("finalize", f + 1):
+            self._bind()
+        self._n_finalize += 1
+        row = rec.row
+        st.fz_action[f] = row
+        st.fz_attempt[f] = att.number
+        st.fz_cluster[f] = self._cluster_index[att.cluster]
+        st.fz_pref[f] = st.a_worker[row]
+        give_up = self.clock.now_ns() + int(self.config.engine.finalize_timeout * 1e9)
+        st.fz_give_up[f] = give_up
+        att.finalize = "PENDING"
+        self._kernel.push_finalize(f)
+        self._dirty_fz.add(f)
+        self._touch(row)
+        self._timer(give_up, T_FINALIZE, f, 0)
+
+    def _end_finalize(self, f, end, outcome):
+        st = self._state
+        st.fz_end[f] = end
+        st.fz_expiry[f] = NEVER
+        self._kernel.release_finalize(f)
+        st.fz_state[f] = ST_DONE
+        arow = int(st.fz_action[f])
+        self._rec(arow).attempts[int(st.fz_attempt[f]) - 1].finalize = outcome
+        self._dirty_fz.add(f)
+        self._touch(arow)
+
+    def _finalize_give_up(self, f, _ref):
+        # Its own generous bound passed: record the leak loudly rather than retry forever.
+        st = self._state
+        if st.fz_state[f] == ST_DONE:
+            return
+        if st.fz_state[f] == ST_QUEUED:
+            self._kernel.remove_finalize(f)
+        self._end_finalize(f, END_ABORTED, "ABANDONED")

@@ -1,0 +1,42 @@
+"""Shared constants of the engine's concern modules: row states, lease ends and phase codes
+as plain ints (numpy probes an IntEnum value for the array protocols on every assignment, a
+slow attribute miss per write on Python 3.11), the live states, the lease kind bit, the
+durable column of each action timer and the bounds a worker may report."""
+
+from engine._codes import (
+    PHASE_CODE,
+    T_DEADLINE,
+    T_QUEUED,
+    T_RETRY,
+    T_RUNTIME,
+    LeaseEnd,
+    LeaseKind,
+    Phase,
+    RowState,
+)
+
+__all__ = ["ST_QUEUED", "ST_SENT", "ST_RUNNING", "ST_DONE", "ST_BACKOFF", "END_LIVE",
+           "END_COMPLETED", "END_EXPIRED", "END_ABORTED", "PH_QUEUED", "PH_INIT", "PH_RUNNING",
+           "PH_SUCCEEDED", "PH_ABORTED", "LEAN_TERMINAL", "LIVE_STATES", "KIND_FINALIZE",
+           "DUE_COLUMNS", "BOUNDS"]
+
+ST_QUEUED, ST_SENT, ST_RUNNING, ST_DONE, ST_BACKOFF = (
+    int(RowState.QUEUED), int(RowState.SENT), int(RowState.RUNNING), int(RowState.DONE),
+    int(RowState.BACKOFF))
+END_LIVE, END_COMPLETED, END_EXPIRED, END_ABORTED = (
+    int(LeaseEnd.LIVE), int(LeaseEnd.COMPLETED), int(LeaseEnd.EXPIRED), int(LeaseEnd.ABORTED))
+PH_QUEUED = PHASE_CODE[Phase.QUEUED]
+PH_INIT = PHASE_CODE[Phase.INITIALIZING]
+PH_RUNNING = PHASE_CODE[Phase.RUNNING]
+PH_SUCCEEDED = PHASE_CODE[Phase.SUCCEEDED]
+PH_ABORTED = PHASE_CODE[Phase.ABORTED]
+LEAN_TERMINAL = (PH_SUCCEEDED, PH_ABORTED)
+
+
+LIVE_STATES = (int(RowState.SENT), int(RowState.RUNNING))
+KIND_FINALIZE = int(LeaseKind.FINALIZE)
+# The durable column of each action timer (reload rebuilds the timers from them).
+DUE_COLUMNS = {T_DEADLINE: "a_deadline_due", T_QUEUED: "a_queued_due", T_RETRY: "a_retry_due",
+                T_RUNTIME: "a_runtime_due"}
+BOUNDS = ("deadline", "max_queued_time", "max_runtime")
+

@@ -1,0 +1,104 @@
+"""Timers: deadline, max_queued_time, retry backoff, the max_runtime backstop and the finalize
+bound, in a heap (set since the load) and sorted arrays (restored).
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+import heapq
+
+import numpy as np
+
+from engine._codes import (
+    T_DEADLINE,
+    T_FINALIZE,
+    T_QUEUED,
+    T_RETRY,
+    T_RUNTIME,
+    TERMINAL_PHASES,
+    Phase,
+)
+from engine._rows import (
+    DUE_COLUMNS,
+    END_EXPIRED,
+    END_LIVE,
+    ST_BACKOFF,
+    ST_DONE,
+    ST_QUEUED,
+    ST_RUNNING,
+)
+
+__all__ = ["TimersMixin"]
+
+
+class TimersMixin:
+    """Timers (a part of Engine)."""
+
+    def _timer(self, due_ns, kind, row, ref):
+        heapq.heappush(self._timers, (due_ns, next(self._seq), kind, row, ref))
+        column = DUE_COLUMNS.get(kind)
+        if column is not None:
+            getattr(self._state, column)[row] = due_ns
+            self._touch(row)
+
+    def _due_timers(self, now):
+        """Pop every due timer, from the heap (set since load) and the restored arrays."""
+        due = []
+        while self._timers and self._timers[0][0] <= now:
+            t = heapq.heappop(self._timers)
+            due.append((t[0], t[1], t[2], t[3], t[4]))
+        rt = self._restored_timers
+        if rt is not None and self._rt_pos < rt[0].size and rt[0][self._rt_pos] <= now:
+            end = int(np.searchsorted(rt[0], now, side="right"))
+            for i in range(self._rt_pos, end):
+                due.append((int(rt[0][i]), -1, int(rt[1][i]), int(rt[2][i]), int(rt[3][i])))
+            self._rt_pos = end
+        due.sort()
+        return due
+
+    def _fire_timers(self, now):
+        while True:
+            due = self._due_timers(now)
+            if not due:
+                return
+            for _due, _seq, kind, row, ref in due:
+                self._fire(kind, row, ref)
+
+    def _fire(self, kind, row, ref):
+        st = self._state
+        if kind == T_FINALIZE:
+            self._finalize_give_up(row, ref)
+            return
+        state = st.a_state[row]
+        if state == ST_DONE:
+            return
+        if self._phase_of(row) in TERMINAL_PHASES:
+            return
+        if kind == T_DEADLINE:
+            # The engine enforces the deadline before dispatch; a running attempt is
+            # bounded by its worker, which was given the deadline with the lease.
+            if state in (ST_QUEUED, ST_BACKOFF):
+                rec = self._rec(row)
+                self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
+                                  message="deadline passed before dispatch")
+                self._finish(rec, Phase.TIMED_OUT, "deadline passed before dispatch",
+                             cause="deadline")
+        elif kind == T_QUEUED:
+            if state == ST_QUEUED and int(st.a_attempt[row]) == ref:
+                rec = self._rec(row)
+                self._kernel.remove(row)          # leaves the row in state DONE
+                self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
+                                     "max_queued_time passed while queued", True)
+        elif kind == T_RETRY:
+            if state == ST_BACKOFF and int(st.a_attempt[row]) == ref:
+                self._kernel.push(row)
+                self._touch(row)
+        elif kind == T_RUNTIME:
+            # Engine backstop for max_runtime: the worker should have ended it.
+            if (state == ST_RUNNING and int(st.a_gen[row]) == ref
+                    and st.a_end[row] == END_LIVE):
+                rec = self._rec(row)
+                self._stamp_attempt(rec)
+                self._end_lease(row, END_EXPIRED)
+                self._attempt_failed(
+                    rec, Phase.TIMED_OUT, None, "max_runtime",
+                    "engine backstop: still running past max_runtime plus grace", True,
+                    cleanup=True)
