@@ -30,6 +30,7 @@ from engine._rows import (
     ST_BACKOFF,
     ST_DONE,
     ST_QUEUED,
+    set_state,
 )
 from engine._units import format_quantity
 from storage import (
@@ -64,7 +65,7 @@ class AttemptsMixin:
                 remove = self._kernel.remove
                 for r in q.tolist():
                     remove(r)
-                st.a_state[q] = ST_DONE
+                set_state(st, q, ST_DONE)
                 st.a_phase[q] = PH_ABORTED
                 st.a_done[q] = now
                 st.a_abort[q] = root
@@ -160,7 +161,7 @@ class AttemptsMixin:
             self._finish(rec, Phase.TIMED_OUT, "deadline passes before the retry is due",
                          cause="deadline")
             return
-        self._state.a_state[rec.row] = ST_BACKOFF
+        set_state(self._state, rec.row, ST_BACKOFF)
         rec.phase = Phase.QUEUED
         self._new_attempt(rec, ready)
         self._timer(ready, T_RETRY, rec.row, len(rec.attempts))
@@ -193,7 +194,7 @@ class AttemptsMixin:
         if st.a_state[row] == ST_QUEUED:
             self._kernel.remove(row)
         self._kernel.release(row, self.clock.now_ns())
-        st.a_state[row] = ST_DONE
+        set_state(st, row, ST_DONE)
         rec.phase = phase
         rec.message = message
         rec.error_kind = kind

@@ -39,6 +39,7 @@ from engine._rows import (
     ST_QUEUED,
     ST_RUNNING,
     ST_SENT,
+    set_state,
 )
 from engine._state import NEVER
 
@@ -490,7 +491,7 @@ class LeasingMixin:
         st.a_phase[init] = PH_INIT
         run = rows[(codes == PH_RUNNING) & (st.a_state[rows] != ST_RUNNING)]
         if run.size:
-            st.a_state[run] = ST_RUNNING      # stops the queued-time clock
+            set_state(st, run, ST_RUNNING)      # stops the queued-time clock
             st.a_running[run] = now
             st.a_phase[run] = PH_RUNNING
             pred = st.t_pred_rt[st.a_task[run]]
@@ -517,7 +518,7 @@ class LeasingMixin:
             release = self._kernel.release
             for r in done.tolist():
                 release(r, now)
-            st.a_state[done] = ST_DONE
+            set_state(st, done, ST_DONE)
             st.a_done[done] = now
             st.a_phase[done] = PH_SUCCEEDED
 
@@ -545,7 +546,7 @@ class LeasingMixin:
         if phase == Phase.RUNNING:
             if st.a_state[row] != ST_RUNNING:
                 self._touch(row)
-                st.a_state[row] = ST_RUNNING   # stops the queued-time clock
+                set_state(st, row, ST_RUNNING)   # stops the queued-time clock
                 att.running_ns = now
                 rec.phase = Phase.RUNNING
                 # Backfill (issue 5): history measures from RUNNING, so the prediction does.
@@ -590,7 +591,7 @@ class LeasingMixin:
         g = self._group_of(row)
         if phase == Phase.RUNNING:
             if st.a_state[row] != ST_RUNNING:
-                st.a_state[row] = ST_RUNNING   # stops the queued-time clock
+                set_state(st, row, ST_RUNNING)   # stops the queued-time clock
                 st.a_running[row] = now
                 st.a_phase[row] = PH_RUNNING
                 pred = int(st.t_pred_rt[st.a_task[row]])
@@ -640,7 +641,7 @@ class LeasingMixin:
         st.a_end[row] = end
         st.a_expiry[row] = NEVER
         self._kernel.release(row, self.clock.now_ns())
-        st.a_state[row] = ST_DONE
+        set_state(st, row, ST_DONE)
         self._touch(row)
 
     def _new_finalize(self, rec, att):

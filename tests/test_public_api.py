@@ -221,3 +221,21 @@ def test_abort_follows_the_children_index_and_the_index_survives_a_restart():
     ended = again.abort(root.id)
     assert len(ended) == 1 + 19 + 19 * 3 + 1
     assert all(again.phase(a) == Phase.ABORTED for a in ended)
+
+
+def test_the_row_state_machine_refuses_an_illegal_move_in_the_debug_build():
+    from types import SimpleNamespace
+
+    from cext import DEBUG
+    from engine._rows import ST_BACKOFF, ST_DONE, ST_QUEUED, ST_RUNNING, set_state
+
+    st = SimpleNamespace(a_state=np.array([ST_QUEUED, ST_DONE], dtype=np.uint8))
+    set_state(st, np.array([1]), ST_BACKOFF)        # a failed attempt waits for its retry
+    assert st.a_state.tolist() == [ST_QUEUED, ST_BACKOFF]
+    if DEBUG:
+        with pytest.raises(AssertionError, match="row 0 QUEUED -> RUNNING"):
+            set_state(st, 0, ST_RUNNING)            # only a sent lease starts running
+        assert st.a_state[0] == ST_QUEUED
+    else:
+        set_state(st, 0, ST_RUNNING)                # the release build does not check
+        assert st.a_state[0] == ST_RUNNING
