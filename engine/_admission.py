@@ -296,7 +296,7 @@ class AdmissionMixin:
         for lo, hi, due in queued:
             for r in range(lo, hi):
                 self._timer(due, T_QUEUED, r, 1)
-        self._dirty_fixed.update(range(first, first + n))
+        self._touch_many(np.arange(first, first + n))
 
     def _index_new(self, hashes, first, groups):
         index = self._hash_rows

@@ -69,7 +69,7 @@ class AttemptsMixin:
                 st.a_phase[q] = PH_ABORTED
                 st.a_done[q] = now
                 st.a_abort[q] = root
-                self._dirty_fixed.update(q.tolist())
+                self._touch_many(q)
                 self._op(int(st.a_part[root]), "attempts", abort_key(root),
                          msgpack.packb(reason))
                 self._abort_reasons[root] = reason

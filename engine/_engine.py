@@ -245,7 +245,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         with self._turn():
             for r in np.flatnonzero(st.a_state[:self._next_row] != ST_DONE).tolist():
                 st.a_fit[r] = self._fit_mask(self._compiled_of(r))
-                self._dirty_fixed.add(r)
+                self._touch(r)
             self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
         self._refit_layout = None
 
@@ -413,7 +413,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             slots = np.arange(before, kernel.d_tail) % st.d_action.shape[0]
             rows, kinds = st.d_action[slots], st.d_kind[slots]
             fin = kinds == KIND_FINALIZE
-            self._dirty_fixed.update(rows[~fin].tolist())
+            self._touch_many(rows[~fin])
             if fin.any():
                 self._dirty_fz.update(rows[fin].tolist())
         for i in range(kernel.f_count):

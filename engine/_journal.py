@@ -140,11 +140,16 @@ class JournalMixin:
                     self._restore()
 
     def _has_dirty(self):
-        return bool(self._dirty or self._dirty_fixed or self._dirty_fz or self._ops
+        return bool(self._dirty_rows or self._dirty_arrays or self._dirty_fz or self._ops
                     or self._history_dirty)
 
     def _touch(self, row):
-        self._dirty.add(row)
+        self._dirty_rows.append(row)
+
+    def _touch_many(self, rows):
+        """Mark an array of action rows dirty (kept as the array: no Python int per row)."""
+        if rows.size:
+            self._dirty_arrays.append(rows)
 
     def _commit(self):
         if self._has_dirty():
@@ -210,10 +215,12 @@ class JournalMixin:
             data = self.history.encode(task) if self.history.count(task) else None
             batch.setdefault(0, []).append(
                 ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
-        rows = self._dirty | self._dirty_fixed
-        if rows:
-            idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
-            idx.sort()
+        if self._dirty_rows or self._dirty_arrays:
+            parts_ = [a.astype(np.int64, copy=False) for a in self._dirty_arrays]
+            if self._dirty_rows:
+                parts_.append(np.fromiter(self._dirty_rows, dtype=np.int64,
+                                          count=len(self._dirty_rows)))
+            idx = np.unique(np.concatenate(parts_)) if len(parts_) > 1 else np.unique(parts_[0])
             # Rows whose Python record is their truth get an attempts record, and their
             # fixed record says so; a lean row's fixed record is its whole outcome.
             heavy = idx[st.a_edges[idx] == 1]
@@ -256,8 +263,10 @@ class JournalMixin:
 
     def _clear_dirty(self):
         self._history_dirty = set()  # tasks whose history record to write
-        self._dirty = set()         # action rows: fixed record and outcome to write
-        self._dirty_fixed = set()   # action rows: fixed record only
+        # Action rows to write (their fixed record, and their attempts record when their
+        # Python record is their truth): single rows and arrays of rows, merged at encode.
+        self._dirty_rows = []
+        self._dirty_arrays = []
         self._dirty_fz = set()      # finalize rows
         self._ops = {}              # partition -> [(db, key, value)] of the edges
 

@@ -208,7 +208,7 @@ class LeasingMixin:
             st.a_delivered_gen[lr] = gens[lean]
             attempt[lean] = 1
             att_enq[lean] = st.a_enqueued[lr]
-            self._dirty_fixed.update(lr.tolist())
+            self._touch_many(lr)
         for i in np.flatnonzero(~lean).tolist():
             row, gen = int(rows[i]), int(gens[i])
             if fin[i]:
@@ -263,7 +263,7 @@ class LeasingMixin:
         st = self._state
         if st.a_start[row] == NEVER:
             st.a_start[row] = self.clock.now_ns()
-            self._dirty_fixed.add(row)
+            self._touch(row)
 
     def expired_leases(self, now=None):
         """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``.
@@ -486,7 +486,7 @@ class LeasingMixin:
         st = self._state
         now = self.clock.now_ns()
         st.a_start[rows] = np.where(st.a_start[rows] == NEVER, now, st.a_start[rows])
-        self._dirty_fixed.update(rows.tolist())
+        self._touch_many(rows)
         init = rows[(codes == PH_INIT) & (st.a_state[rows] != ST_RUNNING)]
         st.a_phase[init] = PH_INIT
         run = rows[(codes == PH_RUNNING) & (st.a_state[rows] != ST_RUNNING)]
@@ -582,7 +582,7 @@ class LeasingMixin:
         # The common path of a lean row, in its columns (same rules as _report).
         st = self._state
         self._stamp_lean(row)
-        self._dirty_fixed.add(row)
+        self._touch(row)
         if phase == Phase.INITIALIZING:
             if st.a_state[row] != ST_RUNNING:
                 st.a_phase[row] = PH_INIT
