@@ -30,11 +30,12 @@ A :class:`storage.Records` block is written with one ``Cursor.putmulti`` over ``
 pairs of ``bytes`` made in C (numpy ``tolist`` of a void dtype). Measured for 1,000
 180-byte records: 0.23 ms for that ``putmulti``, against 0.78 ms fed with memoryview slices
 (made by ``map`` over ``slice`` objects: a memoryview costs more to make and to read than a
-small ``bytes``) and 1.07 ms for 1,000 ``txn.put``. If its keys are strictly ascending, the
-part beyond the database's last key goes in with ``append=True`` (``MDB_APPEND``); LMDB
-refuses, without writing, an appended key that is not greater than the last one
-(``MDB_KEYEXIST``, which ``putmulti`` only counts), so the store checks the order first and,
-should the count ever come up short, puts that part again the ordinary way. The journal
+small ``bytes``) and 1.07 ms for 1,000 ``txn.put``. LMDB's append mode (``MDB_APPEND``) is
+not used by default (``_APPEND``: measured, it does not pay at these sizes). With it, if a
+block's keys are strictly ascending, the part beyond the database's last key goes in with
+``append=True``; LMDB refuses, without writing, an appended key that is not greater than the
+last one (``MDB_KEYEXIST``, which ``putmulti`` only counts), so the store checks the order
+first and, should the count ever come up short, puts that part again the ordinary way. The journal
 carries a block as a msgpack extension type (header, keys, values: ``_EXT_RECORDS``), never as
 triples, and the replay applies it with the same code.
 
@@ -172,9 +173,10 @@ _EXT_RECORDS = 1
 _RECORDS_HEADER = struct.Struct(">BHII")
 
 #: Whether a block whose keys are strictly ascending writes the records past the database's
-#: last key with ``putmulti(append=True)`` (MDB_APPEND). Off only to measure what it saves
-#: (``bench/store_commit.py``).
-_APPEND = True
+#: last key with ``putmulti(append=True)`` (MDB_APPEND). Off: measured, it does not pay for
+#: itself at the engine's block sizes (``storage/README.md``, decision 8); the path is kept,
+#: tested, for blocks far larger than a loop turn's (``bench/store_commit.py`` measures both).
+_APPEND = False
 
 
 def _journal_default(obj):
@@ -582,11 +584,11 @@ class LmdbStore(Store):
 
     def _put_records(self, p: int, txn, h, rec: Records) -> None:
         """Apply a :class:`Records` block inside ``txn`` with ``Cursor.putmulti``: the same
-        as its triples in order. If its keys are strictly ascending, the records past the
-        database's last key (a suffix of the block) are appended (``MDB_APPEND``: no search,
-        pages filled, not split), the rest put ordinarily; LMDB refuses (does not write) an
-        appended key that is not above the last one, so should that ever happen the suffix is
-        put again ordinarily, which gives the same result."""
+        as its triples in order. With ``_APPEND``, if its keys are strictly ascending, the
+        records past the database's last key (a suffix of the block) are appended
+        (``MDB_APPEND``: no search, pages filled, not split), the rest put ordinarily; LMDB
+        refuses (does not write) an appended key that is not above the last one, so should
+        that ever happen the suffix is put again ordinarily, which gives the same result."""
         check_records(p, rec)
         n = len(rec)
         if n == 0:
@@ -597,7 +599,8 @@ class LmdbStore(Store):
             if _APPEND:
                 last = cur.key() if cur.last() else None
                 if (last is None or rec.key(n - 1) > last) and rec.ascending():
-                    split = 0 if last is None else bisect_right(range(n), last, key=rec.key)
+                    split = (0 if last is None or rec.key(0) > last
+                             else bisect_right(range(n), last, key=rec.key))
             if split:
                 cur.putmulti(rec.pairs(0, split))
             if split < n:

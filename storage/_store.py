@@ -34,12 +34,12 @@ is allowed (it writes nothing, but still counts as an op of its partition). The 
 the bytes during :meth:`Store.commit`; the block holds views of the caller's buffers (no copy)
 until it is dropped, so keep them unchanged until ``commit`` returns.
 
-Keys in ascending unsigned byte order, without duplicates, are recommended: ``LmdbStore``
-then writes the records that lie beyond the database's last key with LMDB's append mode
-(``MDB_APPEND``: no search, pages filled instead of split; checking the order is one numpy
-pass, done only when the block's last key is beyond the database's). Unsorted or duplicate keys
-are still correct (same semantics, the later record wins) and only lose that: every record is
-then written with an ordinary put. ``MemoryStore`` applies a block record by record.
+Keys in ascending unsigned byte order, without duplicates, are recommended (the order scans
+return, and the one ``LmdbStore``'s optional append path needs: off by default, see its module
+docstring). Unsorted or duplicate keys are correct all the same (same semantics, the later
+record wins) and, measured, hardly slower: LMDB searches every key anyway (1,000 overwrites at
+random rows of a 200k-record database, as one block: 5.15 ms shuffled, 5.05 ms sorted).
+``MemoryStore`` applies a block record by record.
 
 A block is validated when built (``InvalidBatch``: database name, ``key_size`` 1 to
 :data:`MAX_KEY_SIZE`, ``value_size`` >= 0, buffers bytes-like and contiguous, lengths multiples

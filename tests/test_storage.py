@@ -607,8 +607,9 @@ def test_a_block_copies_the_callers_buffers(h):
 
 
 def test_appended_and_searched_puts_give_the_same_store(hl, monkeypatch):
-    # A sorted block past the database's last key is appended (MDB_APPEND) from the first
-    # record beyond it; the result is the same as with ordinary puts only.
+    # With _APPEND (off by default) a sorted block past the database's last key is appended
+    # (MDB_APPEND) from the first record beyond it; the result is the same as with ordinary
+    # puts only.
     splits = []
     real = lmdb_store.bisect_right
 
@@ -644,6 +645,7 @@ def test_appended_and_searched_puts_give_the_same_store(hl, monkeypatch):
 def test_an_append_lmdb_refuses_is_put_again(hl, monkeypatch):
     # Should the order check ever pass a block it should not, LMDB refuses the out-of-order
     # appends (MDB_KEYEXIST, nothing written) and the store puts the block again, ordinarily.
+    monkeypatch.setattr(lmdb_store, "_APPEND", True)
     monkeypatch.setattr(Records, "ascending", lambda self: True)
     s = hl.new()
     s.open("a", T0)
@@ -769,7 +771,7 @@ def test_reopen_grows_a_partition_to_replay_a_block(hl, monkeypatch):
 OPS = st.lists(st.one_of(
     st.tuples(st.just("t"), st.integers(0, 12), st.one_of(st.none(), st.binary(max_size=6))),
     st.tuples(st.just("b"), st.lists(st.integers(0, 12), max_size=8), st.integers(0, 5),
-              st.integers(0, 255)),
+              st.integers(0, 255), st.booleans()),
 ), max_size=8)
 
 
@@ -781,15 +783,26 @@ def _batch_of(drawn):
             if op[0] == "t":
                 out.append(("actions", k(op[1]), op[2]))
             else:
-                out.append(block("actions", op[1], value_size=op[2], fill=op[3]))
+                rows = sorted(set(op[1])) if op[4] else op[1]      # strictly ascending, or not
+                out.append(block("actions", rows, value_size=op[2], fill=op[3]))
     return batch
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.dictionaries(st.integers(0, 2), OPS, max_size=3), min_size=1, max_size=4))
-def test_property_blocks_and_triples_in_list_order(groups):
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 2), OPS, max_size=3), min_size=1, max_size=4),
+       st.booleans())
+def test_property_blocks_and_triples_in_list_order(groups, append):
     # Any mix of blocks (sorted or not, duplicate keys, any size) and triples (puts and
-    # deletes) in any partitions: both stores end in the state of the ops applied one by one.
+    # deletes) in any partitions: both stores end in the state of the ops applied one by one,
+    # with LmdbStore's optional MDB_APPEND path on or off.
+    saved, lmdb_store._APPEND = lmdb_store._APPEND, append
+    try:
+        _check_property(groups)
+    finally:
+        lmdb_store._APPEND = saved
+
+
+def _check_property(groups):
     with tempfile.TemporaryDirectory() as tmp:
         stores = [LmdbStore(Path(tmp) / "s", partitions=3, map_size=1 << 20, sync=False),
                   MemoryStore(3)]
