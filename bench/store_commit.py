@@ -1,14 +1,14 @@
 """Commit of fixed-size records: triples vs one ``storage.Records`` block. Prints ONE JSON object.
 
-    .venv/bin/python bench/store_commit.py [--records 1000] [--size 180] [--repeats 31]
+    .venv/bin/python bench/store_commit.py [--records 1000] [--size 180] [--repeats 36]
                                            [--partitions 16] [--dir DIR]
 
 Each figure is the median wall time of ``store.commit(batch)`` (the batch built before the
-clock starts) over ``--repeats`` commits, the variants interleaved commit by commit (in a
-shuffled order) so that drift on a shared machine hits them alike, on the real ``LmdbStore``
-in a temporary directory (``--dir``, default the system temp dir, removed afterwards).
-``--records`` records of ``--size`` bytes (random bytes), 8-byte big-endian row keys,
-ascending:
+clock starts, the cyclic GC off while it runs) over ``--repeats`` commits, the variants
+interleaved commit by commit (in every order in turn) so that drift on a shared machine hits
+them alike, on the real ``LmdbStore`` in a temporary directory (``--dir``, default the system
+temp dir, removed afterwards). ``--records`` records of ``--size`` bytes (random bytes),
+8-byte big-endian row keys, ascending:
 
 * ``tuples_ms``, ``block_ms``: ``sync=True``, one partition (commit, then ``env.sync``), new
   keys past the last one (as rows appended by ``enqueue``): ``("actions", key, value)``
@@ -26,15 +26,16 @@ ascending:
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from itertools import permutations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,17 +76,23 @@ def spread(rows, buf, size, P, as_block):
 
 
 def ms_of(fn, *args):
-    """Wall time of ``fn(*args)`` in ms."""
-    t0 = time.perf_counter_ns()
-    fn(*args)
-    return (time.perf_counter_ns() - t0) / 1e6
+    """Wall time of ``fn(*args)`` in ms, with the cyclic GC off (as ``timeit`` does: a
+    collection triggered by the garbage of the previous variant must not land in this one)."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        fn(*args)
+        return (time.perf_counter_ns() - t0) / 1e6
+    finally:
+        gc.enable()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=1000)
     ap.add_argument("--size", type=int, default=180)
-    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--repeats", type=int, default=36)
     ap.add_argument("--partitions", type=int, default=16)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
@@ -104,13 +111,13 @@ def main():
         for s in stores.values():
             s.open("bench", T0)
         next_row = {True: 0, False: 0}
-        order = random.Random(5)
-        for _ in range(args.repeats):
+        orders = list(permutations(["tuples", "block", "block_append"]))
+        for rep in range(args.repeats):
             for sync, s in stores.items():
                 tag = "" if sync else "_nosync"
-                # new keys past the last one: triples, block, block with MDB_APPEND, in a
-                # shuffled order (a commit's cost depends on the one before it)
-                for variant in order.sample(["tuples", "block", "block_append"], 3):
+                # new keys past the last one: triples, block, block with MDB_APPEND, in every
+                # order in turn (a commit's cost depends on the one before it)
+                for variant in orders[rep % len(orders)]:
                     rows = np.arange(next_row[sync], next_row[sync] + n, dtype=np.int64)
                     next_row[sync] += n
                     if variant == "tuples":
