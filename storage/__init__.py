@@ -12,6 +12,9 @@ Public names::
                                           bulk reload of fixed-size records into numpy
     StoreError > StoreFull, OwnershipError, CorruptRecord, InvalidBatch, StoreFailed
     Claim                                 a partition's ownership record
+    Records(db, keys, values, key_size, value_size)
+                                          a block of fixed-size records: one op of a batch
+                                          (written with LMDB putmulti)
     DBS, SCHEMA_VERSION, MAX_KEY_SIZE, RESERVED_META_KEYS
 
 Typical use (the engine's)::
@@ -43,6 +46,7 @@ from storage._store import (
     InvalidBatch,
     Op,
     OwnershipError,
+    Records,
     Store,
     StoreError,
     StoreFailed,
@@ -64,6 +68,7 @@ __all__ = [
     "MemoryStore",
     "Op",
     "OwnershipError",
+    "Records",
     "Store",
     "StoreError",
     "StoreFailed",

@@ -1,9 +1,11 @@
 """``MemoryStore``: the :class:`storage.Store` interface over dicts, for pure-logic tests.
 
-Same validation, same claim (ownership) rules, same errors as ``LmdbStore``, no disk. Two
-``MemoryStore`` objects built on the same :class:`MemoryBacking` behave like two processes
-opening the same store directory (one shard refused while the other's claim is live, takeover
-after expiry, fencing of the old holder). :meth:`MemoryStore.fail_next` injects a failure
+Same validation, same claim (ownership) rules, same errors as ``LmdbStore``, no disk. A
+:class:`storage.Records` block is copied at ``commit`` and applied record by record, in order
+(the same semantics as ``LmdbStore``'s ``putmulti``). Two ``MemoryStore`` objects built on the
+same :class:`MemoryBacking` behave like two processes opening the same store directory (one
+shard refused while the other's claim is live, takeover after expiry, fencing of the old
+holder). :meth:`MemoryStore.fail_next` injects a failure
 (:meth:`MemoryStore.clear_failure` withdraws it).
 There is no map size (never ``StoreFull`` unless injected) and no crash to recover from.
 """
@@ -27,6 +29,7 @@ from storage._store import (
     CorruptRecord,
     InvalidBatch,
     OwnershipError,
+    Records,
     Store,
     StoreError,
     check_held,
@@ -145,7 +148,11 @@ class MemoryStore(Store):
         data = self.backing.data
         for p, ops in staged:
             part = data[p]
-            for db, key, value in ops:
+            for op in ops:
+                if isinstance(op, Records):    # check_op copied its bytes
+                    part[op.db].update(op.pairs())
+                    continue
+                db, key, value = op
                 if value is None:
                     part[db].pop(key, None)
                 else:

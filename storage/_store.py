@@ -18,6 +18,34 @@ key is not an error). Keys and values may be any bytes-like object (``bytes``, `
 ``memoryview``, a contiguous numpy slice); they are copied during :meth:`Store.commit`, so the
 caller may reuse its buffers as soon as the call returns.
 
+Bulk op: a block of fixed-size records
+--------------------------------------
+A partition's op list may also hold :class:`Records` blocks, alongside the triples::
+
+    {partition: [Records(db, keys, values, key_size, value_size), (db, key, value), ...]}
+
+``Records("actions", keys, values, 8, 180)`` is ``n`` puts into one database: ``keys`` is one
+contiguous bytes-like of ``n * key_size`` bytes (record ``i``'s key is bytes
+``i*key_size .. (i+1)*key_size``), ``values`` one of ``n * value_size`` bytes. It means exactly
+the same as the ``n`` triples ``(db, key_i, value_i)`` at its place in the list: applied in list
+order with the ops around it, and within the block in record order (a later record, block or
+triple on the same key wins). A block only puts (no deletes: give those as triples). ``n == 0``
+is allowed (it writes nothing, but still counts as an op of its partition). The store copies
+the bytes during :meth:`Store.commit`; the block holds views of the caller's buffers (no copy)
+until it is dropped, so keep them unchanged until ``commit`` returns.
+
+Keys in ascending unsigned byte order, without duplicates, are recommended (the order scans
+return, and the one ``LmdbStore``'s optional append path needs: off by default, see its module
+docstring). Unsorted or duplicate keys are correct all the same (same semantics, the later
+record wins) and, measured, hardly slower: LMDB searches every key anyway (1,000 overwrites at
+random rows of a 200k-record database, as one block: 5.15 ms shuffled, 5.05 ms sorted).
+``MemoryStore`` applies a block record by record.
+
+A block is validated when built (``InvalidBatch``: database name, ``key_size`` 1 to
+:data:`MAX_KEY_SIZE`, ``value_size`` >= 0, buffers bytes-like and contiguous, lengths multiples
+of the sizes and of the same record count) and at ``commit`` (a ``meta`` block may not hold a
+reserved key); like any invalid op it fails the whole commit with nothing applied.
+
 The ``meta`` database is shared with the store itself: the keys in
 :data:`RESERVED_META_KEYS` (``schema``, ``layout``, ``claim``, ``applied``) are the store's own
 and a batch that writes one is refused with :class:`InvalidBatch`. Reading them with
@@ -39,8 +67,8 @@ should do:
   different partition count, an undecodable claim, a fixed-size record of the wrong size.
   Names the partition, database and key.
 * :class:`InvalidBatch` (also a ``ValueError``) -- the batch itself is wrong (unknown database,
-  partition out of range, empty or oversized key, non-bytes value, reserved ``meta`` key).
-  Nothing was applied. A programming error.
+  partition out of range, empty or oversized key, non-bytes value, reserved ``meta`` key, a
+  malformed :class:`Records` block). Nothing was applied. A programming error.
 * :class:`StoreFailed` -- an I/O (or other) error *at or after the commit point*. The store
   refuses every further write; close it, reopen it (the reopen finishes or discards the group
   atomically, see :class:`storage.LmdbStore`) and rebuild memory from disk.
@@ -58,6 +86,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import repeat
 
 import msgpack
 
@@ -72,6 +101,7 @@ __all__ = [
     "InvalidBatch",
     "Op",
     "OwnershipError",
+    "Records",
     "Store",
     "StoreError",
     "StoreFailed",
@@ -101,7 +131,7 @@ RESERVED_META_KEYS: frozenset[bytes] = frozenset(
 )
 
 Op = tuple[str, bytes, "bytes | None"]
-Batch = Mapping[int, Sequence[Op]]
+Batch = Mapping[int, Sequence["Op | Records"]]
 
 DEFAULT_CLAIM_TTL_S = 30.0
 
@@ -191,6 +221,162 @@ class StoreFailed(StoreError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.partition, self.outcome))
+
+
+def _flat_bytes(obj, what: str, db: str) -> memoryview:
+    """``obj`` as a flat, unsigned-byte memoryview (no copy); InvalidBatch if it is not a
+    contiguous bytes-like object."""
+    try:
+        m = memoryview(obj)
+    except TypeError:
+        raise InvalidBatch(f"Records({db!r}): {what} of type {type(obj).__name__} is not "
+                           f"bytes-like", db=db) from None
+    if m.nbytes == 0:
+        return memoryview(b"")
+    if not m.c_contiguous:
+        raise InvalidBatch(f"Records({db!r}): {what} must be C-contiguous", db=db)
+    return m if m.ndim == 1 and m.format == "B" else m.cast("B")
+
+
+class Records:
+    """``Records(db, keys, values, key_size, value_size)``: ``n`` fixed-size records for one
+    database, as one op of a :meth:`Store.commit` batch (the module docstring has the rules).
+
+    ``keys``: a contiguous bytes-like of ``n * key_size`` bytes, ``values`` one of
+    ``n * value_size`` bytes (``bytes``, ``bytearray``, ``memoryview``, a C-contiguous numpy
+    array of any dtype). Nothing is copied: the block holds read views of both buffers (a
+    ``bytearray`` cannot be resized while it does) and the store copies the bytes at
+    ``commit``. Ascending keys are recommended (see the module docstring); a block means the
+    same as the triples ``(db, key_i, value_i)``, ``i = 0 .. n-1``, in that order. Raises
+    :class:`InvalidBatch` naming the problem if a size, a length or the database is wrong.
+    """
+
+    __slots__ = ("_db", "_keys", "_values", "_key_size", "_value_size", "_n")
+
+    def __init__(self, db: str, keys, values, key_size: int, value_size: int):
+        if db not in DBS:
+            raise InvalidBatch(f"Records: unknown database {db!r} (known: {', '.join(DBS)})",
+                               db=db if isinstance(db, str) else None)
+        sizes = []
+        for name, raw in (("key_size", key_size), ("value_size", value_size)):
+            try:
+                size = operator.index(raw) if not isinstance(raw, bool) else None
+            except TypeError:
+                size = None
+            if size is None:
+                raise InvalidBatch(f"Records({db!r}): {name} must be an int, not "
+                                   f"{type(raw).__name__}", db=db)
+            sizes.append(size)
+        key_size, value_size = sizes
+        if not 0 < key_size <= MAX_KEY_SIZE:
+            raise InvalidBatch(f"Records({db!r}): key_size {key_size} must be 1..{MAX_KEY_SIZE}",
+                               db=db)
+        if value_size < 0:
+            raise InvalidBatch(f"Records({db!r}): value_size {value_size} must be >= 0", db=db)
+        km = _flat_bytes(keys, "keys", db)
+        vm = _flat_bytes(values, "values", db)
+        n, rest = divmod(len(km), key_size)
+        if rest:
+            raise InvalidBatch(f"Records({db!r}): keys have {len(km)} bytes, not a multiple of "
+                               f"key_size {key_size}", db=db)
+        if len(vm) != n * value_size:
+            raise InvalidBatch(f"Records({db!r}): values have {len(vm)} bytes, expected "
+                               f"{n} records * value_size {value_size} = {n * value_size}",
+                               db=db)
+        self._db, self._keys, self._values = db, km, vm
+        self._key_size, self._value_size, self._n = key_size, value_size, n
+
+    db = property(lambda self: self._db, doc="The database name.")
+    keys = property(lambda self: self._keys, doc="The keys: a flat byte memoryview.")
+    values = property(lambda self: self._values, doc="The values: a flat byte memoryview.")
+    key_size = property(lambda self: self._key_size, doc="Bytes per key.")
+    value_size = property(lambda self: self._value_size, doc="Bytes per value.")
+
+    def __len__(self) -> int:
+        return self._n
+
+    def key(self, i: int) -> bytes:
+        """Record ``i``'s key (a copy)."""
+        ks = self._key_size
+        return bytes(self._keys[i * ks:(i + 1) * ks]) if 0 <= i < self._n else self._oob(i)
+
+    def value(self, i: int) -> bytes:
+        """Record ``i``'s value (a copy)."""
+        vs = self._value_size
+        return bytes(self._values[i * vs:(i + 1) * vs]) if 0 <= i < self._n else self._oob(i)
+
+    def _oob(self, i):
+        raise IndexError(f"record {i} of a block of {self._n}")
+
+    def pairs(self, start: int = 0, stop: int | None = None):
+        """``(key, value)`` 2-tuples of ``bytes`` for records ``start .. stop-1``, made in C
+        (numpy ``tolist`` of a void dtype), as ``Cursor.putmulti`` takes them: one tuple and
+        two small ``bytes`` per record, no Python code per record."""
+        import numpy as np
+
+        stop = self._n if stop is None else min(stop, self._n)
+        m = max(stop - start, 0)
+        ks, vs = self._key_size, self._value_size
+        keys = np.frombuffer(self._keys, f"V{ks}", m, start * ks).tolist() if m else []
+        if vs and m:
+            values = np.frombuffer(self._values, f"V{vs}", m, start * vs).tolist()
+        else:
+            values = repeat(b"", m)
+        return zip(keys, values, strict=False)   # values: repeat(b"") when value_size is 0
+
+    def __iter__(self):
+        return self.pairs()
+
+    def ascending(self) -> bool:
+        """Whether the keys are strictly ascending in unsigned byte order (sorted, no
+        duplicates): one numpy pass over the keys."""
+        import numpy as np
+
+        n, ks = self._n, self._key_size
+        if n < 2:
+            return True
+        w = -(-ks // 8)
+        a = np.frombuffer(self._keys, np.uint8).reshape(n, ks)
+        if ks != 8 * w:               # zero-pad to whole words: same order for equal lengths
+            padded = np.zeros((n, 8 * w), np.uint8)
+            padded[:, :ks] = a
+            a = padded
+        words = a.view(">u8")         # (n, w) big-endian words compare like the bytes
+        hi, lo = words[1:], words[:-1]
+        if w == 1:
+            return bool((hi[:, 0] > lo[:, 0]).all())
+        ne = hi != lo
+        first = ne.argmax(axis=1)
+        r = np.arange(n - 1)
+        return bool((ne[r, first] & (hi[r, first] > lo[r, first])).all())
+
+    def __eq__(self, other):
+        if not isinstance(other, Records):
+            return NotImplemented
+        return (self._db == other._db and self._key_size == other._key_size
+                and self._value_size == other._value_size and self._keys == other._keys
+                and self._values == other._values)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"Records({self._db!r}, {self._n} records, key_size={self._key_size}, "
+                f"value_size={self._value_size})")
+
+
+def check_records(p: int, rec: Records) -> None:
+    """The checks of a block that depend on its content, at commit: a ``meta`` block may not
+    write a key reserved for the store."""
+    if rec.db != "meta":
+        return
+    for key in RESERVED_META_KEYS:
+        if len(key) != rec.key_size:
+            continue
+        for i in range(len(rec)):
+            if rec.key(i) == key:
+                raise InvalidBatch(f"partition {p}: meta key {key!r} (record {i} of a Records "
+                                   f"block) is reserved for the store", partition=p, db="meta",
+                                   key=key)
 
 
 @dataclass(frozen=True)
@@ -339,7 +525,9 @@ class Store(ABC):
 
     @abstractmethod
     def commit(self, batch: Batch) -> None:
-        """Apply ``batch`` (``{partition: [(db, key, value_or_None), ...]}``) as one group.
+        """Apply ``batch`` (``{partition: [(db, key, value_or_None) or Records, ...]}``) as one
+        group; the ops of a partition apply in list order (a :class:`Records` block as its
+        records in order, see the module docstring).
 
         One write transaction per touched partition, then durability (sync) before
         returning: when ``commit`` returns, the whole group survives a crash; acknowledge
@@ -418,8 +606,12 @@ def check_partition(p, partitions: int) -> int:
     return q
 
 
-def check_op(p: int, op) -> tuple[str, bytes, bytes | None]:
-    """Validate one op and return it with key and value copied to ``bytes``."""
+def check_op(p: int, op) -> tuple[str, bytes, bytes | None] | Records:
+    """Validate one op and return it with key and value copied to ``bytes`` (a
+    :class:`Records` block: checked and returned as a copy over ``bytes``)."""
+    if isinstance(op, Records):
+        check_records(p, op)
+        return Records(op.db, bytes(op.keys), bytes(op.values), op.key_size, op.value_size)
     try:
         db, key, value = op
     except (TypeError, ValueError):

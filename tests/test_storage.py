@@ -1,9 +1,11 @@
 """Storage layer: the Store interface (LmdbStore and MemoryStore), ownership claims, map-full
-handling, corrupt records, the partition hash and the parallel reload scan."""
+handling, corrupt records, the bulk op (Records blocks), the partition hash and the parallel
+reload scan."""
 
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -12,6 +14,8 @@ import lmdb
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import storage._lmdb as lmdb_store
 from storage import (
@@ -22,6 +26,7 @@ from storage import (
     LmdbStore,
     MemoryStore,
     OwnershipError,
+    Records,
     StoreError,
     StoreFailed,
     StoreFull,
@@ -423,6 +428,400 @@ def test_a_full_journal_is_emptied_and_takes_the_group(hl):
     assert [v for _, _, v in s.scan("specs")] == [ops[0][2] for ops in big.values()]
     assert [v for _, _, v in s.scan("actions")] == [bytes([27]) * 1100] * P
     s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the bulk op: Records blocks
+
+
+def block(db, rows, value_size=180, fill=None, key_size=8):
+    """A Records block of ``rows`` (big-endian keys of ``key_size`` bytes); record ``i``'s
+    value is ``value_size`` bytes derived from its row and ``fill``."""
+    rows = np.asarray(rows, dtype=np.uint64)
+    be = rows.astype(">u8").view(np.uint8).reshape(-1, 8)
+    keys = np.zeros((len(rows), key_size), np.uint8)        # right-aligned, zero-padded
+    keys[:, max(key_size - 8, 0):] = be[:, max(8 - key_size, 0):]
+    values = ((rows[:, None] * 7 + np.arange(value_size) + (fill or 0)) % 251).astype(np.uint8)
+    return Records(db, keys, values, key_size, value_size)
+
+
+def expand(batch):
+    """The same batch with every block spelt out as triples."""
+    out = {}
+    for p, ops in batch.items():
+        out[p] = []
+        for op in ops:
+            if isinstance(op, Records):
+                out[p].extend((op.db, key, value) for key, value in op)
+            else:
+                out[p].append(op)
+    return out
+
+
+def model_apply(model, batch):
+    for p, ops in expand(batch).items():
+        for db, key, value in ops:
+            if value is None:
+                model.pop((p, db, bytes(key)), None)
+            else:
+                model[(p, db, bytes(key))] = bytes(value)
+
+
+def state(store, dbs=("actions", "finalize", "specs")):
+    return {(p, db, key): value for db in dbs for p, key, value in store.scan(db)}
+
+
+def test_records_api():
+    r = block("actions", [3, 1, 2], value_size=4)
+    assert len(r) == 3 and r.db == "actions" and (r.key_size, r.value_size) == (8, 4)
+    assert r.key(0) == k(3) and r.value(1) == bytes([7, 8, 9, 10])
+    assert list(r) == [(r.key(i), r.value(i)) for i in range(3)]
+    assert list(r.pairs(1, 2)) == [(k(1), r.value(1))]
+    assert not r.ascending() and block("actions", [1, 2, 3]).ascending()
+    assert not block("actions", [1, 2, 2]).ascending()          # duplicates: not strictly
+    assert block("actions", [0, 1, 255, 256, 2**40, 2**63 + 5]).ascending()
+    # sizes that are not whole words, trailing zero bytes (keys compare as unsigned bytes)
+    for ks in (1, 3, 12, 511):
+        rows = [0, 1, 2, 255] if ks < 8 else [0, 1, 256, 2**63]
+        assert block("specs", rows, key_size=ks, value_size=0).ascending()
+        assert not block("specs", rows[::-1], key_size=ks, value_size=0).ascending()
+    ks12 = np.zeros((3, 12), np.uint8)
+    ks12[1, 0], ks12[2, 0], ks12[2, 11] = 1, 1, 1       # differ in the first or last byte
+    assert Records("specs", ks12, b"", 12, 0).ascending()
+    assert not Records("specs", ks12[[0, 2, 1]].copy(), b"", 12, 0).ascending()
+    with pytest.raises(IndexError):
+        r.key(3)
+    assert r == block("actions", [3, 1, 2], value_size=4) != block("actions", [3, 1, 2])
+    assert "3 records" in repr(r)
+    empty = Records("actions", b"", b"", 8, 180)
+    assert len(empty) == 0 and list(empty) == [] and empty.ascending()
+    # no copy: the block sees the caller's buffer until commit copies it
+    buf = bytearray(k(1))
+    r = Records("actions", buf, bytearray(2), 8, 2)
+    buf[7] = 9
+    assert r.key(0) == k(9)
+
+
+BAD_BLOCKS = {
+    "unknown db": (("nope", k(1), b"v"), "unknown database 'nope'"),
+    "key_size 0": (("actions", b"", b"", 0, 0), "key_size 0 must be 1..511"),
+    "key_size 512": (("actions", b"k" * 512, b"", 512, 0), "key_size 512 must be 1..511"),
+    "negative value_size": (("actions", k(1), b"", 8, -1), "value_size -1 must be >= 0"),
+    "float size": (("actions", k(1), b"v", 8.0, 1), "key_size must be an int, not float"),
+    "bool size": (("actions", k(1), b"v", 8, True), "value_size must be an int, not bool"),
+    "keys not a multiple": (("actions", k(1) + b"x", b"vv", 8, 1), "9 bytes, not a multiple"),
+    "values too short": (("actions", k(1) + k(2), b"v", 8, 1), "expected 2 records"),
+    "values too long": (("actions", k(1), b"vv", 8, 1), "expected 1 records"),
+    "str keys": (("actions", "k" * 8, b"v", 8, 1), "keys of type str is not bytes-like"),
+    "no values": (("actions", k(1), None, 8, 1), "values of type NoneType"),
+    "strided keys": (("actions", np.arange(4, dtype=">u8")[::2], b"vv", 8, 1),
+                     "keys must be C-contiguous"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BLOCKS))
+def test_a_malformed_block_is_refused_by_name(bad):
+    args, message = BAD_BLOCKS[bad]
+    if len(args) == 3:
+        args = (*args, 8, 1)
+    with pytest.raises(InvalidBatch, match=message) as ei:
+        Records(*args)
+    assert isinstance(ei.value, ValueError)
+
+
+def test_a_block_with_a_reserved_meta_key_applies_nothing(h):
+    s = h.new()
+    s.open("a", T0)
+    s.commit({0: [block("actions", [1, 2])]})
+    before = state(s)
+    bad = Records("meta", b"engine" + b"claim!" + b"layout", b"x" * 9, 6, 3)   # "layout"
+    for batch in ({p: [block("actions", [5, 6]), ("specs", k(1), b"v")] for p in range(P - 1)}
+                  | {P - 1: [block("actions", [7]), bad]},
+                  {0: [("actions", k(9), b"v"), bad]}):
+        with pytest.raises(InvalidBatch, match="meta key b'layout'.*record 2") as ei:
+            s.commit(batch)
+        assert ei.value.partition in (0, P - 1) and ei.value.key == b"layout"
+        assert state(s) == before
+    # other meta keys are fine in a block
+    s.commit({0: [Records("meta", b"engine", b"xyz", 6, 3)]})
+    assert s.get(0, "meta", b"engine") == b"xyz"
+    assert s.get(0, "meta", b"layout") != b"xyz"
+    s.close()
+
+
+def mixed_batch(g):
+    """Group ``g``: blocks (ascending, descending, with duplicates, empty) between triples
+    that overwrite and delete some of the same keys, in several partitions."""
+    return {
+        0: [("actions", k(2), b"before"), block("actions", range(g * 10, g * 10 + 10), fill=g),
+            ("actions", k(g * 10 + 3), None), ("actions", k(g * 10 + 4), b"after"),
+            block("finalize", [9, 3, 3, 1], value_size=40, fill=g)],
+        1: [block("actions", [5, 1, 5], value_size=0), Records("specs", b"", b"", 8, 3),
+            ("specs", k(1), b"spec"), block("specs", [1], value_size=3, fill=g)],
+        3: [("actions", k(g), None), block("actions", range(100 + g, 130, 3), fill=g),
+            ("finalize", k(1), b"f")],
+    }
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["journaled", "single-partition"])
+def test_a_block_equals_the_same_records_given_as_triples(h, single):
+    s = h.new()
+    s.open("a", T0)
+    model = {}
+    for g in range(4):
+        batch = mixed_batch(g)
+        if single:
+            batch = {3: batch[0] + batch[1] + batch[3]}
+        s.commit(batch)
+        model_apply(model, batch)
+        assert state(s) == model
+    # the same groups as triples, into a second store of the same kind
+    h2 = Harness(h.kind, h.path.parent / "triples")
+    t = h2.new()
+    t.open("a", T0)
+    for g in range(4):
+        batch = mixed_batch(g)
+        if single:
+            batch = {3: batch[0] + batch[1] + batch[3]}
+        t.commit(expand(batch))
+    assert state(t) == state(s)
+    t.close()
+    s.close()
+    s = h.new()
+    s.open("a", T0 + S)                     # and after a reopen
+    assert state(s) == model
+    s.close()
+
+
+def test_a_block_copies_the_callers_buffers(h):
+    s = h.new()
+    s.open("a", T0)
+    keys = np.arange(1, 4, dtype=">u8")
+    values = np.full((3, 4), 7, np.uint8)
+    s.commit({p: [Records("actions", keys, values, 8, 4)] for p in (0, 1)})
+    keys[:] = 9
+    values[:] = 0
+    assert [v for _, _, v in s.scan("actions")] == [b"\x07" * 4] * 6
+    assert [key for _, key, _ in s.scan("actions")] == [k(1), k(2), k(3)] * 2
+    s.close()
+
+
+def test_appended_and_searched_puts_give_the_same_store(hl, monkeypatch):
+    # With _APPEND (off by default) a sorted block past the database's last key is appended
+    # (MDB_APPEND) from the first record beyond it; the result is the same as with ordinary
+    # puts only.
+    splits = []
+    real = lmdb_store.bisect_right
+
+    def spy(*a, **kw):
+        splits.append(real(*a, **kw))
+        return splits[-1]
+
+    monkeypatch.setattr(lmdb_store, "bisect_right", spy)
+    groups = [{0: [block("actions", range(0, 50))]},            # empty db: all appended
+              {0: [block("actions", range(40, 70))]},           # 10 overwrites, 20 appends
+              {0: [block("actions", [10, 20, 30])]},            # nothing past the end
+              {0: [block("actions", [75, 72, 80])]},            # unsorted: no append
+              {0: [("actions", k(200), b"x"), block("actions", range(150, 210, 5))]},
+              {0: [block("actions", [300, 300, 301])]}]         # duplicates: no append
+    results = []
+    for append in (True, False):
+        monkeypatch.setattr(lmdb_store, "_APPEND", append)
+        splits.clear()
+        h = Harness("lmdb", hl.path.parent / f"append-{append}")
+        s = h.new()
+        s.open("a", T0)
+        model = {}
+        for batch in groups:
+            s.commit(batch)
+            model_apply(model, batch)
+        assert state(s) == model
+        results.append(state(s))
+        s.close()
+        assert splits == ([10, 11] if append else [])   # the first group: empty db, no search
+    assert results[0] == results[1]
+
+
+def test_an_append_lmdb_refuses_is_put_again(hl, monkeypatch):
+    # Should the order check ever pass a block it should not, LMDB refuses the out-of-order
+    # appends (MDB_KEYEXIST, nothing written) and the store puts the block again, ordinarily.
+    monkeypatch.setattr(lmdb_store, "_APPEND", True)
+    monkeypatch.setattr(Records, "ascending", lambda self: True)
+    s = hl.new()
+    s.open("a", T0)
+    model = {}
+    for batch in ({0: [block("actions", [1, 2, 3])]},
+                  {0: [block("actions", [9, 5, 7, 9, 4], fill=1)]}):
+        s.commit(batch)
+        model_apply(model, batch)
+    assert state(s) == model
+    s.close()
+
+
+@pytest.mark.parametrize("stage", ["journal-committed", "partition-committed"])
+def test_a_journaled_block_is_replayed_after_a_failure_past_the_commit_point(
+        hl, monkeypatch, stage):
+    s = hl.new()
+    s.open("a", T0)
+    model = {}
+    first = mixed_batch(0)
+    s.commit(first)
+    model_apply(model, first)
+    records = []
+
+    def hook(at):
+        if at == stage:
+            with s._jenv.begin(db=s._jlog) as txn:
+                records.extend(bytes(v) for _, v in txn.cursor())
+            raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
+    big = {p: [block("actions", range(1000, 1300), fill=p), ("actions", k(1100), None)]
+           for p in range(P)}
+    with pytest.raises(StoreFailed) as ei:
+        s.commit(big)
+    assert ei.value.outcome == "durable"
+    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
+    # the journal record carries each block as it came: 300 * (8 + 180) bytes, not 300 triples
+    entry = msgpack.unpackb(records[-1])
+    ops = dict(entry)[P - 1]
+    assert isinstance(ops[0], msgpack.ExtType) and ops[0].code == lmdb_store._EXT_RECORDS
+    assert len(ops[0].data) == lmdb_store._RECORDS_HEADER.size + 300 * (8 + 180)
+    assert len(records[-1]) < P * (300 * 188 + 100)
+    s.close()
+    model_apply(model, big)
+    s = hl.new()
+    s.open("a", T0 + S)
+    assert state(s) == model
+    s.commit({0: [block("actions", [1, 2])]})
+    s.close()
+
+
+def test_blocks_on_a_small_map_that_must_grow(hl, monkeypatch):
+    # Issue 15's paths with blocks: StoreFull before the commit point (nothing applied, the
+    # caller grows the map and retries), and a journaled group whose partition commit needs
+    # a page more after the journal commit (the store completes it itself).
+    completed = []
+    real = LmdbStore._complete
+    monkeypatch.setattr(LmdbStore, "_complete",
+                        lambda self, *a: (completed.append(a[0]), real(self, *a))[1])
+    s = hl.new(map_size=256 << 10, sync=False)
+    s.open("a", T0)
+    model = {}
+    acked = 0
+    with pytest.raises(StoreFull):
+        for g in range(5000):
+            batch = {p: [block("actions", [g * 2, g * 2 + 1], value_size=150, fill=p)]
+                     for p in (0, 1)}
+            s.commit(batch)
+            model_apply(model, batch)
+            acked += 1
+    assert acked > 200 and completed, "the commit after the journal never met a full map"
+    assert state(s) == model
+    s.close()
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0 + S)
+    assert state(s) == model
+    # the engine's policy: double the map and retry the same group
+    resized = 0
+    for g in range(acked, acked + 600):
+        batch = {p: [block("actions", range(g * 4, g * 4 + 4), value_size=150, fill=p)]
+                 for p in (0, 1, 2)}
+        while True:
+            try:
+                s.commit(batch)
+                break
+            except StoreFull:
+                s.resize(s.map_size * 2)
+                resized += 1
+        model_apply(model, batch)
+    assert resized
+    assert state(s) == model
+    s.close()
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0 + 2 * S)
+    assert state(s) == model
+    s.close()
+
+
+def test_reopen_grows_a_partition_to_replay_a_block(hl, monkeypatch):
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0)
+    s.resize(4 << 20)
+
+    def hook(at):
+        if at == "journal-committed":
+            raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
+    big = {p: [block("actions", range(3000), value_size=200, fill=p)] for p in (0, 1)}
+    with pytest.raises(StoreFailed):
+        s.commit(big)
+    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
+    s.close()
+    s = hl.new(map_size=256 << 10)
+    s.open("a", T0 + S)
+    model = {}
+    model_apply(model, big)
+    assert s.map_size > 600 << 10
+    assert state(s) == model
+    s.close()
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("t"), st.integers(0, 12), st.one_of(st.none(), st.binary(max_size=6))),
+    st.tuples(st.just("b"), st.lists(st.integers(0, 12), max_size=8), st.integers(0, 5),
+              st.integers(0, 255), st.booleans()),
+), max_size=8)
+
+
+def _batch_of(drawn):
+    batch = {}
+    for p, ops in drawn.items():
+        out = batch.setdefault(p, [])
+        for op in ops:
+            if op[0] == "t":
+                out.append(("actions", k(op[1]), op[2]))
+            else:
+                rows = sorted(set(op[1])) if op[4] else op[1]      # strictly ascending, or not
+                out.append(block("actions", rows, value_size=op[2], fill=op[3]))
+    return batch
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 2), OPS, max_size=3), min_size=1, max_size=4),
+       st.booleans())
+def test_property_blocks_and_triples_in_list_order(groups, append):
+    # Any mix of blocks (sorted or not, duplicate keys, any size) and triples (puts and
+    # deletes) in any partitions: both stores end in the state of the ops applied one by one,
+    # with LmdbStore's optional MDB_APPEND path on or off.
+    saved, lmdb_store._APPEND = lmdb_store._APPEND, append
+    try:
+        _check_property(groups)
+    finally:
+        lmdb_store._APPEND = saved
+
+
+def _check_property(groups):
+    with tempfile.TemporaryDirectory() as tmp:
+        stores = [LmdbStore(Path(tmp) / "s", partitions=3, map_size=1 << 20, sync=False),
+                  MemoryStore(3)]
+        model = {}
+        for s in stores:
+            s.open("a", T0)
+        for drawn in groups:
+            batch = _batch_of(drawn)
+            for s in stores:
+                s.commit(batch)
+            model_apply(model, batch)
+            for s in stores:
+                assert state(s, ("actions",)) == model
+        for s in stores:
+            s.close()
+        s = LmdbStore(Path(tmp) / "s", partitions=3, map_size=1 << 20)
+        s.open("a", T0 + S)
+        assert state(s, ("actions",)) == model
+        s.close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from storage import LmdbStore, OwnershipError, StoreFull  # noqa: E402
+from storage import LmdbStore, OwnershipError, Records, StoreFull  # noqa: E402
 
 P = 8
 SHARD = "crash"
@@ -52,10 +52,19 @@ def touched(g: int) -> list[int]:
 
 def group_ops(g: int) -> dict:
     """Group ``g``: a record of 8..3000 bytes in each touched partition, the partition's
-    ``last`` pointer, and sometimes the deletion of group ``g - 5``'s records."""
+    ``last`` pointer, sometimes a block of fixed-size records (``storage.Records``: new keys
+    in order, appended, or keys of earlier groups out of order), and sometimes the deletion
+    of group ``g - 5``'s records."""
     rng = random.Random(g * 104729 + SEED)
     batch = {p: [("actions", k(g), bytes([g % 251]) * rng.randint(8, 3000)),
                  ("queues", b"last", k(g))] for p in touched(g)}
+    for p in batch:
+        if rng.random() < 0.5:
+            rows = range(g * 8, g * 8 + rng.randint(1, 8))
+            if rng.random() < 0.3:
+                rows = rng.sample(range(max(g * 8 - 40, 0), g * 8 + 8), 6)
+            batch[p].append(Records("finalize", b"".join(map(k, rows)),
+                                    bytes([g % 251, p]) * (60 * len(rows)), 8, 120))
     if g > 5 and rng.random() < 0.4:
         for p in touched(g - 5):
             batch.setdefault(p, []).append(("actions", k(g - 5), None))
@@ -64,18 +73,21 @@ def group_ops(g: int) -> dict:
 
 def apply(model: dict, g: int) -> None:
     for p, ops in group_ops(g).items():
-        for db, key, value in ops:
-            if value is None:
-                model.pop((p, db, key), None)
-            else:
-                model[(p, db, key)] = value
+        for op in ops:
+            triples = ([(op.db, key, value) for key, value in op] if isinstance(op, Records)
+                       else [op])
+            for db, key, value in triples:
+                if value is None:
+                    model.pop((p, db, key), None)
+                else:
+                    model[(p, db, key)] = value
 
 
 def disk_state(path) -> dict:
     store = LmdbStore(path, partitions=P, map_size=MAP)
     store.open(SHARD, time.time_ns())
     try:
-        return {(p, db, key): value for db in ("actions", "queues")
+        return {(p, db, key): value for db in ("actions", "queues", "finalize")
                 for p, key, value in store.scan(db)}
     finally:
         store.close()
