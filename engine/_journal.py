@@ -18,6 +18,7 @@ from engine._records import (
 from engine._reload import load
 from storage import (
     OwnershipError,
+    Records,
     StoreError,
     StoreFailed,
     StoreFull,
@@ -225,17 +226,21 @@ class JournalMixin:
             # fixed record says so; a lean row's fixed record is its whole outcome.
             heavy = idx[st.a_edges[idx] == 1]
             st.a_lean[heavy] = 0
+            # One block of fixed records per partition: rows ordered by (partition, row),
+            # packed by the Cython codec into one buffer, handed to the store as is.
+            part = st.a_part[idx]
+            idx = idx[np.lexsort((idx, part))]
+            part = st.a_part[idx]
             size = self._codec_records.action_size
             buf = bytearray(idx.size * size)
             self._codec_records.encode_actions(idx, buf)
             view = memoryview(buf)
-            keys = idx.astype(">u8").tobytes()       # row_key of every row, in one pass
-            parts = st.a_part[idx].tolist()
+            keys = idx.astype(">u8")                 # row_key of every row, in one pass
+            bounds = np.flatnonzero(np.diff(part)) + 1
+            for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), idx.size], strict=True):
+                batch.setdefault(int(part[lo]), []).append(
+                    Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
             recs = self._recs
-            for i in range(idx.size):
-                ops = batch.setdefault(parts[i], [])
-                key = keys[8 * i:8 * i + 8]
-                ops.append(("actions", key, view[i * size:(i + 1) * size]))
             for r in heavy.tolist():
                 rec = recs.get(r)
                 if rec is not None:   # else restored and untouched: its record stands
