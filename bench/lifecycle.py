@@ -1,10 +1,12 @@
 """The whole life cycle in process, over the real LmdbStore with sync on: prints ONE JSON object.
 
 * ``lifecycle_per_s``: ``N`` (100,000) actions through fan-out enqueue (``enqueue_fanout``,
-  batches of ``BATCH`` actions of one task), the tick (``Engine.schedule``: decide, then one
-  synced group commit), the columnar drain (``drain_columns``) and one ``report_many`` of
-  SUCCEEDED per drained batch, as a worker would send it. Every transition is durable before
-  the next one acts on it. Wall time from the first enqueue to the last report's return.
+  batches of ``BATCH`` actions of one task, one synced group commit), the tick and the columnar
+  drain in one loop turn (``Engine.schedule`` then ``drain_columns`` inside ``Engine.turn``:
+  one synced group commit, the leases used only once it returned) and one ``report_many`` of
+  SUCCEEDED per drained batch, as a worker would send it (one synced group commit). Every
+  transition is durable before the next one acts on it. Wall time from the first enqueue to
+  the last report's return.
 * ``abort_100k_ms``: ``Engine.abort`` of the root of a run of 100,000 actions (half of them
   running, half queued): one call, one group commit.
 * ``bytes_per_live_action``: memory (tracemalloc: the Python heap and numpy buffers) the
@@ -72,9 +74,10 @@ def lifecycle(path, n):
     t0 = time.perf_counter()
     for b in range(n // BATCH):
         eng.enqueue_fanout(template(b), names)
-        eng.schedule()
-        batch = eng.drain_columns()
-        refused = eng.report_many(batch.tokens, [Phase.SUCCEEDED] * len(batch), worker="w")
+        with eng.turn():            # decide and hand out in one group commit: the batch is
+            eng.schedule()          # used only once the turn (its commit) has returned
+            batch = eng.drain_columns()
+        refused = eng.report_many(batch.tokens, Phase.SUCCEEDED, worker="w")
         if refused:
             raise SystemExit(f"{len(refused)} reports refused")
         done += len(batch)
@@ -135,9 +138,10 @@ def churn(path, total, live):
     while done < total:
         eng.enqueue_fanout(template(b), names)
         b += 1
-        eng.schedule()
-        batch = eng.drain_columns()
-        eng.report_many(batch.tokens, [Phase.SUCCEEDED] * len(batch))
+        with eng.turn():
+            eng.schedule()
+            batch = eng.drain_columns()
+        eng.report_many(batch.tokens, Phase.SUCCEEDED)
         done += len(batch)
         if rss_warm is None and done >= live * 10:
             gc.collect()
