@@ -28,7 +28,7 @@ from engine._codes import (
 from engine._errors import ConfigError
 from engine._records import FINALIZE_DTYPE, action_columns, finalize_columns
 from engine._state import NEVER
-from storage import CorruptRecord, LmdbStore, scan_parallel
+from storage import CorruptRecord
 
 __all__ = ["load", "link_children"]
 
@@ -40,26 +40,17 @@ def _unpack(part, db, key, raw):
 
 
 def _fixed(store, db, dtype):
-    """All fixed records of ``db``: (records, rows, partitions). Records carry their row,
-    so the LMDB scan reads values only; the in-memory store's keys are checked against it."""
-    if isinstance(store, LmdbStore):
-        scan = scan_parallel(store, db, record_size=dtype.itemsize, dtype=dtype, keys=False)
-        return scan.values, scan.values["row"].astype(np.int64), scan.partition
-    parts, keys, values = [], [], []
-    for p, key, value in store.scan(db):
-        if len(value) != dtype.itemsize or len(key) != 8:
-            raise CorruptRecord(p, db, key, f"record of {len(value)} bytes, expected "
-                                            f"{dtype.itemsize}")
-        parts.append(p)
-        keys.append(int.from_bytes(key, "big"))
-        values.append(value)
-    recs = np.frombuffer(b"".join(values), dtype=dtype) if values else np.zeros(0, dtype)
-    rows = np.asarray(keys, dtype=np.int64)
-    if (recs["row"] != rows).any():
-        bad = int(np.flatnonzero(recs["row"] != rows)[0])
-        raise CorruptRecord(int(parts[bad]), db, int(rows[bad]).to_bytes(8, "big"),
-                            f"record of row {int(recs['row'][bad])} stored under another key")
-    return recs, rows, np.asarray(parts, dtype=np.uint16)
+    """All fixed records of ``db``: (records, rows, partitions), through the Store interface.
+    Records carry their row, so a store may skip the keys; where it reads them, they are
+    checked against the rows."""
+    scan = store.scan_fixed(db, dtype, keys=False)
+    recs = scan.values
+    rows = recs["row"].astype(np.int64)
+    if scan.keys is not None and (scan.keys.astype(np.int64) != rows).any():
+        bad = int(np.flatnonzero(scan.keys.astype(np.int64) != rows)[0])
+        raise CorruptRecord(int(scan.partition[bad]), db, int(scan.keys[bad]).to_bytes(8, "big"),
+                            f"record of row {int(rows[bad])} stored under another key")
+    return recs, rows, scan.partition
 
 
 class _Progress:

@@ -982,6 +982,14 @@ class LmdbStore(Store):
         self._handle(0, db)
         return self._scan(db)
 
+    def scan_fixed(self, db: str, dtype, *, keys: bool = True):
+        import numpy as np
+
+        from storage._scan import scan_parallel
+
+        dtype = np.dtype(dtype)
+        return scan_parallel(self, db, record_size=dtype.itemsize, dtype=dtype, keys=keys)
+
     def _scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:
         for p in range(self.partitions):
             env, h = self._handle(p, db)

@@ -209,6 +209,26 @@ class MemoryStore(Store):
         self._check_read(0, db)
         return self._scan(db)
 
+    def scan_fixed(self, db: str, dtype, *, keys: bool = True):
+        import numpy as np
+
+        from storage._scan import FixedScan
+
+        dtype = np.dtype(dtype)
+        parts, found, values = [], [], []
+        for p, key, value in self.scan(db):
+            if len(value) != dtype.itemsize or len(key) != 8:
+                raise CorruptRecord(p, db, key, f"record of {len(value)} bytes under a key of "
+                                                f"{len(key)}, expected {dtype.itemsize} and 8")
+            parts.append(p)
+            found.append(key)
+            values.append(value)
+        recs = np.frombuffer(b"".join(values), dtype=dtype) if values else np.zeros(0, dtype)
+        part = np.asarray(parts, dtype=np.uint16)
+        return FixedScan(values=recs, keys=np.frombuffer(b"".join(found), dtype=">u8"),
+                         partition=part,
+                         counts=np.bincount(part, minlength=self.partitions).astype(np.int64))
+
     def _scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:
         for p in range(self.partitions):
             for key, value in sorted(self.backing.data[p][db].items()):

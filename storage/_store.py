@@ -553,6 +553,15 @@ class Store(ABC):
         snapshot. For the bulk fixed-size records use :func:`storage.scan_parallel`."""
 
     @abstractmethod
+    def scan_fixed(self, db: str, dtype, *, keys: bool = True):
+        """Every record of ``db`` as one :class:`storage.FixedScan` of fixed-size records
+        (``dtype``; every value must be ``dtype.itemsize`` bytes and every key 8 bytes, else
+        :class:`CorruptRecord` names the partition and key), partitions in order, keys in
+        order within each. ``keys=False`` lets a store skip reading the keys (records that
+        carry their own key); ``FixedScan.keys`` may then be None. ``LmdbStore`` scans in
+        parallel (:func:`storage.scan_parallel`)."""
+
+    @abstractmethod
     def renew(self, now_ns: int) -> int:
         """Extend every claim to ``now_ns + claim_ttl_ns`` and return that expiry.
 
