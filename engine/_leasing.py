@@ -258,13 +258,6 @@ class LeasingMixin:
             self._touch(rec.row)
         return att
 
-    def _stamp_lean(self, row):
-        # A lean row has one attempt and one generation: stamped once, at its first use.
-        st = self._state
-        if st.a_start[row] == NEVER:
-            st.a_start[row] = self.clock.now_ns()
-            self._touch(row)
-
     def expired_leases(self, now=None):
         """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``.
         Apply each with :meth:`expire`, which refuses a lease that moved on since."""
@@ -579,37 +572,9 @@ class LeasingMixin:
         return verdict
 
     def _report_lean(self, row, phase):
-        # The common path of a lean row, in its columns (same rules as _report).
-        st = self._state
-        self._stamp_lean(row)
-        self._touch(row)
-        if phase == Phase.INITIALIZING:
-            if st.a_state[row] != ST_RUNNING:
-                st.a_phase[row] = PH_INIT
-            return Verdict.OK
-        now = self.clock.now_ns()
-        g = self._group_of(row)
-        if phase == Phase.RUNNING:
-            if st.a_state[row] != ST_RUNNING:
-                set_state(st, row, ST_RUNNING)   # stops the queued-time clock
-                st.a_running[row] = now
-                st.a_phase[row] = PH_RUNNING
-                pred = int(st.t_pred_rt[st.a_task[row]])
-                if pred != NEVER and now + pred > st.a_pred_end[row]:
-                    st.a_pred_end[row] = now + pred
-                t = g.compiled.spec.timeouts
-                if t.max_runtime is not None:
-                    grace = self.config.engine.runtime_grace
-                    self._timer(now + int((t.max_runtime + grace) * 1e9), T_RUNTIME, row,
-                                int(st.a_gen[row]))
-            return Verdict.OK
-        began = int(st.a_running[row])
-        if began == NEVER:
-            began = int(st.a_start[row])
-        self._record_runtime(g.compiled.spec.task, now - began)
-        self._end_lease(row, END_COMPLETED)
-        st.a_done[row] = now
-        st.a_phase[row] = PH_SUCCEEDED
+        # One report of a lean row: the vector path of report_many with one row.
+        self._report_lean_many(np.array([row], dtype=np.int64),
+                               np.array([PHASE_CODE[phase]], dtype=np.uint8))
         return Verdict.OK
 
     def mark_running(self, action, generation):
