@@ -30,8 +30,11 @@ from engine._rows import (
     ST_BACKOFF,
     ST_DONE,
     ST_QUEUED,
+    ST_RUNNING,
+    ST_SENT,
     set_state,
 )
+from engine._state import NEVER
 from engine._units import format_quantity
 from storage import (
     CorruptRecord,
@@ -73,10 +76,33 @@ class AttemptsMixin:
                 self._op(int(st.a_part[root]), "attempts", abort_key(root),
                          msgpack.packb(reason))
                 self._abort_reasons[root] = reason
-            # The rest one by one: what still runs gets its finalize lease.
-            done = lean & ~quick & np.isin(phase, LEAN_TERMINAL)
-            ended = quick.copy()
-            for i in np.flatnonzero(~quick & ~done).tolist():
+            # Lean rows in flight end in their columns too; their cleanup is a finalize
+            # lease each, made in one pass.
+            state = st.a_state[rows]
+            flying = lean & ~quick & ((state == ST_SENT) | (state == ST_RUNNING)) & ~np.isin(
+                phase, LEAN_TERMINAL)
+            live = rows[flying]
+            if live.size:
+                st.a_start[live] = np.where(st.a_start[live] == NEVER, now, st.a_start[live])
+                st.a_end[live] = END_ABORTED
+                st.a_expiry[live] = NEVER
+                release = self._kernel.release
+                for r in live.tolist():
+                    release(r, now)
+                set_state(st, live, ST_DONE)
+                st.a_phase[live] = PH_ABORTED
+                st.a_done[live] = now
+                st.a_abort[live] = root
+                self._touch_many(live)
+                self._new_finalize_lean(live)
+                if not q.size:
+                    self._op(int(st.a_part[root]), "attempts", abort_key(root),
+                             msgpack.packb(reason))
+                    self._abort_reasons[root] = reason
+            # The rest one by one.
+            done = lean & ~quick & ~flying & np.isin(phase, LEAN_TERMINAL)
+            ended = quick | flying
+            for i in np.flatnonzero(~quick & ~flying & ~done).tolist():
                 row = int(rows[i])
                 if self._phase_of(row) in TERMINAL_PHASES:
                     continue

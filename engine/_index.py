@@ -27,6 +27,7 @@ from engine._records import (
     name_hash,
     row_key,
 )
+from engine._rows import FZ_OUTCOMES, ST_DONE, ST_SENT
 from engine._state import NEVER
 from storage import (
     CorruptRecord,
@@ -166,6 +167,15 @@ class IndexMixin:
             return self._rec(row).phase
         return PHASES[self._state.a_phase[row]]
 
+    def _finalize_status(self, f):
+        # What an attempt's record says of its finalize lease ``f`` (lean rows derive it).
+        st = self._state
+        if st.fz_state[f] == ST_DONE:
+            return FZ_OUTCOMES[st.fz_outcome[f]]
+        if st.fz_state[f] == ST_SENT and st.fz_delivered_gen[f] == st.fz_gen[f]:
+            return "SENT"
+        return "PENDING"
+
     def _rec(self, row):
         """The Python record of ``row``, made from its columns (a lean row) or decoded from
         the store on first use after a load."""
@@ -211,6 +221,9 @@ class IndexMixin:
                 att.phase = phase.value
             if phase == Phase.ABORTED:
                 message = att.message = self._abort_reason(row)
+            f = int(st.a_final[row])
+            if f >= 0:
+                att.finalize = self._finalize_status(f)
             rec = ActionEdges(compiled=c, row=row, first_enqueued_ns=int(st.a_enqueued[row]),
                           phase=phase, message=message, attempts=[att])
         else:

@@ -30,6 +30,7 @@ from engine._rows import (
     END_COMPLETED,
     END_EXPIRED,
     END_LIVE,
+    FZ_OUTCOME_CODE,
     KIND_FINALIZE,
     LIVE_STATES,
     PH_INIT,
@@ -213,12 +214,15 @@ class LeasingMixin:
             row, gen = int(rows[i]), int(gens[i])
             if fin[i]:
                 arow, number = int(arows[i]), int(attempt[i])
-                rec = self._rec(arow)
-                rec.attempts[number - 1].finalize = "SENT"
                 st.fz_delivered_gen[row] = gen
                 self._dirty_fz.add(row)
-                self._touch(arow)
-                att_enq[i] = rec.attempts[number - 1].enqueued_ns
+                if st.a_edges[arow]:    # a lean row's attempt reads it from the finalize row
+                    rec = self._rec(arow)
+                    rec.attempts[number - 1].finalize = "SENT"
+                    self._touch(arow)
+                    att_enq[i] = rec.attempts[number - 1].enqueued_ns
+                else:
+                    att_enq[i] = st.a_enqueued[arow]
                 continue
             rec = self._rec(row)
             att = self._stamp_attempt(rec)
@@ -296,8 +300,9 @@ class LeasingMixin:
             st.fz_expiry[row] = NEVER
             self._kernel.release_finalize(row)
             arow = int(st.fz_action[row])
-            self._rec(arow).attempts[int(st.fz_attempt[row]) - 1].finalize = "PENDING"
-            self._touch(arow)
+            if st.a_edges[arow]:    # a lean row's attempt reads it from the finalize row
+                self._rec(arow).attempts[int(st.fz_attempt[row]) - 1].finalize = "PENDING"
+                self._touch(arow)
             self._dirty_fz.add(row)
             self._kernel.push_finalize(row)   # sticky: its preferred worker, else its cluster
             return True
@@ -628,16 +633,42 @@ class LeasingMixin:
         self._touch(row)
         self._timer(give_up, T_FINALIZE, f, 0)
 
+    def _new_finalize_lean(self, rows):
+        """Finalize leases for the attempts of lean ``rows`` (one each), in vector
+        operations; their attempts read them from the finalize rows (a_final)."""
+        st = self._state
+        m = rows.size
+        first = self._n_finalize
+        if st.ensure("finalize", first + m):
+            self._bind()
+        self._n_finalize += m
+        f = np.arange(first, first + m, dtype=np.int64)
+        give_up = self.clock.now_ns() + int(self.config.engine.finalize_timeout * 1e9)
+        st.fz_action[f] = rows
+        st.fz_attempt[f] = 1
+        st.fz_cluster[f] = st.a_cluster[rows]
+        st.fz_pref[f] = st.a_worker[rows]
+        st.fz_give_up[f] = give_up
+        st.fz_outcome[f] = 0
+        st.a_final[rows] = f
+        push = self._kernel.push_finalize
+        for x in f.tolist():
+            push(x)
+            self._timer(give_up, T_FINALIZE, x, 0)
+        self._dirty_fz.update(f.tolist())
+
     def _end_finalize(self, f, end, outcome):
         st = self._state
         st.fz_end[f] = end
         st.fz_expiry[f] = NEVER
         self._kernel.release_finalize(f)
         st.fz_state[f] = ST_DONE
+        st.fz_outcome[f] = FZ_OUTCOME_CODE[outcome]
         arow = int(st.fz_action[f])
-        self._rec(arow).attempts[int(st.fz_attempt[f]) - 1].finalize = outcome
+        if st.a_edges[arow]:        # a lean row's attempt reads it from the finalize row
+            self._rec(arow).attempts[int(st.fz_attempt[f]) - 1].finalize = outcome
+            self._touch(arow)
         self._dirty_fz.add(f)
-        self._touch(arow)
 
     def _finalize_give_up(self, f, _ref):
         # Its own generous bound passed: record the leak loudly rather than retry forever.

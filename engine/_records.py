@@ -108,7 +108,8 @@ FINALIZE_DTYPE = np.dtype([
     ("row", "<i8"),          # the finalize row (also its key)
     ("state", "u1"),
     ("end", "u1"),
-    ("pad", "u2"),
+    ("outcome", "u1"),       # how it ended (engine._rows.FZ_OUTCOMES), 0 while it has not
+    ("pad", "u1"),
     ("action", "<i4"),       # action row
     ("cluster", "<i4"),
     ("pref", "<i4"),         # worker identity it prefers (the attempt's)

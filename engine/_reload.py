@@ -263,6 +263,10 @@ def _load_finalize(eng, now):
         raise CorruptRecord(None, "finalize", None, "finalize lease of an unknown action")
     for name in finalize_columns():
         getattr(st, "fz_" + name)[:nf] = recs[name]
+    # A lean row's attempt reads its finalize lease from the finalize row.
+    act = st.fz_action[:nf]
+    lean = (st.fz_attempt[:nf] == 1) & (st.a_lean[act] == 1)
+    st.a_final[act[lean]] = np.flatnonzero(lean)
     eng._restored_fz_holder = recs["holder"]
     eng._restored_fz_pref = recs["pref"]
 

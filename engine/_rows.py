@@ -21,7 +21,12 @@ from engine._codes import (
 __all__ = ["ST_QUEUED", "ST_SENT", "ST_RUNNING", "ST_DONE", "ST_BACKOFF", "END_LIVE",
            "END_COMPLETED", "END_EXPIRED", "END_ABORTED", "PH_QUEUED", "PH_INIT", "PH_RUNNING",
            "PH_SUCCEEDED", "PH_ABORTED", "LEAN_TERMINAL", "LIVE_STATES", "KIND_FINALIZE",
-           "DUE_COLUMNS", "BOUNDS", "TRANSITIONS", "set_state"]
+           "DUE_COLUMNS", "BOUNDS", "TRANSITIONS", "set_state", "FZ_OUTCOMES",
+           "FZ_OUTCOME_CODE"]
+
+# How a finalize lease ended (fz_outcome), by code; 0: it has not.
+FZ_OUTCOMES = (None, "SUCCEEDED", "FAILED", "ABANDONED")
+FZ_OUTCOME_CODE = {name: i for i, name in enumerate(FZ_OUTCOMES)}
 
 ST_QUEUED, ST_SENT, ST_RUNNING, ST_DONE, ST_BACKOFF = (
     int(RowState.QUEUED), int(RowState.SENT), int(RowState.RUNNING), int(RowState.DONE),

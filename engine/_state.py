@@ -66,6 +66,8 @@ ACTION_FIELDS = {
     "a_running": (I64, NEVER, ()),
     "a_done": (I64, NEVER, ()),
     "a_abort": (I64, -1, ()),           # lean ABORTED: the row whose abort ended it
+    # In memory only (derived at reload): the finalize lease of a lean row's attempt, -1.
+    "a_final": (I64, -1, ()),
     # In memory only: 1 when the row's Python record (spec, outcome, attempts) is its truth.
     "a_edges": (U8, 0, ()),
     # --- backfill (see docs/architecture.md, "Backfill") ---
@@ -141,6 +143,7 @@ FINALIZE_FIELDS = {
     "fz_attempt": (I32, 0, ()),
     "fz_delivered_gen": (I64, 0, ()),
     "fz_give_up": (I64, NEVER, ()),
+    "fz_outcome": (U8, 0, ()),          # engine._rows.FZ_OUTCOMES: how it ended (0: not yet)
 }
 TABLES = {
     "actions": ACTION_FIELDS,

@@ -408,3 +408,48 @@ def test_an_abort_ends_queued_lean_rows_in_columns_and_what_runs_gets_cleanup():
     assert list(again.abort(root)) == []         # nothing left to end
     with pytest.raises(SpecError, match="reason is a string"):
         again.abort(root, reason=3)
+
+
+def test_aborting_lean_rows_in_flight_equals_aborting_their_python_records():
+    # Twin shards: in one the rows stay lean, in the other explain() gave every row its
+    # Python record first. The same abort, cleanup and restart look the same from outside.
+    a, b = twin()
+    outs = []
+    for eng in (a, b):
+        eng.register_worker("v", "east", 3)
+        [root] = eng.enqueue_many([template("root")])
+        kids = eng.enqueue_fanout(template("k", parent=str(root)), [f"k{i}" for i in range(8)])
+        eng.clock.advance(1)
+        out = eng.tick()
+        for x in out[:4]:
+            eng.report(x.token, Phase.RUNNING)
+        outs.append((root, kids, out))
+    root, kids, out = outs[0]
+    assert outs[1][2] == out
+    for aid in (root, *kids):
+        b.explain(aid)
+    assert b.inspect().arrays.a_edges[:9].all() and not a.inspect().arrays.a_edges[:9].any()
+    for eng in (a, b):
+        eng.clock.advance(1)
+        assert set(eng.abort(root, reason="stop")) == {root, *kids}
+    assert not a.inspect().arrays.a_edges[:9].any()      # still lean, cleanup included
+
+    def seen(eng):
+        return [(eng.phase(x), [dataclasses.asdict(t) for t in eng.attempts(x)])
+                for x in (root, *kids)]
+
+    assert seen(a) == seen(b)
+    for eng in (a, b):
+        eng.clock.advance(1)
+    fa, fb = a.tick(), b.tick()
+    assert fa == fb and len(fa) == 9 and {f.kind.name for f in fa} == {"FINALIZE"}
+    assert seen(a) == seen(b)
+    for f in fa[:5]:
+        assert a.report(f.token, Phase.SUCCEEDED) == b.report(f.token, Phase.SUCCEEDED)
+    assert a.report(fa[5].token, Phase.FAILED, error_kind="USER") == Verdict.OK
+    assert b.report(fa[5].token, Phase.FAILED, error_kind="USER") == Verdict.OK
+    assert seen(a) == seen(b)
+    assert {att["finalize"] for _p, hist in seen(a) for att in hist} == {
+        "SUCCEEDED", "FAILED", "SENT"}
+    ra, rb = restart(a), restart(b)
+    assert seen(ra) == seen(rb) == seen(b)
