@@ -291,11 +291,9 @@ class AdmissionMixin:
         st.a_name_hash[sl] = hashes
         self._index_new(hashes, first, groups)
         for lo, hi, due in deadlines:
-            for r in range(lo, hi):
-                self._timer(due, T_DEADLINE, r, 0)
+            self._timer_block(due, T_DEADLINE, np.arange(lo, hi), 0)
         for lo, hi, due in queued:
-            for r in range(lo, hi):
-                self._timer(due, T_QUEUED, r, 1)
+            self._timer_block(due, T_QUEUED, np.arange(lo, hi), 1)
         self._touch_many(np.arange(first, first + n))
 
     def _index_new(self, hashes, first, groups):

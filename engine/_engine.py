@@ -170,8 +170,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._n_finalize = 0
         self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
-        self._restored_timers = None   # (due, kind, row, ref) arrays sorted by due, at load
-        self._rt_pos = 0
+        # Sorted timer blocks [due, kind, row, ref, next position]: restored at load, or set
+        # for many rows at once (_timer_block).
+        self._timer_blocks = []
         self._next_sweep_ns = 0
         self._queue_changes = {}    # queue name -> live changes (persisted)
         self._kernel = TickKernel()

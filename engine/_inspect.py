@@ -186,10 +186,9 @@ class Inspection:
         """Every timer not fired yet, by due time: set since the load and restored."""
         e = self._engine
         items = [PendingTimer(t[0], t[2], t[3], t[4]) for t in e._timers]
-        rt = e._restored_timers
-        if rt is not None:
-            items += [PendingTimer(int(rt[0][i]), int(rt[1][i]), int(rt[2][i]), int(rt[3][i]))
-                      for i in range(e._rt_pos, rt[0].size)]
+        for due, kind, row, ref, pos in e._timer_blocks:
+            items += [PendingTimer(int(due[i]), int(kind[i]), int(row[i]), int(ref[i]))
+                      for i in range(pos, due.size)]
         items.sort(key=lambda t: (t.due_ns, t.kind, t.row, t.ref))
         return items
 

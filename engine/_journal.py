@@ -248,18 +248,22 @@ class JournalMixin:
                         ("attempts", row_key(r), encode_outcome(rec)))
         if self._dirty_fz:
             idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
-            idx.sort()
+            # One block per partition (the partition of the action each cleans up).
+            part = st.a_part[st.fz_action[idx]]
+            idx = idx[np.lexsort((idx, part))]
             recs = np.zeros(idx.size, FINALIZE_DTYPE)
             recs["row"] = idx
             for name in finalize_columns():
                 recs[name] = getattr(st, "fz_" + name)[idx]
-            rows_ = st.fz_action[idx]
             recs["pref"] = self._ident_of_rows(st.fz_pref[idx])
             recs["holder"] = self._ident_of_rows(st.fz_worker[idx])
-            parts = st.a_part[rows_].tolist()
-            for i, f in enumerate(idx.tolist()):
-                batch.setdefault(parts[i], []).append(
-                    ("finalize", row_key(f), recs[i:i + 1].tobytes()))
+            part = st.a_part[st.fz_action[idx]]
+            keys = idx.astype(">u8")
+            size = FINALIZE_DTYPE.itemsize
+            bounds = np.flatnonzero(np.diff(part)) + 1
+            for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), idx.size], strict=True):
+                batch.setdefault(int(part[lo]), []).append(
+                    Records("finalize", keys[lo:hi], recs[lo:hi], 8, size))
         return batch
 
     def _ident_of_rows(self, rows):

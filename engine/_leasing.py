@@ -654,7 +654,7 @@ class LeasingMixin:
         push = self._kernel.push_finalize
         for x in f.tolist():
             push(x)
-            self._timer(give_up, T_FINALIZE, x, 0)
+        self._timer_block(give_up, T_FINALIZE, f, 0)
         self._dirty_fz.update(f.tolist())
 
     def _end_finalize(self, f, end, outcome):

@@ -434,5 +434,4 @@ def _restore_timers(eng, n):
     row = np.concatenate([p[2] for p in parts]).astype(np.int64)
     ref = np.concatenate([p[3] for p in parts])
     order = np.argsort(due, kind="stable")
-    eng._restored_timers = (due[order], kind[order], row[order], ref[order])
-    eng._rt_pos = 0
+    eng._timer_blocks.append([due[order], kind[order], row[order], ref[order], 0])

@@ -39,18 +39,39 @@ class TimersMixin:
             getattr(self._state, column)[row] = due_ns
             self._touch(row)
 
+    def _timer_block(self, due_ns, kind, rows, refs):
+        """Timers of one kind for many rows at once (due ``due_ns``: one time or an array):
+        one sorted block beside the heap, their due columns set in one pass."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not rows.size:
+            return
+        due = np.broadcast_to(np.asarray(due_ns, dtype=np.int64), rows.shape)
+        refs = np.broadcast_to(np.asarray(refs, dtype=np.int64), rows.shape)
+        order = np.argsort(due, kind="stable")
+        self._timer_blocks.append([due[order].copy(), np.full(rows.size, kind, np.int8),
+                                   rows[order], refs[order].copy(), 0])
+        column = DUE_COLUMNS.get(kind)
+        if column is not None:
+            getattr(self._state, column)[rows] = due
+            self._touch_many(rows)
+
     def _due_timers(self, now):
-        """Pop every due timer, from the heap (set since load) and the restored arrays."""
+        """Pop every due timer, from the heap and the sorted blocks (restored at load, or
+        set for many rows at once)."""
         due = []
         while self._timers and self._timers[0][0] <= now:
             t = heapq.heappop(self._timers)
             due.append((t[0], t[1], t[2], t[3], t[4]))
-        rt = self._restored_timers
-        if rt is not None and self._rt_pos < rt[0].size and rt[0][self._rt_pos] <= now:
-            end = int(np.searchsorted(rt[0], now, side="right"))
-            for i in range(self._rt_pos, end):
-                due.append((int(rt[0][i]), -1, int(rt[1][i]), int(rt[2][i]), int(rt[3][i])))
-            self._rt_pos = end
+        for block in self._timer_blocks:
+            times, kinds, rows, refs, pos = block
+            if pos < times.size and times[pos] <= now:
+                end = int(np.searchsorted(times, now, side="right"))
+                due += zip(times[pos:end].tolist(), [-1] * (end - pos),
+                           kinds[pos:end].tolist(), rows[pos:end].tolist(),
+                           refs[pos:end].tolist(), strict=True)
+                block[4] = end
+        if self._timer_blocks and any(b[4] == b[0].size for b in self._timer_blocks):
+            self._timer_blocks = [b for b in self._timer_blocks if b[4] < b[0].size]
         due.sort()
         return due
 
