@@ -1098,10 +1098,19 @@ cdef class TickKernel:
         cdef i64 rt = NEVER
         if self.a_env[a] < 0 and self.a_task[a] >= 0:
             rt = self.t_pred_rt[self.a_task[a]]
+        cdef const i64* need = &self.a_demand[h, 0]
         cdef u64 by_gap = 0, by_extra = 0, bit
         cdef int c
+        cdef Py_ssize_t r
         cands &= ~self.bf_contested
         self.s_bf_tested[q] += 1
+        # The queue's budget is the head's too, and it is not per cluster: the head may start
+        # on another cluster it fits before a rule (a) action here ends, and a rule (b) action
+        # keeps its share for good. So backfill spends only the budget left beyond the head's
+        # demand (s_budget is this tick's, less every placement already made).
+        for r in range(self.n_res):
+            if self.s_budget[r] < UNLIMITED and demand[r] + need[r] > self.s_budget[r]:
+                return -1
         while cands != 0:
             c = lowest_bit(cands)
             bit = (<u64>1) << c

@@ -397,6 +397,46 @@ def _never_delays(raw, edges, budget):
     if head_off is not None:
         assert starts_on[head_off] <= starts_off[head_off]
 
+
+def test_budget_backfill_regression_the_heads_budget_is_not_backfilled():
+    # Found by the property above (a pre-existing bug): at 51 s j0 ends and the head j1
+    # (6 GPUs, 96 cpu) is within the 8-GPU budget but short of cpu on both clusters, its
+    # shadow time on east 63 s. j4 (6 GPUs, 78 s) fit east's extra capacity then (rule (b)),
+    # so it was backfilled and took the 6 GPUs of budget the head needed: the head started
+    # at 129 s (when j4 ended) instead of 63 s.
+    raw = [(0, "a", 0, 10, 3), (7, "d", 2, 32, 3), (0, "b", 0, 49, 2), (0, "c", 0, 1, 1),
+           (7, "c", 3, 5, 2)]
+    edges = [51_093_785_693, 63_252_440_114, 78_304_457_697, 819_573_124_867]
+    _never_delays(raw, edges, budget=8)
+    runtimes = dict(zip("abcd", edges, strict=True))
+    jobs = [(t * S, *rest) for t, *rest in raw]
+    head, starts = simulate(jobs, runtimes, backfill=True, budget=8)
+    assert head == "j1" and starts["j1"] == edges[1] and starts["j4"] == edges[1] + edges[3]
+
+
+def test_cluster_backfill_spends_only_the_budget_beyond_the_heads_demand():
+    """One 2-node cluster, 8 GPUs of budget: two 49-cpu 1-GPU actions run (history T100), a
+    96-cpu 6-GPU head is within budget (6 left) but short of cpu (94 free). Its extra at the
+    shadow time is 96 cpu and 10 GPUs, but none of the budget: GPU work may not backfill by
+    either rule; cpu-only work still may."""
+    eng, clock = make_engine(config(nodes=2, max_resources={"gpu:H100": 8}))
+    warm(eng, small=T100, quick=T10)
+    start(eng, clock, [gpus(f"s{i}", "small", 1, cpu=49) for i in range(2)])
+    eng.enqueue(act("g", "train", resources={"cpu": 96, "gpu": 6}))
+    eng.enqueue(gpus("x", "unknown", 6, cpu=10))     # rule (b) by capacity: the head's budget
+    eng.enqueue(gpus("q", "quick", 2))               # rule (a) by time: budget too
+    eng.enqueue(cpu_job("c", "unknown", cpu=30))     # no GPU: inside the extra, budget spared
+    assert runs(eng.tick()) == ["c"]
+    assert eng.explain("acme/ml/prod/g/a").wait == WaitCode.CLUSTER_CAPACITY
+    for run in ("x", "q"):
+        assert eng.explain(f"acme/ml/prod/{run}/a").wait == WaitCode.HEAD_OF_LINE
+    # The smalls end at the shadow time: the head starts then, with its budget intact.
+    clock.set_ns(clock.now_ns() + T100)
+    for i in range(2):
+        eng.complete(f"acme/ml/prod/s{i}/a", 1)
+    assert "g" in runs(eng.tick())
+
+
 def _live_lists(eng):
     return [set(rows) for rows in eng.inspect().live_lists()]
 
