@@ -84,14 +84,7 @@ class AttemptsMixin:
             live = rows[flying]
             if live.size:
                 st.a_start[live] = np.where(st.a_start[live] == NEVER, now, st.a_start[live])
-                st.a_end[live] = END_ABORTED
-                st.a_expiry[live] = NEVER
-                release = self._kernel.release
-                for r in live.tolist():
-                    release(r, now)
-                set_state(st, live, ST_DONE)
-                st.a_phase[live] = PH_ABORTED
-                st.a_done[live] = now
+                self._end_leases_lean(live, END_ABORTED, PH_ABORTED, now)
                 st.a_abort[live] = root
                 self._touch_many(live)
                 self._new_finalize_lean(live)

@@ -511,14 +511,19 @@ class LeasingMixin:
                 self.history.record_many_ns(name, np.maximum(0, now - began[tasks == t]))
                 self._history_dirty.add(name)
                 self._refresh_prediction(name, t)
-            st.a_end[done] = END_COMPLETED
-            st.a_expiry[done] = NEVER
-            release = self._kernel.release
-            for r in done.tolist():
-                release(r, now)
-            set_state(st, done, ST_DONE)
-            st.a_done[done] = now
-            st.a_phase[done] = PH_SUCCEEDED
+            self._end_leases_lean(done, END_COMPLETED, PH_SUCCEEDED, now)
+
+    def _end_leases_lean(self, rows, end, phase, now):
+        # _end_lease for many lean rows, which end their one attempt in ``phase`` now.
+        st = self._state
+        st.a_end[rows] = end
+        st.a_expiry[rows] = NEVER
+        release = self._kernel.release
+        for r in rows.tolist():
+            release(r, now)
+        set_state(st, rows, ST_DONE)
+        st.a_done[rows] = now
+        st.a_phase[rows] = phase
 
     def _report(self, kind, row, phase, kind_, cause, recoverable, message, cleanup):
         verdict = Verdict.OK
