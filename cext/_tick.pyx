@@ -46,6 +46,21 @@ cdef enum:
     M_FAST = 2          # warm pool already charged: nothing more
 
 
+cdef inline int _spare_short(const i64* demand, const i64* need, const i64* budget,
+                             Py_ssize_t n) noexcept nogil:
+    # The first dimension in which demand, taken from the budget left, would leave less than
+    # need; -1 when none (or when demand is over the budget itself: the gate says so).
+    cdef Py_ssize_t r
+    cdef int short = -1
+    for r in range(n):
+        if budget[r] < UNLIMITED and demand[r] > 0:
+            if demand[r] > budget[r]:
+                return -1
+            if short < 0 and demand[r] + need[r] > budget[r]:
+                short = <int>r
+    return short
+
+
 cdef inline i64 _now_ns() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -835,6 +850,19 @@ cdef class TickKernel:
             bq = True
         c = self._gate(a, fit, held[0], avail[0], &dim)
         if c >= 0:
+            # Behind a head blocked on capacity (backfill on), the head's share of the queue
+            # budget is reserved: the budget is not per cluster, and what a later action takes
+            # of it on a cluster the head does not hold, the head may need when one of its own
+            # frees up. Without backfill that work would often be waiting behind a later
+            # action's hold; with it, that action may be running (backfilled) instead. So a
+            # later action spends only the budget left beyond the head's demand.
+            h = self.s_bf_head[q]
+            if h >= 0 and h != a:
+                dim = _spare_short(demand, &self.a_demand[h, 0], &self.s_budget[0],
+                                   self.n_res)
+                if dim >= 0:
+                    self._wait(a, W_HEAD_BUDGET, -1, dim, h)
+                    return R_SKIP_ACTION
             self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
                         actions_left, runs_left)
             if bq:
@@ -864,10 +892,15 @@ cdef class TickKernel:
 
         # EASY backfill: a later action may use a cluster its queue's blocked head holds
         # when it cannot delay the head (rule (a): it ends before the head's shadow time;
-        # rule (b): it fits in what the head will not need then).
+        # rule (b): it fits in what the head will not need then), and only within the budget
+        # the head leaves (by either rule: a rule (b) action keeps its share for good, and
+        # the head may start on another cluster before a rule (a) action ends). Refused for
+        # the budget, it waits as without backfill, holding what it could use.
         if (self.q_backfill[q] and self.s_bf_head[q] >= 0 and self.s_bf_head[q] != a
                 and (fit & avail[0] & held[0]) != 0
-                and self.s_bf_tested[q] < self.bf_max_candidates):
+                and self.s_bf_tested[q] < self.bf_max_candidates
+                and _spare_short(demand, &self.a_demand[self.s_bf_head[q], 0],
+                                 &self.s_budget[0], self.n_res) < 0):
             c = self._backfill(q, a, fit & avail[0] & held[0], now, &gap)
             if c >= 0:
                 if not gap:
@@ -1098,19 +1131,10 @@ cdef class TickKernel:
         cdef i64 rt = NEVER
         if self.a_env[a] < 0 and self.a_task[a] >= 0:
             rt = self.t_pred_rt[self.a_task[a]]
-        cdef const i64* need = &self.a_demand[h, 0]
         cdef u64 by_gap = 0, by_extra = 0, bit
         cdef int c
-        cdef Py_ssize_t r
         cands &= ~self.bf_contested
         self.s_bf_tested[q] += 1
-        # The queue's budget is the head's too, and it is not per cluster: the head may start
-        # on another cluster it fits before a rule (a) action here ends, and a rule (b) action
-        # keeps its share for good. So backfill spends only the budget left beyond the head's
-        # demand (s_budget is this tick's, less every placement already made).
-        for r in range(self.n_res):
-            if self.s_budget[r] < UNLIMITED and demand[r] + need[r] > self.s_budget[r]:
-                return -1
         while cands != 0:
             c = lowest_bit(cands)
             bit = (<u64>1) << c

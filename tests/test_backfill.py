@@ -428,13 +428,67 @@ def test_cluster_backfill_spends_only_the_budget_beyond_the_heads_demand():
     eng.enqueue(cpu_job("c", "unknown", cpu=30))     # no GPU: inside the extra, budget spared
     assert runs(eng.tick()) == ["c"]
     assert eng.explain("acme/ml/prod/g/a").wait == WaitCode.CLUSTER_CAPACITY
-    for run in ("x", "q"):
+    for run in ("x", "q"):      # as without backfill: behind the head's hold on east
         assert eng.explain(f"acme/ml/prod/{run}/a").wait == WaitCode.HEAD_OF_LINE
     # The smalls end at the shadow time: the head starts then, with its budget intact.
     clock.set_ns(clock.now_ns() + T100)
     for i in range(2):
         eng.complete(f"acme/ml/prod/s{i}/a", 1)
     assert "g" in runs(eng.tick())
+
+
+def _assert_waits_for_heads_budget(eng, run, dim="gpu:H100"):
+    view = eng.inspect()
+    row = view.row_of(f"acme/ml/prod/{run}/a")
+    assert eng.explain(f"acme/ml/prod/{run}/a").wait == WaitCode.HEAD_BUDGET
+    assert view.arrays.a_wait_dim[row] == ["cpu", "memory", "gpu:H100"].index(dim)
+    assert view.arrays.a_wait_blocker[row] == view.row_of("acme/ml/prod/g/a")
+
+
+def test_budget_backfill_regression_no_later_action_takes_the_heads_budget_elsewhere():
+    # Found by the property with more examples once the rule (b) case was fixed: at 0 s the
+    # head j5 (9 GPUs, fits east only) is within the 12-GPU budget (10 left) but short of cpu
+    # on east until 51 s. At 1 s j7 (1 GPU) is backfilled on east by rule (b) within the
+    # budget beyond the head's demand; without backfill it would have waited holding west.
+    # So j8 (3 GPUs), which no longer waited behind j7's hold, started on west as ordinary
+    # work and took 3 GPUs of the head's budget: the head started at 52 s instead of 51 s.
+    raw = [(0, "a", 0, 1, 1), (0, "a", 0, 1, 1), (0, "a", 0, 1, 1), (0, "a", 0, 1, 1),
+           (0, "a", 0, 42, 2), (0, "a", 3, 35, 3), (0, "a", 0, 60, 1), (1, "a", 1, 37, 1),
+           (1, "a", 0, 1, 3)]
+    t = 51_093_785_693
+    _never_delays(raw, [t] * 4, budget=12)
+    head, starts = simulate([(s * S, *rest) for s, *rest in raw], dict.fromkeys("abcd", t),
+                            backfill=True, budget=12)
+    assert head == "j5" and starts["j5"] == t and starts["j7"] == S and starts["j8"] == S + t
+
+
+def test_backfill_head_reserves_its_budget_against_work_on_other_clusters():
+    """Two clusters, 12 GPUs of budget: a 9-GPU gang (fits east only) is within budget (11
+    left) but short of cpu on east. With backfill on, later work of the queue may start on
+    west, which the head does not hold, only within the budget beyond the head's demand.
+    Without backfill it takes what it fits (the head holds clusters, not budget)."""
+    started = {}
+    for backfill in (False, True):
+        eng, clock = make_engine(two_clusters(backfill, budget=12))
+        warm(eng, small=T100)
+        assert [a.cluster for a in start(eng, clock, [gpus("s0", "small", 1, cpu=90)])] == [
+            "east"]
+        eng.enqueue(act("g", "train", pods=(PodGroup("worker", 3, {"cpu": 35, "gpu": 3}),)))
+        eng.enqueue(gpus("y", "unknown", 3))            # 3 of the 11 GPUs: 8 left < 9
+        eng.enqueue(cpu_job("z", "unknown", cpu=30))    # no GPU
+        eng.enqueue(gpus("w", "unknown", 2))            # 2 of the 11: 9 left, enough
+        placed = eng.tick()
+        assert {a.cluster for a in placed} == {"west"}
+        assert eng.explain("acme/ml/prod/g/a").wait == WaitCode.CLUSTER_CAPACITY
+        started[backfill] = runs(placed)
+        if backfill:
+            _assert_waits_for_heads_budget(eng, "y")
+            assert eng.queue_metrics("gpu")["backfilled"] == 0   # ordinary work on west
+            # s0 ends at the shadow time: the head starts then, its budget intact.
+            clock.set_ns(clock.now_ns() + T100)
+            eng.complete("acme/ml/prod/s0/a", 1)
+            assert "g" in runs(eng.tick())
+    assert started == {False: ["w", "y", "z"], True: ["w", "z"]}
 
 
 def _live_lists(eng):
