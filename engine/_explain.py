@@ -136,7 +136,9 @@ class ExplainMixin:
             b = self._aid(blocker)
             btask = self._compiled_of(blocker).spec.task
             if code == WaitCode.HEAD_BUDGET:
-                bdim = int(st.a_wait_dim[blocker])
+                # The budget dimension this row is short of, when the tick recorded it (the
+                # head's share is reserved); else the one the head itself waits for.
+                bdim = dim if dim >= 0 else int(st.a_wait_dim[blocker])
                 name = res.names[bdim]
                 need = f"{name}={format_quantity(name, int(st.a_demand[blocker, bdim]))}"
                 return (f"queue {qname}: head-of-line blocked by {b.run}/{btask} "

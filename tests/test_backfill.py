@@ -443,6 +443,8 @@ def _assert_waits_for_heads_budget(eng, run, dim="gpu:H100"):
     assert eng.explain(f"acme/ml/prod/{run}/a").wait == WaitCode.HEAD_BUDGET
     assert view.arrays.a_wait_dim[row] == ["cpu", "memory", "gpu:H100"].index(dim)
     assert view.arrays.a_wait_blocker[row] == view.row_of("acme/ml/prod/g/a")
+    # The reason names the budget dimension this row is short of, not the head's own wait.
+    assert f"(needs {dim}=" in eng.explain(f"acme/ml/prod/{run}/a").reason
 
 
 def test_budget_backfill_regression_no_later_action_takes_the_heads_budget_elsewhere():
