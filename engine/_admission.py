@@ -263,7 +263,7 @@ class AdmissionMixin:
                 st.a_sibling[start:start + m] = -1
             if c.spec.id != str(c.id):
                 c.spec = replace(c.spec, id=str(c.id))
-            self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
+            self._groups[gid] = EnqueueGroup(gid, c, names, inputs)
             self._op(part, "specs", group_key(gid), encode_group(content, names, inputs))
             t = c.spec.timeouts
             if t.deadline is not None:

@@ -73,9 +73,6 @@ class AttemptsMixin:
                 st.a_done[q] = now
                 st.a_abort[q] = root
                 self._touch_many(q)
-                self._op(int(st.a_part[root]), "attempts", abort_key(root),
-                         msgpack.packb(reason))
-                self._abort_reasons[root] = reason
             # Lean rows in flight end in their columns too; their cleanup is a finalize
             # lease each, made in one pass.
             state = st.a_state[rows]
@@ -88,10 +85,11 @@ class AttemptsMixin:
                 st.a_abort[live] = root
                 self._touch_many(live)
                 self._new_finalize_lean(live)
-                if not q.size:
-                    self._op(int(st.a_part[root]), "attempts", abort_key(root),
-                             msgpack.packb(reason))
-                    self._abort_reasons[root] = reason
+            if q.size or live.size:
+                # Lean rows read the reason from one record per abort.
+                self._op(int(st.a_part[root]), "attempts", abort_key(root),
+                         msgpack.packb(reason))
+                self._abort_reasons[root] = reason
             # The rest one by one.
             done = lean & ~quick & ~flying & np.isin(phase, LEAN_TERMINAL)
             ended = quick | flying

@@ -4,7 +4,7 @@ when the two differ)."""
 import enum
 
 __all__ = ["RowState", "WaitCode", "Phase", "LeaseEnd", "Verdict", "LeaseKind", "PHASES",
-           "PHASE_CODE", "LEAN_PHASES"]
+           "PHASE_CODE"]
 
 
 class RowState(enum.IntEnum):
@@ -71,11 +71,7 @@ TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.ABORTED, Phase
 # Phases by code (the a_phase column of a lean row, whose fixed record is its whole outcome).
 PHASES = tuple(Phase)
 PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
-# Phases a lean row may be in: one attempt on the common path (queued, dispatched, running,
-# succeeded), or aborted while queued. Anything else (a failure, a retry, an abort of what
-# runs, a message) gives the row its Python record (engine/_engine.py, "lean rows").
-LEAN_PHASES = frozenset({Phase.QUEUED, Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED,
-                         Phase.ABORTED})
+
 
 
 class LeaseEnd(enum.IntEnum):

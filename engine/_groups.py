@@ -36,16 +36,15 @@ class EnqueueGroup:
     """One group in memory: its compiled template (the first action's id), the names of its
     actions by index, and their input references (None when the group has none)."""
 
-    __slots__ = ("gid", "compiled", "names", "inputs", "parts", "content")
+    __slots__ = ("gid", "compiled", "names", "inputs", "parts")
 
-    def __init__(self, gid, compiled, names, inputs, content):
+    def __init__(self, gid, compiled, names, inputs):
         self.gid = gid
         self.compiled = compiled
         self.names = names
         self.inputs = inputs
         aid = compiled.id
         self.parts = (aid.tenant, aid.project, aid.domain, aid.run)
-        self.content = content     # engine._records.spec_content of its spec
 
     def action_id(self, index):
         """The ActionId of the group's action ``index``."""

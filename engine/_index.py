@@ -140,7 +140,7 @@ class IndexMixin:
         except Exception as exc:
             raise CorruptRecord(part, "specs", key, f"undecodable enqueue group: {exc}") \
                 from None
-        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
+        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs)
         return g
 
     def _compiled_of(self, row):

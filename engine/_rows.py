@@ -33,6 +33,9 @@ ST_QUEUED, ST_SENT, ST_RUNNING, ST_DONE, ST_BACKOFF = (
     int(RowState.BACKOFF))
 END_LIVE, END_COMPLETED, END_EXPIRED, END_ABORTED = (
     int(LeaseEnd.LIVE), int(LeaseEnd.COMPLETED), int(LeaseEnd.EXPIRED), int(LeaseEnd.ABORTED))
+# The phase codes a lean row may hold (its one attempt on the common path: queued,
+# dispatched, running, succeeded, or aborted); anything else gives the row its Python record
+# (engine/_index.py).
 PH_QUEUED = PHASE_CODE[Phase.QUEUED]
 PH_INIT = PHASE_CODE[Phase.INITIALIZING]
 PH_RUNNING = PHASE_CODE[Phase.RUNNING]

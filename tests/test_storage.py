@@ -368,9 +368,10 @@ def test_journaled_groups_grow_the_maps_with_resize_and_reopen_at_the_configured
     s.close()
 
 
-def test_reopen_grows_a_partition_that_the_journal_replay_needs(hl, monkeypatch):
-    # A durable group written while the map was grown; the reopen at the configured (smaller)
-    # map size must grow the map to replay it, not refuse to open.
+def _durable_on_a_grown_map_then_reopen(hl, monkeypatch, big):
+    """Commit ``big`` on a map grown past the configured 256 KiB, fail right after the
+    journal commit (the group is durable), reopen at the configured size; returns the error
+    and the reopened store."""
     s = hl.new(map_size=256 << 10)
     s.open("a", T0)
     s.resize(4 << 20)
@@ -380,14 +381,21 @@ def test_reopen_grows_a_partition_that_the_journal_replay_needs(hl, monkeypatch)
             raise OSError(5, "injected I/O error")
 
     monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
-    big = {p: [("actions", k(i), bytes([p]) * (100 << 10)) for i in range(6)] for p in (0, 1)}
     with pytest.raises(StoreFailed) as ei:
         s.commit(big)
-    assert ei.value.outcome == "durable"
     monkeypatch.setattr(lmdb_store, "_crash_hook", None)
     s.close()
     s = hl.new(map_size=256 << 10)
     s.open("a", T0 + S)
+    return ei.value, s
+
+
+def test_reopen_grows_a_partition_that_the_journal_replay_needs(hl, monkeypatch):
+    # A durable group written while the map was grown; the reopen at the configured (smaller)
+    # map size must grow the map to replay it, not refuse to open.
+    big = {p: [("actions", k(i), bytes([p]) * (100 << 10)) for i in range(6)] for p in (0, 1)}
+    err, s = _durable_on_a_grown_map_then_reopen(hl, monkeypatch, big)
+    assert err.outcome == "durable"
     assert s.map_size > 600 << 10
     assert sorted(s.scan("actions")) == sorted(
         (p, key, value) for p, ops in big.items() for _, key, value in ops)
@@ -745,22 +753,8 @@ def test_blocks_on_a_small_map_that_must_grow(hl, monkeypatch):
 
 
 def test_reopen_grows_a_partition_to_replay_a_block(hl, monkeypatch):
-    s = hl.new(map_size=256 << 10)
-    s.open("a", T0)
-    s.resize(4 << 20)
-
-    def hook(at):
-        if at == "journal-committed":
-            raise OSError(5, "injected I/O error")
-
-    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
     big = {p: [block("actions", range(3000), value_size=200, fill=p)] for p in (0, 1)}
-    with pytest.raises(StoreFailed):
-        s.commit(big)
-    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
-    s.close()
-    s = hl.new(map_size=256 << 10)
-    s.open("a", T0 + S)
+    _err, s = _durable_on_a_grown_map_then_reopen(hl, monkeypatch, big)
     model = {}
     model_apply(model, big)
     assert s.map_size > 600 << 10
