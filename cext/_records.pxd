@@ -41,6 +41,7 @@ cdef packed struct ActionHead:
     i64 running             # lean: first RUNNING report
     i64 done                # lean: end of its attempt
     i64 abort               # lean ABORTED: the row whose abort ended it
+    i64 seq                 # enqueue order (FIFO across reused rows)
 
 
 cdef class RecordCodec:
@@ -79,6 +80,7 @@ cdef class RecordCodec:
     cdef i64[::1] a_running                 # lean RUNNING time
     cdef i64[::1] a_done                    # lean end time
     cdef i64[::1] a_abort                   # lean abort root
+    cdef i64[::1] a_seq                     # enqueue order
     cdef i64[:, ::1] a_demand               # demand vectors
     cdef i32[::1] w_ident                   # session row -> worker identity
 

@@ -60,6 +60,7 @@ cdef class RecordCodec:
         self.a_running = state.a_running
         self.a_done = state.a_done
         self.a_abort = state.a_abort
+        self.a_seq = state.a_seq
         self.a_demand = state.a_demand
         self.w_ident = state.w_ident
 
@@ -115,5 +116,6 @@ cdef class RecordCodec:
         h.running = self.a_running[a]
         h.done = self.a_done[a]
         h.abort = self.a_abort[a]
+        h.seq = self.a_seq[a]
         memcpy(dst, &h, sizeof(ActionHead))
         memcpy(dst + sizeof(ActionHead), &self.a_demand[a, 0], 8 * self.n_res)

@@ -1,9 +1,9 @@
 """The tree of a run: every descendant of a row, from the children index, in one nogil pass
 (abort walks only the tree it ends, never the whole table)."""
 
-from cext._types cimport check_index, i32, i64
+from cext._types cimport check_index, i32, i64, u8
 
-__all__ = ["descendants"]
+__all__ = ["descendants", "unlink_children"]
 
 
 def descendants(const i32[::1] child not None, const i32[::1] sibling not None, i64 root,
@@ -41,3 +41,42 @@ cdef Py_ssize_t _descendants(const i32[::1] child, const i32[::1] sibling, i64 r
             n += 1
             kid = sibling[kid]
     return n
+
+
+def unlink_children(i32[::1] child not None, i32[::1] sibling not None,
+                    const i32[::1] parent not None, u8[::1] mark not None,
+                    const i64[::1] rows not None):
+    """Take ``rows`` (each with ``mark[row] == 1``) out of their parents' children lists:
+    one walk of each parent's list, whatever the number of its rows taken out. ``mark``
+    (one byte per row, zero elsewhere) is scratch: parents visited are set to 2."""
+    cdef Py_ssize_t n = child.shape[0], i
+    if sibling.shape[0] != n or parent.shape[0] < mark.shape[0] or mark.shape[0] > n:
+        raise ValueError("children columns and mark differ in length")
+    for i in range(rows.shape[0]):
+        check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
+    with nogil:
+        _unlink(child, sibling, parent, mark, rows)
+
+
+cdef void _unlink(i32[::1] child, i32[::1] sibling, const i32[::1] parent, u8[::1] mark,
+                  const i64[::1] rows) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef i32 p, kid, prev, nxt
+    for i in range(rows.shape[0]):
+        p = parent[rows[i]]
+        if p < 0 or mark[p] == 2:
+            continue
+        prev = -1
+        kid = child[p]
+        while kid >= 0:
+            nxt = sibling[kid]
+            if mark[kid] == 1:
+                if prev < 0:
+                    child[p] = nxt
+                else:
+                    sibling[prev] = nxt
+                sibling[kid] = -1
+            else:
+                prev = kid
+            kid = nxt
+        mark[p] = 2

@@ -87,6 +87,14 @@ class AdmissionMixin:
                     raise AlreadyExists(f"action {c.id} exists with a different spec")
                 ids.append(c.id)
                 continue
+            ret = self._retained(c.id)
+            if ret is not None:
+                # Ended and reclaimed, its outcome retained: the same idempotency.
+                if not self._same_retained(ret, spec):
+                    raise AlreadyExists(f"action {c.id} exists with a different spec "
+                                        f"(ended {ret.record.phase.value})")
+                ids.append(c.id)
+                continue
             if c.id in seen:
                 raise SpecError(f"batch item {i}: action {c.id} appears twice in the batch")
             if c.parent is not None and c.parent not in seen:
@@ -101,7 +109,6 @@ class AdmissionMixin:
             return ids
         with self._turn():
             now = self.clock.now_ns()
-            first = self._next_row
             # Consecutive actions of identical content form one group (rows in batch order).
             groups, start = [], 0
             for k in range(1, len(plan) + 1):
@@ -113,8 +120,8 @@ class AdmissionMixin:
                                    np.fromiter((name_hash(str(c.id)) for _k, c in run),
                                                dtype=np.uint64, count=len(run)), content))
                     start = k
-            self._insert_groups(groups, now)
-            self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
+            rows = self._insert_groups(groups, now)
+            self._kernel.push_many(rows.astype(np.int32))
         return ids
 
     def enqueue_fanout(self, template, names, inputs=None):
@@ -141,8 +148,20 @@ class AdmissionMixin:
         hashes = np.fromiter((name_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
         rows = self._probe(hashes, texts)
         new = rows < 0
+        if aid.run_key in self._runs and new.any():
+            # Names of a run the shard has seen may be retained outcomes (ended, reclaimed).
+            fresh = np.flatnonzero(new).tolist()
+            for i, ret in zip(fresh, self._retained_many(aid.tenant, [texts[i] for i in fresh]),
+                              strict=True):
+                if ret is None:
+                    continue
+                if not self._same_retained(ret, replace(c.spec, id=texts[i]),
+                                           inputs[i] if inputs is not None else None):
+                    raise AlreadyExists(f"action {texts[i]} exists with a different spec "
+                                        f"(ended {ret.record.phase.value})")
+                new[i] = False
         parts = (aid.tenant, aid.project, aid.domain, aid.run)
-        for i in np.flatnonzero(~new).tolist():
+        for i in np.flatnonzero(rows >= 0).tolist():
             spec = replace(c.spec, id=texts[i])
             old_ref = self._input_ref(int(rows[i]))
             if not self._same_spec(int(rows[i]), spec) or old_ref != (
@@ -158,22 +177,26 @@ class AdmissionMixin:
         idx = np.flatnonzero(new)
         with self._turn():
             now = self.clock.now_ns()
-            first = self._next_row
             content = spec_content(c.spec)
             if idx.size == len(names):
-                self._insert_groups([(c, names, inputs, hashes, content)], now)
+                rows = self._insert_groups([(c, names, inputs, hashes, content)], now)
             else:
-                self._insert_groups([(c, [names[i] for i in idx.tolist()],
-                                      None if inputs is None else [inputs[i] for i in
-                                                                   idx.tolist()],
-                                      hashes[idx], content)], now)
-            self._kernel.push_many(np.arange(first, self._next_row, dtype=np.int32))
+                rows = self._insert_groups([(c, [names[i] for i in idx.tolist()],
+                                             None if inputs is None else [inputs[i] for i in
+                                                                          idx.tolist()],
+                                             hashes[idx], content)], now)
+            self._kernel.push_many(rows.astype(np.int32))
         return ids
 
     def _check_parent(self, c, where):
         prow = self._lookup(c.parent)
         if prow is None:
-            raise SpecError(f"{where}action {c.id}: parent {c.parent} not found")
+            ret = self._retained(c.parent)
+            if ret is None:
+                raise SpecError(f"{where}action {c.id}: parent {c.parent} not found")
+            if ret.record.phase == Phase.ABORTED:
+                raise SpecError(f"{where}action {c.id}: parent {c.parent} was aborted")
+            return      # ended and reclaimed: the child has no parent row to link to
         if self._phase_of(prow) == Phase.ABORTED:
             raise SpecError(f"{where}action {c.id}: parent {c.parent} was aborted")
 
@@ -206,25 +229,28 @@ class AdmissionMixin:
 
     def _insert_groups(self, groups, now):
         """Insert enqueue groups ``[(compiled, names, inputs, hashes, content)]`` as new
-        rows in order: per group what it shares (run, lanes, pool, fit, task, its record),
-        per row vector operations over the whole batch."""
+        rows in order (reclaimed rows first, ascending, then new ones): per group what it
+        shares (run, lanes, pool, fit, task, its record), per row vector operations over the
+        whole batch. Returns the rows, in batch order."""
         st = self._state
         counts = np.fromiter((len(g[1]) for g in groups), dtype=np.int64, count=len(groups))
         n = int(counts.sum())
-        first = self._next_row
-        if st.ensure("actions", first + n):
-            self._bind()
-        self._next_row += n
-        sl = slice(first, first + n)
+        # Parents of this batch stay in the table (reclaiming makes room only from others).
+        keep = set()
+        for g in groups:
+            if g[0].parent is not None:
+                prow = self._lookup(g[0].parent)
+                if prow is not None:
+                    keep.add(prow)
+        rows = self._alloc_rows(n, keep)
         cols = {k: np.empty(len(groups), dtype=np.int64) for k in (
             "queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent")}
         fits = np.empty(len(groups), dtype=np.uint64)
         demand = np.empty((len(groups), st.n_res), dtype=np.int64)
-        start = first
         deadlines, queued = [], []
-        offsets = (first + np.cumsum(counts) - counts).tolist()
+        offsets = (np.cumsum(counts) - counts).tolist()
         local, done = {}, 0         # id text -> row of this batch's earlier groups
-        st.a_child[sl] = -1         # (before the loop: a parent may be in this batch)
+        st.a_child[rows] = -1       # (before the loop: a parent may be in this batch)
         for k, (c, names, inputs, _hashes, content) in enumerate(groups):
             gid = self._next_gid
             self._next_gid += 1
@@ -234,18 +260,22 @@ class AdmissionMixin:
             qr = self._qrun_row(q, u)
             env = self._env_row(c, q, part) if c.env_key is not None else -1
             fast = env >= 0 and st.e_cluster[env] >= 0
+            m = len(names)
+            mine = rows[offsets[k]:offsets[k] + m]
             parent = -1
             if c.parent is not None:
                 # The parent may be earlier in this batch (its columns are not set yet).
                 while done < k:
                     g0, lo = groups[done][0], offsets[done]
                     prefix = g0.id.run_key + "/"
-                    local.update((prefix + name, lo + i)
+                    local.update((prefix + name, int(rows[lo + i]))
                                  for i, name in enumerate(groups[done][1]))
                     done += 1
                 parent = local.get(str(c.parent))
                 if parent is None:
                     parent = self._lookup(c.parent)
+                if parent is None:
+                    parent = -1     # ended and reclaimed (its outcome retained)
             for key, value in (("queue", q), ("run", u), ("qrun", qr),
                                ("lane", 2 * qr + int(fast)), ("env", env), ("part", part),
                                ("task", self._task_row(c.spec.task)), ("group", gid),
@@ -253,33 +283,36 @@ class AdmissionMixin:
                 cols[key][k] = value
             fits[k] = self._fit_mask(c)
             demand[k] = c.demand
-            m = len(names)
             if parent >= 0:
                 # Newest child first: each row's next sibling is the one inserted before it.
-                st.a_sibling[start] = st.a_child[parent]
-                st.a_sibling[start + 1:start + m] = np.arange(start, start + m - 1)
-                st.a_child[parent] = start + m - 1
+                st.a_sibling[mine[0]] = st.a_child[parent]
+                st.a_sibling[mine[1:]] = mine[:-1]
+                st.a_child[parent] = mine[-1]
             else:
-                st.a_sibling[start:start + m] = -1
+                st.a_sibling[mine] = -1
             if c.spec.id != str(c.id):
                 c.spec = replace(c.spec, id=str(c.id))
             self._groups[gid] = EnqueueGroup(gid, c, names, inputs)
+            self._group_rows[gid] = m
             self._op(part, "specs", group_key(gid), encode_group(content, names, inputs))
             t = c.spec.timeouts
             if t.deadline is not None:
-                deadlines.append((start, start + m, now + int(t.deadline * 1e9)))
+                deadlines.append((mine, now + int(t.deadline * 1e9)))
             if t.max_queued_time is not None:
-                queued.append((start, start + m, now + int(t.max_queued_time * 1e9)))
-            start += m
+                queued.append((mine, now + int(t.max_queued_time * 1e9)))
+        contiguous = n and int(rows[-1]) - int(rows[0]) == n - 1
+        sl = slice(int(rows[0]), int(rows[0]) + n) if contiguous else rows
         for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent"):
             getattr(st, "a_" + key)[sl] = np.repeat(cols[key], counts)
         st.a_fit[sl] = np.repeat(fits, counts)
         st.a_demand[sl] = np.repeat(demand, counts, axis=0)
         st.a_gidx[sl] = np.arange(n, dtype=np.int32) - np.repeat(
-            (np.cumsum(counts) - counts).astype(np.int32), counts)
-        st.a_gen[sl] = 0
-        st.a_released_gen[sl] = 0
+            np.asarray(offsets, dtype=np.int32), counts)
+        # a_gen and a_released_gen stay: a reclaimed row counts on from its last generation
+        # (equal, so nothing is in flight), a new row starts at 0.
         st.a_enqueued[sl] = now
+        st.a_seq[sl] = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64)
+        self._next_seq += n
         st.a_attempt[sl] = 1
         st.a_lean[sl] = 1
         st.a_edges[sl] = 0
@@ -289,29 +322,31 @@ class AdmissionMixin:
         st.a_done[sl] = NEVER
         hashes = groups[0][3] if len(groups) == 1 else np.concatenate([g[3] for g in groups])
         st.a_name_hash[sl] = hashes
-        self._index_new(hashes, first, groups)
-        for lo, hi, due in deadlines:
-            self._timer_block(due, T_DEADLINE, np.arange(lo, hi), 0)
-        for lo, hi, due in queued:
-            self._timer_block(due, T_QUEUED, np.arange(lo, hi), 1)
-        self._touch_many(np.arange(first, first + n))
+        self._index_new(hashes, rows, groups)
+        for mine, due in deadlines:
+            self._timer_block(due, T_DEADLINE, mine, 0)
+        for mine, due in queued:
+            self._timer_block(due, T_QUEUED, mine, 1)
+        self._touch_many(rows)
+        return rows
 
-    def _index_new(self, hashes, first, groups):
+    def _index_new(self, hashes, rows, groups):
         index = self._hash_rows
         hl = hashes.tolist()
+        rl = rows.tolist()
         n = len(hl)
         before = len(index)
         taken = {h: index[h] for h in hl if h in index}
-        index.update(zip(hl, range(first, first + n), strict=True))
+        index.update(zip(hl, rl, strict=True))
         if taken or len(index) - before != n:
             # A 64-bit hash shared with another id (astronomically rare): the first row keeps
             # the hash, every later one is found by its id.
             index.update(taken)
             owner = dict(taken)
-            for i, h in enumerate(hl):
-                if owner.setdefault(h, first + i) != first + i:
+            for h, r in zip(hl, rl, strict=True):
+                if owner.setdefault(h, r) != r:
                     index[h] = owner[h]
-                    self._collided[self._aid(first + i)] = first + i
+                    self._collided[self._aid(r)] = r
 
     def _run_row(self, c, part):
         st = self._state

@@ -53,7 +53,9 @@ class AttemptsMixin:
         sequence)."""
         if not isinstance(reason, str):
             raise SpecError(f"an abort reason is a string, not {reason!r}")
-        root = self._row_of(action)
+        root, ret = self._row_or_retained(action)
+        if ret is not None:
+            return ActionIds(None, 0)   # ended long since, and so has its whole tree
         st = self._state
         out = np.empty(self._next_row, dtype=np.int64)
         rows = out[:descendants(st.a_child, st.a_sibling, root, out)]

@@ -50,7 +50,8 @@ _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
 _TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage")
-_STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl")
+_STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
+                 "retention")
 MAX_PARTITIONS = 256
 _ENGINE_KEYS = (
     "default_queue",
@@ -159,6 +160,9 @@ class StorageSettings:
     max_map_size: int = 64 << 30  # a full map grows by doubling up to this, then refuses
     sync: bool = True  # fdatasync every group commit (off: fast, loses the tail on power loss)
     claim_ttl: float = 30.0  # seconds a partition claim lives without renewal
+    # Seconds an ended action's outcome stays in the store after its row was reclaimed
+    # (attempts() and explain() read it, a re-enqueue of its id is idempotent against it).
+    retention: float = 7 * 86400.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -362,11 +366,32 @@ def _parse_storage(source, table):
         values["sync"] = table["sync"]
     if "claim_ttl" in table:
         values["claim_ttl"] = _seconds(source, "storage.claim_ttl", table["claim_ttl"], True)
+    if "retention" in table:
+        values["retention"] = _duration(source, "storage.retention", table["retention"])
     out = replace(StorageSettings(), **values)
     if out.max_map_size < out.map_size:
         raise _invalid(source, "storage.max_map_size", table.get("max_map_size"),
                        f"a size >= storage.map_size ({out.map_size} bytes)")
     return out
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(source, path, value):
+    """Seconds (a number >= 0) or a string such as "7d", "12h", "30m", "45s"."""
+    if isinstance(value, str):
+        text = value.strip()
+        unit = _DURATION_UNITS.get(text[-1:])
+        try:
+            number = float(text[:-1]) if unit else None
+        except ValueError:
+            number = None
+        if unit is None or number is None or not math.isfinite(number) or number < 0:
+            raise _invalid(source, path, value,
+                           'a duration such as "7d", "12h", "30m" or "45s", or seconds')
+        return number * unit
+    return _seconds(source, path, value, False)
 
 
 def _seconds(source, path, value, positive):

@@ -34,9 +34,11 @@ from engine._records import (
     SECRET_KEY,
     action_dtype,
 )
+from engine._retain import RetentionMixin
 from engine._rows import (
     KIND_FINALIZE,
     ST_DONE,
+    ST_FREE,
 )
 from engine._state import NEVER, State
 from engine._timers import TimersMixin
@@ -58,7 +60,7 @@ def kernel_pass(kernel, now):
 
 
 class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixin,
-             JournalMixin, ExplainMixin):
+             JournalMixin, ExplainMixin, RetentionMixin):
     """One shard's scheduling engine.
 
     ``config`` is a :class:`~engine._config.Config` or a path to a TOML file; ``clock`` any
@@ -166,7 +168,11 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._ident_names = []      # identity -> (worker id, cluster name)
         self._adoptable = set()     # session rows restored at load, waiting for reconnect
         self._fit_cache = {}        # pod matrix bytes -> cluster bitmask
-        self._next_row = 0
+        self._next_row = 0          # high-water row: rows below it are actions or FREE
+        self._free_rows = np.zeros(0, dtype=np.int64)   # reclaimed rows, ascending
+        self._group_rows = {}       # group id -> its rows still in the table
+        self._next_seq = 0          # enqueue order of the next action (a_seq)
+        self._next_retention_ns = 0  # next sweep of expired retained outcomes
         self._n_finalize = 0
         self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
@@ -244,7 +250,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         # every action that may still be placed, durably with the new layout.
         st = self._state
         with self._turn():
-            for r in np.flatnonzero(st.a_state[:self._next_row] != ST_DONE).tolist():
+            state = st.a_state[:self._next_row]
+            for r in np.flatnonzero((state != ST_DONE) & (state != ST_FREE)).tolist():
                 st.a_fit[r] = self._fit_mask(self._compiled_of(r))
                 self._touch(r)
             self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
@@ -400,6 +407,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             self.renew()
         now = self.clock.now_ns()
         self._fire_timers(now)
+        if now >= self._next_retention_ns:
+            # Expired retained outcomes, a small batch about once a second.
+            self._sweep_retention(now, 256)
+            self._next_retention_ns = now + 1_000_000_000
         swept = now >= self._next_sweep_ns
         if swept:
             for lease in self.expired_leases():

@@ -48,7 +48,11 @@ class ExplainMixin:
         """The action's phase and, while it waits, the reason (code and message), its
         position in its queue (by enqueue time) and, for a blocked head, its estimated start
         (``eta_ns``: its shadow time from the runtime history of what runs; None unknown)."""
-        rec = self._record(action)
+        row, ret = self._row_or_retained(action)
+        if ret is not None:
+            return Explanation(ActionId.parse(ret.id), ret.record.phase, None,
+                               ret.record.message)
+        rec = self._rec(row)
         aid = rec.compiled.id
         st = self._state
         row = rec.row
@@ -102,7 +106,9 @@ class ExplainMixin:
     def attempts(self, action):
         """The action's attempts, oldest first (copies): cluster, worker, start, end,
         phase, error kind, cause, message, finalize outcome."""
-        return [replace(a) for a in self._record(action).attempts]
+        row, ret = self._row_or_retained(action)
+        rec = ret.record if ret is not None else self._rec(row)
+        return [replace(a) for a in rec.attempts]
 
     def _reason(self, row, code, cluster, dim, blocker):
         st = self._state
@@ -242,6 +248,5 @@ class ExplainMixin:
         n = self._next_row
         q = st.a_queue[row]
         queued = (st.a_state[:n] == ST_QUEUED) & (st.a_queue[:n] == q)
-        enq = st.a_enqueued[:n]
-        ahead = queued & ((enq < enq[row]) | ((enq == enq[row]) & (np.arange(n) < row)))
+        ahead = queued & (st.a_seq[:n] < st.a_seq[row])     # enqueue order
         return int(np.count_nonzero(ahead)) + 1

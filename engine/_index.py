@@ -27,7 +27,7 @@ from engine._records import (
     name_hash,
     row_key,
 )
-from engine._rows import FZ_OUTCOMES, ST_DONE, ST_SENT
+from engine._rows import FZ_OUTCOMES, ST_DONE, ST_FREE, ST_SENT
 from engine._state import NEVER
 from storage import (
     CorruptRecord,
@@ -59,11 +59,12 @@ class ActionEdges:
 class IndexMixin:
     """The index and the edges (a part of Engine)."""
 
-    def _start_name_index(self, hashes):
-        """Sort restored name hashes into the lookup index in a background thread."""
+    def _start_name_index(self, hashes, rows):
+        """Sort restored name hashes (of ``rows``) into the lookup index in a background
+        thread."""
         def build():
             order = np.argsort(hashes, kind="stable")
-            self._idx_hash, self._idx_row = hashes[order], order.astype(np.int64)
+            self._idx_hash, self._idx_row = hashes[order], rows[order].astype(np.int64)
 
         self._index_thread = threading.Thread(target=build, name="leasehold-name-index",
                                               daemon=True)
@@ -90,7 +91,8 @@ class IndexMixin:
         i = int(np.searchsorted(self._idx_hash, np.uint64(h)))
         while i < self._idx_hash.size and self._idx_hash[i] == h:
             r = int(self._idx_row[i])
-            if str(self._aid(r)) == text:   # a 64-bit hash may collide: verify
+            if self._state.a_state[r] != ST_FREE and str(self._aid(r)) == text:
+                # (a 64-bit hash may collide: verified; a reclaimed row holds no name)
                 self._index_row(h, r, aid if aid is not None else ActionId.parse(text))
                 return r
             i += 1
@@ -249,6 +251,18 @@ class IndexMixin:
         if row is None:
             raise NotFound(f"action {aid} not found")
         return row
+
+    def _row_or_retained(self, action):
+        """``(row, None)`` for an action in the table, ``(-1, Retained)`` for one whose row
+        was reclaimed (its outcome retained in the store); NotFound otherwise."""
+        aid = ActionId.parse(action)
+        row = self._lookup(aid)
+        if row is not None:
+            return row, None
+        ret = self._retained(aid)
+        if ret is None:
+            raise NotFound(f"action {aid} not found")
+        return -1, ret
 
     def _record(self, action):
         return self._rec(self._row_of(action))

@@ -14,7 +14,9 @@ import numpy as np
 
 from cext._lease import validate
 from engine._codes import LeaseKind, Phase
+from engine._errors import NotFound
 from engine._model import ActionId
+from engine._rows import ST_FREE
 
 __all__ = ["Inspection", "ActionRecord", "DispatchEntry", "PendingTimer"]
 
@@ -104,8 +106,15 @@ class Inspection:
 
     @property
     def action_rows(self):
-        """Action rows in use (row numbers below this are actions, ended or not)."""
+        """The action table's high-water row: rows below it hold actions (ended or not),
+        except the reclaimed ones (:attr:`free_rows`, state FREE)."""
         return self._engine._next_row
+
+    @property
+    def free_rows(self):
+        """Reclaimed action rows below :attr:`action_rows` waiting for new work (state
+        FREE), ascending."""
+        return self._engine._free_rows.copy()
 
     @property
     def finalize_rows(self):
@@ -204,8 +213,12 @@ class Inspection:
 
     def record(self, row):
         """The :class:`ActionRecord` of action ``row`` (read from the store on first use
-        after a load)."""
-        rec = self._engine._rec(int(row))
+        after a load); ``NotFound`` for a reclaimed (FREE) row."""
+        eng = self._engine
+        row = int(row)
+        if not 0 <= row < eng._next_row or eng._state.a_state[row] == ST_FREE:
+            raise NotFound(f"action row {row} holds no action")
+        rec = eng._rec(row)
         return ActionRecord(
             row=rec.row, action=rec.compiled.id, phase=rec.phase, message=rec.message,
             error_kind=rec.error_kind, cause=rec.cause,

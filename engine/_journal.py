@@ -251,12 +251,7 @@ class JournalMixin:
             # One block per partition (the partition of the action each cleans up).
             part = st.a_part[st.fz_action[idx]]
             idx = idx[np.lexsort((idx, part))]
-            recs = np.zeros(idx.size, FINALIZE_DTYPE)
-            recs["row"] = idx
-            for name in finalize_columns():
-                recs[name] = getattr(st, "fz_" + name)[idx]
-            recs["pref"] = self._ident_of_rows(st.fz_pref[idx])
-            recs["holder"] = self._ident_of_rows(st.fz_worker[idx])
+            recs = self._finalize_records(idx)
             part = st.a_part[st.fz_action[idx]]
             keys = idx.astype(">u8")
             size = FINALIZE_DTYPE.itemsize
@@ -265,6 +260,17 @@ class JournalMixin:
                 batch.setdefault(int(part[lo]), []).append(
                     Records("finalize", keys[lo:hi], recs[lo:hi], 8, size))
         return batch
+
+    def _finalize_records(self, idx):
+        """The fixed records of finalize rows ``idx``."""
+        st = self._state
+        recs = np.zeros(idx.size, FINALIZE_DTYPE)
+        recs["row"] = idx
+        for name in finalize_columns():
+            recs[name] = getattr(st, "fz_" + name)[idx]
+        recs["pref"] = self._ident_of_rows(st.fz_pref[idx])
+        recs["holder"] = self._ident_of_rows(st.fz_worker[idx])
+        return recs
 
     def _ident_of_rows(self, rows):
         rows = np.asarray(rows)

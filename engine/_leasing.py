@@ -602,7 +602,10 @@ class LeasingMixin:
         self._report_as_holder(action, generation, phase, message=message, **kw)
 
     def _report_as_holder(self, action, generation, phase, **kw):
-        row = self._row_of(action)
+        row, ret = self._row_or_retained(action)
+        if ret is not None:
+            raise SpecError(f"action {ret.id}: report for generation {generation} refused: "
+                            f"the action has ended ({ret.record.phase.value})")
         token = self._codec.mint(LeaseKind.RUN, row, generation)
         verdict = self.report(token, phase, **kw)
         if verdict != Verdict.OK:

@@ -84,6 +84,7 @@ def action_dtype(n_res):
         ("running", "<i8"),       # lean: first RUNNING report
         ("done", "<i8"),          # lean: end of its attempt
         ("abort", "<i8"),         # lean ABORTED: the row whose abort ended it (its reason)
+        ("seq", "<i8"),           # enqueue order: FIFO at reload (rows are reused)
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
     ])
 

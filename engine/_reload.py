@@ -88,6 +88,7 @@ def load(eng):
     progress = _Progress(7)
     progress.step("actions")
     recs, rows, parts = _fixed(store, "actions", eng._action_dtype)
+    recs, rows, parts = _one_per_row(recs, rows, parts)
     n = _check_dense(rows, parts, "actions")
     eng._reset(preset_rows=n, preset=_PRESET)
     st = eng._state
@@ -170,6 +171,29 @@ def load(eng):
     progress.close()
 
 
+def _one_per_row(recs, rows, parts):
+    """One record per row. A reclaimed row reused by another partition's action leaves its
+    FREE record behind in the old partition: per row the occupied record wins, else the FREE
+    one with the highest generation. Two occupied records of one row are corrupt."""
+    if not rows.size:
+        return recs, rows, parts
+    n = int(rows.max()) + 1
+    if rows.size == n and np.bincount(rows, minlength=n).max() == 1:
+        return recs, rows, parts          # the common case: nothing left behind
+    occupied = recs["state"] != RowState.FREE
+    order = np.lexsort((recs["gen"], occupied, rows))
+    last = np.ones(order.size, dtype=bool)
+    last[:-1] = rows[order][1:] != rows[order][:-1]
+    busy = np.bincount(rows[occupied], minlength=n)
+    if busy.size and busy.max() > 1:
+        row = int(np.argmax(busy))
+        bad = int(np.flatnonzero(occupied & (rows == row))[1])
+        raise CorruptRecord(int(parts[bad]), "actions", row.to_bytes(8, "big"),
+                            f"two actions hold row {row}")
+    keep = order[last]
+    return recs[keep], rows[keep], parts[keep]
+
+
 def _check_dense(rows, parts, db):
     """Rows must be exactly 0..n-1 (in any order: partitions interleave them); returns n."""
     if not rows.size:
@@ -193,8 +217,15 @@ def _fill_actions(eng, recs, rows, parts, n, now):
         bad = int(np.flatnonzero(recs["part"] != parts)[0])
         raise CorruptRecord(int(parts[bad]), "actions", int(rows[bad]).to_bytes(8, "big"),
                             "record belongs to another partition")
-    if recs.size and (int(recs["queue"].max()) >= len(eng._queue_names)
-                      or int(recs["queue"].min()) < 0):
+    free = recs["state"] == RowState.FREE
+    if free.any():
+        if (recs["released_gen"][free] != recs["gen"][free]).any():
+            raise CorruptRecord(None, "actions", None, "a FREE row has a lease in flight")
+        recs_busy = recs[~free]
+    else:
+        recs_busy = recs
+    if recs_busy.size and (int(recs_busy["queue"].max()) >= len(eng._queue_names)
+                           or int(recs_busy["queue"].min()) < 0):
         raise CorruptRecord(None, "actions", None, "queue index outside the layout")
     if recs.size and int(recs["run"].max()) >= len(eng._run_keys):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
@@ -207,17 +238,22 @@ def _fill_actions(eng, recs, rows, parts, n, now):
         getattr(st, "a_" + name)[rows] = recs[name]
 
     _parallel(fill, columns)
+    occupied = st.a_state[:n] != RowState.FREE
+    eng._free_rows = np.flatnonzero(~occupied).astype(np.int64)
     link_children(st, n)
     eng._next_gid = int(st.a_group[:n].max()) + 1 if n else 0
+    eng._next_seq = int(st.a_seq[:n].max()) + 1 if n else 0
+    gids, counts = np.unique(st.a_group[:n][occupied], return_counts=True)
+    eng._group_rows = dict(zip(gids.tolist(), counts.tolist(), strict=True))
     # A row with an attempts record has its Python record as truth (decoded on first use).
-    st.a_edges[:n] = st.a_lean[:n] == 0
+    st.a_edges[:n] = (st.a_lean[:n] == 0) & occupied
     holder = np.empty(n, dtype=np.int32)
     holder[rows] = recs["holder"]
     eng._restored_holder = holder      # identities, turned into session rows in _rebuild
     # The name index (sorted hashes) is not needed to tick: built on another core while the
     # shard starts; the first lookup of a restored name waits for it.
-    hashes = st.a_name_hash[:n].copy()
-    eng._start_name_index(hashes)
+    held = np.flatnonzero(occupied)
+    eng._start_name_index(st.a_name_hash[held], held)
 
 
 def link_children(st, n):
@@ -229,7 +265,8 @@ def link_children(st, n):
     st.a_sibling[:n] = -1
     if not kids.size:
         return
-    kids = kids[np.lexsort((-kids.astype(np.int64), parent[kids]))]   # by parent, newest first
+    # By parent, newest (latest enqueued) first.
+    kids = kids[np.lexsort((-st.a_seq[kids], parent[kids]))]
     par = parent[kids]
     first = np.ones(kids.size, dtype=bool)
     first[1:] = par[1:] != par[:-1]
@@ -265,7 +302,8 @@ def _load_finalize(eng, now):
         getattr(st, "fz_" + name)[:nf] = recs[name]
     # A lean row's attempt reads its finalize lease from the finalize row.
     act = st.fz_action[:nf]
-    lean = (st.fz_attempt[:nf] == 1) & (st.a_lean[act] == 1)
+    # (A finalize row of a reclaimed action points at none: act -1.)
+    lean = (act >= 0) & (st.fz_attempt[:nf] == 1) & (st.a_lean[np.maximum(act, 0)] == 1)
     st.a_final[act[lean]] = np.flatnonzero(lean)
     eng._restored_fz_holder = recs["holder"]
     eng._restored_fz_pref = recs["pref"]
@@ -296,13 +334,15 @@ def _rebuild(eng, n, now):
             raise CorruptRecord(None, "actions", None, "lease holder is not a known worker")
         st.a_worker[:n] = np.where(holder >= 0, ident_row[np.maximum(holder, 0)]
                                    if ident_row.size else -1, -1)
-        uniq, inv = _pairs(st.a_queue[:n], st.a_run[:n], len(eng._queue_names),
+        occ = np.flatnonzero(st.a_state[:n] != RowState.FREE)
+        uniq, inv = _pairs(st.a_queue[occ], st.a_run[occ], len(eng._queue_names),
                            len(eng._run_keys))
         nq = uniq.size
         st.ensure("qruns", nq)
         st.qr_queue[:nq] = (uniq >> 32).astype(np.int32)
         st.qr_run[:nq] = (uniq & 0xFFFFFFFF).astype(np.int32)
-        st.a_qrun[:n] = inv.astype(np.int32)
+        st.a_qrun[:n] = -1
+        st.a_qrun[occ] = inv.astype(np.int32)
         eng._qruns = dict(zip(zip(st.qr_queue[:nq].tolist(), st.qr_run[:nq].tolist(),
                                   strict=True), range(nq), strict=True))
 
@@ -370,8 +410,11 @@ def _rebuild(eng, n, now):
     # order, which is first-enqueue order.
     if n:
         fast = (st.a_env[:n] >= 0) & (st.e_cluster[np.maximum(st.a_env[:n], 0)] >= 0)
-        st.a_lane[:n] = 2 * st.a_qrun[:n] + fast.astype(np.int32)
+        st.a_lane[:n] = np.where(st.a_qrun[:n] >= 0, 2 * st.a_qrun[:n] + fast.astype(np.int32),
+                                 -1)
     queued = np.flatnonzero(st.a_state[:n] == RowState.QUEUED).astype(np.int32)
+    # In enqueue order (a reclaimed row is reused by later work: rows are not in order).
+    queued = queued[np.argsort(st.a_seq[queued], kind="stable")]
     st.a_state[queued] = RowState.DONE      # push() links a row and marks it QUEUED
     k.push_many(queued)
 

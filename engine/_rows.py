@@ -22,7 +22,7 @@ __all__ = ["ST_QUEUED", "ST_SENT", "ST_RUNNING", "ST_DONE", "ST_BACKOFF", "END_L
            "END_COMPLETED", "END_EXPIRED", "END_ABORTED", "PH_QUEUED", "PH_INIT", "PH_RUNNING",
            "PH_SUCCEEDED", "PH_ABORTED", "LEAN_TERMINAL", "LIVE_STATES", "KIND_FINALIZE",
            "DUE_COLUMNS", "BOUNDS", "TRANSITIONS", "set_state", "FZ_OUTCOMES",
-           "FZ_OUTCOME_CODE"]
+           "FZ_OUTCOME_CODE", "ST_FREE"]
 
 # How a finalize lease ended (fz_outcome), by code; 0: it has not.
 FZ_OUTCOMES = (None, "SUCCEEDED", "FAILED", "ABANDONED")

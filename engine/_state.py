@@ -66,6 +66,9 @@ ACTION_FIELDS = {
     "a_running": (I64, NEVER, ()),
     "a_done": (I64, NEVER, ()),
     "a_abort": (I64, -1, ()),           # lean ABORTED: the row whose abort ended it
+    # Enqueue order (shard-wide, monotonic): lanes are rebuilt in it at reload, since a
+    # reclaimed row is reused by a later action (engine/_retain.py).
+    "a_seq": (I64, 0, ()),
     # In memory only (derived at reload): the finalize lease of a lean row's attempt, -1.
     "a_final": (I64, -1, ()),
     # In memory only: 1 when the row's Python record (spec, outcome, attempts) is its truth.

@@ -80,13 +80,18 @@ class TimersMixin:
             due = self._due_timers(now)
             if not due:
                 return
-            for _due, _seq, kind, row, ref in due:
-                self._fire(kind, row, ref)
+            for at, _seq, kind, row, ref in due:
+                self._fire(kind, row, ref, at)
 
-    def _fire(self, kind, row, ref):
+    def _fire(self, kind, row, ref, at):
         st = self._state
         if kind == T_FINALIZE:
             self._finalize_give_up(row, ref)
+            return
+        column = DUE_COLUMNS.get(kind)
+        if column is not None and int(getattr(st, column)[row]) != at:
+            # Not the timer its row has armed (re-armed since, or the row was reclaimed and
+            # holds another action now).
             return
         state = st.a_state[row]
         if state == ST_DONE:

@@ -978,6 +978,30 @@ class LmdbStore(Store):
         except lmdb.BadValsizeError as e:
             raise ValueError(f"bad key {key!r:.80}: {e}") from None
 
+    def get_many(self, partition: int, db: str, keys) -> list:
+        env, h = self._handle(partition, db)
+        try:
+            with env.begin(db=h) as txn:
+                get = txn.get
+                return [get(k) for k in keys]
+        except lmdb.BadValsizeError as e:
+            raise ValueError(f"bad key in get_many: {e}") from None
+
+    def scan_range(self, partition: int, db: str, start: bytes = b"",
+                   stop: bytes | None = None, limit: int | None = None) -> list:
+        env, h = self._handle(partition, db)
+        out = []
+        with env.begin(db=h) as txn:
+            cur = txn.cursor()
+            if not (cur.set_range(start) if start else cur.first()):
+                return out
+            for key, value in cur:
+                if (stop is not None and key >= stop) or (limit is not None
+                                                          and len(out) >= limit):
+                    break
+                out.append((key, value))
+        return out
+
     def scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:
         self._handle(0, db)
         return self._scan(db)

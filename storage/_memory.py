@@ -205,6 +205,21 @@ class MemoryStore(Store):
             raise ValueError(f"bad key {key!r:.80}: length {len(key)}")
         return self.backing.data[partition][db].get(key)
 
+    def get_many(self, partition: int, db: str, keys) -> list:
+        return [self.get(partition, db, k) for k in keys]
+
+    def scan_range(self, partition: int, db: str, start: bytes = b"",
+                   stop: bytes | None = None, limit: int | None = None) -> list:
+        partition = self._check_read(partition, db)
+        out = []
+        for key, value in sorted(self.backing.data[partition][db].items()):
+            if key < start:
+                continue
+            if (stop is not None and key >= stop) or (limit is not None and len(out) >= limit):
+                break
+            out.append((key, value))
+        return out
+
     def scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:
         self._check_read(0, db)
         return self._scan(db)

@@ -112,7 +112,7 @@ __all__ = [
 #: format: the journal stores a database by its index in this tuple).
 DBS: tuple[str, ...] = (
     "actions", "specs", "attempts", "envs", "finalize", "history", "queues", "meta", "runs",
-    "workers",
+    "workers", "retained", "expiry",
 )
 #: On-disk format version, written as ``meta/schema`` in every partition at creation. A store
 #: with another version is refused (:class:`CorruptRecord`), never converted in place.
@@ -545,6 +545,17 @@ class Store(ABC):
     @abstractmethod
     def get(self, partition: int, db: str, key: bytes) -> bytes | None:
         """The committed value of ``key`` in ``db`` of ``partition``, or ``None``."""
+
+    @abstractmethod
+    def get_many(self, partition: int, db: str, keys) -> list:
+        """The committed values of ``keys`` (a sequence of bytes) in ``db`` of ``partition``,
+        in order, ``None`` where absent; one consistent snapshot."""
+
+    @abstractmethod
+    def scan_range(self, partition: int, db: str, start: bytes = b"",
+                   stop: bytes | None = None, limit: int | None = None) -> list:
+        """At most ``limit`` committed ``(key, value)`` pairs of ``db`` in ``partition`` with
+        ``start <= key < stop`` (``stop`` None: no upper bound), in key order."""
 
     @abstractmethod
     def scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:

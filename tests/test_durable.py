@@ -151,7 +151,7 @@ def decision_state(eng):
         "u": (st.u_adm - st.u_rel)[:len(view.run_keys())],
     }
     qr = {key: int(st.qr_adm[r] - st.qr_rel[r]) for key, r in view.qruns().items()}
-    recs = [view.record(r) for r in range(n)]
+    recs = [view.record(r) for r in range(n) if st.a_state[r] != RowState.FREE]
     phases = {str(rec.action): (rec.phase, len(rec.attempts), rec.user_retries,
                                 rec.system_retries) for rec in recs}
     fz = {f: (int(st.fz_state[f]), int(st.fz_gen[f]), int(st.fz_action[f]))

@@ -132,12 +132,17 @@ def check(path, log_path):
         for line in lines:
             parts = line.split()
             if parts[0] == "E" and len(parts) == 2:
-                assert view.find(parts[1]) is not None, f"lost {parts[1]}"
+                # In the table, or ended and its row reclaimed (the outcome retained).
+                eng.explain(parts[1])
             elif parts[0] == "A" and len(parts) == 4:
                 row = view.find(parts[1])
-                assert row is not None
-                if parts[2] == "run":
+                if parts[2] != "run":
+                    continue
+                if row is not None:
                     assert int(st.a_gen[row]) >= int(parts[3]), f"generation back: {line}"
+                else:
+                    gens = [a.generation or 0 for a in eng.attempts(parts[1])]
+                    assert max(gens) >= int(parts[3]), f"generation back: {line}"
         n = view.action_rows
         states = st.a_state[:n]
         in_flight = np.flatnonzero((states == RowState.SENT) | (states == RowState.RUNNING))

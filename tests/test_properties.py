@@ -290,7 +290,10 @@ def _snapshot(eng):
     scalars = (ins.tick_no, ins.dispatch_head, ins.dispatch_tail, ins.action_rows,
                ins.worker_sessions, ins.env_rows, ins.finalize_rows, tuple(ins.timers()))
     recs = {}
+    scalars += (tuple(ins.free_rows.tolist()),)
     for row in range(ins.action_rows):
+        if ins.arrays.a_state[row] == RowState.FREE:
+            continue
         r = ins.record(row)
         recs[r.action] = (r.phase, r.message, len(r.attempts), r.user_retries,
                           r.system_retries)
@@ -438,6 +441,10 @@ class EngineMachine(RuleBasedStateMachine):
         queue = spec.run_queue or self.default_queue
         row = self.ins.row_of(aid)
         a = MAction(aid, spec, row, queue, int(aid.run[1:]), env, demand, pods)
+        # A reclaimed row counts on from its last generation (0 for a new row): an old
+        # token of the row is never current again.
+        a.gen = int(self.ins.arrays.a_gen[row])
+        assert a.gen == int(self.ins.arrays.a_released_gen[row]), "a new action has a lease"
         self.actions[aid] = a
         self.by_row[row] = a
         self.seq += 1
@@ -518,7 +525,9 @@ class EngineMachine(RuleBasedStateMachine):
     def _verdict(self, kind, key, gen, presenter, now):
         """What the engine must answer to a token (``presenter``: worker row, -1 = any)."""
         lease = self.actions[key] if kind == LeaseKind.RUN else self.finals[key]
-        if gen < lease.gen:
+        # A reclaimed row holds a later action: its generations count on from the old one's.
+        current = self.by_row.get(lease.row, lease) if kind == LeaseKind.RUN else lease
+        if gen < max(lease.gen, current.gen):
             return Verdict.STALE
         if lease.end == "completed":
             return Verdict.COMPLETED
@@ -1337,6 +1346,15 @@ class EngineMachine(RuleBasedStateMachine):
         want = {"queued": RowState.QUEUED, "sent": RowState.SENT, "backoff": RowState.BACKOFF,
                 "running": RowState.RUNNING, "done": RowState.DONE}
         for a in self.actions.values():
+            if a.status == "done" and ins.find(a.aid) is None:
+                # Ended and its row reclaimed for new work: the outcome is retained.
+                assert s.a_state[a.row] == RowState.FREE or ins.record(a.row).action != a.aid
+                exp = eng.explain(a.aid)
+                assert exp.phase == a.phase and exp.phase in TERMINAL_PHASES, exp
+                assert exp.reason.startswith("UNSCHEDULABLE") == a.unschedulable, exp
+                assert len(eng.attempts(a.aid)) == a.attempt, a.aid
+                continue
+            assert ins.find(a.aid) == a.row, f"{a.aid} moved from row {a.row}"
             row_state = RowState(int(s.a_state[a.row]))
             assert row_state == want[a.status], f"{a.aid}: row {row_state.name}, model {a.status}"
             assert int(s.a_gen[a.row]) == a.gen, a.aid

@@ -132,7 +132,11 @@ def _pending_timers(eng):
             ok = st.fz_state[row] != RowState.DONE
         else:
             s = st.a_state[row]
-            ok = s != RowState.DONE and {
+            # A timer acts only while its row's due column still holds it (re-armed or
+            # reclaimed rows hold another due).
+            armed = {T_DEADLINE: st.a_deadline_due, T_QUEUED: st.a_queued_due,
+                     T_RETRY: st.a_retry_due, T_RUNTIME: st.a_runtime_due}[kind][row] == due
+            ok = armed and s != RowState.DONE and {
                 T_DEADLINE: not (due <= now and s in LIVE_STATES),
                 T_QUEUED: s in (RowState.QUEUED, RowState.BACKOFF) and ref == st.a_attempt[row],
                 T_RETRY: s == RowState.BACKOFF and ref == st.a_attempt[row],
@@ -169,9 +173,9 @@ def _full_state(eng):
         if st.e_cluster[e] >= 0 and st.e_adm[e] == st.e_rel[e]:
             counters["q_res"][st.e_queue[e]] -= st.e_footprint[e].astype(np.uint64)
             counters["c"][st.e_cluster[e]] -= st.e_footprint[e].astype(np.uint64)
-    recs = [ins.record(r) for r in range(n)]
+    recs = {r: ins.record(r) for r in range(n) if st.a_state[r] != RowState.FREE}
     edges = {r: (rec.message, rec.cause, [dataclasses.asdict(a) for a in rec.attempts])
-             for r, rec in enumerate(recs)}
+             for r, rec in recs.items()}
     slots = {}
     for w in range(ins.worker_sessions):
         name = ins.worker_at(w)

@@ -1,0 +1,290 @@
+"""Bounded memory: rows of ended actions reclaimed, their outcomes retained in the store.
+
+An action's row leaves the engine's arrays once the action has ended (a terminal phase), its
+finalize leases have ended and no child of it is still in the table. Its outcome moves, in the
+same group commit, to the partition's ``retained`` database (key: a 16-byte digest of the
+action id; the id, the spec, the input reference, the end time and the outcome record), with
+an ``expiry`` index entry (key: retention end, big-endian, then the digest) from which
+:meth:`Engine.sweep_retention` deletes expired outcomes in small batches. ``attempts()``,
+``explain()`` and ``phase()`` of a retained action read the store; re-enqueueing its id is
+idempotent against it (another spec is ``AlreadyExists``).
+
+The row goes back to a free list with its lease generation kept: the next action in the row
+continues counting from it, so a token of the old action is always refused (its generation
+is released, or older than the current one). The freed row's fixed record is rewritten as a
+FREE record that carries the generation, in the old action's partition, so a reload keeps
+counting too (a row reused by another partition's action leaves that FREE record behind;
+reload takes, per row, the occupied record, else the FREE one with the highest generation).
+
+Nothing here keeps a Python object per retained action: the retained index is the store's
+B-tree, probed only for names of runs the shard has seen (runs are not reclaimed).
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py.
+"""
+
+from dataclasses import dataclass
+from hashlib import blake2b
+
+import msgpack
+import numpy as np
+
+from cext._tree import unlink_children
+from engine._codes import TERMINAL_PHASES, Phase
+from engine._groups import abort_key, group_key
+from engine._index import ActionEdges
+from engine._records import (
+    FINALIZE_DTYPE,
+    decode_content,
+    decode_outcome,
+    decode_spec,
+    encode_outcome,
+    encode_spec,
+    row_key,
+    spec_content,
+)
+from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
+from engine._state import ACTION_FIELDS
+from storage import CorruptRecord, Records
+
+__all__ = ["RetentionMixin", "Retained", "retained_key"]
+
+# Columns a reclaimed row keeps: its lease generation (released) and how that lease ended (a
+# token of it keeps its verdict until the row's next lease makes it STALE), and the partition
+# its FREE record lives in.
+_KEEP = frozenset({"a_gen", "a_released_gen", "a_end", "a_part"})
+_RESET = tuple(name for name in ACTION_FIELDS
+               if name.startswith("a_") and name not in _KEEP)
+# Reclaim at most this many rows per call (a bounded group commit).
+RECLAIM_BATCH = 1 << 16
+
+
+def retained_key(text):
+    """The ``retained`` key of action id ``text``: a 16-byte digest (ids may be longer than
+    a store key)."""
+    return blake2b(text.encode(), digest_size=16).digest()
+
+
+@dataclass
+class Retained:
+    """A reclaimed action's retained outcome, as read back from the store."""
+
+    id: str
+    content: bytes
+    input_ref: str | None
+    ended_ns: int
+    queue: str
+    record: ActionEdges
+
+    def spec(self):
+        """The action's exact spec."""
+        return decode_content(self.content, self.id.rsplit("/", 1)[1])
+
+
+class RetentionMixin:
+    """Reclaiming rows and retained outcomes (a part of Engine)."""
+
+    def reclaim(self, limit=RECLAIM_BATCH):
+        """Reclaim the rows of up to ``limit`` ended actions now (the engine also does so
+        when it needs rows for new work): their outcomes move to the store for
+        ``storage.retention``, their rows to the free list. One loop turn; returns the
+        number of rows reclaimed."""
+        with self._turn():
+            return self._reclaim(limit)
+
+    def _reclaimable(self, keep=()):
+        st = self._state
+        n = self._next_row
+        state = st.a_state[:n]
+        rows = np.flatnonzero((state == ST_DONE) & (st.a_child[:n] < 0))
+        if not rows.size:
+            return rows
+        lean = st.a_edges[rows] == 0
+        ok = np.zeros(rows.size, dtype=bool)
+        ok[lean] = np.isin(st.a_phase[rows[lean]], LEAN_TERMINAL)
+        for i in np.flatnonzero(~lean).tolist():
+            ok[i] = self._phase_of(int(rows[i])) in TERMINAL_PHASES
+        rows = rows[ok]
+        nf = self._n_finalize
+        if nf and rows.size:
+            busy = st.fz_action[:nf][st.fz_state[:nf] != ST_DONE]
+            if busy.size:
+                rows = rows[~np.isin(rows, busy)]
+        if keep:
+            rows = rows[~np.isin(rows, np.fromiter(keep, dtype=np.int64))]
+        return rows
+
+    def _reclaim(self, limit=RECLAIM_BATCH, keep=()):
+        rows = self._reclaimable(keep)[:limit]
+        if not rows.size:
+            return 0
+        st = self._state
+        now = self.clock.now_ns()
+        expire = (now + int(self.config.storage.retention * 1e9)).to_bytes(8, "big")
+        contents = {}
+        part_of = st.a_part[rows].tolist()
+        for r, part in zip(rows.tolist(), part_of, strict=True):
+            rec = self._rec(r)
+            g = self._group_of(r)
+            content = contents.get(g.gid)
+            if content is None:
+                content = contents[g.gid] = spec_content(g.compiled.spec)
+            text = str(rec.compiled.id)
+            key = retained_key(text)
+            ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
+            self._op(part, "retained", key, msgpack.packb(
+                [text, content, self._input_ref(r), ended, rec.compiled.queue,
+                 encode_outcome(rec)], use_bin_type=True))
+            self._op(part, "expiry", expire + key, b"")
+            if not st.a_lean[r]:
+                self._op(part, "attempts", row_key(r), None)
+            if r in self._abort_reasons or int(st.a_abort[r]) == r:
+                self._op(part, "attempts", abort_key(r), None)
+                self._abort_reasons.pop(r, None)
+        self._orphan_finalize(rows)
+        # Out of the children lists of parents still in the table.
+        mark = np.zeros(self._next_row, dtype=np.uint8)
+        mark[rows] = 1
+        unlink_children(st.a_child, st.a_sibling, st.a_parent, mark, rows)
+        # Out of the index and the edges.
+        index, recs = self._hash_rows, self._recs
+        for h, r in zip(st.a_name_hash[rows].tolist(), rows.tolist(), strict=True):
+            if index.get(h) == r:
+                del index[h]
+            recs.pop(r, None)
+        if self._collided:
+            gone = set(rows.tolist())
+            for aid in [a for a, r in self._collided.items() if r in gone]:
+                del self._collided[aid]
+        # Groups no row refers to any more: their record goes too.
+        gids, counts = np.unique(st.a_group[rows], return_counts=True)
+        for gid, k in zip(gids.tolist(), counts.tolist(), strict=True):
+            left = self._group_rows[gid] - k
+            if left:
+                self._group_rows[gid] = left
+                continue
+            del self._group_rows[gid]
+            g = self._groups.pop(gid, None)
+            part = self._part_of(g.compiled.id.tenant) if g is not None else int(
+                st.a_part[rows[np.flatnonzero(st.a_group[rows] == gid)[0]]])
+            self._op(part, "specs", group_key(gid), None)
+        # The row: every column back to its fill but its generation (released), FREE.
+        gen = st.a_gen[rows]
+        for name in _RESET:
+            fill = ACTION_FIELDS[name][1]
+            getattr(st, name)[rows] = fill
+        st.a_released_gen[rows] = gen
+        st.a_state[rows] = ST_FREE
+        # Its FREE record in the old action's partition (carries the generation).
+        order = np.lexsort((rows, np.asarray(part_of)))
+        rows_p, parts_p = rows[order], np.asarray(part_of)[order]
+        size = self._codec_records.action_size
+        buf = bytearray(rows_p.size * size)
+        self._codec_records.encode_actions(rows_p.astype(np.int64), buf)
+        keys = rows_p.astype(">u8")
+        view = memoryview(buf)
+        bounds = np.flatnonzero(np.diff(parts_p)) + 1
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), rows_p.size], strict=True):
+            self._ops.setdefault(int(parts_p[lo]), []).append(
+                Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
+        self._free_rows = np.union1d(self._free_rows, rows)
+        return int(rows.size)
+
+    def _orphan_finalize(self, rows):
+        # Ended finalize leases of reclaimed rows point at no action from now on (their row
+        # will hold another action); rewritten so that a reload does not link them.
+        nf = self._n_finalize
+        if not nf:
+            return
+        st = self._state
+        fz = np.flatnonzero(np.isin(st.fz_action[:nf], rows))
+        if not fz.size:
+            return
+        parts = st.a_part[st.fz_action[fz]]
+        st.fz_action[fz] = -1
+        for part in np.unique(parts).tolist():
+            idx = fz[parts == part]
+            self._ops.setdefault(part, []).append(
+                Records("finalize", idx.astype(">u8"), self._finalize_records(idx), 8,
+                        FINALIZE_DTYPE.itemsize))
+        if st.a_final.shape[0]:
+            st.a_final[rows] = -1
+
+    def _alloc_rows(self, n, keep=()):
+        """``n`` rows for new actions, ascending: reclaimed rows first, then new ones (the
+        table grows by doubling only when reclaiming cannot make room)."""
+        st = self._state
+        free = self._free_rows
+        fresh = n - free.size
+        if fresh > 0 and self._next_row + fresh > st.rows["actions"]:
+            self._reclaim(keep=keep)
+            free = self._free_rows
+            fresh = n - free.size
+        if fresh <= 0:
+            rows = free[:n]
+            self._free_rows = free[n:]
+            return rows
+        first = self._next_row
+        if st.ensure("actions", first + fresh):
+            self._bind()
+        self._next_row += fresh
+        self._free_rows = free[:0]
+        return np.concatenate([free, np.arange(first, first + fresh, dtype=np.int64)])
+
+    # ------------------------------------------------------------------ retained outcomes
+
+    def _retained(self, aid):
+        """The retained outcome of action ``aid`` (an ActionId), or None."""
+        if aid.run_key not in self._runs:
+            return None     # a run the shard never saw has no retained action
+        text = str(aid)
+        raw = self._store.get(self._part_of(aid.tenant), "retained", retained_key(text))
+        return self._decode_retained(aid, raw) if raw is not None else None
+
+    def _retained_many(self, tenant, texts):
+        """Retained outcomes of the ids ``texts`` (one tenant), None where there is none."""
+        raws = self._store.get_many(self._part_of(tenant), "retained",
+                                    [retained_key(t) for t in texts])
+        return [None if raw is None else self._decode_retained(t, raw)
+                for t, raw in zip(texts, raws, strict=True)]
+
+    def _decode_retained(self, aid, raw):
+        part = self._part_of(aid.tenant if not isinstance(aid, str) else aid.split("/")[0])
+        key = retained_key(str(aid))
+        try:
+            text, content, ref, ended, queue, outcome = msgpack.unpackb(raw, raw=False)
+            phase, message, kind, cause, ur, sr, attempts = decode_outcome(outcome)
+        except Exception as exc:
+            raise CorruptRecord(part, "retained", key, f"undecodable retained outcome: "
+                                                      f"{exc}") from None
+        if text != str(aid):
+            raise CorruptRecord(part, "retained", key, f"retained outcome of {text} found "
+                                                      f"under the key of {aid}")
+        rec = ActionEdges(compiled=None, row=-1, phase=Phase(phase), message=message,
+                          error_kind=kind, cause=cause, attempts=attempts, user_retries=ur,
+                          system_retries=sr,
+                          first_enqueued_ns=attempts[0].enqueued_ns if attempts else 0)
+        return Retained(text, content, ref, ended, queue, rec)
+
+    def _same_retained(self, ret, spec, input_ref=None):
+        if ret.input_ref != input_ref:
+            return False
+        old = ret.spec()
+        return old == spec or decode_spec(encode_spec(old)) == decode_spec(encode_spec(spec))
+
+    def sweep_retention(self, limit=256):
+        """Delete up to ``limit`` retained outcomes per partition whose retention has
+        passed (``storage.retention`` after their row was reclaimed), in one loop turn.
+        ``schedule()`` calls it about once a second. Returns the number deleted."""
+        with self._turn():
+            return self._sweep_retention(self.clock.now_ns(), limit)
+
+    def _sweep_retention(self, now, limit):
+        stop = (now + 1).to_bytes(8, "big")
+        deleted = 0
+        for part in range(self._store.partitions):
+            for key, _value in self._store.scan_range(part, "expiry", b"", stop, limit):
+                self._op(part, "expiry", key, None)
+                self._op(part, "retained", key[8:], None)
+                deleted += 1
+        return deleted
+
