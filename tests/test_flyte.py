@@ -23,6 +23,7 @@ from flyteidl2.workflow import queue_service_pb2, run_definition_pb2
 from flyteplugins.dask import Dask, Scheduler, WorkerGroup
 from flyteplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from google.protobuf.json_format import MessageToDict
+from kubernetes.client import V1Container, V1PodSpec, V1ResourceRequirements
 
 from engine import Phase, SpecError, WaitCode
 from engine.cli import main
@@ -157,6 +158,19 @@ mig = flyte.TaskEnvironment(
 
 @mig.task
 async def sliced() -> int:
+    return 1
+
+
+with_sidecar = flyte.TaskEnvironment(
+    name="pod", resources=flyte.Resources(cpu=2, memory="4Gi"),
+    pod_template=flyte.PodTemplate(primary_container_name="primary", pod_spec=V1PodSpec(
+        containers=[V1Container(name="primary"),
+                    V1Container(name="proxy", image="envoy", resources=V1ResourceRequirements(
+                        requests={"cpu": "250m", "memory": "256Mi"}))])))
+
+
+@with_sidecar.task
+async def proxied() -> int:
     return 1
 
 
@@ -409,6 +423,13 @@ def test_limits_without_requests_request_the_limits_and_a_limit_below_is_refused
     with pytest.raises(SpecError, match=r"container.resources: cpu limit 100m is below its "
                                         r"request 500m"):
         flyte_action(request(etl, spec=spec))
+
+
+def test_a_pod_templates_containers_add_up_as_kubernetes_reserves_them():
+    eng, _ = engine()
+    [aid] = enqueue_flyte(eng, request(proxied))
+    # The task's resources go to the primary container; the sidecar's requests add to them.
+    assert demand(eng, aid) == one(cpu=2250, memory=4 * GiB + 256 * (1 << 20))
 
 
 def test_sdk_features_that_are_not_scheduling_inputs_are_accepted_unchanged():
