@@ -39,7 +39,7 @@ $(PY):
 
 $(DEPS): setup.py pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cython numpy
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,flyte]'
 	touch $@
 
 $(EXT): $(DEPS) $(EXT_SRC)

@@ -66,6 +66,15 @@ setup(
             "pycodestyle>=2.11",
             "matplotlib>=3.8",
         ],
+        # Flyte 2 declarations (engine.flyte, docs/flyte.md): the SDK with its pinned flyteidl2,
+        # and the plugins whose gang shapes the engine reads, so their tests build real tasks.
+        # kubernetes: the SDK's pod templates (a Ray group's own requests) need its client.
+        "flyte": [
+            "flyte==2.12.1",
+            "flyteplugins-ray==2.12.1",
+            "flyteplugins-dask==2.12.1",
+            "kubernetes>=30",
+        ],
     },
     entry_points={"console_scripts": ["leasehold = engine.cli:main"]},
     zip_safe=False,

@@ -77,7 +77,7 @@ class ActionId:
         return f"{self.run_key}/{self.action}"
 
 
-def _seconds(value, what, allow_none=True):
+def _seconds(value, what, allow_none=True, allow_zero=False):
     if value is None:
         if allow_none:
             return None
@@ -86,8 +86,8 @@ def _seconds(value, what, allow_none=True):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise SpecError(f"{what}: {value!r} is not a duration (seconds or timedelta)")
-    if value <= 0:
-        raise SpecError(f"{what}: {value!r} must be positive")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise SpecError(f"{what}: {value!r} must be {'>= 0' if allow_zero else 'positive'}")
     return float(value)
 
 
@@ -139,7 +139,8 @@ class ReusePolicy:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries and their backoff ``min(base * factor**n, cap)`` seconds."""
+    """Retries and their backoff ``min(base * factor**n, cap)`` seconds (a base or cap of 0
+    retries at once: Flyte's retries without a ``Backoff``)."""
 
     count: int = 0
     backoff_base: float = 1.0
@@ -318,11 +319,11 @@ def _compile(spec, aid, resources, queue_names, default_queue):
     if not isinstance(retries, RetryPolicy):
         raise SpecError(f"retries: {retries!r} is not a RetryPolicy")
     _count(retries.count, "retries.count", 0)
-    _seconds(retries.backoff_base, "retries.backoff_base", allow_none=False)
+    _seconds(retries.backoff_base, "retries.backoff_base", allow_none=False, allow_zero=True)
     if isinstance(retries.backoff_factor, bool) or not isinstance(
             retries.backoff_factor, (int, float)) or not retries.backoff_factor >= 1:
         raise SpecError(f"retries.backoff_factor: {retries.backoff_factor!r} must be >= 1")
-    _seconds(retries.backoff_cap, "retries.backoff_cap", allow_none=False)
+    _seconds(retries.backoff_cap, "retries.backoff_cap", allow_none=False, allow_zero=True)
 
     timeouts = spec.timeouts
     if not isinstance(timeouts, Timeouts):
@@ -335,8 +336,9 @@ def _compile(spec, aid, resources, queue_names, default_queue):
     if isinstance(retries.backoff_base, timedelta) or isinstance(retries.backoff_cap,
                                                                  timedelta):
         spec = replace(spec, retries=replace(
-            retries, backoff_base=_seconds(retries.backoff_base, "retries.backoff_base"),
-            backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap")))
+            retries, backoff_base=_seconds(retries.backoff_base, "retries.backoff_base",
+                                           allow_zero=True),
+            backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap", allow_zero=True)))
     if spec.reuse is not None and isinstance(spec.reuse.idle_ttl, timedelta):
         spec = replace(spec, reuse=replace(spec.reuse, idle_ttl=float(idle)))
 

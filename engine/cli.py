@@ -215,6 +215,54 @@ def _simulate(args):
     return 0 if results else 2
 
 
+def _flyte_decode(args):
+    """Decode one serialised flyteidl2 enqueue message and print the action it becomes."""
+    try:
+        from engine.flyte import flyte_action
+    except ImportError as exc:
+        print(f"leasehold: UNAVAILABLE: {exc}", file=sys.stderr)
+        return 2
+    from engine._model import compile_spec
+
+    cfg = load_config(args.config)
+    try:
+        raw = Path(args.file).read_bytes()
+    except OSError as exc:
+        print(f"leasehold: INVALID_ARGUMENT: cannot read {args.file}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    kinds = ("queue", "actions") if args.kind == "auto" else (args.kind,)
+    first = None
+    for kind in kinds:
+        try:
+            fa = flyte_action(raw, resources=cfg.resources, kind=kind)
+            break
+        except LeaseholdError as exc:
+            first = first or exc
+    else:
+        raise first
+    c = compile_spec(fa.spec, cfg.resources, {q.name for q in cfg.queues},
+                     cfg.engine.default_queue)
+    spec = fa.spec
+    out = {
+        "id": str(c.id), "task": spec.task, "parent": spec.parent,
+        "environment": spec.environment, "image": spec.image, "queue": c.queue,
+        "task_queue": spec.task_queue, "run_queue": spec.run_queue,
+        "resources": spec.resources,
+        "pods": None if spec.pods is None else [
+            {"role": g.role, "replicas": g.replicas, "resources": g.resources}
+            for g in spec.pods],
+        "demand": cfg.resources.describe(c.demand),
+        "reuse": None if spec.reuse is None else vars(spec.reuse),
+        "environment_key": c.env_key,
+        "retries": vars(spec.retries), "timeouts": vars(spec.timeouts),
+        "run_max_action_concurrency": spec.run_max_action_concurrency,
+        "input_uri": fa.input_uri,
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def _shown(path):
     """``path`` relative to the working directory when it is under it."""
     try:
@@ -290,6 +338,15 @@ def main(argv=None):
     p.add_argument("--skip-unfit", action="store_true",
                    help="drop (and count) jobs no cluster of their queue can ever hold")
     p.set_defaults(func=_simulate)
+    p = sub.add_parser("flyte-decode", help="print the action a serialised Flyte 2 enqueue "
+                       "message becomes (docs/flyte.md; needs leasehold[flyte])")
+    p.add_argument("file", help="a serialised flyteidl2 EnqueueActionRequest (queue service) "
+                   "or EnqueueRequest (actions service)")
+    p.add_argument("--kind", choices=("auto", "queue", "actions"), default="auto",
+                   help="which message the file holds (default: try queue, then actions)")
+    p.add_argument("--config", default=str(EXAMPLE_CONFIG),
+                   help="engine config whose resources and queues it is checked against")
+    p.set_defaults(func=_flyte_decode)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
