@@ -1,0 +1,308 @@
+"""Bounded memory: ended actions' rows are reclaimed, their outcomes retained in the store.
+
+What a user sees: an ended action stays answerable (explain, attempts, phase) for
+``storage.retention`` after its row went back to the free list; re-enqueueing its id is
+idempotent against the retained outcome; a token of the row's old action is refused forever;
+memory (the action table) is bounded by live work; a reload keeps all of it.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import (
+    ActionSpec,
+    AlreadyExists,
+    Engine,
+    ManualClock,
+    NotFound,
+    Phase,
+    Timeouts,
+    parse_config,
+)
+from engine._codes import LeaseKind, RowState, Verdict
+from storage import LmdbStore, MemoryStore
+from tests.conftest import make_engine
+
+
+def config(capacity=16, retention=None, scheduling="GREEDY_CAPACITY", path=None):
+    cfg = {
+        "resources": ["cpu"],
+        "clusters": {"east": {}},
+        "queues": {"main": {"scheduling": scheduling, "depth": 100000}},
+        "engine": {"default_queue": "main", "initial_capacity": capacity},
+    }
+    if retention is not None or path is not None:
+        cfg["storage"] = {}
+        if retention is not None:
+            cfg["storage"]["retention"] = retention
+        if path is not None:
+            cfg["storage"].update(path=str(path), partitions=4, map_size="4Mi")
+    return cfg
+
+
+def template(run, tenant="acme", **kw):
+    return ActionSpec(id=f"{tenant}/p/d/{run}/x", task="t", resources={"cpu": 1}, **kw)
+
+
+def run_to_success(eng, batch=None):
+    tokens = {}
+    for a in eng.tick():
+        tokens[str(a.action)] = a.token
+        assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+    return tokens
+
+
+def test_reclaimed_action_answers_from_the_store_and_its_row_is_reused():
+    eng, clock = make_engine(config())
+    ids = eng.enqueue_fanout(template("r1"), [f"a{i}" for i in range(10)])
+    clock.advance(1)
+    tokens = run_to_success(eng)
+    before = {str(a): eng.attempts(a) for a in ids}
+    assert eng.reclaim() == 10
+    view = eng.inspect()
+    assert view.free_rows.tolist() == list(range(10))
+    for a in ids:
+        assert view.find(a) is None
+        assert eng.explain(a).phase == Phase.SUCCEEDED
+        assert eng.phase(a) == Phase.SUCCEEDED
+        assert eng.attempts(a) == before[str(a)]
+    gens = view.arrays.a_gen[:10].copy()
+    # New work takes the reclaimed rows: the table does not grow.
+    new = eng.enqueue_fanout(template("r2"), [f"b{i}" for i in range(10)])
+    view = eng.inspect()
+    assert view.action_rows == 10 and view.free_rows.size == 0
+    assert sorted(view.find(a) for a in new) == list(range(10))
+    # ... and their generations count on from the old ones: an old token is refused, first
+    # with how its lease ended, and STALE once the row has a newer lease.
+    np.testing.assert_array_equal(view.arrays.a_gen[:10], gens)
+    old = tokens[str(ids[0])]
+    assert eng.report(old, Phase.RUNNING) == Verdict.COMPLETED
+    run_to_success(eng)
+    assert eng.report(old, Phase.SUCCEEDED) == Verdict.STALE
+    assert [r.verdict for r in eng.heartbeat("w-east", [old])] == [Verdict.STALE]
+
+
+def test_reenqueue_of_a_retained_action_is_idempotent_and_a_different_spec_refused():
+    eng, clock = make_engine(config())
+    spec = template("r1")
+    ids = eng.enqueue_fanout(spec, ["a0", "a1"], inputs=["s3://in/0", "s3://in/1"])
+    [single] = eng.enqueue_many([ActionSpec(id="acme/p/d/r1/solo", task="t",
+                                            resources={"cpu": 1})])
+    run_to_success(eng)
+    assert eng.reclaim() == 3
+    commits = eng.store.commits
+    assert list(eng.enqueue_fanout(spec, ["a0", "a1"], inputs=["s3://in/0", "s3://in/1"])) \
+        == list(ids)
+    assert eng.enqueue(ActionSpec(id="acme/p/d/r1/solo", task="t",
+                                  resources={"cpu": 1})) == single
+    assert eng.store.commits == commits and eng.inspect().free_rows.size == 3
+    with pytest.raises(AlreadyExists, match="a0 exists with a different spec"):
+        eng.enqueue_fanout(spec, ["a0"], inputs=["s3://other"])
+    with pytest.raises(AlreadyExists, match="solo exists with a different spec"):
+        eng.enqueue(ActionSpec(id="acme/p/d/r1/solo", task="t", resources={"cpu": 2}))
+    assert eng.store.commits == commits
+
+
+def test_a_row_with_children_in_the_table_is_not_reclaimed():
+    eng, clock = make_engine(config())
+    [parent] = eng.enqueue_many([ActionSpec(id="acme/p/d/r/root", task="t",
+                                            resources={"cpu": 1})])
+    run_to_success(eng)
+    kids = eng.enqueue_fanout(ActionSpec(id="acme/p/d/r/k", task="t", parent=str(parent),
+                                         resources={"cpu": 1}), ["k0", "k1"])
+    assert eng.reclaim() == 0          # the parent has children in the table
+    for a in eng.tick():
+        if a.action == kids[0]:
+            eng.report(a.token, Phase.SUCCEEDED)
+    assert eng.reclaim() == 1          # k0; k1 still runs, so the parent stays
+    view = eng.inspect()
+    assert view.find(parent) is not None and view.children(view.find(parent)) == [
+        view.find(kids[1])]
+    eng.abort(parent)                  # reaches k1 through the children index
+    assert eng.phase(kids[1]) == Phase.ABORTED
+    assert eng.reclaim() == 0          # k1's finalize lease has not ended
+    assert eng.explain(kids[0]).phase == Phase.SUCCEEDED
+
+
+def test_a_stale_timer_of_a_reclaimed_row_does_not_act_on_its_next_action():
+    eng, clock = make_engine(config())
+    [a] = eng.enqueue_many([template("r1", timeouts=Timeouts(deadline=100))])
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    eng.unregister_worker("w-east")    # nothing runs: the next action stays queued
+    [b] = eng.enqueue_many([template("r2")])
+    assert eng.inspect().find(b) == 0
+    clock.advance(200)                 # past a's deadline
+    eng.schedule()
+    assert eng.phase(b) == Phase.WAITING_FOR_RESOURCES and eng.phase(a) == Phase.SUCCEEDED
+    assert eng.inspect().arrays.a_state[0] == RowState.QUEUED
+
+
+def test_retention_deletes_expired_outcomes_in_batches_and_frees_the_id():
+    eng, clock = make_engine(config(retention="10s"))
+    spec = template("r1")
+    ids = eng.enqueue_fanout(spec, [f"a{i}" for i in range(5)])
+    run_to_success(eng)
+    assert eng.reclaim() == 5
+    clock.advance(9)
+    assert eng.sweep_retention() == 0 and eng.phase(ids[0]) == Phase.SUCCEEDED
+    clock.advance(2)
+    assert eng.sweep_retention(limit=2) == 2     # per partition, at most the limit
+    assert eng.sweep_retention() == 3
+    for a in ids:
+        with pytest.raises(NotFound):
+            eng.explain(a)
+    # The id is free again: a new action of it is enqueued (and queued).
+    eng.enqueue_fanout(spec, ["a0"])
+    assert eng.phase(ids[0]) == Phase.QUEUED
+
+
+def test_schedule_sweeps_expired_outcomes_about_once_a_second():
+    eng, clock = make_engine(config(retention=5))
+    ids = eng.enqueue_fanout(template("r1"), ["a0"])
+    run_to_success(eng)
+    eng.reclaim()
+    clock.advance(6)
+    eng.schedule()
+    with pytest.raises(NotFound):
+        eng.explain(ids[0])
+
+
+def test_the_table_is_bounded_by_live_work_not_by_history():
+    eng, clock = make_engine(config(capacity=64), workers={"w": ("east", 32)})
+    for b in range(50):
+        eng.enqueue_fanout(template(f"r{b}"), [f"a{i}" for i in range(20)])
+        for a in eng.tick():
+            eng.report(a.token, Phase.SUCCEEDED)
+    view = eng.inspect()
+    assert view.arrays.a_state.shape[0] == 64     # never grew
+    assert view.action_rows <= 64
+    assert eng.explain("acme/p/d/r0/x".replace("/x", "/a3")).phase == Phase.SUCCEEDED
+
+
+def test_reload_keeps_free_rows_generations_retained_outcomes_and_fifo(tmp_path):
+    cfg = parse_config(config(path=tmp_path / "s", scheduling="STRICT_FIFO"), source="<t>")
+    clock = ManualClock()
+    eng = Engine(cfg, clock=clock)
+    eng.register_worker("w", "east", 100)
+    first = eng.enqueue_fanout(template("r1", tenant="acme"), [f"a{i}" for i in range(8)])
+    tokens = run_to_success(eng)
+    assert eng.reclaim() == 8
+    eng.unregister_worker("w")
+    # Another tenant (another partition) reuses rows 0..3; then more work on new rows.
+    clock.advance(1)
+    early = eng.enqueue_fanout(template("r2", tenant="zeta"), [f"b{i}" for i in range(4)])
+    clock.advance(1)
+    late = eng.enqueue_fanout(template("r3", tenant="acme"), [f"c{i}" for i in range(6)])
+    view = eng.inspect()
+    before = {n: getattr(view.arrays, n)[:view.action_rows].copy()
+              for n in ("a_state", "a_gen", "a_released_gen", "a_end", "a_seq")}
+    free_before = view.free_rows.tolist()
+    eng.close()
+
+    eng = Engine(cfg, clock=clock)
+    view = eng.inspect()
+    assert view.free_rows.tolist() == free_before
+    for name, values in before.items():
+        np.testing.assert_array_equal(getattr(view.arrays, name)[:view.action_rows], values,
+                                      err_msg=name)
+    assert eng.explain(first[5]).phase == Phase.SUCCEEDED
+    assert eng.report(tokens[str(first[1])], Phase.RUNNING) in (Verdict.COMPLETED,
+                                                                Verdict.STALE)
+    # Lanes come back in enqueue order, whatever the row numbers: the reloaded engine
+    # places exactly what one that never restarted places, in the same order.
+    eng.register_worker("w", "east", 100)
+    order = [str(a.action) for a in eng.tick()]
+    eng.close()
+    twin = Engine(parse_config(config(path=tmp_path / "twin", scheduling="STRICT_FIFO"),
+                               source="<t>"), clock=ManualClock())
+    twin.register_worker("w", "east", 100)
+    twin.enqueue_fanout(template("r1", tenant="acme"), [f"a{i}" for i in range(8)])
+    run_to_success(twin)
+    twin.reclaim()
+    twin.unregister_worker("w")
+    twin.enqueue_fanout(template("r2", tenant="zeta"), [f"b{i}" for i in range(4)])
+    twin.enqueue_fanout(template("r3", tenant="acme"), [f"c{i}" for i in range(6)])
+    twin.register_worker("w", "east", 100)
+    assert order == [str(a.action) for a in twin.tick()]
+    assert sorted(order) == sorted(str(a) for a in [*early, *late])
+    twin.close()
+
+
+def test_a_reload_takes_the_newest_free_record_of_a_row_reused_across_partitions(tmp_path):
+    cfg = parse_config(config(path=tmp_path / "s"), source="<t>")
+    clock = ManualClock()
+    eng = Engine(cfg, clock=clock)
+    eng.register_worker("w", "east", 100)
+    for tenant in ("acme", "zeta", "acme", "beta"):
+        eng.enqueue_fanout(template(f"r-{tenant}-{clock.now_ns()}", tenant=tenant), ["a"])
+        run_to_success(eng)
+        assert eng.reclaim() == 1
+        clock.advance(1)
+    gen = int(eng.inspect().arrays.a_gen[0])
+    assert gen == 4
+    eng.close()
+    eng = Engine(cfg, clock=clock)
+    assert eng.inspect().free_rows.tolist() == [0]
+    assert int(eng.inspect().arrays.a_gen[0]) == gen
+    eng.close()
+
+
+# ------------------------------------------------------------------ property
+
+ops = st.lists(st.sampled_from(["enqueue", "tick", "succeed", "fail", "abort", "reclaim",
+                                "advance"]), min_size=5, max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, seed=st.integers(0, 1 << 16))
+def test_a_token_of_a_reclaimed_rows_old_action_is_always_refused(ops, seed):
+    """Every token ever handed out for an action that has since ended (or been superseded)
+    is refused by heartbeat and report, whatever rows are reclaimed and reused between."""
+    import random
+    rng = random.Random(seed)
+    eng, clock = make_engine(config(capacity=16), store=MemoryStore(2),
+                             workers={"w": ("east", 6)})
+    live = {}        # token -> action id (its lease is current)
+    dead = []        # tokens whose lease ended
+    run = 0
+    for op in ops:
+        if op == "enqueue":
+            run += 1
+            eng.enqueue_fanout(template(f"r{run}", tenant=rng.choice(["acme", "zeta"])),
+                               [f"a{i}" for i in range(rng.randint(1, 5))])
+        elif op == "tick":
+            for a in eng.tick():
+                if a.kind == LeaseKind.FINALIZE:
+                    # Cleanup after an abort: done at once (then the row may be reclaimed).
+                    assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+                    dead.append(a.token)
+                else:
+                    live[a.token] = str(a.action)
+        elif op in ("succeed", "fail") and live:
+            tok = rng.choice(sorted(live))
+            phase = Phase.SUCCEEDED if op == "succeed" else Phase.FAILED
+            kw = {} if op == "succeed" else {"error_kind": "USER", "recoverable": False}
+            eng.report(tok, phase, **kw)    # (refused if its lease expired meanwhile)
+            del live[tok]
+            dead.append(tok)
+        elif op == "abort" and live:
+            tok = rng.choice(sorted(live))
+            eng.abort(live.pop(tok))
+            dead.append(tok)
+        elif op == "reclaim":
+            eng.reclaim()
+        else:
+            clock.advance(rng.choice([0.1, 1.0]))
+            eng.heartbeat("w", sorted(live))
+        if dead:
+            refused = {r.token: r.verdict for r in eng.heartbeat("w", dead)}
+            assert set(refused) == set(dead), "a dead token was accepted"
+            assert Verdict.OK not in refused.values()
+            tok = rng.choice(dead)
+            assert eng.report(tok, Phase.SUCCEEDED) != Verdict.OK
+    view = eng.inspect()
+    free = view.free_rows
+    assert (view.arrays.a_state[free] == RowState.FREE).all()
