@@ -22,7 +22,7 @@ from engine import (
     parse_config,
 )
 from engine._codes import LeaseKind, RowState, Verdict
-from storage import LmdbStore, MemoryStore
+from storage import MemoryStore
 from tests.conftest import make_engine
 
 
