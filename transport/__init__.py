@@ -2,6 +2,28 @@
 authorisation of peers (``docs/security.md``), and the socket setup shared by the shard,
 its workers and its clients."""
 
+from transport._auth import (
+    ADMIN,
+    CLIENT,
+    INSECURE,
+    INSECURE_PEER,
+    WORKER,
+    Authenticator,
+    Peer,
+    PermissionDenied,
+    Unauthenticated,
+    authorize,
+    peer_of,
+)
+from transport._keys import (
+    ClientKeys,
+    Keyring,
+    generate_keypair,
+    load_client_keys,
+    load_keyring,
+    load_public_key,
+    load_secret_key,
+)
 from transport._protocol import (
     ERROR_CODES,
     TOKEN_DTYPE,
@@ -34,8 +56,31 @@ from transport._protocol import (
     encode,
     tokens_array,
 )
+from transport._sockets import client_socket, recv, send, server_socket
 
 __all__ = [
+    "ADMIN",
+    "CLIENT",
+    "INSECURE",
+    "INSECURE_PEER",
+    "WORKER",
+    "Authenticator",
+    "ClientKeys",
+    "Keyring",
+    "Peer",
+    "PermissionDenied",
+    "Unauthenticated",
+    "authorize",
+    "client_socket",
+    "generate_keypair",
+    "load_client_keys",
+    "load_keyring",
+    "load_public_key",
+    "load_secret_key",
+    "peer_of",
+    "recv",
+    "send",
+    "server_socket",
     "ERROR_CODES",
     "TOKEN_DTYPE",
     "VERSION",
