@@ -239,6 +239,35 @@ def test_keyring_errors_name_the_key_or_file(keys):
                                       "security": {"insecure": True}}).security) is None
 
 
+@pytest.mark.parametrize(("security", "text"), [
+    ({"peers": {"w": {"role": "worker"}}}, "security.peers.w.cluster: missing"),
+    ({"peers": {"w": {"role": "worker", "cluster": "north"}}},
+     "security.peers.w.cluster: 'north' is invalid; allowed: a configured cluster (east, west)"),
+    ({"peers": {"c": {"role": "client"}}}, "security.peers.c.tenants: None is invalid"),
+    ({"peers": {"c": {"role": "client", "tenants": ["a/b/c/d"]}}},
+     "security.peers.c.tenants: 'a/b/c/d' is invalid"),
+    ({"peers": {"c": {"role": "client", "tenants": ["a"], "cluster": "east"}}},
+     "security.peers.c.cluster: 'east' is invalid; allowed: no cluster for a client"),
+    ({"peers": {"o": {"role": "admin", "tenants": ["a"]}}}, "security.peers.o.tenants"),
+    ({"peers": {"o": {"role": "root"}}},
+     "security.peers.o.role: 'root' is invalid; allowed: worker, client, admin"),
+    ({"peers": {"o": {}}}, "security.peers.o.role: missing"),
+    ({"peers": {"o": {"role": "admin", "public_key": "short"}}},
+     "security.peers.o.public_key: 'short' is invalid"),
+    ({"peers": {"o": {"role": "admin", "colour": 1}}}, "security.peers.o.colour: unknown key"),
+    ({"insecure": "yes"}, "security.insecure: 'yes' is invalid; allowed: true or false"),
+    ({"insecure": True, "peers": {"o": {"role": "admin"}}},
+     "security.insecure: True is invalid; allowed: false while security.peers are configured"),
+    ({"keys": "x"}, "security.keys: unknown key"),
+])
+def test_security_config_errors_name_the_key(security, text):
+    data = {"resources": ["cpu"], "clusters": {"east": {}, "west": {}}, "security": security}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source="leasehold.toml")
+    assert str(info.value).startswith("leasehold.toml: ")
+    assert text in str(info.value), str(info.value)
+
+
 def test_the_cli_writes_a_pair_and_prints_its_config(tmp_path, capsys):
     d = tmp_path / "keys"
     assert cli(["keys", "generate", "--dir", str(d), "--name", "shard"]) == 0

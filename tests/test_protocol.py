@@ -4,6 +4,7 @@ wrong-version message is a ProtocolError naming what was wrong, and nothing else
 out of decode, whatever the bytes (property tests)."""
 
 import dataclasses
+import re
 
 import msgpack
 import numpy as np
@@ -12,7 +13,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import ActionSpec, Engine, ManualClock, Phase, Timeouts, parse_config
+from engine import ActionSpec, ConfigError, Engine, ManualClock, Phase, Timeouts, parse_config
 from engine._codes import PHASE_CODE, Verdict
 from engine._config import TransportSettings
 from storage import MemoryStore
@@ -235,7 +236,12 @@ def test_header_must_be_a_msgpack_map():
     refused([f0, msgpack.packb({1: 2})], "BAD_MESSAGE", "not valid msgpack")
     refused([f0, b"\x91" * 3000], "BAD_MESSAGE", "not valid msgpack")     # nesting past the stack
     refused([f0, msgpack.packb({"rid": msgpack.ExtType(5, b"x")})], "BAD_MESSAGE",
-            "extension type 5 is not allowed")
+            "'rid' must be an integer, not ExtType")
+    # A large header unpacks with explicit bounds, and refuses extension types at once.
+    big = {"rid": msgpack.ExtType(5, b"x"), "free": {f"r{i:060d}": 1 for i in range(100)}}
+    refused([f0, msgpack.packb(big)], "BAD_MESSAGE", "extension type 5 is not allowed")
+    wide = {"rid": 1, "n": 0, "free": {"cpu": [0] * 200_000}}
+    refused([f0, msgpack.packb(wide), b""], "BAD_MESSAGE", "exceeds max_array_len")
 
 
 def test_keys_are_checked_by_name():
@@ -312,6 +318,8 @@ def test_column_values_are_in_range():
     refused(with_header(rep, {"details": [{"i": 1}, {"i": 1}]}), "BAD_MESSAGE", "appears twice")
     refused(with_header(rep, {"details": [{"i": 1, "why": "?"}]}), "BAD_MESSAGE",
             "details[0]: unknown key(s) 'why'")
+    refused(with_header(rep, {"details": [{"i": 1}, {"i": 2, "message": 5}]}), "BAD_MESSAGE",
+            "details[1]: 'message' must be a string, not int")
     ref = BY_TYPE[MsgType.REFUSED]
     refused(wire(dataclasses.replace(ref, verdicts=np.array([0, 1], np.uint8))), "BAD_MESSAGE",
             "'verdicts'[0] = 0 is not a refusal verdict")
@@ -358,6 +366,20 @@ def test_size_limits_name_the_setting():
     refused(wire(Refused(rid=1, tokens=toks(50), verdicts=np.ones(50, np.uint8))), "TOO_LARGE",
             "'tokens' frame of 1200 bytes > 1024 (transport.max_frame_bytes)", big)
     refused(wire(HB) + [b"", b""], "TOO_LARGE", "too many frames: 5 > 4", small)
+
+
+def test_limits_come_from_the_transport_config_table():
+    base = {"resources": ["cpu"], "clusters": {"east": {}}}
+    cfg = parse_config({**base, "transport": {"max_tokens": 10, "hwm": 50}})
+    assert cfg.transport.max_tokens == 10 and cfg.transport.hwm == 50
+    assert cfg.transport.max_batch == TransportSettings().max_batch
+    refused(wire(Heartbeat(rid=1, tokens=toks(11))), "TOO_LARGE", "11 > 10", cfg.transport)
+    for table, text in (({"max_tokenz": 1}, "transport.max_tokenz: unknown key"),
+                        ({"max_frames": 1}, "transport.max_frames: 1 is invalid; allowed: an "
+                                            "integer >= 2"),
+                        ({"hwm": "many"}, "transport.hwm: 'many' is invalid")):
+        with pytest.raises(ConfigError, match=re.escape(text)):
+            parse_config({**base, "transport": table})
 
 
 def test_an_error_carries_the_request_id_when_the_header_was_readable():

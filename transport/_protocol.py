@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
-import zmq
 
 from engine._codes import PHASES, LeaseKind, Phase, Verdict
 from engine._config import TransportSettings
@@ -376,8 +375,8 @@ _ID_RULE = "an action id tenant/project/domain/run/action"
 _RUN_RULE = "a run key tenant/project/domain/run"
 _PHASE_NAMES = tuple(p.value for p in Phase)
 _N_PHASES = len(PHASES)
-_MAX_VERDICT = max(Verdict)
-_MAX_KIND = max(LeaseKind)
+_MAX_VERDICT = int(max(Verdict))
+_MAX_KIND = int(max(LeaseKind))
 _DETAIL_KEYS = frozenset({"i", "error_kind", "cause", "message", "recoverable", "cleanup"})
 _SHAPE_KEYS = frozenset({"name", "count", "allocatable"})
 _GROUP_KEYS = frozenset({"run", "spec"})
@@ -405,13 +404,17 @@ def _build_schemas(lim):
     spec = sc.spec_map(lim.max_name)
     i64 = sc.integer(-sc.MAX_INT, sc.MAX_INT)
 
+    count = sc.integer(1, sc.MAX_INT)
+    row = sc.integer(0, lim.max_batch)
+    word = sc.string(64, _NAME, _NAME_RULE)
+
     def shape(value, key):
         if type(value) is not dict:
             raise SchemaError(f"{key} must be a map (name, count, allocatable)")
         _keys(value, _SHAPE_KEYS, ("count", "allocatable"), key)
         if "name" in value:
             name(value["name"], f"{key}.name")
-        sc.integer(1, sc.MAX_INT)(value["count"], f"{key}.count")
+        count(value["count"], f"{key}.count")
         sc.quantities(value["allocatable"], f"{key}.allocatable")
 
     def group(value, key):
@@ -425,15 +428,18 @@ def _build_schemas(lim):
         if type(value) is not dict:
             raise SchemaError(f"{key} must be a map (i, error_kind, cause, message, ...)")
         _keys(value, _DETAIL_KEYS, ("i",), key)
-        sc.integer(0, lim.max_batch)(value["i"], f"{key}.i")
-        for k in ("error_kind", "cause"):
-            if value.get(k) is not None:
-                sc.string(64, _NAME, _NAME_RULE)(value[k], f"{key}.{k}")
-        if value.get("message") is not None:
-            text(value["message"], f"{key}.message")
-        for k in ("recoverable", "cleanup"):
-            if value.get(k) is not None:
-                sc.boolean(value[k], f"{key}.{k}")
+        try:    # keys named bare, and the detail's place added only to an error
+            row(value["i"], "i")
+            for k in ("error_kind", "cause"):
+                if value.get(k) is not None:
+                    word(value[k], k)
+            if value.get("message") is not None:
+                text(value["message"], "message")
+            for k in ("recoverable", "cleanup"):
+                if value.get(k) is not None:
+                    sc.boolean(value[k], k)
+        except SchemaError as exc:
+            raise SchemaError(f"{key}: {exc.text}", exc.code) from None
 
     def fanout_post(m, lim):
         if m.inputs is not None and len(m.inputs) != len(m.names):
@@ -562,6 +568,12 @@ def _keys(table, allowed, required, where):
 # Decoding
 
 
+# Headers up to this size unpack with msgpack's defaults (strict map keys, str as str, and
+# every length bounded by the buffer's): at most this many objects. ExtType and Timestamp
+# objects they may hold are refused by the schema checks like any other wrong type.
+_SMALL_HEADER = 4096
+
+
 def _refuse_ext(code, data):
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
@@ -570,9 +582,7 @@ def _buffer(frame):
     """A frame's bytes as a 1-D byte buffer, without a copy."""
     if type(frame) is bytes:
         return frame
-    if isinstance(frame, zmq.Frame):
-        return frame.buffer
-    view = memoryview(frame)
+    view = memoryview(frame)        # a zmq.Frame's buffer, cheaper than Frame.buffer
     if view.ndim != 1 or view.format != "B":
         if not view.nbytes:
             return b""          # memoryview cannot cast an empty shape
@@ -635,7 +645,10 @@ class Decoder:
                                              f"{lim.max_header_bytes} (transport.max_header_bytes)",
                                 type=mtype)
         try:
-            header = msgpack.unpackb(raw, **self._unpack_kw)
+            # msgpack 1.x's defaults bound every length by the buffer's own, and a small
+            # header cannot expand far: the explicit bounds are for the large ones.
+            header = (msgpack.unpackb(raw) if len(raw) <= _SMALL_HEADER
+                      else msgpack.unpackb(raw, **self._unpack_kw))
         except Exception as exc:    # msgpack raises several kinds on malformed input
             raise ProtocolError("BAD_MESSAGE", f"{mtype.name} header is not valid msgpack: "
                                                f"{type(exc).__name__}: {exc}",

@@ -139,7 +139,12 @@ def list_of(inner, limit, limit_name, minimum=1):
 
 
 def strings(limit, count, count_name, pattern=None, rule=None, nullable=False, minimum=1):
-    """A list of strings, checked in one pass (the fan-out names: no call per name)."""
+    """A list of strings (or nils when ``nullable``), each of 1..``limit`` characters and
+    matching ``pattern`` when given. The fan-out names: the checks run as C-level passes
+    over the list (types, lengths, matches), and only a failure walks it item by item to
+    name the bad one."""
+    allowed = {str, type(None)} if nullable else {str}
+    one = string(limit, pattern, rule)
 
     def check(value, key):
         if type(value) is not list:
@@ -150,14 +155,21 @@ def strings(limit, count, count_name, pattern=None, rule=None, nullable=False, m
                               "TOO_LARGE")
         if n < minimum:
             raise SchemaError(f"{key!r} must have at least {minimum} item(s)")
-        for i, s in enumerate(value):
-            if type(s) is str:
-                if len(s) > limit or not s or (pattern is not None and not pattern.match(s)):
-                    string(limit, pattern, rule)(s, f"{key}[{i}]")
-            elif not (nullable and s is None):
+        if not n:
+            return value
+        texts = [v for v in value if v is not None] if nullable else value
+        if (set(map(type, value)) <= allowed and "" not in texts
+                and max(map(len, texts), default=0) <= limit
+                and (pattern is None or all(map(pattern.match, texts)))):
+            return value
+        for i, v in enumerate(value):      # name the first bad item
+            if v is None and nullable:
+                continue
+            if type(v) is not str:
                 raise SchemaError(f"{key}[{i}] must be a string"
-                                  f"{' or nil' if nullable else ''}, not {kind_of(s)}")
-        return value
+                                  f"{' or nil' if nullable else ''}, not {kind_of(v)}")
+            one(v, f"{key}[{i}]")
+        raise AssertionError("unreachable: some item failed the fast check")
 
     return check
 
@@ -175,33 +187,64 @@ def choice(values):
     return check
 
 
-def plain(value, key, depth=0):
-    """``value`` if it is plain data to :data:`MAX_DEPTH` levels, else SchemaError."""
+def _is_plain(value, depth):
+    # The fast walk: no paths built; plain() walks again to name what failed.
     t = type(value)
     if t is str or t is bool or value is None:
+        return True
+    if t is int:
+        return _MIN_INT <= value <= MAX_INT
+    if t is float:
+        return math.isfinite(value)
+    if depth >= MAX_DEPTH:
+        return False
+    if t is list:
+        for item in value:
+            if not _is_plain(item, depth + 1):
+                return False
+        return True
+    if t is dict:
+        for k, item in value.items():
+            if type(k) is not str or not _is_plain(item, depth + 1):
+                return False
+        return True
+    return False
+
+
+def plain(value, key, depth=0):
+    """``value`` if it is plain data to :data:`MAX_DEPTH` levels, else SchemaError naming
+    the first part that is not."""
+    if _is_plain(value, depth):
         return value
+    _explain(value, key, depth)
+    raise AssertionError("unreachable: _explain raises")
+
+
+def _explain(value, key, depth):
+    t = type(value)
+    if t is str or t is bool or value is None:
+        return
     if t is int:
         if not _MIN_INT <= value <= MAX_INT:
             raise SchemaError(f"{key} = {value} is outside int64")
-        return value
+        return
     if t is float:
         if not math.isfinite(value):
             raise SchemaError(f"{key} = {value} is not a finite number")
-        return value
+        return
+    if t not in (list, dict):
+        raise SchemaError(f"{key} holds {kind_of(value)}, not plain data (map, list, string, "
+                          f"number, boolean, nil)")
     if depth >= MAX_DEPTH:
         raise SchemaError(f"{key} nests deeper than {MAX_DEPTH} levels")
     if t is list:
         for i, item in enumerate(value):
-            plain(item, f"{key}[{i}]", depth + 1)
-        return value
-    if t is dict:
-        for k, item in value.items():
-            if type(k) is not str:
-                raise SchemaError(f"{key} has a key that is not a string ({kind_of(k)})")
-            plain(item, f"{key}.{k}", depth + 1)
-        return value
-    raise SchemaError(f"{key} holds {kind_of(value)}, not plain data (map, list, string, "
-                      f"number, boolean, nil)")
+            _explain(item, f"{key}[{i}]", depth + 1)
+        return
+    for k, item in value.items():
+        if type(k) is not str:
+            raise SchemaError(f"{key} has a key that is not a string ({kind_of(k)})")
+        _explain(item, f"{key}.{k}", depth + 1)
 
 
 def plain_map(empty=True):
