@@ -482,7 +482,7 @@ def _build_schemas(lim):
 
     def refused_post(m, lim):
         v = m.verdicts
-        if len(v):
+        if len(v) and (v.min() == 0 or v.max() > _MAX_VERDICT):    # two reductions
             bad = (v == 0) | (v > _MAX_VERDICT)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
