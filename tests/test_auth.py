@@ -15,8 +15,9 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from engine import ConfigError, parse_config
+from engine import ActionSpec, ConfigError, parse_config
 from engine.cli import main as cli
+from tests.conftest import make_engine
 from transport import (
     ADMIN,
     CLIENT,
@@ -58,6 +59,7 @@ from transport import (
     recv,
     send,
     server_socket,
+    visible_metrics,
 )
 
 WAIT = 5.0      # the longest any single wait may take (seconds)
@@ -494,3 +496,28 @@ def test_authorize_and_owns_without_sockets():
     authorize(client, Status(rid=1, actions=["acme/p/d/r/a"]))
     for peer in (client, worker, Peer(role=ADMIN, name="o"), INSECURE_PEER):
         authorize(peer, Ping(rid=1))
+
+
+def test_queue_metrics_hide_a_blocked_head_of_another_tenant():
+    eng, clock = make_engine({"resources": ["cpu"],
+                              "clusters": {"east": {"capacity": {"cpu": 4}}},
+                              "queues": {"q": {"scheduling": "STRICT_FIFO"}},
+                              "engine": {"default_queue": "q"}})
+    try:
+        eng.enqueue(ActionSpec(id="globex/ml/prod/r/big", task="t", resources={"cpu": 4}))
+        eng.enqueue(ActionSpec(id="globex/ml/prod/r/next", task="t", resources={"cpu": 4}))
+        clock.advance(1)
+        eng.schedule()
+        metrics = eng.queue_metrics()
+        assert metrics["q"]["head_blocked"]["action"] == "globex/ml/prod/r/next"
+        acme = Peer(role=CLIENT, name="acme-app", tenants=("acme",))
+        seen = visible_metrics(acme, metrics)["q"]
+        assert seen["head_blocked"]["action"] is None and seen["head_blocked"]["reason"] is None
+        assert seen["head_blocked"]["code"] == metrics["q"]["head_blocked"]["code"]
+        assert seen["depth"] == metrics["q"]["depth"] == 1
+        assert metrics["q"]["head_blocked"]["action"] is not None     # the input is untouched
+        ml = Peer(role=CLIENT, name="ml-app", tenants=("globex/ml",))
+        assert visible_metrics(ml, eng.queue_metrics("q")) == eng.queue_metrics("q")
+        assert visible_metrics(Peer(role=ADMIN, name="ops"), metrics) == metrics
+    finally:
+        eng.close()

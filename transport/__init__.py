@@ -14,6 +14,7 @@ from transport._auth import (
     Unauthenticated,
     authorize,
     peer_of,
+    visible_metrics,
 )
 from transport._keys import (
     ClientKeys,
@@ -81,6 +82,7 @@ __all__ = [
     "recv",
     "send",
     "server_socket",
+    "visible_metrics",
     "ERROR_CODES",
     "TOKEN_DTYPE",
     "VERSION",

@@ -32,6 +32,7 @@ __all__ = [
     "Authenticator",
     "peer_of",
     "authorize",
+    "visible_metrics",
 ]
 
 WORKER, CLIENT, ADMIN = "worker", "client", "admin"
@@ -280,3 +281,23 @@ def authorize(peer, msg):
                                        f"{msg.worker!r}")
         return
     raise PermissionDenied(f"{t.name} is sent by a shard, not to one")
+
+
+def visible_metrics(peer, metrics):
+    """``Engine.queue_metrics`` output (one queue's map, or ``{queue: map}``) as ``peer`` may
+    see it: queues are shared, so a client sees every queue's counts, but a blocked head
+    outside its tenants shows as ``{"action": None, "reason": None, ...}`` (its wait code,
+    age and demand stay: they say why the queue is stuck, not whose work it is). Returns a
+    copy; admins and insecure peers see everything."""
+    if peer.role in (ADMIN, INSECURE):
+        return metrics
+    if "depth" in metrics:      # one queue's map
+        return _visible_queue(peer, metrics)
+    return {name: _visible_queue(peer, q) for name, q in metrics.items()}
+
+
+def _visible_queue(peer, q):
+    head = q.get("head_blocked")
+    if head is None or (head.get("action") and peer.owns(head["action"])):
+        return dict(q)
+    return {**q, "head_blocked": {**head, "action": None, "reason": None}}
