@@ -406,6 +406,35 @@ def test_insecure_is_explicit_and_loud(keys, caplog):
         s.close()
 
 
+def test_sockets_bound_their_queues_and_never_linger(keys):
+    ctx = zmq.Context()
+    limits = parse_config({"resources": ["cpu"], "clusters": {"east": {}},
+                           "transport": {"hwm": 77, "max_frame_bytes": 2048,
+                                         "max_header_bytes": 4096}}).transport
+    try:
+        router = server_socket(ctx, "tcp://127.0.0.1:*", settings=limits, heartbeat=0.5)
+        dealer = client_socket(ctx, router.last_endpoint.decode(), settings=limits,
+                               routing_id=b"me")
+        try:
+            for sock in (router, dealer):
+                assert (sock.linger, sock.sndhwm, sock.rcvhwm) == (0, 77, 77)
+            assert router.maxmsgsize == 4096
+            assert (router.heartbeat_ivl, router.heartbeat_timeout) == (500, 1500)
+            assert dealer.immediate == 1 and dealer.routing_id == b"me"
+            # ROUTER_MANDATORY: a send to a peer that is not there is refused, not dropped.
+            assert send(router, encode(Ping(rid=1)), routing_id=b"nobody") is False
+            # A frame past the socket's size limit drops the connection before it is read.
+            send_when_connected(dealer, Ping(rid=2))
+            assert recv(router, WAIT) is not None
+            dealer.send_multipart([b"\x2a", b"x" * 5000])
+            assert recv(router, 0.3) is None
+        finally:
+            router.close(0)
+            dealer.close(0)
+    finally:
+        ctx.term()
+
+
 def test_a_message_without_user_id_is_unauthenticated(shard):
     with pytest.raises(Unauthenticated, match="no ZAP User-Id"):
         peer_of(zmq.Frame(b"x"), shard.keyring)

@@ -21,20 +21,29 @@ __all__ = ["server_socket", "client_socket", "send", "recv"]
 log = logging.getLogger("leasehold.transport")
 
 
-def _common(sock, settings):
+def _common(sock, settings, heartbeat):
     sock.linger = 0
     sock.sndhwm = settings.hwm
     sock.rcvhwm = settings.hwm
+    if heartbeat is not None:
+        # ZMTP pings: a peer silent for 3 intervals is disconnected (a ROUTER then forgets
+        # it, a DEALER reconnects), instead of a half-open TCP connection lingering.
+        ms = max(1, int(heartbeat * 1000))
+        sock.heartbeat_ivl = ms
+        sock.heartbeat_timeout = 3 * ms
+        sock.heartbeat_ttl = 3 * ms
 
 
-def server_socket(context, endpoint, keyring=None, authenticator=None, settings=None):
+def server_socket(context, endpoint, keyring=None, authenticator=None, settings=None,
+                  heartbeat=None):
     """A ROUTER bound to ``endpoint``: CURVE with the keyring's server pair, checked by
     ``authenticator`` (which must be running: without a ZAP handler libzmq would accept
-    any key), or plain when ``keyring`` is None (insecure; logged at CRITICAL)."""
+    any key), or plain when ``keyring`` is None (insecure; logged at CRITICAL).
+    ``heartbeat``: seconds between ZMTP pings (None: off), see :func:`client_socket`."""
     settings = settings if settings is not None else TransportSettings()
     sock = context.socket(zmq.ROUTER)
     try:
-        _common(sock, settings)
+        _common(sock, settings, heartbeat)
         sock.router_mandatory = 1
         # A frame past the larger of the two frame limits is never valid: refuse it before
         # it is buffered (libzmq drops the connection).
@@ -57,15 +66,17 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
     return sock
 
 
-def client_socket(context, endpoint, keys=None, settings=None, routing_id=None):
+def client_socket(context, endpoint, keys=None, settings=None, routing_id=None,
+                  heartbeat=None):
     """A DEALER connected to ``endpoint``: CURVE with ``keys`` (a ClientKeys), or plain when
     ``keys`` is None (a shard run insecure). Messages queue only to a completed connection
     (``ZMQ_IMMEDIATE``), so a send to a shard that is down or refused the key fails with
-    :func:`send` returning False instead of piling up."""
+    :func:`send` returning False instead of piling up. ``heartbeat``: seconds between ZMTP
+    pings; a connection silent for three of them is dropped (None: off)."""
     settings = settings if settings is not None else TransportSettings()
     sock = context.socket(zmq.DEALER)
     try:
-        _common(sock, settings)
+        _common(sock, settings, heartbeat)
         sock.immediate = 1
         if routing_id is not None:
             sock.routing_id = routing_id
