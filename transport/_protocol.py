@@ -601,13 +601,14 @@ class Decoder:
         self._schemas = _build_schemas(self.limits)
         lim = self.limits
         most = max(lim.max_batch, lim.max_fanout, lim.max_tokens)
-        # msgpack's own bounds: no list or map longer than a valid header can hold (so a
-        # small header cannot expand into a huge object), extension types refused (bytes and
-        # timestamps decode, and the schema refuses them by name).
+        # The bounds of a large header (past _SMALL_HEADER): no list or map longer than a
+        # valid header can hold, so a few MiB cannot expand into millions of objects;
+        # extension types refused at once (bytes and timestamps decode, and the schema
+        # refuses them by name).
         self._unpack_kw = dict(raw=False, strict_map_key=True, use_list=True,
                                ext_hook=_refuse_ext, max_str_len=lim.max_header_bytes,
                                max_bin_len=lim.max_header_bytes, max_array_len=most,
-                               max_map_len=4096, max_ext_len=64)
+                               max_map_len=most, max_ext_len=64)
         # Frame 0's byte -> what decoding it needs, looked up once a message.
         self._by_byte = [None] * 256
         for t, sch in self._schemas.items():
