@@ -117,19 +117,25 @@ def optional(inner):
     return check
 
 
+def _sized_list(value, key, limit, limit_name, minimum):
+    """``value``'s length, if it is a list of ``minimum``..``limit`` items."""
+    if type(value) is not list:
+        raise SchemaError(f"{key!r} must be a list, not {kind_of(value)}")
+    n = len(value)
+    if n > limit:
+        raise SchemaError(f"too many items in {key!r}: {n} > {limit} ({limit_name})",
+                          "TOO_LARGE")
+    if n < minimum:
+        raise SchemaError(f"{key!r} must have at least {minimum} item(s)")
+    return n
+
+
 def list_of(inner, limit, limit_name, minimum=1):
     """A list of ``minimum``..``limit`` items, each checked by ``inner`` (its key in errors
     is ``key[i]``); ``limit_name`` names the setting in a TOO_LARGE error."""
 
     def check(value, key):
-        if type(value) is not list:
-            raise SchemaError(f"{key!r} must be a list, not {kind_of(value)}")
-        n = len(value)
-        if n > limit:
-            raise SchemaError(f"too many items in {key!r}: {n} > {limit} ({limit_name})",
-                              "TOO_LARGE")
-        if n < minimum:
-            raise SchemaError(f"{key!r} must have at least {minimum} item(s)")
+        _sized_list(value, key, limit, limit_name, minimum)
         if inner is not None:
             for i, item in enumerate(value):
                 inner(item, f"{key}[{i}]")
@@ -147,15 +153,7 @@ def strings(limit, count, count_name, pattern=None, rule=None, nullable=False, m
     one = string(limit, pattern, rule)
 
     def check(value, key):
-        if type(value) is not list:
-            raise SchemaError(f"{key!r} must be a list, not {kind_of(value)}")
-        n = len(value)
-        if n > count:
-            raise SchemaError(f"too many items in {key!r}: {n} > {count} ({count_name})",
-                              "TOO_LARGE")
-        if n < minimum:
-            raise SchemaError(f"{key!r} must have at least {minimum} item(s)")
-        if not n:
+        if not _sized_list(value, key, count, count_name, minimum):
             return value
         texts = [v for v in value if v is not None] if nullable else value
         if (set(map(type, value)) <= allowed and "" not in texts
