@@ -27,6 +27,10 @@ __all__ = [
     "QueueConfig",
     "EngineSettings",
     "StorageSettings",
+    "TransportSettings",
+    "SecuritySettings",
+    "PeerConfig",
+    "PEER_ROLES",
     "load_config",
     "parse_config",
     "update_queue",
@@ -49,7 +53,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
-_TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage")
+_TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security")
 _STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
                  "retention")
 MAX_PARTITIONS = 256
@@ -165,6 +169,49 @@ class StorageSettings:
     retention: float = 7 * 86400.0
 
 
+@dataclass(frozen=True)
+class TransportSettings:
+    """The ``[transport]`` table: the wire protocol's limits (``docs/protocol.md``) and the
+    sockets' queues. A message over a limit is refused with an error naming it."""
+
+    max_frames: int = 16  # frames in one message (>= 2)
+    max_frame_bytes: int = 4 << 20  # bytes in one raw (columnar) frame
+    max_header_bytes: int = 4 << 20  # bytes in one msgpack header frame
+    max_tokens: int = 1000  # tokens in one HEARTBEAT
+    max_batch: int = 10000  # specs in an ENQUEUE, ids in a STATUS, entries of REPORT/LEASES
+    max_fanout: int = 100000  # names in one ENQUEUE_FANOUT
+    max_name: int = 1024  # bytes of an id or name (action id, run key, queue, worker)
+    max_text: int = 4096  # bytes of a free text (reason, message, input reference)
+    hwm: int = 1000  # ZeroMQ send/receive high-water mark per connection, in messages
+    max_outstanding: int = 64  # requests a client may have unanswered (the shard loop refuses more)
+
+
+#: The roles a key can have (``docs/security.md``).
+PEER_ROLES = ("worker", "client", "admin")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """One ``[security.peers.NAME]`` table: a key name and what its holder may do."""
+
+    name: str
+    role: str  # worker | client | admin
+    cluster: str | None = None  # the worker's one cluster
+    tenants: tuple = ()  # the client's tenant prefixes: "org", "org/project", "org/project/domain"
+    public_key: str | None = None  # Z85 (40 characters); None: read KEYS_DIR/NAME.key
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """The ``[security]`` table: CURVE keys and the role of every public key. Without it
+    a shard runs CURVE and needs keys; ``insecure = true`` is the only way to run without."""
+
+    insecure: bool = False
+    keys_dir: str = "keys"  # NAME.key / NAME.key_secret files (relative: to the working dir)
+    server_key: str = "shard"  # the shard's own key pair: KEYS_DIR/NAME.key_secret
+    peers: tuple = ()  # tuple[PeerConfig], in file order
+
+
 @dataclass(frozen=True, eq=False)
 class Config:
     """A validated configuration. Clusters and queues are in file order."""
@@ -175,6 +222,8 @@ class Config:
     queues: tuple  # tuple[QueueConfig]
     engine: EngineSettings
     storage: StorageSettings = StorageSettings()
+    transport: TransportSettings = TransportSettings()
+    security: SecuritySettings = SecuritySettings()
 
     def __post_init__(self):
         by_name = {
@@ -237,6 +286,9 @@ def parse_config(data, source="<config>"):
         _parse_cluster(source, resources, name, table) for name, table in clusters_table.items()
     )
     cluster_names = tuple(c.name for c in clusters)
+    transport = _parse_transport(source, _table(source, "transport", data.get("transport", {})))
+    security = _parse_security(source, _table(source, "security", data.get("security", {})),
+                               cluster_names)
 
     queues_table = _table(source, "queues", data.get("queues", {}))
     queues = [
@@ -260,6 +312,8 @@ def parse_config(data, source="<config>"):
         queues=tuple(queues),
         engine=engine,
         storage=storage,
+        transport=transport,
+        security=security,
     )
 
 
@@ -392,6 +446,93 @@ def _duration(source, path, value):
                            'a duration such as "7d", "12h", "30m" or "45s", or seconds')
         return number * unit
     return _seconds(source, path, value, False)
+
+
+def _parse_transport(source, table):
+    minimums = {"max_frames": 2, "max_frame_bytes": 1024, "max_header_bytes": 1024,
+                "max_tokens": 1, "max_batch": 1, "max_fanout": 1, "max_name": 64,
+                "max_text": 64, "hwm": 1, "max_outstanding": 1}
+    _check_keys(source, "transport", table, tuple(minimums))
+    values = {key: _int(source, f"transport.{key}", table[key], minimums[key])
+              for key in minimums if key in table}
+    return replace(TransportSettings(), **values)
+
+
+# A tenant prefix: org, org/project or org/project/domain (engine/_model.py's segment rule).
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*){0,2}$")
+_Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+_SECURITY_KEYS = ("insecure", "keys_dir", "server_key", "peers")
+_PEER_KEYS = ("role", "cluster", "tenants", "public_key")
+
+
+def _parse_security(source, table, cluster_names):
+    _check_keys(source, "security", table, _SECURITY_KEYS)
+    values = {}
+    if "insecure" in table:
+        values["insecure"] = _parse_bool(source, "security.insecure", table["insecure"])
+    if "keys_dir" in table:
+        if not isinstance(table["keys_dir"], str) or not table["keys_dir"]:
+            raise _invalid(source, "security.keys_dir", table["keys_dir"],
+                           "a non-empty directory path")
+        values["keys_dir"] = table["keys_dir"]
+    if "server_key" in table:
+        values["server_key"] = _check_name(source, "security.server_key", table["server_key"],
+                                           key_is_name=False)
+    peers = _table(source, "security.peers", table.get("peers", {}))
+    if values.get("insecure") and peers:
+        # Keys that would silently do nothing: the choice must be one or the other.
+        raise _invalid(source, "security.insecure", True,
+                       "false while security.peers are configured (insecure ignores keys)")
+    values["peers"] = tuple(_parse_peer(source, name, peer, cluster_names)
+                            for name, peer in peers.items())
+    keys = [p.public_key for p in values["peers"] if p.public_key is not None]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _invalid(source, "security.peers", key, "each public key under one name")
+    return replace(SecuritySettings(), **values)
+
+
+def _parse_peer(source, name, table, cluster_names):
+    path = f"security.peers.{name}"
+    _check_name(source, "security.peers", name)
+    table = _table(source, path, table)
+    _check_keys(source, path, table, _PEER_KEYS)
+    if "role" not in table:
+        raise ConfigError(f"{source}: {path}.role: missing; allowed: {_listing(PEER_ROLES)}")
+    role = _choice(source, f"{path}.role", table["role"], PEER_ROLES)
+    cluster, tenants = None, ()
+    if role == "worker":
+        if "cluster" not in table:
+            raise ConfigError(f"{source}: {path}.cluster: missing; allowed: a configured "
+                              f"cluster ({_listing(cluster_names)}) (a worker key is bound "
+                              f"to one cluster)")
+        cluster = table["cluster"]
+        if cluster not in cluster_names:
+            raise _invalid(source, f"{path}.cluster", cluster,
+                           f"a configured cluster ({_listing(cluster_names)})")
+    elif "cluster" in table:
+        raise _invalid(source, f"{path}.cluster", table["cluster"],
+                       "no cluster for a client or admin key (only a worker is bound to one)")
+    if role == "client":
+        value = table.get("tenants")
+        allowed = ('a non-empty list of tenant prefixes "org", "org/project" or '
+                   '"org/project/domain"')
+        if not isinstance(value, list) or not value:
+            raise _invalid(source, f"{path}.tenants", value, allowed)
+        for t in value:
+            if not isinstance(t, str) or not _TENANT.match(t):
+                raise _invalid(source, f"{path}.tenants", t, allowed)
+        tenants = tuple(dict.fromkeys(value))
+    elif "tenants" in table:
+        raise _invalid(source, f"{path}.tenants", table["tenants"],
+                       "no tenants for a worker or admin key (only a client is bound to them)")
+    public_key = table.get("public_key")
+    if public_key is not None and (not isinstance(public_key, str)
+                                   or not _Z85.match(public_key)):
+        raise _invalid(source, f"{path}.public_key", public_key,
+                       "a Z85 CURVE public key of 40 characters (leasehold keys generate)")
+    return PeerConfig(name=name, role=role, cluster=cluster, tenants=tenants,
+                      public_key=public_key)
 
 
 def _seconds(source, path, value, positive):

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
 from engine._config import load_config
 from engine._engine import Engine
-from engine._errors import LeaseholdError
+from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
 from engine._sim import POLICIES, prepare, simulate
 from engine._trace import SwfMapping, load_trace
@@ -306,6 +307,44 @@ def _plot(results, path, title):
     plt.close(fig)
 
 
+def _keys_generate(args):
+    """Write a CURVE key pair and print the config lines that go with it."""
+    from transport import generate_keypair  # here: no ZeroMQ import for the other commands
+
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
+        raise SpecError(f"--name {args.name!r}: a name of letters, digits, '_', '.', '-'")
+    if args.role == "worker" and not args.cluster:
+        raise SpecError("--role worker needs --cluster (a worker key is bound to one cluster)")
+    if args.role == "client" and not args.tenant:
+        raise SpecError("--role client needs --tenant (org, org/project or org/project/domain; "
+                        "repeat for several)")
+    if args.cluster and args.role != "worker":
+        raise SpecError("--cluster is for --role worker only")
+    if args.tenant and args.role != "client":
+        raise SpecError("--tenant is for --role client only")
+    meta = {"role": args.role or "shard"}
+    if args.cluster:
+        meta["cluster"] = args.cluster
+    if args.tenant:
+        meta["tenants"] = ",".join(args.tenant)
+    try:
+        public, secret = generate_keypair(args.dir, args.name, metadata=meta, force=args.force)
+    except (FileExistsError, ValueError) as exc:
+        raise SpecError(str(exc)) from None
+    print(f"wrote {public} (public: give it to the other side) and {secret} (secret, mode 0600:"
+          f" keep it where the key's owner runs)")
+    print("# the shard's config:")
+    if args.role is None:
+        print(f'[security]\nkeys_dir = "{args.dir}"\nserver_key = "{args.name}"')
+    else:
+        print(f'[security.peers.{args.name}]\nrole = "{args.role}"')
+        if args.cluster:
+            print(f'cluster = "{args.cluster}"')
+        if args.tenant:
+            print("tenants = [" + ", ".join(f'"{t}"' for t in args.tenant) + "]")
+    return 0
+
+
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     parser = argparse.ArgumentParser(prog="leasehold", description=__doc__)
@@ -347,6 +386,18 @@ def main(argv=None):
     p.add_argument("--config", default=str(EXAMPLE_CONFIG),
                    help="engine config whose resources and queues it is checked against")
     p.set_defaults(func=_flyte_decode)
+    p = sub.add_parser("keys", help="CURVE keys (docs/security.md)")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("generate", help="write a key pair NAME.key / NAME.key_secret")
+    p.add_argument("--dir", required=True, help="the keys directory (created 0700)")
+    p.add_argument("--name", required=True, help="the key's name (its config table name)")
+    p.add_argument("--role", choices=("worker", "client", "admin"),
+                   help="what the key may do; omit for the shard's own key")
+    p.add_argument("--cluster", help="worker: the one cluster it serves")
+    p.add_argument("--tenant", action="append", default=[],
+                   help="client: a tenant prefix it may act for (repeatable)")
+    p.add_argument("--force", action="store_true", help="replace an existing pair")
+    p.set_defaults(func=_keys_generate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
