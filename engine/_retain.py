@@ -216,9 +216,13 @@ class RetentionMixin:
         free = self._free_rows
         fresh = n - free.size
         if fresh > 0 and self._next_row + fresh > st.rows["actions"]:
-            self._reclaim(keep=keep)
+            got = self._reclaim(keep=keep)
             free = self._free_rows
             fresh = n - free.size
+            if got < st.rows["actions"] // 8 and st.ensure("actions", st.rows["actions"] + 1):
+                # Live work fills the table: double it now, so the next scan for ended rows
+                # comes only after as many new actions again (amortised O(1) per action).
+                self._bind()
         if fresh <= 0:
             rows = free[:n]
             self._free_rows = free[n:]
