@@ -18,6 +18,7 @@ from engine._leases import Attempt
 from engine._model import ActionSpec
 
 __all__ = [
+    "ATTEMPT_FIELDS",
     "action_dtype",
     "action_columns",
     "finalize_columns",
@@ -40,7 +41,8 @@ __all__ = [
 LAYOUT_KEY = b"engine-layout"
 SECRET_KEY = b"engine-secret"
 
-_ATTEMPT_FIELDS = tuple(f.name for f in dataclasses.fields(Attempt))
+#: The fields of an attempt in the order an outcome record lists them.
+ATTEMPT_FIELDS = tuple(f.name for f in dataclasses.fields(Attempt))
 
 
 def action_dtype(n_res):
@@ -181,12 +183,12 @@ def encode_outcome(rec):
     """The Python side of an action (phase, outcome, retries, attempts) as msgpack."""
     return msgpack.packb([
         rec.phase.value, rec.message, rec.error_kind, rec.cause, rec.user_retries,
-        rec.system_retries, [[getattr(a, f) for f in _ATTEMPT_FIELDS] for a in rec.attempts],
+        rec.system_retries, [[getattr(a, f) for f in ATTEMPT_FIELDS] for a in rec.attempts],
     ], use_bin_type=True)
 
 
 def decode_outcome(raw):
     """``(phase, message, error_kind, cause, user_retries, system_retries, attempts)``."""
     phase, message, kind, cause, ur, sr, atts = msgpack.unpackb(raw, raw=False)
-    attempts = [Attempt(**dict(zip(_ATTEMPT_FIELDS, a, strict=True))) for a in atts]
+    attempts = [Attempt(**dict(zip(ATTEMPT_FIELDS, a, strict=True))) for a in atts]
     return phase, message, kind, cause, ur, sr, attempts

@@ -29,10 +29,11 @@ import msgpack
 import numpy as np
 
 from cext._tree import unlink_children
-from engine._codes import TERMINAL_PHASES, Phase
+from engine._codes import PHASES, TERMINAL_PHASES, Phase
 from engine._groups import abort_key, group_key
 from engine._index import ActionEdges
 from engine._records import (
+    ATTEMPT_FIELDS,
     FINALIZE_DTYPE,
     decode_content,
     decode_outcome,
@@ -43,7 +44,7 @@ from engine._records import (
     spec_content,
 )
 from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
-from engine._state import ACTION_FIELDS
+from engine._state import ACTION_FIELDS, NEVER
 from storage import CorruptRecord, Records
 
 __all__ = ["RetentionMixin", "Retained", "retained_key"]
@@ -122,18 +123,26 @@ class RetentionMixin:
         expire = (now + int(self.config.storage.retention * 1e9)).to_bytes(8, "big")
         contents = {}
         part_of = st.a_part[rows].tolist()
-        for r, part in zip(rows.tolist(), part_of, strict=True):
-            rec = self._rec(r)
+        quick = (st.a_edges[rows] == 0) & (st.a_lean[rows] == 1)
+        outcomes = self._lean_outcomes(rows[quick])
+        for r, part, q in zip(rows.tolist(), part_of, quick.tolist(), strict=True):
             g = self._group_of(r)
             content = contents.get(g.gid)
             if content is None:
-                content = contents[g.gid] = spec_content(g.compiled.spec)
-            text = str(rec.compiled.id)
+                content = contents[g.gid] = (spec_content(g.compiled.spec),
+                                             g.compiled.id.run_key + "/")
+            gidx = int(st.a_gidx[r])
+            text = content[1] + g.names[gidx]
+            if q:
+                ended, outcome = outcomes.pop()
+            else:
+                rec = self._rec(r)
+                ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
+                outcome = encode_outcome(rec)
             key = retained_key(text)
-            ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
             self._op(part, "retained", key, msgpack.packb(
-                [text, content, self._input_ref(r), ended, rec.compiled.queue,
-                 encode_outcome(rec)], use_bin_type=True))
+                [text, content[0], g.input_ref(gidx), ended,
+                 self._queue_names[int(st.a_queue[r])], outcome], use_bin_type=True))
             self._op(part, "expiry", expire + key, b"")
             if not st.a_lean[r]:
                 self._op(part, "attempts", row_key(r), None)
@@ -188,6 +197,41 @@ class RetentionMixin:
                 Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
         self._free_rows = np.union1d(self._free_rows, rows)
         return int(rows.size)
+
+    def _lean_outcomes(self, rows):
+        """``(end ns, outcome record)`` of lean rows (their one attempt, from the columns:
+        what ``encode_outcome`` of their materialised record gives), last row first (for
+        ``pop``)."""
+        st = self._state
+        if not rows.size:
+            return []
+        clusters, workers = self._clusters, self._worker_names
+        cols = [c.tolist() for c in (
+            st.a_enqueued[rows], st.a_start[rows], st.a_running[rows], st.a_done[rows],
+            st.a_gen[rows], st.a_cluster[rows], st.a_worker[rows], st.a_phase[rows],
+            st.a_final[rows])]
+        out = []
+        for i in range(rows.size - 1, -1, -1):
+            enq, start, running, done, gen, c, w, code, f = (col[i] for col in cols)
+            phase = PHASES[code]
+            att = dict.fromkeys(ATTEMPT_FIELDS)
+            att.update(number=1, generation=0, enqueued_ns=enq, message="")
+            if start != NEVER:
+                att.update(generation=gen, cluster=clusters[c], worker=workers[w],
+                           start_ns=start)
+            if running != NEVER:
+                att["running_ns"] = running
+            message = ""
+            if phase in (Phase.SUCCEEDED, Phase.ABORTED):
+                att.update(end_ns=done, phase=phase.value)
+            if phase == Phase.ABORTED:
+                message = att["message"] = self._abort_reason(int(rows[i]))
+            if f >= 0:
+                att["finalize"] = self._finalize_status(f)
+            out.append((done if done != NEVER else 0, msgpack.packb(
+                [phase.value, message, None, None, 0, 0,
+                 [[att[k] for k in ATTEMPT_FIELDS]]], use_bin_type=True)))
+        return out
 
     def _orphan_finalize(self, rows):
         # Ended finalize leases of reclaimed rows point at no action from now on (their row

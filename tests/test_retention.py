@@ -306,3 +306,35 @@ def test_a_token_of_a_reclaimed_rows_old_action_is_always_refused(ops, seed):
     view = eng.inspect()
     free = view.free_rows
     assert (view.arrays.a_state[free] == RowState.FREE).all()
+
+
+def test_retained_outcomes_of_lean_rows_are_what_the_table_said():
+    """Reclaiming writes lean rows' outcomes from their columns: attempts() and explain()
+    after it give exactly what they gave before, for every way a lean row ends."""
+    eng, clock = make_engine(config(), workers={"w": ("east", 2)})
+    [root] = eng.enqueue_many([ActionSpec(id="acme/p/d/r/root", task="t",
+                                          resources={"cpu": 1})])
+    kids = eng.enqueue_fanout(ActionSpec(id="acme/p/d/r/k", task="t", parent=str(root),
+                                         resources={"cpu": 1}), ["k0", "k1", "k2", "k3"])
+    clock.advance(1)
+    placed = eng.tick()                 # root and one kid run; the rest wait for a slot
+    running = [a for a in placed if a.action != root]
+    eng.report(running[0].token, Phase.RUNNING)
+    clock.advance(1)
+    eng.abort(root, reason="operator said stop")
+    for a in eng.tick():                # the finalize leases of what was running
+        assert a.kind == LeaseKind.FINALIZE
+        clock.advance(1)
+        eng.report(a.token, Phase.SUCCEEDED)
+    every = [root, *kids]
+    before = {str(a): (eng.attempts(a), eng.explain(a)) for a in every}
+    assert {e.phase for _atts, e in before.values()} == {Phase.ABORTED}
+    assert eng.reclaim() == len(kids)   # children first: the root's row goes next time
+    assert eng.reclaim() == 1
+    for a in every:
+        assert eng.inspect().find(a) is None
+        atts, exp = before[str(a)]
+        assert eng.attempts(a) == atts
+        assert (eng.explain(a).phase, eng.explain(a).reason) == (exp.phase, exp.reason)
+    assert any(t.finalize == "SUCCEEDED" for a in every for t in eng.attempts(a))
+    assert {t.message for a in kids for t in eng.attempts(a)} == {"operator said stop"}
