@@ -414,7 +414,9 @@ def _rebuild(eng, n, now):
                                  -1)
     queued = np.flatnonzero(st.a_state[:n] == RowState.QUEUED).astype(np.int32)
     # In enqueue order (a reclaimed row is reused by later work: rows are not in order).
-    queued = queued[np.argsort(st.a_seq[queued], kind="stable")]
+    seq = st.a_seq[queued]
+    if seq.size > 1 and (seq[1:] < seq[:-1]).any():
+        queued = queued[np.argsort(seq, kind="stable")]
     st.a_state[queued] = RowState.DONE      # push() links a row and marks it QUEUED
     k.push_many(queued)
 
