@@ -184,6 +184,9 @@ class TransportSettings:
     max_text: int = 4096  # bytes of a free text (reason, message, input reference)
     hwm: int = 1000  # ZeroMQ send/receive high-water mark per connection, in messages
     max_outstanding: int = 64  # requests a client may have unanswered (the shard loop refuses more)
+    # The ZeroMQ endpoint each shard binds, by shard index (``leasehold shard --shard N``
+    # binds ``endpoints[N]``; clients and workers dial the same strings).
+    endpoints: tuple = ("tcp://127.0.0.1:7700",)
 
 
 #: The roles a key can have (``docs/security.md``).
@@ -448,13 +451,24 @@ def _duration(source, path, value):
     return _seconds(source, path, value, False)
 
 
+_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:[0-9]+|ipc://\S+|inproc://\S+)$")
+
+
 def _parse_transport(source, table):
     minimums = {"max_frames": 2, "max_frame_bytes": 1024, "max_header_bytes": 1024,
                 "max_tokens": 1, "max_batch": 1, "max_fanout": 1, "max_name": 64,
                 "max_text": 64, "hwm": 1, "max_outstanding": 1}
-    _check_keys(source, "transport", table, tuple(minimums))
+    _check_keys(source, "transport", table, (*minimums, "endpoints"))
     values = {key: _int(source, f"transport.{key}", table[key], minimums[key])
               for key in minimums if key in table}
+    if "endpoints" in table:
+        eps = table["endpoints"]
+        if (not isinstance(eps, list) or not eps
+                or not all(isinstance(e, str) and _ENDPOINT.match(e) for e in eps)):
+            raise _invalid(source, "transport.endpoints", eps,
+                           "a non-empty list of ZeroMQ endpoints (tcp://HOST:PORT or "
+                           "ipc://PATH), one per shard")
+        values["endpoints"] = tuple(eps)
     return replace(TransportSettings(), **values)
 
 

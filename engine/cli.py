@@ -345,6 +345,20 @@ def _keys_generate(args):
     return 0
 
 
+def _shard(args):
+    """Serve one shard until SIGTERM/SIGINT (docs/shard.md)."""
+    import logging
+
+    from transport._shard import run_shard  # here: no ZeroMQ import for the other commands
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    try:
+        return run_shard(args.config, args.shard)
+    except OSError as exc:
+        raise SpecError(f"shard {args.shard}: {exc}") from None
+
+
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     parser = argparse.ArgumentParser(prog="leasehold", description=__doc__)
@@ -386,6 +400,12 @@ def main(argv=None):
     p.add_argument("--config", default=str(EXAMPLE_CONFIG),
                    help="engine config whose resources and queues it is checked against")
     p.set_defaults(func=_flyte_decode)
+    p = sub.add_parser("shard", help="serve one shard over ZeroMQ until SIGTERM/SIGINT "
+                       "(docs/shard.md)")
+    p.add_argument("--config", required=True, help="the config file")
+    p.add_argument("--shard", type=int, default=0,
+                   help="shard index: binds transport.endpoints[N] (default 0)")
+    p.set_defaults(func=_shard)
     p = sub.add_parser("keys", help="CURVE keys (docs/security.md)")
     keys = p.add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("generate", help="write a key pair NAME.key / NAME.key_secret")

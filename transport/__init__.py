@@ -1,6 +1,7 @@
 """Leasehold on the wire: the ZeroMQ protocol (``docs/protocol.md``), CURVE keys and the
 authorisation of peers (``docs/security.md``), and the socket setup shared by the shard,
-its workers and its clients."""
+its workers and its clients; the shard loop (``docs/shard.md``), the worker side of the
+protocol and the client."""
 
 from transport._auth import (
     ADMIN,
@@ -16,6 +17,7 @@ from transport._auth import (
     peer_of,
     visible_metrics,
 )
+from transport._client import Client, WatchLost
 from transport._keys import (
     ClientKeys,
     Keyring,
@@ -57,9 +59,20 @@ from transport._protocol import (
     encode,
     tokens_array,
 )
+from transport._shard import Shard
 from transport._sockets import client_socket, recv, send, server_socket
+from transport._watch import WatchLog
+from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
 
 __all__ = [
+    "Client",
+    "Lease",
+    "Shard",
+    "ShardError",
+    "ShardTimeout",
+    "WatchLog",
+    "WatchLost",
+    "WorkerConnection",
     "ADMIN",
     "CLIENT",
     "INSECURE",

@@ -1,0 +1,401 @@
+"""The shard loop over real sockets (tcp on loopback, ephemeral ports): enqueue, dispatch to
+a test worker built on WorkerConnection, reports, watches, aborts, refusals, restarts,
+authorisation, and a fuzz of random and mutated messages. Every wait is bounded; every
+socket, thread and store is closed in teardown."""
+
+import random
+
+import pytest
+import zmq
+
+from engine import Phase, parse_config
+from engine._codes import Verdict
+from storage import LmdbStore, MemoryStore
+from transport import (
+    Client,
+    ClientKeys,
+    Error,
+    Ping,
+    Shard,
+    ShardError,
+    ShardTimeout,
+    WatchLost,
+    WorkerConnection,
+    decode,
+    encode,
+    generate_keypair,
+    load_client_keys,
+    load_secret_key,
+)
+
+RUN = "acme/ml/prod/r1"
+
+
+def base_config(tmp_path, security=None, **engine):
+    data = {
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 64}}, "west": {"capacity": {"cpu": 64}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
+        "engine": {"default_queue": "q", "heartbeat_interval": 1.0, **engine},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "max_outstanding": 64},
+        "security": security or {"insecure": True},
+    }
+    return parse_config(data)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    d = tmp_path / "keys"
+    generate_keypair(d, "shard")
+    for name in ("east-1", "east-2", "acme-app", "globex-app", "ops", "west-1"):
+        generate_keypair(d, name)
+    return d
+
+
+def secure_config(tmp_path, keys, **engine):
+    peers = {
+        "east-1": {"role": "worker", "cluster": "east"},
+        "east-2": {"role": "worker", "cluster": "east"},
+        "west-1": {"role": "worker", "cluster": "west"},
+        "acme-app": {"role": "client", "tenants": ["acme"]},
+        "globex-app": {"role": "client", "tenants": ["globex"]},
+        "ops": {"role": "admin"},
+    }
+    return base_config(tmp_path, {"keys_dir": str(keys), "server_key": "shard",
+                                  "peers": peers}, **engine)
+
+
+class Harness:
+    """A shard on a thread, and the clients and workers a test makes (closed at the end)."""
+
+    def __init__(self, config, keys_dir=None, store=None):
+        self.config = config
+        self.keys_dir = keys_dir
+        self.store = store
+        self.closing = []
+        self.shard = None
+        self.endpoint = None
+
+    def start(self, endpoint=None):
+        store = self.store() if callable(self.store) else self.store
+        self.shard = Shard(self.config, endpoint=endpoint, store=store).start()
+        self.endpoint = self.shard.endpoint
+        return self.shard
+
+    def stop(self):
+        if self.shard is not None:
+            self.shard.stop()
+            self.shard = None
+
+    def keys(self, name):
+        return None if self.keys_dir is None else load_client_keys(self.keys_dir, name, "shard")
+
+    def client(self, name="acme-app", **kw):
+        c = Client(endpoint=self.endpoint, keys=self.keys(name), timeout=5.0, **kw)
+        self.closing.append(c)
+        return c
+
+    def worker(self, name="east-1", cluster="east", slots=100, connect=True, **kw):
+        w = WorkerConnection(self.endpoint, self.keys(name), name, cluster, slots,
+                             timeout=5.0, **kw)
+        self.closing.append(w)
+        if connect:
+            w.connect()
+        return w
+
+    def close(self):
+        for c in reversed(self.closing):
+            c.close()
+        self.stop()
+
+
+@pytest.fixture
+def insecure(tmp_path):
+    h = Harness(base_config(tmp_path), store=MemoryStore())
+    h.start()
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def secure(tmp_path, keys):
+    h = Harness(secure_config(tmp_path, keys), keys_dir=keys,
+                store=lambda: LmdbStore(str(tmp_path / "data"), partitions=2))
+    h.start()
+    yield h
+    h.close()
+
+
+def spec(name, run=RUN, **kw):
+    return {"id": f"{run}/{name}", "task": "t", "resources": {"cpu": 1}, **kw}
+
+
+def test_enqueue_dispatch_report_and_completion_seen_by_watch(secure):
+    c = secure.client()
+    w = secure.worker()
+    c.subscribe(RUN)
+    ids = c.enqueue_many([spec("a"), spec("b")])
+    assert ids == [f"{RUN}/a", f"{RUN}/b"]
+    leases = w.leases(timeout=5, want=2)
+    assert sorted(x.action for x in leases) == ids
+    assert all(x.attempt == 1 and x.spec["task"] == "t" for x in leases)
+    toks = [x.token for x in leases]
+    assert w.heartbeat(toks, free={"cpu": 60}) == []
+    assert w.report(toks, Phase.RUNNING) == []
+    assert w.report(toks, Phase.SUCCEEDED) == []
+    done = c.wait(ids, timeout=10)
+    assert done == {a: Phase.SUCCEEDED for a in ids}
+    # The watch saw every transition of each action, in seq order, gap-free.
+    seen = {}
+    fresh = secure.client()
+    fresh.subscribe(RUN, 0)
+    last = None
+    while True:
+        try:
+            e = fresh.next_event(timeout=0.5, runs=(RUN,))
+        except Exception:
+            break
+        if last is not None:
+            assert e.seq == last + 1
+        last = e.seq
+        seen.setdefault(e.action, []).append(e.phase)
+    for a in ids:
+        assert seen[a] == ["QUEUED", "INITIALIZING", "RUNNING", "SUCCEEDED"]
+    # A second copy of an applied report is refused, changing nothing.
+    again = w.report(toks[:1], Phase.SUCCEEDED)
+    assert [v for _t, v in again] == [Verdict.COMPLETED]
+
+
+def test_fanout_status_explain_and_metrics(insecure):
+    c = insecure.client()
+    n = c.enqueue_fanout(spec("map"), [f"n{i}" for i in range(50)],
+                         inputs=[f"s3://in/{i}" for i in range(50)])
+    assert n == 50
+    assert c.status(f"{RUN}/n3") in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES)
+    assert c.explain(f"{RUN}/n3")["phase"] in ("QUEUED", "WAITING_FOR_RESOURCES")
+    assert c.queue_metrics("q")["depth"] >= 0
+    w = insecure.worker()
+    leases = w.leases(timeout=5, want=50)
+    assert len(leases) == 50
+    assert {x.input_ref for x in leases} == {f"s3://in/{i}" for i in range(50)}
+
+
+def test_abort_cascades_and_the_worker_is_refused(insecure):
+    c = insecure.client()
+    w = insecure.worker()
+    c.enqueue(spec("parent"))
+    (lease,) = w.leases(timeout=5)
+    c.enqueue_many([spec("child", parent=f"{RUN}/parent"), spec("child2",
+                                                                 parent=f"{RUN}/child")])
+    c.abort(f"{RUN}/parent", reason="user")
+    got = c.status([f"{RUN}/child", f"{RUN}/child2"])
+    assert got == [Phase.ABORTED, Phase.ABORTED]
+    refused = w.heartbeat([lease.token])
+    assert [v for _t, v in refused] == [Verdict.ABORTED]
+
+
+def test_heartbeat_of_a_stale_token_is_refused(insecure):
+    c = insecure.client()
+    w = insecure.worker()
+    c.enqueue(spec("a"))
+    (lease,) = w.leases(timeout=5)
+    forged = bytearray(lease.token)
+    forged[8] ^= 1              # another generation: the MAC no longer matches
+    refused = w.heartbeat([bytes(forged), lease.token])
+    assert len(refused) == 1 and refused[0][0] == bytes(forged)
+
+
+def test_a_token_held_by_another_worker_is_refused(secure):
+    c = secure.client()
+    w1 = secure.worker("east-1")
+    c.enqueue(spec("a"))
+    (lease,) = w1.leases(timeout=5)
+    w2 = secure.worker("east-2", slots=1)
+    assert [v for _t, v in w2.heartbeat([lease.token])] != []
+    assert [v for _t, v in w2.report([lease.token], Phase.SUCCEEDED)] != []
+    assert c.status(f"{RUN}/a") != Phase.SUCCEEDED
+    assert w1.heartbeat([lease.token]) == []
+
+
+def test_worker_reconnects_after_the_shard_restarted(tmp_path, keys):
+    h = Harness(secure_config(tmp_path, keys), keys_dir=keys,
+                store=lambda: LmdbStore(str(tmp_path / "data"), partitions=2))
+    try:
+        h.start()
+        endpoint = h.endpoint
+        c = h.client()
+        w = h.worker()
+        c.enqueue_many([spec("a"), spec("b")])
+        leases = w.leases(timeout=5, want=2)
+        h.stop()
+        h.start(endpoint=endpoint)      # same port: the DEALERs reconnect by themselves
+        # The worker's next heartbeat finds the connection unknown, registers again (same
+        # worker id: its leases are adopted) and validates.
+        assert w.heartbeat([x.token for x in leases]) == []
+        assert w.report([x.token for x in leases], Phase.SUCCEEDED) == []
+        assert c.wait([x.action for x in leases], timeout=10) == {
+            x.action: Phase.SUCCEEDED for x in leases}
+    finally:
+        h.close()
+
+
+def test_a_watch_that_reconnects_mid_run_misses_nothing(insecure):
+    c = insecure.client()
+    w = insecure.worker()
+    c.subscribe(RUN)
+    ids = c.enqueue_many([spec(f"a{i}") for i in range(5)])
+    leases = w.leases(timeout=5, want=5)
+    seen = []
+    for _ in range(3):
+        seen.append(c.next_event(timeout=5))
+    c.reconnect()           # a new connection resumes from the last seq seen
+    w.report([x.token for x in leases], Phase.SUCCEEDED)
+    while len([e for e in seen if e.phase == "SUCCEEDED"]) < 5:
+        seen.append(c.next_event(timeout=5))
+    seqs = [e.seq for e in seen]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    per = {}
+    for e in seen:
+        per.setdefault(e.action, []).append(e.phase)
+    assert all(per[a] == ["QUEUED", "INITIALIZING", "SUCCEEDED"] for a in ids)
+
+
+def test_a_resume_from_a_seq_no_longer_kept_is_refused(tmp_path):
+    h = Harness(base_config(tmp_path), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        latest = c.subscribe(RUN)
+        with pytest.raises(WatchLost, match="restarted|past the latest"):
+            c.subscribe(RUN, latest + 10)
+    finally:
+        h.close()
+
+
+def test_authorisation_refusals(secure):
+    acme = secure.client("acme-app")
+    globex = secure.client("globex-app")
+    ops = secure.client("ops")
+    with pytest.raises(ShardError, match="PERMISSION_DENIED.*outside the tenants"):
+        globex.enqueue(spec("a"))
+    acme.enqueue(spec("a"))
+    with pytest.raises(ShardError, match="PERMISSION_DENIED"):
+        globex.status(f"{RUN}/a")
+    with pytest.raises(ShardError, match="PERMISSION_DENIED.*admin"):
+        acme.queue_update("q", depth=5)
+    assert ops.queue_update("q", depth=50)["depth"] == 50
+    # A worker key may not register for another cluster, nor act as a client.
+    w = secure.worker("west-1", cluster="east", connect=False)
+    with pytest.raises(ShardError, match="PERMISSION_DENIED.*cluster"):
+        w.connect()
+    west = secure.client("west-1")
+    with pytest.raises(ShardError, match="PERMISSION_DENIED"):
+        west.enqueue(spec("b"))
+
+
+def test_unknown_key_and_no_key_get_nothing(secure, tmp_path):
+    generate_keypair(tmp_path / "strangers", "stranger")
+    good = secure.keys("acme-app")
+    pub, sec = load_secret_key(tmp_path / "strangers" / "stranger.key_secret")
+    stranger = ClientKeys(public=pub, secret=sec, server_public=good.server_public)
+    c = Client(endpoint=secure.endpoint, keys=stranger, timeout=1.0)
+    plain = Client(endpoint=secure.endpoint, keys=None, timeout=1.0)
+    try:
+        with pytest.raises(ShardTimeout):
+            c.ping()
+        with pytest.raises(ShardTimeout):
+            plain.ping()
+    finally:
+        c.close()
+        plain.close()
+    assert secure.shard.counters["handshakes_refused"] >= 1
+
+
+def test_too_many_outstanding_requests_are_refused(insecure):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(insecure.endpoint)
+    try:
+        n = 400
+        for i in range(n):
+            s.send_multipart(encode(Ping(rid=i)))
+        codes = []
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        while len(codes) < n and poller.poll(5000):
+            m = decode(s.recv_multipart())
+            codes.append(m.code if isinstance(m, Error) else "OK")
+        assert len(codes) == n
+        assert "OK" in codes
+        # Either all fit in turns of at most max_outstanding, or the rest were refused.
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def _mutations(rng, frames):
+    frames = [bytearray(f) for f in frames]
+    op = rng.randrange(6)
+    if op == 0 and frames[1]:
+        i = rng.randrange(len(frames[1]))
+        frames[1][i] = rng.randrange(256)
+    elif op == 1:
+        frames[0] = bytearray([rng.randrange(256)])
+    elif op == 2:
+        frames.append(bytearray(rng.randbytes(rng.randrange(64))))
+    elif op == 3 and len(frames) > 1:
+        frames.pop(rng.randrange(len(frames)))
+    elif op == 4:
+        frames[-1] = frames[-1][: rng.randrange(len(frames[-1]) + 1)]
+    else:
+        return [rng.randbytes(rng.randrange(1, 40)) for _ in range(rng.randrange(1, 5))]
+    return [bytes(f) for f in frames]
+
+
+def fuzz(endpoint, count, seed=0):
+    """Send ``count`` random and mutated messages of every type; returns how many answers
+    came back."""
+    from tests.test_protocol import SAMPLES
+    rng = random.Random(seed)
+    wire = [[bytes(memoryview(f).cast("B")) for f in encode(m)] for m in SAMPLES]
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.sndhwm = 100000
+    s.rcvhwm = 100000
+    s.connect(endpoint)
+    answers = 0
+    try:
+        for i in range(count):
+            frames = _mutations(rng, rng.choice(wire)) if rng.random() < 0.9 else rng.choice(wire)
+            s.send_multipart(frames)
+            while s.poll(0):
+                s.recv_multipart()
+                answers += 1
+            if i % 200 == 0:
+                while s.poll(50):
+                    s.recv_multipart()
+                    answers += 1
+        while s.poll(500):
+            s.recv_multipart()
+            answers += 1
+    finally:
+        s.close(0)
+        ctx.term()
+    return answers
+
+
+def test_fuzz_the_shard_stays_up_counts_and_answers_afterwards(insecure):
+    answers = fuzz(insecure.endpoint, 5000)
+    assert answers > 1000
+    counters = insecure.shard.counters
+    assert counters["protocol_errors"] > 1000
+    assert counters["received"] >= 4000
+    c = insecure.client()
+    assert c.ping()["version"] == 1
+    c.enqueue(spec("after-fuzz", run="acme/ml/prod/rz"))
+    assert c.status("acme/ml/prod/rz/after-fuzz") in (
+        Phase.QUEUED, Phase.WAITING_FOR_RESOURCES, Phase.INITIALIZING)

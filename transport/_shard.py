@@ -1,0 +1,709 @@
+"""The shard loop: one engine served over one ZeroMQ ROUTER (``docs/shard.md``).
+
+One decision thread owns the engine, the socket and every session. A loop turn:
+
+1. poll the ROUTER (the timeout is the backstop tick's due time);
+2. take every message waiting (up to ``BATCH`` of them), decode, authorise, apply each to the
+   engine inside one engine turn, collecting the answers instead of sending them;
+3. tick when an event asked for it (enqueue, register, report, heartbeat freeing capacity,
+   abort) or the backstop timer is due, and drain the dispatch channel;
+4. leave the turn: one group commit, one sync;
+5. only then send: the answers in the order the requests came, the LEASES pushes, the EVENTs.
+
+A failed commit restores the engine's memory to what the store holds, and nothing decided in
+that turn is sent: every request of it is answered UNAVAILABLE (retry) and its leases are
+decided again from the restored state.
+
+Commits run on the decision thread, not pipelined on a committer thread: the engine's
+``commit(group)`` resets the per-turn dirty sets and, on failure, reloads every array, both of
+which the decision thread mutates while deciding the next turn, so running it concurrently
+would lose or corrupt state. One sync a turn is shared by every message the turn took.
+"""
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from engine._codes import PHASES, TERMINAL_PHASES, Phase
+from engine._config import Config, load_config
+from engine._engine import Engine
+from engine._errors import LeaseholdError
+from engine._model import ActionId
+from storage import StoreError
+from transport import _protocol as p
+from transport._auth import (
+    PermissionDenied,
+    Unauthenticated,
+    authorize,
+    peer_of,
+    visible_metrics,
+)
+from transport._keys import load_keyring
+from transport._sockets import send, server_socket
+from transport._watch import WatchGap, WatchLog
+
+__all__ = ["Shard", "BATCH"]
+
+log = logging.getLogger("leasehold.shard")
+
+#: Messages taken in one loop turn (one group commit); the rest wait for the next turn.
+BATCH = 512
+_SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
+
+_CODE_OF = {  # engine error class name -> wire code, for errors without a ``code``
+    "SpecError": "INVALID_ARGUMENT", "ConfigError": "INVALID_CONFIG",
+    "NotFound": "NOT_FOUND", "AlreadyExists": "ALREADY_EXISTS",
+}
+_KNOWN_CODES = frozenset(p.ERROR_CODES)
+
+
+def _code(exc):
+    code = getattr(exc, "code", None)
+    if code in _KNOWN_CODES:
+        return code
+    return _CODE_OF.get(type(exc).__name__, "INVALID_ARGUMENT")
+
+
+def _plain(value):
+    """A value as plain data for a reply body (enums by value, tuples as lists)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Phase):
+        return value.value
+    if hasattr(value, "value") and not isinstance(value, (str, int, float, bool)):
+        return value.value
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+class _Conn:
+    """One connection (routing id): its requests outstanding this turn, its worker."""
+
+    __slots__ = ("outstanding", "worker")
+
+    def __init__(self):
+        self.outstanding = 0
+        self.worker = None
+
+
+class Shard:
+    """Serve one engine (shard ``shard_index`` of ``config``) on a ZeroMQ ROUTER.
+
+    ``endpoint`` overrides ``config.transport.endpoints[shard_index]`` (``tcp://127.0.0.1:0``
+    binds an ephemeral port: read :attr:`endpoint` after :meth:`start`). ``store`` and
+    ``clock`` go to the :class:`~engine.Engine` (default: the config's LMDB store, the wall
+    clock). ``watch_ring``/``watch_runs`` bound the watch log (``transport._watch``).
+
+    :meth:`start` runs the loop on a thread of its own and returns once the socket is bound
+    (or raises what stopped it); :meth:`serve` runs it on the calling thread until
+    :meth:`stop`. Either way the engine lives on the loop's thread only."""
+
+    def __init__(self, config, shard_index=0, *, endpoint=None, store=None, clock=None,
+                 context=None, heartbeat=None, watch_ring=None, watch_runs=None):
+        self.config = config if isinstance(config, Config) else load_config(config)
+        eps = self.config.transport.endpoints
+        if endpoint is None:
+            if not 0 <= shard_index < len(eps):
+                raise LeaseholdError(f"shard {shard_index}: transport.endpoints has "
+                                     f"{len(eps)} endpoint(s)")
+            endpoint = eps[shard_index]
+        self.shard_index = shard_index
+        self.name = f"{self.config.storage.shard}@{endpoint}"
+        self._bind_to = endpoint
+        self._store = store
+        self._clock = clock
+        self._context = context
+        self._heartbeat = heartbeat
+        self._watch_kw = {k: v for k, v in (("ring", watch_ring), ("max_runs", watch_runs))
+                          if v is not None}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error = None
+        self._thread = None
+        self.endpoint = None
+        self._counters = dict(received=0, replies=0, errors=0, protocol_errors=0,
+                              refused_auth=0, unauthenticated=0, exhausted=0, leases_pushed=0,
+                              leases_unsent=0, events=0, events_unsent=0, commits=0,
+                              failed_commits=0, ticks=0)
+        self._counts_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ running
+
+    def start(self, timeout=30.0):
+        """Run the loop on a thread; returns self once bound. Raises what stopped it."""
+        self._thread = threading.Thread(target=self._run_safely, name=f"shard-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise LeaseholdError(f"shard {self.name}: not serving after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run_safely(self):
+        try:
+            self.serve()
+        except BaseException as exc:     # reported to start() / join()
+            self._error = exc
+            self._ready.set()
+
+    def stop(self, timeout=30.0):
+        """Ask the loop to stop (it finishes its turn: commit, sends, close) and wait."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def install_signal_handlers(self):
+        """SIGTERM and SIGINT stop the loop cleanly (call from the main thread)."""
+        def handler(signum, frame):
+            self._stop.set()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    @property
+    def counters(self):
+        """A snapshot of the loop's counters: messages received, replies, errors (of which
+        protocol errors, authorisation refusals, unauthenticated, RESOURCE_EXHAUSTED),
+        leases pushed or unsent, events pushed or unsent, commits, failed commits, ticks,
+        and the ZAP handshakes accepted and refused."""
+        with self._counts_lock:
+            out = dict(self._counters)
+        auth = getattr(self, "_auth", None)
+        out["handshakes_accepted"] = auth.accepted if auth is not None else 0
+        out["handshakes_refused"] = auth.refused if auth is not None else 0
+        return out
+
+    def _count(self, key, n=1):
+        with self._counts_lock:
+            self._counters[key] += n
+
+    def serve(self):
+        """Run the loop on this thread until :meth:`stop` (or a signal handler) asks."""
+        from transport._auth import Authenticator
+
+        cfg = self.config
+        keyring = load_keyring(cfg.security)
+        own_ctx = self._context is None
+        ctx = zmq.Context() if own_ctx else self._context
+        self._auth = None
+        sock = None
+        eng = None
+        try:
+            if keyring is not None:
+                self._auth = Authenticator(ctx, keyring).start()
+            sock = server_socket(ctx, self._bind_to, keyring, self._auth, cfg.transport,
+                                 heartbeat=self._heartbeat)
+            # A worker reconnecting under its fixed routing id takes its old one over.
+            sock.router_handover = 1
+            self.endpoint = sock.last_endpoint.decode()
+            kw = {}
+            if self._store is not None:
+                kw["store"] = self._store
+            if self._clock is not None:
+                kw["clock"] = self._clock
+            eng = Engine(cfg, **kw)
+            self._loop = _Loop(self, eng, sock, keyring)
+            log.info("shard %s serving on %s", cfg.storage.shard, self.endpoint)
+            self._ready.set()
+            self._loop.run(self._stop)
+        finally:
+            if eng is not None:
+                try:
+                    eng.close()
+                except Exception:       # closing after a failure: report the first
+                    log.exception("shard %s: closing the engine", self.name)
+            if sock is not None:
+                sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            if own_ctx:
+                ctx.term()
+
+
+class _Loop:
+    """The decision thread's state: the engine, the socket, sessions, watches."""
+
+    def __init__(self, shard, eng, sock, keyring):
+        self.shard = shard
+        self.eng = eng
+        self.sock = sock
+        self.keyring = keyring
+        cfg = shard.config
+        self.settings = cfg.transport
+        self.decoder = p.Decoder(cfg.transport)
+        self.conns = {}             # routing id -> _Conn (bounded: dropped when idle)
+        self.worker_conn = {}       # worker id -> routing id
+        self.watch = WatchLog(**shard._watch_kw)
+        self.specs = {}             # enqueue group id -> (run, spec map)
+        self.leases = {}            # lease id (token word 0) -> (run, action) of watched runs
+        self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
+        self.next_backstop = time.monotonic() + self.backstop_s
+        self.reg = dict(heartbeat_interval=float(cfg.engine.heartbeat_interval),
+                        lease_ttl=cfg.engine.lease_ttl_ns / 1e9,
+                        max_tokens=cfg.transport.max_tokens)
+        self.session_no = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, stop):
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not stop.is_set():
+            wait = max(0.0, min(self.next_backstop - time.monotonic(), 0.1))
+            poller.poll(int(wait * 1000) + (0 if wait == 0 else 1))
+            msgs = []
+            while len(msgs) < BATCH:
+                try:
+                    msgs.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+            backstop = time.monotonic() >= self.next_backstop
+            if msgs or backstop:
+                try:
+                    self.turn(msgs, backstop)
+                except Exception:   # a bug: log it, keep serving (memory was restored)
+                    log.exception("shard %s: loop turn failed", self.shard.name)
+                    self.shard._count("failed_commits")
+        # A last turn: whatever was decided is committed before the store closes.
+        self.turn([], False)
+
+    def turn(self, msgs, backstop):
+        eng = self.eng
+        out = []        # (routing id, message, request?) in request order
+        self.out = out
+        self.pushes = []            # (routing id, frames) LEASES after the commit
+        self.events = []            # (event tuple, run, watchers)
+        self.want_tick = backstop
+        self.check = set()          # (run, action) whose phase to re-read after the turn
+        self.check_all = backstop
+        self.shard._count("received", len(msgs))
+        try:
+            with eng.turn():
+                for frames in msgs:
+                    self.handle(frames)
+                if self.want_tick:
+                    eng.schedule()
+                    self.shard._count("ticks")
+                batch = eng.drain_columns()
+                if len(batch):
+                    self.push_leases(batch)
+                self.recheck()
+            self.shard._count("commits")
+        except _Poison as exc:
+            # A request hit a bug mid-change: the turn's memory is restored; that request
+            # gets INTERNAL, the others UNAVAILABLE (they may retry).
+            self.shard._count("failed_commits")
+            log.error("shard %s: %s", self.shard.name, exc.text)
+            for conn, msg, is_req in out:
+                if is_req:
+                    rid = getattr(msg, "rid", None)
+                    self.send(conn, p.Error(rid=rid, code="UNAVAILABLE",
+                                            message=f"shard {self.shard.name}: the turn "
+                                            f"was undone by another request; retry"))
+            self.send(exc.conn, p.Error(rid=exc.rid, code="INTERNAL", message=exc.text))
+            for c in self.conns.values():
+                c.outstanding = 0
+            return
+        except (StoreError, LeaseholdError, OSError) as exc:
+            # The commit (or the engine under it) failed: memory is what the store holds;
+            # nothing of this turn may leave. Answer every request UNAVAILABLE.
+            self.shard._count("failed_commits")
+            log.error("shard %s: turn failed, nothing of it sent: %s", self.shard.name, exc)
+            for rid_conn, msg, is_req in out:
+                if is_req:
+                    rid = getattr(msg, "rid", None)
+                    self.send(rid_conn, p.Error(rid=rid, code="UNAVAILABLE",
+                                                message=f"shard {self.shard.name}: the "
+                                                f"commit failed ({exc}); retry"))
+            for c in self.conns.values():
+                c.outstanding = 0
+            return
+        finally:
+            if backstop:
+                self.next_backstop = time.monotonic() + self.backstop_s
+        for conn, msg, _ in out:
+            self.send(conn, msg)
+        for conn, frames, n in self.pushes:
+            # A push that cannot go (peer gone, queue full) is not retried under this
+            # generation: the lease misses its heartbeats and is assigned again.
+            self.shard._count("leases_pushed" if send(self.sock, frames, conn)
+                              else "leases_unsent", n)
+        self.push_events()
+        for c in self.conns.values():
+            c.outstanding = 0
+
+    def send(self, conn, msg):
+        try:
+            frames = p.encode(msg)
+        except (TypeError, ValueError, OverflowError) as exc:
+            frames = p.encode(p.Error(rid=getattr(msg, "rid", None), code="INTERNAL",
+                                      message=f"reply not encodable: {exc}"))
+        if isinstance(msg, p.Error):
+            self.shard._count("errors")
+        else:
+            self.shard._count("replies")
+        send(self.sock, frames, conn)
+
+    def reply(self, conn, rid, body=None):
+        self.out.append((conn, p.Reply(rid=rid, body=body), True))
+
+    def error(self, conn, rid, code, message):
+        self.out.append((conn, p.Error(rid=rid, code=code, message=message), True))
+
+    # ------------------------------------------------------------------ one message
+
+    def handle(self, frames):
+        if len(frames) < 2:
+            self.shard._count("protocol_errors")
+            return              # not even a routing id and a frame: nothing to answer
+        conn = frames[0].bytes
+        body = frames[1:]
+        c = self.conns.get(conn)
+        if c is None:
+            if len(self.conns) > 65536:
+                self._forget_idle()
+            c = self.conns[conn] = _Conn()
+        try:
+            msg = self.decoder.decode(body)
+        except p.ProtocolError as exc:
+            self.shard._count("protocol_errors")
+            self.error(conn, exc.rid, exc.code, exc.text)
+            return
+        rid = getattr(msg, "rid", None)
+        if msg.TYPE != p.MsgType.BYE:
+            c.outstanding += 1
+            if c.outstanding > self.settings.max_outstanding:
+                self.shard._count("exhausted")
+                self.error(conn, rid, "RESOURCE_EXHAUSTED",
+                           f"{msg.TYPE.name}: more than {self.settings.max_outstanding} "
+                           f"requests outstanding on this connection "
+                           f"(transport.max_outstanding)")
+                return
+        try:
+            peer = peer_of(body[0], self.keyring)
+            authorize(peer, msg)
+        except Unauthenticated as exc:
+            self.shard._count("unauthenticated")
+            self.error(conn, rid, "UNAUTHENTICATED", str(exc))
+            return
+        except PermissionDenied as exc:
+            self.shard._count("refused_auth")
+            self.error(conn, rid, "PERMISSION_DENIED", str(exc))
+            return
+        method = getattr(self, "on_" + msg.TYPE.name.lower())
+        try:
+            method(conn, c, peer, msg)
+        except (StoreError, OSError):
+            raise           # the turn fails as a whole
+        except LeaseholdError as exc:
+            self.error(conn, rid, _code(exc), f"{msg.TYPE.name}: {exc}")
+        except (ValueError, TypeError) as exc:    # an argument the engine refused
+            self.error(conn, rid, "INVALID_ARGUMENT", f"{msg.TYPE.name}: {exc}")
+        except Exception as exc:
+            log.exception("shard %s: %s failed", self.shard.name, msg.TYPE.name)
+            raise _Poison(conn, rid, f"{msg.TYPE.name}: internal error in the shard: "
+                                     f"{type(exc).__name__}: {exc}"[:4000]) from exc
+
+    def _forget_idle(self):
+        bound = set(self.worker_conn.values())
+        for conn in [k for k in self.conns if k not in bound]:
+            del self.conns[conn]
+
+    # ------------------------------------------------------------------ clients
+
+    def on_ping(self, conn, c, peer, msg):
+        self.reply(conn, msg.rid, {"shard": self.shard.name, "version": p.VERSION})
+
+    def on_enqueue(self, conn, c, peer, msg):
+        ids = self.eng.enqueue_many(msg.specs)
+        out = [str(a) for a in ids]
+        self.reply(conn, msg.rid, {"ids": out})
+        self.want_tick = True
+        if len(self.watch):
+            now = self.eng.clock.now_ns()
+            for a in out:
+                run = a.rsplit("/", 1)[0]
+                if run in self.watch:
+                    self.record(run, a, Phase.QUEUED, 0, now)
+
+    def on_enqueue_fanout(self, conn, c, peer, msg):
+        ids = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
+        self.reply(conn, msg.rid, {"n": len(ids)})
+        self.want_tick = True
+        run = msg.template["id"].rsplit("/", 1)[0]
+        if run in self.watch:
+            now = self.eng.clock.now_ns()
+            for name in msg.names:
+                self.record(run, f"{run}/{name}", Phase.QUEUED, 0, now)
+
+    def on_abort(self, conn, c, peer, msg):
+        ended = [str(a) for a in self.eng.abort(msg.action, msg.reason or "aborted")]
+        self.reply(conn, msg.rid, {"ended": ended})
+        self.want_tick = True       # ended work frees capacity
+        run = msg.action.rsplit("/", 1)[0]
+        if run in self.watch:
+            self.check.update((a.rsplit("/", 1)[0], a) for a in ended)
+            self.check_all = True   # the running ones end at their next heartbeat
+
+    def on_status(self, conn, c, peer, msg):
+        self.reply(conn, msg.rid, {"phases": [self.eng.phase(a).value for a in msg.actions]})
+
+    def on_explain(self, conn, c, peer, msg):
+        e = self.eng.explain(msg.action)
+        body = {f.name: _plain(getattr(e, f.name)) for f in dataclasses.fields(e)} \
+            if dataclasses.is_dataclass(e) else _plain(e._asdict())
+        self.reply(conn, msg.rid, body)
+
+    def on_queue_metrics(self, conn, c, peer, msg):
+        m = self.eng.queue_metrics(msg.queue)
+        self.reply(conn, msg.rid, _plain(visible_metrics(peer, m)))
+
+    def on_queue_update(self, conn, c, peer, msg):
+        q = self.eng.update_queue(msg.queue, **msg.changes)
+        self.reply(conn, msg.rid, _plain(dataclasses.asdict(q)))
+        self.want_tick = True
+
+    def on_watch(self, conn, c, peer, msg):
+        try:
+            latest, events = self.watch.watch(msg.run, conn, msg.since)
+        except WatchGap as exc:
+            self.error(conn, msg.rid, "NOT_FOUND", str(exc))
+            return
+        self.reply(conn, msg.rid, {"seq": latest})
+        for e in events:    # the replay, after the reply, in order
+            self.out.append((conn, self._event(msg.run, e), False))
+
+    def on_unwatch(self, conn, c, peer, msg):
+        self.watch.unwatch(msg.run, conn)
+        self.reply(conn, msg.rid)
+
+    # ------------------------------------------------------------------ workers
+
+    def on_register(self, conn, c, peer, msg):
+        self.eng.register_worker(msg.worker, msg.cluster, msg.slots)
+        old = self.worker_conn.get(msg.worker)
+        if old is not None and old != conn and old in self.conns:
+            self.conns[old].worker = None
+        self.worker_conn[msg.worker] = conn
+        c.worker = msg.worker
+        self.session_no += 1
+        self.out.append((conn, p.Registered(rid=msg.rid, worker=msg.worker,
+                                            session=self.session_no, **self.reg), True))
+        self.want_tick = True
+
+    def _worker(self, conn, c, msg):
+        if c.worker is None or self.worker_conn.get(c.worker) != conn:
+            raise _NotRegistered(f"{msg.TYPE.name}: this connection has not registered a "
+                                 f"worker (send REGISTER first)")
+        return c.worker
+
+    def on_heartbeat(self, conn, c, peer, msg):
+        worker = self._worker(conn, c, msg)
+        refused = self.eng.heartbeat(worker, msg.tokens, msg.free) if len(msg.tokens) else []
+        self.out.append((conn, _refused(msg.rid, refused), True))
+        if msg.free is not None or refused:
+            self.want_tick = True       # capacity seen, or work ended
+
+    def on_report(self, conn, c, peer, msg):
+        worker = self._worker(conn, c, msg)
+        n = msg.tokens.shape[0]
+        phases = [PHASES[int(x)] for x in msg.phases.tolist()]
+        kw = {}
+        if msg.details:
+            cols = {k: [None] * n for k in ("error_kinds", "causes", "messages")}
+            cols["recoverable"] = [True] * n
+            cols["cleanup"] = [False] * n
+            cols["messages"] = [""] * n
+            for d in msg.details:
+                i = d["i"]
+                for wire, col in (("error_kind", "error_kinds"), ("cause", "causes"),
+                                  ("message", "messages"), ("recoverable", "recoverable"),
+                                  ("cleanup", "cleanup")):
+                    if d.get(wire) is not None:
+                        cols[col][i] = d[wire]
+            kw = cols
+        refused = self.eng.report_many(msg.tokens, phases, worker=worker, **kw)
+        self.out.append((conn, _refused(msg.rid, refused), True))
+        self.want_tick = True
+        if self.leases:
+            bad = {r.token for r in refused}
+            words = msg.tokens[:, 0].tolist()
+            for i, w in enumerate(words):
+                hit = self.leases.get(w)
+                if hit is not None and msg.tokens[i].astype("<u8").tobytes() not in bad:
+                    self.check.add(hit)
+                    if phases[i] in TERMINAL_PHASES:
+                        del self.leases[w]
+
+    def on_bye(self, conn, c, peer, msg):
+        if c.worker is not None and self.worker_conn.get(c.worker) == conn:
+            self.eng.unregister_worker(c.worker)
+            del self.worker_conn[c.worker]
+        c.worker = None
+        self.conns.pop(conn, None)
+
+    # ------------------------------------------------------------------ leases
+
+    def push_leases(self, batch):
+        """LEASES messages, one a worker (at most max_batch rows each), sent after commit."""
+        workers = batch.worker
+        names_all = None
+        for w in np.unique(workers).tolist():
+            idx = np.flatnonzero(workers == w)
+            wid = batch.worker_id(int(idx[0]))
+            conn = self.worker_conn.get(wid)
+            if names_all is None:
+                names_all = {}
+            for lo in range(0, idx.size, self.settings.max_batch):
+                part = idx[lo:lo + self.settings.max_batch]
+                msg = self._leases(batch, part)
+                if conn is None:
+                    self.shard._count("leases_unsent", int(part.size))
+                    continue
+                self.pushes.append((conn, p.encode(msg), int(part.size)))
+        if len(self.watch):
+            now = self.eng.clock.now_ns()
+            for i in range(len(batch)):
+                if batch.kind[i]:
+                    continue        # a finalize lease is no state change of the action
+                aid = str(batch.action(i))
+                run = aid.rsplit("/", 1)[0]
+                if run in self.watch:
+                    self.leases[int(batch.tokens[i, 0])] = (run, aid)
+                    self.record(run, aid, Phase.INITIALIZING, int(batch.attempt[i]), now)
+
+    def _leases(self, batch, idx):
+        gids = batch.group[idx]
+        uniq, inverse = np.unique(gids, return_inverse=True)
+        groups, deadline, queued = [], np.full(idx.size, -1, np.int64), \
+            np.full(idx.size, -1, np.int64)
+        for k, gid in enumerate(uniq.tolist()):
+            first = int(idx[np.flatnonzero(gids == gid)[0]])
+            g = batch.group_of(first)
+            entry = self.specs.get(gid)
+            if entry is None or entry[2] is not g:
+                aid = batch.action(first)
+                spec = _plain(dataclasses.asdict(g.compiled.spec))
+                entry = (aid.run_key, spec, g)
+                if len(self.specs) >= _SPEC_CACHE:
+                    self.specs.pop(next(iter(self.specs)))
+                self.specs[gid] = entry
+            groups.append({"run": entry[0], "spec": entry[1]})
+            t = g.compiled.spec.timeouts
+            sel = inverse == k
+            if t.deadline is not None:
+                deadline[sel] = batch.first_enqueued_ns[idx[sel]] + int(t.deadline * 1e9)
+            if t.max_queued_time is not None:
+                queued[sel] = batch.attempt_enqueued_ns[idx[sel]] + int(t.max_queued_time * 1e9)
+        fin = batch.kind[idx] != 0
+        deadline[fin] = -1
+        queued[fin] = -1
+        names, inputs, any_input = [], [], False
+        for i in idx.tolist():
+            g = batch.group_of(i)
+            gi = int(batch.index[i])
+            names.append(g.names[gi])
+            ref = g.input_ref(gi)
+            any_input |= ref is not None
+            inputs.append(ref)
+        return p.Leases(tokens=batch.tokens[idx], kind=batch.kind[idx],
+                        attempt=batch.attempt[idx], group=inverse.astype(np.int32),
+                        deadline_ns=deadline, queued_deadline_ns=queued, groups=groups,
+                        names=names, inputs=inputs if any_input else None)
+
+    # ------------------------------------------------------------------ watches
+
+    def record(self, run, action, phase, attempt, now, detail=None):
+        hit = self.watch.record(run, action, phase, attempt, now, detail)
+        if hit is not None:
+            self.events.append((hit[0], run, hit[1]))
+
+    def recheck(self):
+        """Re-read the phase of actions the turn may have changed (reports, aborts) and,
+        on the backstop tick, of every tracked live action (expiry, retry, timeouts)."""
+        if not len(self.watch):
+            return
+        todo = set(self.check)
+        if self.check_all:
+            todo.update((run, a) for run, a, _ph, _at in self.watch.live())
+        if not todo:
+            return
+        now = self.eng.clock.now_ns()
+        for run, action in todo:
+            try:
+                e = self.eng.explain(action)
+            except LeaseholdError:
+                continue
+            att = self.watch.attempt_of(run, action)
+            detail = e.reason if e.phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) \
+                else None
+            self.record(run, action, e.phase, att, now,
+                        detail[:self.settings.max_text] if detail else None)
+
+    def _event(self, run, e):
+        seq, action, phase, attempt, t, detail = e
+        return p.Event(run=run, seq=seq, action=action, phase=phase, attempt=attempt,
+                       time_ns=t, detail=detail)
+
+    def push_events(self):
+        for e, run, watchers in self.events:
+            if not watchers:
+                continue
+            frames = p.encode(self._event(run, e))
+            for conn in list(watchers):
+                if send(self.sock, frames, conn):
+                    self.shard._count("events")
+                else:
+                    # Gone or too slow: it resumes with WATCH since=its last seq.
+                    self.shard._count("events_unsent")
+                    watchers.discard(conn)
+
+
+class _Poison(Exception):
+    """A request that raised something unexpected: the turn is undone."""
+
+    def __init__(self, conn, rid, text):
+        super().__init__(text)
+        self.conn, self.rid, self.text = conn, rid, text
+
+
+class _NotRegistered(LeaseholdError):
+    code = "NOT_FOUND"
+
+
+def _refused(rid, refused):
+    if not refused:
+        return p.Refused(rid=rid, tokens=np.zeros((0, 3), np.uint64),
+                         verdicts=np.zeros(0, np.uint8))
+    toks = b"".join(r.token for r in refused)
+    return p.Refused(rid=rid, tokens=toks,
+                     verdicts=np.array([int(r.verdict) for r in refused], np.uint8))
+
+
+def run_shard(config_path, shard_index):
+    """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0."""
+    shard = Shard(config_path, shard_index)
+    shard.install_signal_handlers()
+    try:
+        shard.serve()
+    except (zmq.ZMQError, StoreError) as exc:
+        raise LeaseholdError(f"shard {shard.name}: {exc}") from None
+    return 0
+
+
+def action_run(action):
+    """The run key of an action id string."""
+    return ActionId.parse(action).run_key

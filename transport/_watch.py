@@ -1,0 +1,137 @@
+"""The shard's watch log: per run, a sequence-numbered, bounded ring of state changes, and
+who watches it (``docs/shard.md``, "Watches").
+
+A run gets a log when someone first WATCHes it; from then on every state change of its
+actions the shard sees (enqueue, assignment, running, terminal, abort, and what the backstop
+re-check finds: expiry, retry, timeout) is appended with the next sequence number and pushed
+to the connections watching it. The log stays after its watchers leave (a watcher that
+reconnects resumes from the last ``seq`` it saw) until the run is evicted, oldest watched
+first, when more than ``max_runs`` runs have logs.
+
+Bounds: ``ring`` events a run (the oldest are dropped), ``max_runs`` runs, ``max_live``
+actions tracked a run for the backstop re-check. A resume from a ``seq`` the ring no longer
+holds is refused (:class:`WatchGap`): the watcher re-reads status instead of silently missing
+changes.
+
+Sequence numbers start, per run, at ``epoch + 1`` where ``epoch`` is the shard's start time
+in seconds shifted left 20 bits: gap-free within one shard process, and always larger after
+a restart, so a watcher holding a ``seq`` from before the restart is told its events are gone
+instead of being handed new events it would drop as already seen.
+"""
+
+import collections
+import time
+
+from engine._codes import TERMINAL_PHASES, Phase
+
+__all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE"]
+
+#: Events kept a run.
+RING = 4096
+#: Runs with a log.
+MAX_RUNS = 1024
+#: Non-terminal actions a run tracks for the backstop re-check.
+MAX_LIVE = 100_000
+
+
+class WatchGap(Exception):
+    """A resume from a ``seq`` the log no longer holds (too old, or from before a restart)."""
+
+
+class _Run:
+    __slots__ = ("ring", "seq", "watchers", "live")
+
+    def __init__(self, ring, epoch):
+        self.ring = collections.deque(maxlen=ring)   # (seq, action, phase, attempt, t, detail)
+        self.seq = epoch
+        self.watchers = set()       # routing ids
+        self.live = {}              # action id -> (phase, attempt), non-terminal only
+
+
+class WatchLog:
+    """The watched runs of one shard (used from its decision thread only)."""
+
+    def __init__(self, ring=RING, max_runs=MAX_RUNS, max_live=MAX_LIVE, epoch=None):
+        self.ring = ring
+        self.max_runs = max_runs
+        self.max_live = max_live
+        self.epoch = (int(time.time()) << 20) if epoch is None else epoch
+        self._runs = collections.OrderedDict()
+        self.evicted = 0
+
+    def __contains__(self, run):
+        return run in self._runs
+
+    def __len__(self):
+        return len(self._runs)
+
+    def watch(self, run, conn, since):
+        """Subscribe ``conn`` to ``run``; returns ``(latest seq, events after since)``.
+        Raises :class:`WatchGap` when events after ``since`` were dropped or belong to an
+        earlier shard process."""
+        r = self._runs.get(run)
+        if r is None:
+            r = self._runs[run] = _Run(self.ring, self.epoch)
+            while len(self._runs) > self.max_runs:
+                self._runs.popitem(last=False)
+                self.evicted += 1
+        else:
+            self._runs.move_to_end(run)
+        first = r.ring[0][0] if r.ring else r.seq + 1
+        if since and since < self.epoch:
+            raise WatchGap(f"watch {run}: seq {since} is from before the shard restarted; "
+                           f"the changes since are not kept (re-read the status)")
+        if since > r.seq:
+            raise WatchGap(f"watch {run}: seq {since} is past the latest ({r.seq})")
+        if since and since + 1 < first:
+            raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
+                           f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
+        r.watchers.add(conn)
+        return r.seq, [e for e in r.ring if e[0] > since]
+
+    def unwatch(self, run, conn):
+        """Stop pushing ``run`` to ``conn`` (its log stays, for a resume)."""
+        r = self._runs.get(run)
+        if r is not None:
+            r.watchers.discard(conn)
+
+    def drop(self, conn):
+        """Forget ``conn`` everywhere (it is gone or cannot take more)."""
+        for r in self._runs.values():
+            r.watchers.discard(conn)
+
+    def record(self, run, action, phase, attempt, time_ns, detail=None):
+        """Append a change of ``action`` (in a watched run) unless it repeats the last one
+        seen for it; returns ``(event tuple, watchers)`` or None."""
+        r = self._runs.get(run)
+        if r is None:
+            return None
+        phase = Phase(phase)
+        last = r.live.get(action)
+        if last is not None and last == (phase, attempt):
+            return None
+        if phase in TERMINAL_PHASES:
+            if last is None and any(e[1] == action and e[2] == phase.value
+                                    for e in reversed(r.ring)):
+                return None     # already told (a second report, a re-check)
+            r.live.pop(action, None)
+        elif action in r.live or len(r.live) < self.max_live:
+            r.live[action] = (phase, attempt)
+        r.seq += 1
+        event = (r.seq, action, phase.value, attempt, time_ns, detail)
+        r.ring.append(event)
+        return event, r.watchers
+
+    def live(self):
+        """``(run, action, last phase, attempt)`` of every tracked non-terminal action."""
+        for run, r in self._runs.items():
+            for action, (phase, attempt) in r.live.items():
+                yield run, action, phase, attempt
+
+    def attempt_of(self, run, action):
+        """The last attempt recorded for ``action`` (0 when none)."""
+        r = self._runs.get(run)
+        if r is None:
+            return 0
+        last = r.live.get(action)
+        return last[1] if last is not None else 0
