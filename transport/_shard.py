@@ -34,9 +34,11 @@ from engine._config import Config, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
 from engine._model import ActionId
-from storage import StoreError
+from storage import LmdbStore, StoreError
 from transport import _protocol as p
 from transport._auth import (
+    ADMIN,
+    INSECURE,
     PermissionDenied,
     Unauthenticated,
     authorize,
@@ -60,6 +62,8 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
     "NotFound": "NOT_FOUND", "AlreadyExists": "ALREADY_EXISTS",
 }
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
+# Reported phases that are, once accepted, the action's phase (a failure may be a retry).
+_AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
 
 
 def _code(exc):
@@ -135,8 +139,9 @@ class Shard:
         self.endpoint = None
         self._counters = dict(received=0, replies=0, errors=0, protocol_errors=0,
                               refused_auth=0, unauthenticated=0, exhausted=0, leases_pushed=0,
-                              leases_unsent=0, events=0, events_unsent=0, commits=0,
-                              failed_commits=0, ticks=0)
+                              leases_unsent=0, events=0, events_unsent=0, turns=0,
+                              failed_commits=0, ticks=0,
+                              store_commits=0)
         self._counts_lock = threading.Lock()
 
     # ------------------------------------------------------------------ running
@@ -177,7 +182,8 @@ class Shard:
     def counters(self):
         """A snapshot of the loop's counters: messages received, replies, errors (of which
         protocol errors, authorisation refusals, unauthenticated, RESOURCE_EXHAUSTED),
-        leases pushed or unsent, events pushed or unsent, commits, failed commits, ticks,
+        leases pushed or unsent, events pushed or unsent, loop turns, store group commits
+        (turns that changed nothing write nothing), failed turns, ticks,
         and the ZAP handshakes accepted and refused."""
         with self._counts_lock:
             out = dict(self._counters)
@@ -209,9 +215,12 @@ class Shard:
             # A worker reconnecting under its fixed routing id takes its old one over.
             sock.router_handover = 1
             self.endpoint = sock.last_endpoint.decode()
-            kw = {}
-            if self._store is not None:
-                kw["store"] = self._store
+            store = self._store
+            if store is None:
+                sc = cfg.storage
+                store = LmdbStore(sc.path, partitions=sc.partitions, map_size=sc.map_size,
+                                  sync=sc.sync, claim_ttl_s=sc.claim_ttl)
+            kw = {"store": _CountingStore(store, self)}
             if self._clock is not None:
                 kw["clock"] = self._clock
             eng = Engine(cfg, **kw)
@@ -233,6 +242,22 @@ class Shard:
                 ctx.term()
 
 
+class _CountingStore:
+    """The engine's store, counting group commits (``counters["store_commits"]``)."""
+
+    def __init__(self, store, shard):
+        self._inner = store
+        self._shard = shard
+
+    def commit(self, batch):
+        out = self._inner.commit(batch)
+        self._shard._count("store_commits")
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 class _Loop:
     """The decision thread's state: the engine, the socket, sessions, watches."""
 
@@ -247,7 +272,10 @@ class _Loop:
         self.conns = {}             # routing id -> _Conn (bounded: dropped when idle)
         self.worker_conn = {}       # worker id -> routing id
         self.watch = WatchLog(**shard._watch_kw)
-        self.specs = {}             # enqueue group id -> (run, spec map)
+        self.specs = {}             # enqueue group id -> (run, spec map, group)
+        # Spec maps as enqueued (by spec id), so a LEASES push need not rebuild them from the
+        # compiled spec; bounded, oldest dropped (then the map is rebuilt).
+        self.wire_specs = {}
         self.leases = {}            # lease id (token word 0) -> (run, action) of watched runs
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
@@ -301,7 +329,7 @@ class _Loop:
                 if len(batch):
                     self.push_leases(batch)
                 self.recheck()
-            self.shard._count("commits")
+            self.shard._count("turns")
         except _Poison as exc:
             # A request hit a bug mid-change: the turn's memory is restored; that request
             # gets INTERNAL, the others UNAVAILABLE (they may retry).
@@ -425,11 +453,21 @@ class _Loop:
     # ------------------------------------------------------------------ clients
 
     def on_ping(self, conn, c, peer, msg):
-        self.reply(conn, msg.rid, {"shard": self.shard.name, "version": p.VERSION})
+        body = {"shard": self.shard.name, "version": p.VERSION}
+        if peer.role in (ADMIN, INSECURE):
+            body["counters"] = self.shard.counters   # operators (and benches) read them
+        self.reply(conn, msg.rid, body)
+
+    def _keep_spec(self, spec):
+        if len(self.wire_specs) >= _SPEC_CACHE:
+            self.wire_specs.pop(next(iter(self.wire_specs)))
+        self.wire_specs[spec["id"]] = spec
 
     def on_enqueue(self, conn, c, peer, msg):
         ids = self.eng.enqueue_many(msg.specs)
         out = [str(a) for a in ids]
+        for spec in msg.specs[:_SPEC_CACHE]:
+            self._keep_spec(spec)
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
         if len(self.watch):
@@ -441,6 +479,7 @@ class _Loop:
 
     def on_enqueue_fanout(self, conn, c, peer, msg):
         ids = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
+        self._keep_spec(msg.template)
         self.reply(conn, msg.rid, {"n": len(ids)})
         self.want_tick = True
         run = msg.template["id"].rsplit("/", 1)[0]
@@ -541,12 +580,22 @@ class _Loop:
         if self.leases:
             bad = {r.token for r in refused}
             words = msg.tokens[:, 0].tolist()
+            now = None
             for i, w in enumerate(words):
                 hit = self.leases.get(w)
-                if hit is not None and msg.tokens[i].astype("<u8").tobytes() not in bad:
-                    self.check.add(hit)
-                    if phases[i] in TERMINAL_PHASES:
-                        del self.leases[w]
+                if hit is None or msg.tokens[i].astype("<u8").tobytes() in bad:
+                    continue
+                ph = phases[i]
+                if ph in _AS_REPORTED:
+                    # An accepted report of these is the phase the action is now in: no
+                    # need to ask the engine (which would give a lean row its record).
+                    run, aid = hit
+                    now = self.eng.clock.now_ns() if now is None else now
+                    self.record(run, aid, ph, self.watch.attempt_of(run, aid), now)
+                else:
+                    self.check.add(hit)     # a failure may be a retry: ask after the turn
+                if ph in TERMINAL_PHASES:
+                    del self.leases[w]
 
     def on_bye(self, conn, c, peer, msg):
         if c.worker is not None and self.worker_conn.get(c.worker) == conn:
@@ -596,7 +645,9 @@ class _Loop:
             entry = self.specs.get(gid)
             if entry is None or entry[2] is not g:
                 aid = batch.action(first)
-                spec = _plain(dataclasses.asdict(g.compiled.spec))
+                spec = self.wire_specs.pop(str(g.compiled.spec.id), None)
+                if spec is None:
+                    spec = _plain(dataclasses.asdict(g.compiled.spec))
                 entry = (aid.run_key, spec, g)
                 if len(self.specs) >= _SPEC_CACHE:
                     self.specs.pop(next(iter(self.specs)))

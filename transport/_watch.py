@@ -31,7 +31,7 @@ RING = 4096
 #: Runs with a log.
 MAX_RUNS = 1024
 #: Non-terminal actions a run tracks for the backstop re-check.
-MAX_LIVE = 100_000
+MAX_LIVE = 10_000
 
 
 class WatchGap(Exception):
