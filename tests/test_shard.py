@@ -4,13 +4,14 @@ authorisation, and a fuzz of random and mutated messages. Every wait is bounded;
 socket, thread and store is closed in teardown."""
 
 import random
+from pathlib import Path
 
 import pytest
 import zmq
 
 from engine import Phase, parse_config
 from engine._codes import Verdict
-from storage import LmdbStore, MemoryStore
+from storage import LmdbStore, MemoryStore, StoreError
 from transport import (
     Client,
     ClientKeys,
@@ -29,6 +30,7 @@ from transport import (
 )
 
 RUN = "acme/ml/prod/r1"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def base_config(tmp_path, security=None, **engine):
@@ -399,3 +401,138 @@ def test_fuzz_the_shard_stays_up_counts_and_answers_afterwards(insecure):
     c.enqueue(spec("after-fuzz", run="acme/ml/prod/rz"))
     assert c.status("acme/ml/prod/rz/after-fuzz") in (
         Phase.QUEUED, Phase.WAITING_FOR_RESOURCES, Phase.INITIALIZING)
+
+
+def _write_config(tmp_path, keys, port):
+    text = f"""resources = ["cpu"]
+[clusters.east]
+capacity = {{ cpu = 64 }}
+[queues.q]
+scheduling = "GREEDY_CAPACITY"
+[engine]
+default_queue = "q"
+heartbeat_interval = 1.0
+[storage]
+path = "{tmp_path / 'data'}"
+partitions = 2
+[transport]
+endpoints = ["tcp://127.0.0.1:{port}"]
+[security]
+keys_dir = "{keys}"
+server_key = "shard"
+[security.peers.east-1]
+role = "worker"
+cluster = "east"
+[security.peers.acme-app]
+role = "client"
+tenants = ["acme"]
+"""
+    path = tmp_path / "leasehold.toml"
+    path.write_text(text)
+    return path
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard_process(config):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "shard", "--config",
+                             str(config)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _stop(proc):
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, err
+
+
+def test_leasehold_shard_process_restarts_and_the_worker_adopts_its_leases(tmp_path, keys):
+    port = _free_port()
+    config = _write_config(tmp_path, keys, port)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    k = load_client_keys(keys, "acme-app", "shard")
+    c = Client(endpoint=endpoint, keys=k, timeout=20.0)
+    w = WorkerConnection(endpoint, load_client_keys(keys, "east-1", "shard"), "east-1", "east",
+                         10, timeout=20.0)
+    proc = _shard_process(config)
+    try:
+        w.connect()
+        c.enqueue(spec("a"))
+        (lease,) = w.leases(timeout=20)
+        code, err = _stop(proc)
+        assert code == 0, err
+        proc = _shard_process(config)
+        # A new process on the same port: the worker's heartbeat re-registers (its lease is
+        # adopted) and validates; its report then completes the action.
+        assert w.heartbeat([lease.token], timeout=20) == []
+        assert w.report([lease.token], Phase.SUCCEEDED, timeout=20) == []
+        assert c.wait(lease.action, timeout=20) == {lease.action: Phase.SUCCEEDED}
+    finally:
+        c.close()
+        w.close()
+        if proc.poll() is None:
+            _stop(proc)
+
+
+def test_leasehold_shard_with_a_bad_config_prints_one_line_and_exits_2(tmp_path):
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.toml"
+    bad.write_text('resources = ["cpu"]\n[clusters.east]\ncapacity = { cpu = 1 }\n'
+                   '[queues.q]\n[engine]\ndefault_queue = "q"\n[security]\n')
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "shard", "--config", str(bad)],
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "security.peers" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+class FlakyStore(MemoryStore):
+    """A memory store whose next commits fail while ``failing`` is set (a test's switch)."""
+
+    failing = False
+
+    def commit(self, batch):
+        if self.failing:
+            raise StoreError("injected: the disk said no")
+        return super().commit(batch)
+
+
+def test_a_failed_commit_sends_nothing_of_its_turn(tmp_path):
+    store = FlakyStore()
+    h = Harness(base_config(tmp_path), store=store)
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        store.failing = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            c.enqueue(spec("a"))
+        assert w.leases(timeout=0.5) == []
+        store.failing = False
+        with pytest.raises(ShardError, match="NOT_FOUND"):
+            c.status(f"{RUN}/a")      # memory was restored: the enqueue never happened
+        c.enqueue(spec("a"))
+        (lease,) = w.leases(timeout=5)
+        assert lease.action == f"{RUN}/a"
+        assert h.shard.counters["failed_commits"] >= 1
+    finally:
+        h.close()

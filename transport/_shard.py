@@ -56,6 +56,7 @@ log = logging.getLogger("leasehold.shard")
 #: Messages taken in one loop turn (one group commit); the rest wait for the next turn.
 BATCH = 512
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
+_MAX_LEASES = 100_000       # leases of watched runs mapped to their action (for reports)
 
 _CODE_OF = {  # engine error class name -> wire code, for errors without a ``code``
     "SpecError": "INVALID_ARGUMENT", "ConfigError": "INVALID_CONFIG",
@@ -309,18 +310,32 @@ class _Loop:
         self.turn([], False)
 
     def turn(self, msgs, backstop):
+        """One loop turn over ``msgs``; a request that hits a bug is answered INTERNAL and
+        the turn runs again without it (its memory was restored)."""
+        self.shard._count("received", len(msgs))
+        while True:
+            try:
+                return self._turn(msgs, backstop)
+            except _Poison as exc:
+                self.shard._count("failed_commits")
+                log.error("shard %s: %s", self.shard.name, exc.text)
+                self.send(exc.conn, p.Error(rid=exc.rid, code="INTERNAL", message=exc.text))
+                msgs = msgs[:exc.index] + msgs[exc.index + 1:]
+
+    def _turn(self, msgs, backstop):
         eng = self.eng
         out = []        # (routing id, message, request?) in request order
         self.out = out
-        self.pushes = []            # (routing id, frames) LEASES after the commit
+        self.pushes = []            # (routing id, frames, leases) LEASES after the commit
+        self.records = []           # watch records, applied to the log after the commit
         self.events = []            # (event tuple, run, watchers)
         self.want_tick = backstop
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
-        self.shard._count("received", len(msgs))
         try:
             with eng.turn():
-                for frames in msgs:
+                for i, frames in enumerate(msgs):
+                    self.index = i
                     self.handle(frames)
                 if self.want_tick:
                     eng.schedule()
@@ -330,24 +345,14 @@ class _Loop:
                     self.push_leases(batch)
                 self.recheck()
             self.shard._count("turns")
-        except _Poison as exc:
-            # A request hit a bug mid-change: the turn's memory is restored; that request
-            # gets INTERNAL, the others UNAVAILABLE (they may retry).
-            self.shard._count("failed_commits")
-            log.error("shard %s: %s", self.shard.name, exc.text)
-            for conn, msg, is_req in out:
-                if is_req:
-                    rid = getattr(msg, "rid", None)
-                    self.send(conn, p.Error(rid=rid, code="UNAVAILABLE",
-                                            message=f"shard {self.shard.name}: the turn "
-                                            f"was undone by another request; retry"))
-            self.send(exc.conn, p.Error(rid=exc.rid, code="INTERNAL", message=exc.text))
+        except _Poison:
             for c in self.conns.values():
                 c.outstanding = 0
-            return
+            raise
         except (StoreError, LeaseholdError, OSError) as exc:
             # The commit (or the engine under it) failed: memory is what the store holds;
-            # nothing of this turn may leave. Answer every request UNAVAILABLE.
+            # nothing of this turn may leave, its watch records included. Answer every
+            # request UNAVAILABLE.
             self.shard._count("failed_commits")
             log.error("shard %s: turn failed, nothing of it sent: %s", self.shard.name, exc)
             for rid_conn, msg, is_req in out:
@@ -362,6 +367,12 @@ class _Loop:
         finally:
             if backstop:
                 self.next_backstop = time.monotonic() + self.backstop_s
+        # Durable: the turn's watch records join the log (numbered now, so a seq never
+        # names a change that was undone).
+        for args in self.records:
+            hit = self.watch.record(*args)
+            if hit is not None:
+                self.events.append((hit[0], args[0], hit[1]))
         for conn, msg, _ in out:
             self.send(conn, msg)
         for conn, frames, n in self.pushes:
@@ -442,7 +453,7 @@ class _Loop:
             self.error(conn, rid, "INVALID_ARGUMENT", f"{msg.TYPE.name}: {exc}")
         except Exception as exc:
             log.exception("shard %s: %s failed", self.shard.name, msg.TYPE.name)
-            raise _Poison(conn, rid, f"{msg.TYPE.name}: internal error in the shard: "
+            raise _Poison(self.index, conn, rid, f"{msg.TYPE.name}: internal error in the shard: "
                                      f"{type(exc).__name__}: {exc}"[:4000]) from exc
 
     def _forget_idle(self):
@@ -631,6 +642,10 @@ class _Loop:
                 aid = str(batch.action(i))
                 run = aid.rsplit("/", 1)[0]
                 if run in self.watch:
+                    if len(self.leases) >= _MAX_LEASES:
+                        # Expired leases are never reported: drop the oldest (a report
+                        # on it is then re-read at the backstop instead).
+                        self.leases.pop(next(iter(self.leases)))
                     self.leases[int(batch.tokens[i, 0])] = (run, aid)
                     self.record(run, aid, Phase.INITIALIZING, int(batch.attempt[i]), now)
 
@@ -678,9 +693,7 @@ class _Loop:
     # ------------------------------------------------------------------ watches
 
     def record(self, run, action, phase, attempt, now, detail=None):
-        hit = self.watch.record(run, action, phase, attempt, now, detail)
-        if hit is not None:
-            self.events.append((hit[0], run, hit[1]))
+        self.records.append((run, action, phase, attempt, now, detail))
 
     def recheck(self):
         """Re-read the phase of actions the turn may have changed (reports, aborts) and,
@@ -726,9 +739,9 @@ class _Loop:
 class _Poison(Exception):
     """A request that raised something unexpected: the turn is undone."""
 
-    def __init__(self, conn, rid, text):
+    def __init__(self, index, conn, rid, text):
         super().__init__(text)
-        self.conn, self.rid, self.text = conn, rid, text
+        self.index, self.conn, self.rid, self.text = index, conn, rid, text
 
 
 class _NotRegistered(LeaseholdError):
