@@ -536,3 +536,48 @@ def test_a_failed_commit_sends_nothing_of_its_turn(tmp_path):
         assert h.shard.counters["failed_commits"] >= 1
     finally:
         h.close()
+
+
+def test_a_token_of_an_earlier_session_is_refused_stale_after_reassignment(secure):
+    """A worker that registers again (a new session) proves the old one gone: its lease
+    expires and is placed again under a newer generation; the old token is STALE."""
+    c = secure.client()
+    first = secure.worker("east-1")
+    c.enqueue(spec("a", retries={"backoff_base": 0}))     # its system retry at once
+    (old,) = first.leases(timeout=5)
+    again = secure.worker("east-1")          # the same worker id, a new connection
+    got = again.leases(timeout=5, want=2)    # cleanup of attempt 1, and attempt 2
+    assert sorted((lease.kind.name, lease.attempt) for lease in got) == [
+        ("FINALIZE", 1), ("RUN", 2)]
+    new = next(lease for lease in got if lease.kind.name == "RUN")
+    assert [v for _t, v in again.heartbeat([old.token])] == [Verdict.STALE]
+    assert again.heartbeat([new.token]) == []
+
+
+def test_a_worker_receives_leases_of_its_own_cluster_only(tmp_path, keys):
+    data = {
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 64}}, "west": {"capacity": {"cpu": 64}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 1000},
+                   "westonly": {"clusters": ["west"]}},
+        "engine": {"default_queue": "q", "heartbeat_interval": 1.0},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "max_outstanding": 64},
+        "security": {"keys_dir": str(keys), "server_key": "shard", "peers": {
+            "east-1": {"role": "worker", "cluster": "east"},
+            "west-1": {"role": "worker", "cluster": "west"},
+            "acme-app": {"role": "client", "tenants": ["acme"]}}},
+    }
+    h = Harness(parse_config(data), keys_dir=keys, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        east = h.worker("east-1", cluster="east")
+        c.enqueue(spec("w", run_queue="westonly"))
+        assert east.leases(timeout=1.0) == []        # the only worker is of another cluster
+        west = h.worker("west-1", cluster="west")
+        (lease,) = west.leases(timeout=5)
+        assert str(lease.action) == f"{RUN}/w"
+        assert east.leases(timeout=0.3) == []
+    finally:
+        h.close()
