@@ -24,10 +24,9 @@ from engine._groups import (
 )
 from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
 from engine._records import (
-    decode_spec,
-    encode_spec,
     name_hash,
     row_key,
+    same_spec,
     spec_content,
 )
 from engine._rows import (
@@ -222,10 +221,7 @@ class AdmissionMixin:
                     f"{n} more asked); nothing was enqueued")
 
     def _same_spec(self, row, spec):
-        old = self._spec_of(row)
-        # A restored spec comes back in its stored form (pods a tuple): compare the stored
-        # forms when the objects differ.
-        return old == spec or decode_spec(encode_spec(old)) == decode_spec(encode_spec(spec))
+        return same_spec(self._spec_of(row), spec)
 
     def _insert_groups(self, groups, now):
         """Insert enqueue groups ``[(compiled, names, inputs, hashes, content)]`` as new

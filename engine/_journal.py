@@ -226,20 +226,7 @@ class JournalMixin:
             # fixed record says so; a lean row's fixed record is its whole outcome.
             heavy = idx[st.a_edges[idx] == 1]
             st.a_lean[heavy] = 0
-            # One block of fixed records per partition: rows ordered by (partition, row),
-            # packed by the Cython codec into one buffer, handed to the store as is.
-            part = st.a_part[idx]
-            idx = idx[np.lexsort((idx, part))]
-            part = st.a_part[idx]
-            size = self._codec_records.action_size
-            buf = bytearray(idx.size * size)
-            self._codec_records.encode_actions(idx, buf)
-            view = memoryview(buf)
-            keys = idx.astype(">u8")                 # row_key of every row, in one pass
-            bounds = np.flatnonzero(np.diff(part)) + 1
-            for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), idx.size], strict=True):
-                batch.setdefault(int(part[lo]), []).append(
-                    Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
+            self._action_blocks(idx, batch)
             recs = self._recs
             for r in heavy.tolist():
                 rec = recs.get(r)
@@ -260,6 +247,24 @@ class JournalMixin:
                 batch.setdefault(int(part[lo]), []).append(
                     Records("finalize", keys[lo:hi], recs[lo:hi], 8, size))
         return batch
+
+    def _action_blocks(self, idx, batch):
+        """Append the fixed records of action rows ``idx`` to ``batch``: one block per
+        partition (the row's ``a_part``), rows ordered by (partition, row), packed by the
+        Cython codec into one buffer and handed to the store as is."""
+        st = self._state
+        part = st.a_part[idx]
+        idx = idx[np.lexsort((idx, part))].astype(np.int64, copy=False)
+        part = st.a_part[idx]
+        size = self._codec_records.action_size
+        buf = bytearray(idx.size * size)
+        self._codec_records.encode_actions(idx, buf)
+        view = memoryview(buf)
+        keys = idx.astype(">u8")                 # row_key of every row, in one pass
+        bounds = np.flatnonzero(np.diff(part)) + 1
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), idx.size], strict=True):
+            batch.setdefault(int(part[lo]), []).append(
+                Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
 
     def _finalize_records(self, idx):
         """The fixed records of finalize rows ``idx``."""

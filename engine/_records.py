@@ -29,6 +29,7 @@ __all__ = [
     "name_hash",
     "encode_spec",
     "decode_spec",
+    "same_spec",
     "spec_content",
     "decode_content",
     "encode_outcome",
@@ -172,6 +173,12 @@ def decode_content(raw, name):
     data = msgpack.unpackb(raw, raw=False)
     data["id"] = f"{data['id']}/{name}"
     return ActionSpec.from_dict(data)
+
+
+def same_spec(old, spec):
+    """Whether two specs are the same declaration. A restored spec comes back in its stored
+    form (pods a tuple): the stored forms are compared when the objects differ."""
+    return old == spec or decode_spec(encode_spec(old)) == decode_spec(encode_spec(spec))
 
 
 def decode_spec(raw):

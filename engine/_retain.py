@@ -38,10 +38,9 @@ from engine._records import (
     FINALIZE_DTYPE,
     decode_content,
     decode_outcome,
-    decode_spec,
     encode_outcome,
-    encode_spec,
     row_key,
+    same_spec,
     spec_content,
 )
 from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
@@ -190,18 +189,9 @@ class RetentionMixin:
             getattr(st, name)[rows] = fill
         st.a_released_gen[rows] = gen
         st.a_state[rows] = ST_FREE
-        # Its FREE record in the old action's partition (carries the generation).
-        order = np.lexsort((rows, np.asarray(part_of)))
-        rows_p, parts_p = rows[order], np.asarray(part_of)[order]
-        size = self._codec_records.action_size
-        buf = bytearray(rows_p.size * size)
-        self._codec_records.encode_actions(rows_p.astype(np.int64), buf)
-        keys = rows_p.astype(">u8")
-        view = memoryview(buf)
-        bounds = np.flatnonzero(np.diff(parts_p)) + 1
-        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), rows_p.size], strict=True):
-            self._ops.setdefault(int(parts_p[lo]), []).append(
-                Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
+        # Its FREE record in the old action's partition (a_part is kept), written even if
+        # the row is reused in this turn by another partition's action.
+        self._action_blocks(rows, self._ops)
         self._free_rows = np.union1d(self._free_rows, rows)
         return int(rows.size)
 
@@ -291,30 +281,32 @@ class RetentionMixin:
         """The retained outcome of action ``aid`` (an ActionId), or None."""
         if aid.run_key not in self._runs:
             return None     # a run the shard never saw has no retained action
-        text = str(aid)
-        raw = self._store.get(self._part_of(aid.tenant), "retained", retained_key(text))
-        return self._decode_retained(aid, raw) if raw is not None else None
+        text, part = str(aid), self._part_of(aid.tenant)
+        raw = self._store.get(part, "retained", retained_key(text))
+        return None if raw is None else self._decode_retained(text, part, raw)
 
     def _retained_many(self, tenant, texts):
         """Retained outcomes of the ids ``texts`` (one tenant), None where there is none."""
         raws = self._store.get_many(self._part_of(tenant), "retained",
                                     [retained_key(t) for t in texts])
-        return [None if raw is None else self._decode_retained(t, raw)
+        part = self._part_of(tenant)
+        return [None if raw is None else self._decode_retained(t, part, raw)
                 for t, raw in zip(texts, raws, strict=True)]
 
-    def _decode_retained(self, aid, raw):
-        part = self._part_of(aid.tenant if not isinstance(aid, str) else aid.split("/")[0])
-        key = retained_key(str(aid))
+    def _decode_retained(self, aid, part, raw):
+        """The :class:`Retained` of action id text ``aid`` from its record in ``part``."""
+        key = retained_key(aid)
         try:
             text, content, ref, ended, queue, outcome = msgpack.unpackb(raw, raw=False)
             phase, message, kind, cause, ur, sr, attempts = decode_outcome(outcome)
+            phase = Phase(phase)
         except Exception as exc:
             raise CorruptRecord(part, "retained", key, f"undecodable retained outcome: "
                                                       f"{exc}") from None
-        if text != str(aid):
+        if text != aid:
             raise CorruptRecord(part, "retained", key, f"retained outcome of {text} found "
                                                       f"under the key of {aid}")
-        rec = ActionEdges(compiled=None, row=-1, phase=Phase(phase), message=message,
+        rec = ActionEdges(compiled=None, row=-1, phase=phase, message=message,
                           error_kind=kind, cause=cause, attempts=attempts, user_retries=ur,
                           system_retries=sr,
                           first_enqueued_ns=attempts[0].enqueued_ns if attempts else 0)
@@ -323,8 +315,7 @@ class RetentionMixin:
     def _same_retained(self, ret, spec, input_ref=None):
         if ret.input_ref != input_ref:
             return False
-        old = ret.spec()
-        return old == spec or decode_spec(encode_spec(old)) == decode_spec(encode_spec(spec))
+        return same_spec(ret.spec(), spec)
 
     def sweep_retention(self, limit=256):
         """Delete up to ``limit`` retained outcomes per partition whose retention has
