@@ -399,7 +399,15 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         wait in the dispatch channel (:meth:`drain_dispatch`). Actions that can never fit
         end FAILED (SYSTEM, UNSCHEDULABLE). Returns the number of assignments."""
         with self._turn():
-            return self._decide_body()[0]
+            placed = self._decide_body()[0]
+            now = self.clock.now_ns()
+            if now >= self._next_retention_ns:
+                # Expired retained outcomes, a small batch about once a second (store reads:
+                # here, not in decide(), which a pipelined loop runs on its hot path and
+                # pairs with sweep_retention() when idle).
+                self._sweep_retention(now, 256)
+                self._next_retention_ns = now + 1_000_000_000
+            return placed
 
     def _decide_body(self):
         wall = self._wall.time_ns()
@@ -407,10 +415,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             self.renew()
         now = self.clock.now_ns()
         self._fire_timers(now)
-        if now >= self._next_retention_ns:
-            # Expired retained outcomes, a small batch about once a second.
-            self._sweep_retention(now, 256)
-            self._next_retention_ns = now + 1_000_000_000
         swept = now >= self._next_sweep_ns
         if swept:
             for lease in self.expired_leases():

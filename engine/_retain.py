@@ -320,7 +320,8 @@ class RetentionMixin:
     def sweep_retention(self, limit=256):
         """Delete up to ``limit`` retained outcomes per partition whose retention has
         passed (``storage.retention`` after their row was reclaimed), in one loop turn.
-        ``schedule()`` calls it about once a second. Returns the number deleted."""
+        ``schedule()`` calls it about once a second (``decide()`` does not: a loop built on
+        it calls this when idle). Returns the number deleted."""
         with self._turn():
             return self._sweep_retention(self.clock.now_ns(), limit)
 
