@@ -643,10 +643,22 @@ def test_storage_defaults_and_values():
     ('shard = "a b"', ("storage.shard",)),
     ('path = ""', ("storage.path",)),
     ('claim_ttl = -1', ("storage.claim_ttl",)),
+    ('retention = "7 days"', ("storage.retention", "7 days", '"7d"')),
+    ('retention = "-1h"', ("storage.retention",)),
+    ('retention = -5', ("storage.retention",)),
+    ('retention = true', ("storage.retention",)),
     ('paht = "x"', ("paht",)),
 ])
 def test_storage_errors_name_the_key(table, fragments):
     config_error(BASE + "[storage]\n" + table + "\n", *fragments)
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ('"7d"', 7 * 86400.0), ('"12h"', 43200.0), ('"30m"', 1800.0), ('"45s"', 45.0),
+    ('"1.5h"', 5400.0), ("90", 90.0), ("0", 0.0)])
+def test_storage_retention_takes_seconds_or_a_duration(value, seconds):
+    assert parse(BASE + f"[storage]\nretention = {value}\n").storage.retention == seconds
+    assert parse(BASE).storage.retention == 7 * 86400.0
 # Backfill settings
 
 
