@@ -15,6 +15,7 @@ from datetime import timedelta
 import numpy as np
 
 from engine._errors import SpecError
+from engine._execution import Execution, check_execution
 from engine._units import UNLIMITED
 
 __all__ = [
@@ -180,6 +181,7 @@ class ActionSpec:
     task_queue: str | None = None
     run_queue: str | None = None
     run_max_action_concurrency: int = 0
+    execute: Execution | None = None
 
     @classmethod
     def from_dict(cls, data):
@@ -200,6 +202,8 @@ class ActionSpec:
                          ("timeouts", Timeouts)):
             if isinstance(kw.get(key), dict):
                 kw[key] = _sub(typ, kw[key], key)
+        if isinstance(kw.get("execute"), dict):
+            kw["execute"] = Execution.from_dict(kw["execute"])
         return cls(**kw)
 
 
@@ -341,6 +345,9 @@ def _compile(spec, aid, resources, queue_names, default_queue):
             backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap", allow_zero=True)))
     if spec.reuse is not None and isinstance(spec.reuse.idle_ttl, timedelta):
         spec = replace(spec, reuse=replace(spec.reuse, idle_ttl=float(idle)))
+
+    if spec.execute is not None:
+        check_execution(spec.execute, gang=int(pod_counts.sum()) > 1)
 
     mac = spec.run_max_action_concurrency
     if isinstance(mac, bool) or not isinstance(mac, int) or mac < 0 or mac == 1:

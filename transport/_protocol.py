@@ -335,7 +335,8 @@ class Leases(Message):
     Columns, one row a lease: ``tokens`` (``n x 3`` uint64), ``kind`` (uint8 LeaseKind),
     ``attempt`` (int32 >= 1), ``group`` (int32 index into ``groups``), ``deadline_ns`` and
     ``queued_deadline_ns`` (int64, -1 = none). Header: ``groups`` (maps of ``run``, the run
-    key, and ``spec``, the action spec as a map; each spec once a batch), ``names`` (the
+    key, ``spec``, the action spec as a map, each spec once a batch, and for a reusable
+    action ``env``, the engine's identity of its warm pool), ``names`` (the
     action part of each lease's id: its id is ``groups[group].run + "/" + name``) and
     ``inputs`` (the input reference of each lease, or nil; None when no lease has one)."""
 
@@ -379,7 +380,7 @@ _MAX_VERDICT = int(max(Verdict))
 _MAX_KIND = int(max(LeaseKind))
 _DETAIL_KEYS = frozenset({"i", "error_kind", "cause", "message", "recoverable", "cleanup"})
 _SHAPE_KEYS = frozenset({"name", "count", "allocatable"})
-_GROUP_KEYS = frozenset({"run", "spec"})
+_GROUP_KEYS = frozenset({"run", "spec", "env"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,6 +424,8 @@ def _build_schemas(lim):
         _keys(value, _GROUP_KEYS, ("run", "spec"), key)
         run(value["run"], f"{key}.run")
         spec(value["spec"], f"{key}.spec")
+        if value.get("env") is not None:
+            name(value["env"], f"{key}.env")
 
     def detail(value, key):
         if type(value) is not dict:

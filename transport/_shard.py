@@ -667,7 +667,9 @@ class _Loop:
                 if len(self.specs) >= _SPEC_CACHE:
                     self.specs.pop(next(iter(self.specs)))
                 self.specs[gid] = entry
-            groups.append({"run": entry[0], "spec": entry[1]})
+            env = g.compiled.env_key
+            groups.append({"run": entry[0], "spec": entry[1]} if env is None else
+                          {"run": entry[0], "spec": entry[1], "env": env})
             t = g.compiled.spec.timeouts
             sel = inverse == k
             if t.deadline is not None:

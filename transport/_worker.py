@@ -54,7 +54,8 @@ class ShardTimeout(LeaseholdError):
 class Lease:
     """One lease pushed to this worker: run ``action`` (kind RUN) or clean up one of its
     attempts (FINALIZE); present ``token`` on every heartbeat and report. ``spec`` is the
-    action spec as a map; the bounds are nanoseconds on the shard's clock (None: none)."""
+    action spec as a map; the bounds are nanoseconds on the shard's clock (None: none);
+    ``env`` is the engine's identity of the action's warm pool (reusable actions only)."""
 
     action: str
     token: bytes
@@ -64,6 +65,7 @@ class Lease:
     input_ref: str | None = None
     deadline_ns: int | None = None
     queued_deadline_ns: int | None = None
+    env: str | None = None
 
 
 def leases_of(msg):
@@ -78,7 +80,7 @@ def leases_of(msg):
                          kind=LeaseKind(int(msg.kind[i])), attempt=int(msg.attempt[i]),
                          spec=g["spec"], input_ref=inputs[i] if inputs else None,
                          deadline_ns=d if d >= 0 else None,
-                         queued_deadline_ns=q if q >= 0 else None))
+                         queued_deadline_ns=q if q >= 0 else None, env=g.get("env")))
     return out
 
 
