@@ -1,0 +1,156 @@
+"""The plugin interface: how a cluster worker runs an attempt (``docs/worker.md``).
+
+The worker (``transport.Worker``) owns leases, tokens, heartbeats, reports, timeouts and
+refusals; a plugin only runs things. The worker calls a plugin from its one loop thread:
+
+- ``start(attempt)`` begins an attempt (every pod of a gang at once, all or nothing) and
+  returns quickly; a failure to start raises :class:`PluginError` (reported SYSTEM with the
+  error's ``cause``) or, for a fault of the declaration, :class:`UserError` (reported USER).
+- ``poll()`` returns what changed since the last call, as :class:`Change` entries: RUNNING
+  once every pod runs, then exactly one terminal :class:`Outcome`. An attempt that was
+  stopped is never reported by ``poll()`` again.
+- ``fds()`` are file descriptors that become readable when ``poll()`` has news (the worker
+  sleeps on them with its sockets); ``due()`` the monotonic time by which ``poll()`` must be
+  called at the latest even if nothing became readable (None: no such time).
+- ``stop(key, reason)`` stops an attempt now (its processes are signalled at once and
+  killed after a short grace), without blocking the loop.
+- ``cleanup(attempt)`` runs the finalize lease of an attempt this worker ran (remove what the
+  attempt left behind); it may block briefly.
+- ``close(timeout)`` stops everything and frees pools.
+
+A Kubernetes plugin would implement the same six calls: ``start`` creates the pods (one pod
+group for a gang, scheduled all or nothing), ``poll`` maps pod phases and container statuses
+to RUNNING and outcomes (``OOMKilled`` -> SYSTEM/OOM, eviction -> SYSTEM/EVICTED), ``fds``
+is a watch stream's socket, ``stop`` deletes the pods, ``cleanup`` deletes what the attempt
+created.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine._codes import Phase
+from engine._errors import LeaseholdError
+from engine._execution import Execution
+from engine._model import ActionSpec
+
+__all__ = ["Attempt", "Change", "Outcome", "Plugin", "PluginError", "Pod", "UserError"]
+
+
+class PluginError(LeaseholdError):
+    """An attempt could not be started or run for a reason of the system (reported FAILED,
+    SYSTEM, with ``cause``)."""
+
+    def __init__(self, message, cause="START_FAILED"):
+        super().__init__(message)
+        self.cause = cause
+
+
+class UserError(LeaseholdError):
+    """An attempt could not be started because of its own declaration (reported FAILED,
+    USER, not recoverable): a command that does not exist, a function that cannot be
+    imported."""
+
+
+@dataclass(frozen=True)
+class Pod:
+    """One pod of an attempt: ``role`` and ``index`` within its group (a single-pod action is
+    role ``main``, index 0), its request as declared, and its memory limit in bytes (None:
+    none declared)."""
+
+    role: str
+    index: int
+    resources: dict
+    memory_limit: int | None = None
+
+    @property
+    def name(self):
+        """``role/index``: how an outcome names the pod that failed."""
+        return f"{self.role}/{self.index}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt a plugin runs. ``key`` (the lease token) identifies it in every call;
+    ``workdir`` is the attempt's own scratch directory (a process runs in it; the worker
+    removes it at cleanup); ``log_path`` the file its output goes to (kept after cleanup);
+    ``env`` is the engine's identity of the warm pool (reusable actions only)."""
+
+    key: bytes
+    action: str
+    attempt: int
+    spec: ActionSpec
+    execute: Execution
+    pods: tuple
+    workdir: Path
+    log_path: Path
+    input_ref: str | None = None
+    env: str | None = None
+
+    @property
+    def gang(self):
+        """Whether the attempt has several pods (all start together, one failure fails all)."""
+        return len(self.pods) > 1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended: SUCCEEDED, or FAILED with ``error_kind`` USER or SYSTEM (a
+    SYSTEM failure names its ``cause``: OOM, EVICTED, ...), ``message`` (for a process: the
+    exit code and the tail of stderr), and ``pod``, the pod that failed in a gang."""
+
+    phase: Phase
+    error_kind: str | None = None
+    cause: str | None = None
+    message: str = ""
+    recoverable: bool = True
+    pod: str | None = None
+
+    @classmethod
+    def succeeded(cls):
+        return cls(Phase.SUCCEEDED)
+
+    @classmethod
+    def user(cls, message, recoverable=True, pod=None):
+        return cls(Phase.FAILED, "USER", None, message, recoverable, pod)
+
+    @classmethod
+    def system(cls, cause, message, pod=None):
+        return cls(Phase.FAILED, "SYSTEM", cause, message, True, pod)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What ``poll()`` reports for one attempt: ``phase`` RUNNING, or the terminal
+    ``outcome`` (``phase`` is then the outcome's)."""
+
+    key: bytes
+    phase: Phase
+    outcome: Outcome | None = None
+
+
+class Plugin:
+    """The base of every plugin (the calls are described in the module text). ``name`` is
+    what ``execute.plugin`` names; ``options`` come from the worker's config."""
+
+    name = ""
+
+    def start(self, attempt):
+        raise NotImplementedError
+
+    def poll(self):
+        raise NotImplementedError
+
+    def fds(self):
+        return ()
+
+    def due(self):
+        return None
+
+    def stop(self, key, reason):
+        raise NotImplementedError
+
+    def cleanup(self, attempt):
+        """Default finalize: nothing beyond the worker's removal of the workdir."""
+
+    def close(self, timeout=5.0):
+        """Default: nothing to free."""
