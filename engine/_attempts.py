@@ -23,6 +23,7 @@ from engine._groups import (
 from engine._leases import Attempt, ErrorKind
 from engine._rows import (
     END_ABORTED,
+    END_LIVE,
     LEAN_TERMINAL,
     LIVE_STATES,
     PH_ABORTED,
@@ -45,6 +46,29 @@ __all__ = ["AttemptsMixin"]
 
 class AttemptsMixin:
     """Attempts (a part of Engine)."""
+
+    def live_leases(self, action):
+        """The live run leases of ``action`` and its descendants, by holder: ``{worker id:
+        n x 3 uint64 tokens}``. What an abort of ``action`` refuses: the shard pushes these
+        to their workers so they stop at once, not at their next heartbeat."""
+        root, ret = self._row_or_retained(action)
+        if ret is not None:
+            return {}
+        st = self._state
+        out = np.empty(self._next_row, dtype=np.int64)
+        rows = out[:descendants(st.a_child, st.a_sibling, root, out)]
+        rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == END_LIVE)]
+        held = {}
+        if not rows.size:
+            return held
+        tokens = np.zeros((rows.size, 3), dtype=np.uint64)
+        tokens[:, 0] = rows.astype(np.uint64)       # kind RUN: the top bit clear
+        tokens[:, 1] = st.a_gen[rows].astype(np.uint64)
+        self._codec.mint_array(tokens)
+        workers = st.a_worker[rows]
+        for w in np.unique(workers).tolist():
+            held[self._worker_names[w]] = tokens[workers == w]
+        return held
 
     def abort(self, action, reason="aborted"):
         """Abort ``action`` and every descendant: queued ones end at once; sent or running

@@ -10,13 +10,14 @@ import pytest
 import zmq
 
 from engine import Phase, parse_config
-from engine._codes import Verdict
+from engine._codes import LeaseKind, Verdict
 from storage import LmdbStore, MemoryStore, StoreError
 from transport import (
     Client,
     ClientKeys,
     Error,
     Ping,
+    Refused,
     Shard,
     ShardError,
     ShardTimeout,
@@ -195,6 +196,32 @@ def test_abort_cascades_and_the_worker_is_refused(insecure):
     assert got == [Phase.ABORTED, Phase.ABORTED]
     refused = w.heartbeat([lease.token])
     assert [v for _t, v in refused] == [Verdict.ABORTED]
+
+
+def test_an_abort_pushes_the_refusal_to_every_holder_at_once(insecure):
+    c = insecure.client()
+    east = insecure.worker("east-1", "east", slots=1)
+    west = insecure.worker("west-1", "west", slots=1)
+    c.enqueue(spec("root"))
+    c.enqueue(spec("kid", parent=f"{RUN}/root"))
+    mine = {}       # worker -> the one lease it holds (one slot each: one lease each)
+    for w in (east, west):
+        (lease,) = w.leases(timeout=5)
+        mine[w] = lease
+    got = list(mine.values())
+    assert sorted(lease.action for lease in got) == [f"{RUN}/kid", f"{RUN}/root"]
+    held = {lease.action: lease.token for lease in got}
+    c.abort(f"{RUN}/root", reason="user")
+    # No heartbeat sent: each holder is pushed the refusal of its own lease, before the
+    # finalize lease of its cleanup.
+    for w, action in ((w, lease.action) for w, lease in mine.items()):
+        msg = w.receive(timeout=5)
+        assert isinstance(msg, Refused) and msg.rid is None
+        (fin,) = w.leases(timeout=5)
+        assert fin.kind == LeaseKind.FINALIZE and fin.action == action
+        assert msg.tokens.astype("<u8").tobytes() == held[action]
+        assert msg.verdicts.tolist() == [Verdict.ABORTED]
+    assert insecure.shard.counters["stops_pushed"] == 2
 
 
 def test_heartbeat_of_a_stale_token_is_refused(insecure):

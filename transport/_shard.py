@@ -29,7 +29,7 @@ import time
 import numpy as np
 import zmq
 
-from engine._codes import PHASES, TERMINAL_PHASES, Phase
+from engine._codes import PHASES, TERMINAL_PHASES, Phase, Verdict
 from engine._config import Config, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
@@ -141,7 +141,7 @@ class Shard:
         self._counters = dict(received=0, replies=0, errors=0, protocol_errors=0,
                               refused_auth=0, unauthenticated=0, exhausted=0, leases_pushed=0,
                               leases_unsent=0, events=0, events_unsent=0, turns=0,
-                              failed_commits=0, ticks=0,
+                              failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
                               store_commits=0)
         self._counts_lock = threading.Lock()
 
@@ -327,6 +327,7 @@ class _Loop:
         out = []        # (routing id, message, request?) in request order
         self.out = out
         self.pushes = []            # (routing id, frames, leases) LEASES after the commit
+        self.stops = []             # (routing id, frames, tokens) REFUSED of aborted leases
         self.records = []           # watch records, applied to the log after the commit
         self.events = []            # (event tuple, run, watchers)
         self.want_tick = backstop
@@ -375,6 +376,10 @@ class _Loop:
                 self.events.append((hit[0], args[0], hit[1]))
         for conn, msg, _ in out:
             self.send(conn, msg)
+        # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
+        for conn, frames, n in self.stops:
+            self.shard._count("stops_pushed" if send(self.sock, frames, conn)
+                              else "stops_unsent", n)
         for conn, frames, n in self.pushes:
             # A push that cannot go (peer gone, queue full) is not retried under this
             # generation: the lease misses its heartbeats and is assigned again.
@@ -500,8 +505,21 @@ class _Loop:
                 self.record(run, f"{run}/{name}", Phase.QUEUED, 0, now)
 
     def on_abort(self, conn, c, peer, msg):
+        held = self.eng.live_leases(msg.action)
         ended = [str(a) for a in self.eng.abort(msg.action, msg.reason or "aborted")]
         self.reply(conn, msg.rid, {"ended": ended})
+        # Their holders stop now (an unsolicited REFUSED after the commit), not at their
+        # next heartbeat; a holder that is not connected learns it from that heartbeat.
+        for worker, tokens in held.items():
+            wconn = self.worker_conn.get(worker)
+            if wconn is None:
+                continue
+            for lo in range(0, tokens.shape[0], self.settings.max_batch):
+                part = tokens[lo:lo + self.settings.max_batch]
+                self.stops.append((wconn, p.encode(p.Refused(
+                    rid=None, tokens=part,
+                    verdicts=np.full(part.shape[0], int(Verdict.ABORTED), np.uint8))),
+                    part.shape[0]))
         self.want_tick = True       # ended work frees capacity
         run = msg.action.rsplit("/", 1)[0]
         if run in self.watch:
