@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine._errors import ConfigError
+from engine._execution import PLUGINS
 from engine._units import BYTES, DEVICE, UNLIMITED, ResourceSet, parse_quantity
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "StorageSettings",
     "TransportSettings",
     "SecuritySettings",
+    "WorkerSettings",
     "PeerConfig",
     "PEER_ROLES",
     "load_config",
@@ -53,7 +55,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
-_TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security")
+_TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security",
+             "worker")
 _STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
                  "retention")
 MAX_PARTITIONS = 256
@@ -189,6 +192,23 @@ class TransportSettings:
     endpoints: tuple = ("tcp://127.0.0.1:7700",)
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The ``[worker]`` table: how a cluster worker started from this file runs
+    (``docs/worker.md``). Capacity and node shapes not given are measured on the machine."""
+
+    slots: int = 0  # leases held at once; 0 = the machine's CPU count
+    capacity: np.ndarray | None = None  # int64[R] registered and reported; None = measured
+    node_shapes: tuple = ()  # tuple[NodeShape]; () = one node of the capacity
+    on_shard_lost: str = "reconnect"  # a shard silent past the lease ttl: "reconnect" | "exit"
+    drain_timeout: float = 30.0  # SIGTERM: seconds running attempts may take before stopped
+    kill_grace: float = 2.0  # seconds between SIGTERM and SIGKILL of a stopped attempt
+    work_dir: str = "leasehold-work"  # attempts' scratch directories (removed at cleanup)
+    log_dir: str = "leasehold-logs"  # attempts' output, one file an attempt (kept)
+    default_plugin: str | None = None  # runs actions that declare no execute; None = refuse
+    report_free: bool = True  # heartbeats carry the free capacity (capacity minus held)
+
+
 #: The roles a key can have (``docs/security.md``).
 PEER_ROLES = ("worker", "client", "admin")
 
@@ -227,6 +247,7 @@ class Config:
     storage: StorageSettings = StorageSettings()
     transport: TransportSettings = TransportSettings()
     security: SecuritySettings = SecuritySettings()
+    worker: WorkerSettings = WorkerSettings()
 
     def __post_init__(self):
         by_name = {
@@ -293,6 +314,8 @@ def parse_config(data, source="<config>"):
     security = _parse_security(source, _table(source, "security", data.get("security", {})),
                                cluster_names)
 
+    worker = _parse_worker(source, resources, _table(source, "worker", data.get("worker", {})))
+
     queues_table = _table(source, "queues", data.get("queues", {}))
     queues = [
         _build_queue(source, resources, cluster_names, _check_name(source, "queues", name), table)
@@ -317,6 +340,7 @@ def parse_config(data, source="<config>"):
         storage=storage,
         transport=transport,
         security=security,
+        worker=worker,
     )
 
 
@@ -470,6 +494,46 @@ def _parse_transport(source, table):
                            "ipc://PATH), one per shard")
         values["endpoints"] = tuple(eps)
     return replace(TransportSettings(), **values)
+
+
+_WORKER_KEYS = ("slots", "capacity", "node_shapes", "on_shard_lost", "drain_timeout",
+                "kill_grace", "work_dir", "log_dir", "default_plugin", "report_free")
+
+
+def _parse_worker(source, resources, table):
+    _check_keys(source, "worker", table, _WORKER_KEYS)
+    values = {}
+    if "slots" in table:
+        values["slots"] = _int(source, "worker.slots", table["slots"], 0)
+    if "capacity" in table or "node_shapes" in table:
+        # The same rules as a cluster's (shapes without a capacity: their sum).
+        sub = {k: table[k] for k in ("capacity", "node_shapes") if k in table}
+        c = _parse_cluster(source, resources, "worker", sub)
+        values["capacity"] = c.capacity
+        values["node_shapes"] = c.node_shapes
+    if "on_shard_lost" in table:
+        v = table["on_shard_lost"]
+        if v not in ("reconnect", "exit"):
+            raise _invalid(source, "worker.on_shard_lost", v, '"reconnect" or "exit"')
+        values["on_shard_lost"] = v
+    for key in ("drain_timeout", "kill_grace"):
+        if key in table:
+            values[key] = _seconds(source, f"worker.{key}", table[key], False)
+    for key in ("work_dir", "log_dir"):
+        if key in table:
+            if not isinstance(table[key], str) or not table[key]:
+                raise _invalid(source, f"worker.{key}", table[key], "a non-empty directory path")
+            values[key] = table[key]
+    if "default_plugin" in table:
+        v = table["default_plugin"]
+        if v not in PLUGINS:
+            raise _invalid(source, "worker.default_plugin", v,
+                           f"one of {', '.join(PLUGINS)} (or absent: refuse actions that "
+                           f"declare no execute)")
+        values["default_plugin"] = v
+    if "report_free" in table:
+        values["report_free"] = _parse_bool(source, "worker.report_free", table["report_free"])
+    return replace(WorkerSettings(), **values)
 
 
 # A tenant prefix: org, org/project or org/project/domain (engine/_model.py's segment rule).

@@ -141,6 +141,15 @@ class LeasingMixin:
         held = np.nonzero((st.a_worker[:n] == row) & np.isin(st.a_state[:n], LIVE_STATES))[0]
         return [self._aid(int(a)) for a in held]
 
+    def drain_worker(self, worker_id):
+        """Place nothing new on a worker, keeping its session: its heartbeats and reports
+        of what it holds are accepted as before (a SIGTERM'd worker finishing its work). A
+        new registration of the worker ends the drain."""
+        row = self._worker_row(worker_id)
+        if not self._state.w_connected[row]:
+            raise NotFound(f"worker {worker_id!r} is not connected")
+        self._state.w_slots[row] = 0
+
     def _worker_row(self, worker_id):
         try:
             return self._workers[worker_id]

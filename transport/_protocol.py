@@ -309,11 +309,14 @@ class Report(Message):
 
 @_message(MsgType.BYE)
 class Bye(Message):
-    """A worker leaves (nothing new is placed on it; its leases run on until reported or
-    expired). No answer."""
+    """A worker leaves: nothing new is placed on it, its session ends (its leases run on
+    until they expire). No answer. With ``drain`` true it only stops taking leases: the
+    session stays, so it heartbeats and reports what it holds, and the shard answers REPLY;
+    a later BYE (or a REGISTER, which takes leases again) ends the drain."""
 
     rid: int
     reason: str | None = None
+    drain: bool = False
 
 
 @_message(MsgType.REGISTERED)
@@ -537,7 +540,8 @@ def _build_schemas(lim):
                    ("details", sc.optional(sc.list_of(detail, lim.max_batch, batch)), False)),
           columns=(tokens, ("phases", np.dtype("u1"), 1)), n_max=lim.max_batch, n_min=1,
           n_limit=batch, post=report_post),
-        S(Bye, (("rid", rid, True), ("reason", sc.optional(text), False))),
+        S(Bye, (("rid", rid, True), ("reason", sc.optional(text), False),
+                ("drain", sc.boolean, False))),
         S(Registered, (("rid", rid, True), ("worker", name, True),
                        ("session", sc.integer(0, sc.MAX_INT), True),
                        ("heartbeat_interval", sc.number(), True),

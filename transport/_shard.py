@@ -627,6 +627,10 @@ class _Loop:
                     del self.leases[w]
 
     def on_bye(self, conn, c, peer, msg):
+        if msg.drain:
+            self.eng.drain_worker(self._worker(conn, c, msg))
+            self.reply(conn, msg.rid)
+            return
         if c.worker is not None and self.worker_conn.get(c.worker) == conn:
             self.eng.unregister_worker(c.worker)
             del self.worker_conn[c.worker]
