@@ -5,8 +5,8 @@ from engine._codes import Phase, WaitCode
 from engine._config import Config, QueueConfig, load_config, parse_config
 from engine._dispatch import DispatchBatch
 from engine._engine import AlreadyExists, Assignment, Engine, Explanation, Group, Refusal
-from engine._execution import Execution
 from engine._errors import ConfigError, LeaseholdError, NotFound, ResourceExhausted, SpecError
+from engine._execution import Execution
 from engine._groups import ActionIds
 from engine._inspect import ActionRecord, DispatchEntry, Inspection, PendingTimer
 from engine._model import ActionId, ActionSpec, PodGroup, RetryPolicy, ReusePolicy, Timeouts

@@ -345,6 +345,30 @@ def _keys_generate(args):
     return 0
 
 
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _worker(args):
+    """Run a cluster worker until SIGTERM (drain) or SIGINT (docs/worker.md)."""
+    import logging
+
+    from transport._daemon import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    try:
+        return run_worker(args.config, args.cluster, name=args.name, slots=args.slots)
+    except OSError as exc:
+        raise SpecError(f"worker: {exc}") from None
+
+
 def _shard(args):
     """Serve one shard until SIGTERM/SIGINT (docs/shard.md)."""
     import logging
@@ -406,6 +430,15 @@ def main(argv=None):
     p.add_argument("--shard", type=int, default=0,
                    help="shard index: binds transport.endpoints[N] (default 0)")
     p.set_defaults(func=_shard)
+    p = sub.add_parser("worker", help="run a cluster worker: dial every shard, run leases "
+                       "through plugins until SIGTERM (drain) or SIGINT (docs/worker.md)")
+    p.add_argument("--config", required=True, help="the config file (endpoints, keys, [worker])")
+    p.add_argument("--cluster", required=True, help="the cluster this worker serves")
+    p.add_argument("--slots", type=_positive_int, help="leases held at once (default: "
+                   "worker.slots, else the CPU count)")
+    p.add_argument("--name", help="the worker id: its key's name or NAME.<suffix> (default: "
+                   "the first worker key of the cluster in [security.peers])")
+    p.set_defaults(func=_worker)
     p = sub.add_parser("keys", help="CURVE keys (docs/security.md)")
     keys = p.add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("generate", help="write a key pair NAME.key / NAME.key_secret")

@@ -18,6 +18,7 @@ from transport._auth import (
     visible_metrics,
 )
 from transport._client import Client, WatchLost
+from transport._daemon import Worker, measured_capacity, run_worker
 from transport._keys import (
     ClientKeys,
     Keyring,
@@ -27,6 +28,7 @@ from transport._keys import (
     load_public_key,
     load_secret_key,
 )
+from transport._plugins import Attempt, Change, Outcome, Plugin, PluginError, Pod, UserError
 from transport._protocol import (
     ERROR_CODES,
     TOKEN_DTYPE,
@@ -65,6 +67,16 @@ from transport._watch import WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
 
 __all__ = [
+    "Attempt",
+    "Change",
+    "Outcome",
+    "Plugin",
+    "PluginError",
+    "Pod",
+    "UserError",
+    "Worker",
+    "measured_capacity",
+    "run_worker",
     "Client",
     "Lease",
     "Shard",

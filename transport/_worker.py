@@ -201,23 +201,85 @@ class WorkerConnection:
         batches of at most ``max_tokens``, all in flight at once, with the free capacity
         seen (``{resource: quantity}``, on the first batch). Returns the refused tokens as
         ``[(token bytes, Verdict)]``: stop the attempt behind each."""
-        arr = p.tokens_array(tokens)
-        step = self.max_tokens
-        msgs = [p.Heartbeat(rid=next(self._rids), tokens=arr[lo:lo + step],
-                            free=free if lo == 0 else None)
-                for lo in range(0, max(1, arr.shape[0]), step)]
-        return self._calls(msgs, "HEARTBEAT", timeout)
+        return self._calls(self._heartbeats(tokens, free), "HEARTBEAT", timeout)
 
     def report(self, tokens, phases, details=None, timeout=None):
-        """Report on leases: ``phases[i]`` (a Phase or its name, or one for all) for
-        ``tokens[i]``; ``details``: ``{i: {error_kind, cause, message, recoverable,
-        cleanup}}`` for the rows that need more. Returns once the shard made the reports
-        durable: the refused ones as ``[(token bytes, Verdict)]``."""
+        """Report on leases: ``phases[i]`` (a Phase or its name, or one for all; or a uint8
+        array of phase codes, ``engine._codes.PHASE_CODE``) for ``tokens[i]``; ``details``:
+        ``{i: {error_kind, cause, message, recoverable, cleanup}}`` for the rows that need
+        more. Returns once the shard made the reports durable: the refused ones as
+        ``[(token bytes, Verdict)]``."""
+        return self._calls(self._reports(tokens, phases, details), "REPORT", timeout)
+
+    # The same without waiting, for a worker that drives several shards from one loop: each
+    # returns the messages sent (their ``rid`` and columns); the answers come from take().
+
+    def send_heartbeat(self, tokens, free=None):
+        """:meth:`heartbeat` without waiting: the HEARTBEAT messages sent."""
+        msgs = self._heartbeats(tokens, free)
+        for m in msgs:
+            self._send(m, "HEARTBEAT")
+        return msgs
+
+    def send_report(self, tokens, phases, details=None):
+        """:meth:`report` without waiting: the REPORT messages sent."""
+        msgs = self._reports(tokens, phases, details)
+        for m in msgs:
+            self._send(m, "REPORT")
+        return msgs
+
+    def resend(self, msg):
+        """Send ``msg`` again under a new request id (after a re-registration); returns the
+        message sent."""
+        m = type(msg)(**{**{f: getattr(msg, f) for f in msg.__slots__},
+                         "rid": next(self._rids)})
+        self._send(m, msg.TYPE.name)
+        return m
+
+    def take(self):
+        """Every message waiting now, in arrival order, without blocking: pushes (LEASES,
+        unsolicited REFUSED) and answers (REFUSED, ERROR, REPLY, REGISTERED) alike."""
+        out = list(self._pushed)
+        self._pushed.clear()
+        sock = self._sock
+        while sock is not None:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                out.append(self._decoder.decode(frames))
+            except p.ProtocolError:
+                continue        # nothing a shard should send: ignore it
+        return out
+
+    @property
+    def socket(self):
+        """The connection's DEALER (to poll it beside others); None when not connected."""
+        return self._sock
+
+    def drain(self, timeout=None):
+        """Stop taking leases (``BYE drain``); the session stays for heartbeats and reports
+        of what this worker holds. Waits for the shard's REPLY."""
+        self._call(p.Bye(rid=next(self._rids), reason="draining", drain=True), "BYE",
+                   retry=False, timeout=timeout)
+
+    def _heartbeats(self, tokens, free):
+        arr = p.tokens_array(tokens)
+        step = self.max_tokens
+        return [p.Heartbeat(rid=next(self._rids), tokens=arr[lo:lo + step],
+                            free=free if lo == 0 else None)
+                for lo in range(0, max(1, arr.shape[0]), step)]
+
+    def _reports(self, tokens, phases, details):
         arr = p.tokens_array(tokens)
         n = arr.shape[0]
-        if isinstance(phases, (Phase, str)):
-            phases = [phases] * n
-        codes = np.array([PHASE_CODE[Phase(ph)] for ph in phases], np.uint8)
+        if isinstance(phases, np.ndarray) and phases.dtype == np.uint8:
+            codes = phases
+        else:
+            if isinstance(phases, (Phase, str)):
+                phases = [phases] * n
+            codes = np.array([PHASE_CODE[Phase(ph)] for ph in phases], np.uint8)
         step = self.settings.max_batch
         msgs = []
         for lo in range(0, n, step):
@@ -228,7 +290,7 @@ class WorkerConnection:
                 det = det or None
             msgs.append(p.Report(rid=next(self._rids), tokens=arr[lo:lo + step],
                                  phases=codes[lo:lo + step], details=det))
-        return self._calls(msgs, "REPORT", timeout)
+        return msgs
 
     def refusals(self):
         """Unsolicited refusals received so far (aborts): ``[(token bytes, Verdict)]``."""

@@ -1,0 +1,202 @@
+"""The cluster worker's core (transport.Worker) against a real shard over loopback, with a
+plugin the test controls: leases start attempts, outcomes are reported with their tokens,
+aborts and refusals stop attempts, bounds end them TIMED_OUT, a silent shard makes the
+worker stop everything it holds from it, a drain finishes what runs. Every wait is bounded;
+every shard, worker and client is closed in teardown."""
+
+import threading
+import time
+
+import pytest
+
+from engine import Phase, parse_config
+from storage import MemoryStore
+from transport import Change, Client, Outcome, Plugin, Shard, Worker
+
+RUN = "acme/ml/prod/r1"
+
+
+class Controlled(Plugin):
+    """Runs nothing: an attempt is RUNNING once started and ends when the test says (or at
+    once, with ``instant``). Records every call."""
+
+    name = "sim"
+
+    def __init__(self, instant=False):
+        self.instant = instant
+        self.started = {}           # key -> Attempt
+        self.stopped = {}           # key -> reason
+        self.cleaned = []           # (action, attempt)
+        self._changes = []
+        self._lock = threading.Lock()
+
+    def start(self, attempt):
+        with self._lock:
+            self.started[attempt.key] = attempt
+            self._changes.append(Change(attempt.key, Phase.RUNNING))
+            if self.instant:
+                self._changes.append(Change(attempt.key, Phase.SUCCEEDED,
+                                            Outcome.succeeded()))
+
+    def finish(self, action, outcome):
+        with self._lock:
+            for key, att in self.started.items():
+                if att.action == action:
+                    self._changes.append(Change(key, outcome.phase, outcome))
+
+    def poll(self):
+        with self._lock:
+            out, self._changes = self._changes, []
+        return out
+
+    def due(self):
+        return time.monotonic() if self._changes else None
+
+    def stop(self, key, reason):
+        with self._lock:
+            self.stopped[key] = reason
+
+    def cleanup(self, attempt):
+        self.cleaned.append((attempt.action, attempt.attempt))
+
+    def actions_started(self):
+        with self._lock:
+            return sorted(a.action for a in self.started.values())
+
+
+def config(tmp_path, **worker):
+    return parse_config({
+        "resources": ["cpu", "memory"],
+        "clusters": {"east": {"capacity": {"cpu": 64, "memory": "64Gi"}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
+        "engine": {"default_queue": "q", "heartbeat_interval": 0.2, "expiry_missed_beats": 2,
+                   "expiry_jitter": 0.1},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"]},
+        "security": {"insecure": True},
+        "worker": {"capacity": {"cpu": 64, "memory": "64Gi"}, "work_dir": str(tmp_path / "w"),
+                   "log_dir": str(tmp_path / "logs"), "drain_timeout": 2.0, **worker},
+    })
+
+
+def spec(name, **kw):
+    d = {"id": f"{RUN}/{name}", "task": "t", "resources": {"cpu": 1},
+         "execute": {"plugin": "sim"}}
+    d.update(kw)
+    return d
+
+
+def until(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Rig:
+    def __init__(self, tmp_path, plugin, slots=100, **worker):
+        self.cfg = config(tmp_path, **worker)
+        self.shard = Shard(self.cfg, store=MemoryStore()).start()
+        self.plugin = plugin
+        self.worker = Worker(self.cfg, "east", name="east-1", slots=slots,
+                             plugins={"sim": plugin}, endpoints=[self.shard.endpoint],
+                             timeout=2.0).start()
+        self.client = Client(endpoint=self.shard.endpoint, keys=None, timeout=5.0)
+
+    def close(self):
+        self.client.close()
+        self.worker.stop(timeout=10)
+        if self.shard is not None:
+            self.shard.stop()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(plugin=None, **kw):
+        r = Rig(tmp_path, plugin or Controlled(), **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_a_fanout_runs_to_completion_through_the_worker(rig):
+    r = rig(Controlled(instant=True))
+    names = [f"a{i}" for i in range(300)]
+    assert r.client.enqueue_fanout(spec("x"), names) == 300
+    ids = [f"{RUN}/{n}" for n in names]
+    phases = r.client.wait(ids, timeout=20)
+    assert set(phases.values()) == {Phase.SUCCEEDED}
+    assert r.plugin.actions_started() == sorted(f"{RUN}/{n}" for n in names)
+    s = r.worker.stats()
+    assert s["succeeded"] == 300 and s["held"] == 0 and s["report_errors"] == 0
+
+
+def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):
+    r = rig()
+    r.client.enqueue(spec("u", retries={"count": 1, "backoff_base": 0}))
+    until(lambda: r.plugin.actions_started() == [f"{RUN}/u"], what="the first attempt")
+    r.plugin.finish(f"{RUN}/u", Outcome.system("OOM", "over its memory"))
+    until(lambda: len(r.plugin.started) == 2, what="the retry")
+    r.plugin.finish(f"{RUN}/u", Outcome.user("exit 3", recoverable=False))
+    until(lambda: r.client.status([f"{RUN}/u"]) == [Phase.FAILED], what="FAILED")
+    e = r.client.explain(f"{RUN}/u")
+    assert "exit 3" in str(e)
+    attempts = sorted(r.plugin.started.values(), key=lambda a: a.attempt)
+    assert [a.attempt for a in attempts] == [1, 2]
+
+
+def test_an_abort_stops_the_running_attempt_at_once_and_cleans_it_up(rig):
+    r = rig()
+    r.client.enqueue(spec("p"))
+    until(lambda: r.plugin.actions_started() == [f"{RUN}/p"], what="start")
+    (key,) = r.plugin.started
+    r.client.abort(f"{RUN}/p", reason="user")
+    until(lambda: key in r.plugin.stopped, timeout=1.0, what="the stop (pushed, no heartbeat)")
+    until(lambda: r.plugin.cleaned == [(f"{RUN}/p", 1)], what="the cleanup lease")
+    assert r.client.status([f"{RUN}/p"]) == [Phase.ABORTED]
+
+
+def test_max_runtime_ends_the_attempt_timed_out(rig):
+    r = rig()
+    r.client.enqueue(spec("slow", timeouts={"max_runtime": 0.3}))
+    until(lambda: r.client.status([f"{RUN}/slow"]) == [Phase.TIMED_OUT], what="TIMED_OUT")
+    (key,) = r.plugin.started
+    assert r.plugin.stopped[key] == "max_runtime reached"
+    assert "max_runtime" in str(r.client.explain(f"{RUN}/slow"))
+
+
+def test_a_silent_shard_makes_the_worker_stop_what_it_holds_and_exit(rig):
+    r = rig(on_shard_lost="exit")
+    r.client.enqueue(spec("held"))
+    until(lambda: r.plugin.actions_started() == [f"{RUN}/held"], what="start")
+    (key,) = r.plugin.started
+    r.shard.stop()
+    r.shard = None
+    # lease ttl = 2 beats x 0.2 s + 0.1 s: the worker stops the attempt soon after.
+    until(lambda: key in r.plugin.stopped, timeout=5.0, what="the stop of a lost shard")
+    assert r.plugin.stopped[key] == "shard lost"
+    assert r.worker.wait(timeout=10) == 3
+    assert r.worker.stats()["shard_lost"] == 1
+
+
+def test_a_drain_takes_no_new_work_and_lets_running_attempts_finish(rig):
+    r = rig(slots=1)
+    r.client.enqueue(spec("first"))
+    until(lambda: r.plugin.actions_started() == [f"{RUN}/first"], what="start")
+    r.worker.drain()
+    time.sleep(0.3)
+    r.client.enqueue(spec("second"))
+    r.plugin.finish(f"{RUN}/first", Outcome.succeeded())
+    until(lambda: r.client.status([f"{RUN}/first"]) == [Phase.SUCCEEDED], what="SUCCEEDED")
+    assert r.worker.wait(timeout=10) == 0
+    # The drained worker took nothing new: the second action waits for another worker.
+    assert r.plugin.actions_started() == [f"{RUN}/first"]
+    assert r.client.status([f"{RUN}/second"])[0] in (Phase.QUEUED,
+                                                     Phase.WAITING_FOR_RESOURCES)

@@ -1,0 +1,750 @@
+"""The cluster worker (``leasehold worker``, ``docs/worker.md``): dials out to every shard,
+holds leases, runs them through plugins, heartbeats what it holds, reports outcomes.
+
+One loop thread drives everything: one :class:`~transport.WorkerConnection` a shard (its
+non-blocking calls), the plugins, the timeout heap. A turn of the loop: wait on the sockets
+and the plugins' descriptors until something is readable or due; take every message (leases
+start attempts, refusals stop them); poll the plugins (RUNNING, outcomes); end attempts past
+a bound; send the turn's reports, one REPORT a shard; heartbeat each shard whose interval
+is up; check that every shard still answers.
+
+Failing loudly: a lease is alive at the shard only as long as its heartbeats are answered.
+When the last answered heartbeat to a shard was sent more than the lease ttl ago, the shard
+has (or may have) expired and reassigned every lease this worker holds from it, so the
+worker stops every one of those attempts before anyone else can run them twice, then
+reconnects or exits non-zero (``worker.on_shard_lost``).
+"""
+
+import heapq
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import zmq
+
+from engine._codes import PHASE_CODE, LeaseKind, Phase, Verdict
+from engine._config import Config, load_config
+from engine._errors import ConfigError, LeaseholdError, SpecError
+from engine._execution import Execution
+from engine._model import ActionSpec
+from engine._units import BYTES, format_quantity, parse_quantity
+from transport import _protocol as p
+from transport._keys import load_client_keys
+from transport._plugins import Attempt, Outcome, PluginError, Pod, UserError
+from transport._worker import ShardError, ShardTimeout, WorkerConnection, leases_of
+
+__all__ = ["Worker", "measured_capacity", "run_worker"]
+
+log = logging.getLogger("leasehold.worker")
+
+_RUNNING = PHASE_CODE[Phase.RUNNING]
+_INITIALIZING = PHASE_CODE[Phase.INITIALIZING]
+_SPEC_CACHE = 256           # parsed specs kept, by the identity of their wire map
+_OUTCOME_COUNTER = {Phase.SUCCEEDED: "succeeded", Phase.FAILED: "failed",
+                    Phase.TIMED_OUT: "timed_out"}
+
+
+def measured_capacity(resources, work_dir="."):
+    """This machine's capacity as ``{resource: quantity}`` for the configured resources:
+    cpu (logical CPUs), memory (total bytes), ephemeral_storage (free bytes of the file
+    system holding ``work_dir``). Devices are not measured (0): give them in the config."""
+    out = {}
+    for name in resources.names:
+        if name == "cpu":
+            out[name] = psutil.cpu_count(logical=True) or 1
+        elif name == "memory":
+            out[name] = psutil.virtual_memory().total
+        elif name == "ephemeral_storage":
+            probe = Path(work_dir)
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            out[name] = shutil.disk_usage(probe).free
+    return out
+
+
+class _Held:
+    """One lease this worker holds."""
+
+    __slots__ = ("lease", "shard", "attempt", "plugin", "phase", "started", "demand",
+                 "cleanup", "finalize")
+
+    def __init__(self, lease, shard):
+        self.lease = lease
+        self.shard = shard
+        self.attempt = None
+        self.plugin = None
+        self.phase = Phase.INITIALIZING
+        self.started = time.monotonic()
+        self.demand = None
+        self.cleanup = False
+        self.finalize = lease.kind == LeaseKind.FINALIZE
+
+
+@dataclass
+class _Shard:
+    """One shard as this worker sees it."""
+
+    index: int
+    conn: WorkerConnection
+    lease_ttl: float = 30.0
+    interval: float = 10.0
+    next_beat: float = 0.0
+    last_ok: float = 0.0         # send time of the latest answered heartbeat
+    lost_at: float | None = None  # when it was declared lost (reconnecting since)
+    retry_at: float = 0.0
+
+
+class Worker:
+    """A cluster worker (``docs/worker.md``).
+
+    ``config``: a Config or a path (endpoints, keys, ``[worker]``); ``cluster``: the
+    cluster it serves; ``name``: its worker id (default: the first ``[security.peers]``
+    worker key of that cluster, or ``CLUSTER-HOSTNAME`` on an insecure shard); ``slots``:
+    leases held at once (default ``worker.slots``, else the CPU count); ``plugins``:
+    ``{name: Plugin}`` (default: ``process``, ``python`` and ``sim``). ``start()`` runs it
+    on a thread, ``serve()`` on the calling thread; ``drain()`` stops taking work and lets
+    what runs finish; ``stop()`` ends it. ``exit_code`` says how it ended (0: asked to stop;
+    3: a shard was lost and ``on_shard_lost = "exit"``)."""
+
+    def __init__(self, config, cluster, *, name=None, slots=None, plugins=None,
+                 endpoints=None, keys=None, timeout=5.0):
+        if not isinstance(config, Config):
+            config = load_config(config)
+        self.config = config
+        ws = config.worker
+        if cluster not in {c.name for c in config.clusters}:
+            raise ConfigError(f"{config.source}: worker: cluster {cluster!r} is not configured "
+                              f"(clusters: {', '.join(c.name for c in config.clusters)})")
+        self.cluster = cluster
+        self.name = name or _default_name(config, cluster)
+        self.slots = int(slots or ws.slots or psutil.cpu_count(logical=True) or 1)
+        if self.slots < 1:
+            raise ConfigError(f"worker {self.name}: slots {self.slots} must be >= 1")
+        self.settings = ws
+        self.resources = config.resources
+        self.work_dir = Path(ws.work_dir).resolve()
+        self.log_dir = Path(ws.log_dir).resolve()
+        if ws.capacity is not None:
+            self.capacity = ws.capacity.copy()
+        else:
+            self.capacity = self.resources.vector(measured_capacity(self.resources,
+                                                                    self.work_dir))
+        shapes = ws.node_shapes or ()
+        self.node_shapes = [{"name": s.name, "count": s.count,
+                             "allocatable": self._quantities(s.allocatable)} for s in shapes] \
+            or [{"name": f"{self.name}-node", "count": 1,
+                 "allocatable": self._quantities(self.capacity)}]
+        if keys is None and not config.security.insecure:
+            keys = load_client_keys(config.security.keys_dir, _key_name(self.name),
+                                    config.security.server_key)
+        self.keys = keys
+        self.endpoints = tuple(endpoints or config.transport.endpoints)
+        self.timeout = timeout
+        if plugins is None:
+            from transport._plugins import make_plugins
+            plugins = make_plugins({"process": {"kill_grace": ws.kill_grace},
+                                    "python": {"kill_grace": ws.kill_grace}})
+        self.plugins = plugins
+        self.exit_code = None
+        self._ctx = zmq.Context()
+        self._shards = []
+        self._held = {}             # token -> _Held
+        self._timers = []           # (due monotonic, seq, token, bound)
+        self._seq = 0
+        self._reports = {}          # shard index -> [(token, code, detail)]
+        self._inflight = {}         # (shard index, rid) -> REPORT message sent
+        self._specs = {}            # id(spec map) -> (spec map, ActionSpec)
+        self._held_demand = np.zeros(len(self.resources), np.int64)
+        self._stop = threading.Event()
+        self._drain = threading.Event()
+        self._drained = False
+        self._drain_deadline = None
+        self._ready = threading.Event()
+        self._thread = None
+        self._error = None
+        self._counts = dict(leases=0, finalize=0, started=0, reports=0, succeeded=0, failed=0,
+                            timed_out=0, stopped=0, refused=0, evicted=0, shard_lost=0,
+                            heartbeats=0, report_errors=0, cleanups=0)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ running
+
+    def start(self, timeout=30.0):
+        """Run the loop on a thread of its own; returns once every shard is registered."""
+        self._thread = threading.Thread(target=self._serve_safely, name=f"worker-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise ShardTimeout(f"worker {self.name}: not registered with every shard within "
+                               f"{timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _serve_safely(self):
+        try:
+            self.serve()
+        except BaseException as exc:  # reported by start() / join()
+            self._error = exc
+            self._ready.set()
+            log.exception("worker %s: stopped by an error", self.name)
+
+    def serve(self):
+        """Connect, register, run the loop until stopped (or a shard is lost and
+        ``on_shard_lost`` is "exit"); returns the exit code."""
+        try:
+            self._connect_all()
+            self._ready.set()
+            self._loop()
+        finally:
+            self._shutdown()
+        if self.exit_code is None:
+            self.exit_code = 0
+        return self.exit_code
+
+    def stop(self, timeout=30.0):
+        """End the loop now: every attempt still running is stopped (and reported SYSTEM /
+        EVICTED), then BYE to every shard."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def drain(self):
+        """Take no new leases; let running attempts finish within ``worker.drain_timeout``
+        (then stop and report them), then end (what SIGTERM does)."""
+        self._drain.set()
+
+    def wait(self, timeout=None):
+        """Wait for the loop thread to end; returns the exit code (None: still running)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.exit_code
+
+    def install_signal_handlers(self):
+        """SIGTERM drains; SIGINT stops."""
+        signal.signal(signal.SIGTERM, lambda *_: self.drain())
+        signal.signal(signal.SIGINT, lambda *_: self.stop(timeout=0))
+
+    def stats(self):
+        """Counters (leases, started, reports, succeeded, failed, timed_out, stopped,
+        refused, evicted, shard_lost, heartbeats, report_errors, cleanups) and ``held``."""
+        with self._lock:
+            out = dict(self._counts)
+        out["held"] = len(self._held)
+        return out
+
+    def _count(self, key, n=1):
+        with self._lock:
+            self._counts[key] += n
+
+    # ------------------------------------------------------------------ connections
+
+    def _connect_all(self):
+        for i, ep in enumerate(self.endpoints):
+            conn = WorkerConnection(ep, self.keys, self.name, self.cluster, self.slots,
+                                    capacity=self._quantities(self.capacity),
+                                    node_shapes=self.node_shapes,
+                                    settings=self.config.transport, timeout=self.timeout,
+                                    context=self._ctx)
+            sh = _Shard(i, conn)
+            self._shards.append(sh)
+            self._register(sh, conn.connect)
+
+    def _register(self, sh, how):
+        reg = how()
+        now = time.monotonic()
+        sh.lease_ttl = float(reg.lease_ttl)
+        sh.interval = float(reg.heartbeat_interval)
+        sh.last_ok = now
+        sh.next_beat = now          # heartbeat at once: adopts (or refuses) what we hold
+        sh.lost_at = None
+        log.info("worker %s: registered with shard %s (session %s)", self.name,
+                 sh.conn.endpoint, reg.session)
+
+    def _shutdown(self):
+        now = time.monotonic()
+        for h in list(self._held.values()):
+            if not h.finalize:
+                self._end(h, Outcome.system("EVICTED", f"worker {self.name} stopped"), now)
+            else:
+                self._forget(h)
+        self._flush_reports()
+        self._await_reports(min(self.timeout, 5.0))
+        for name, plugin in self.plugins.items():
+            try:
+                plugin.close(timeout=self.settings.kill_grace + 1.0)
+            except Exception:       # one plugin's failure must not leak the others
+                log.exception("worker %s: plugin %s did not close cleanly", self.name, name)
+        for sh in self._shards:
+            sh.conn.close(reason="worker stopping")
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self):
+        poller = zmq.Poller()
+        socks = {}
+        fds = set()
+        while not self._stop.is_set():
+            for sh in self._shards:
+                s = sh.conn.socket
+                if s is not None and socks.get(sh.index) is not s:
+                    if socks.get(sh.index) is not None:
+                        poller.unregister(socks[sh.index])
+                    poller.register(s, zmq.POLLIN)
+                    socks[sh.index] = s
+            want = {fd for pl in self.plugins.values() for fd in pl.fds()}
+            for fd in fds - want:
+                poller.unregister(fd)
+            for fd in want - fds:
+                poller.register(fd, zmq.POLLIN)
+            fds = want
+            now = time.monotonic()
+            poller.poll(max(0, int((self._next_due(now) - now) * 1000)))
+            now = time.monotonic()
+            for sh in self._shards:
+                if sh.lost_at is None:
+                    for msg in sh.conn.take():
+                        self._on_message(sh, msg, now)
+            for plugin in self.plugins.values():
+                for ch in plugin.poll():
+                    self._on_change(ch, now)
+            self._fire_timers(now)
+            self._flush_reports()
+            self._heartbeats(now)
+            self._check_shards(now)
+            if self._drain.is_set() and self._drain_step(now):
+                break
+
+    def _next_due(self, now):
+        due = now + 0.25        # the stop flag is checked at least this often
+        for sh in self._shards:
+            due = min(due, sh.next_beat if sh.lost_at is None else sh.retry_at)
+        if self._timers:
+            due = min(due, self._timers[0][0])
+        for plugin in self.plugins.values():
+            d = plugin.due()
+            if d is not None:
+                due = min(due, d)
+        return due
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_message(self, sh, msg, now):
+        if isinstance(msg, p.Leases):
+            for lease in leases_of(msg):
+                self._on_lease(sh, lease, now)
+        elif isinstance(msg, p.Refused):
+            sent, at = self._inflight.pop((sh.index, msg.rid), (None, 0.0)) \
+                if msg.rid is not None else (None, 0.0)
+            if isinstance(sent, p.Heartbeat):
+                sh.last_ok = max(sh.last_ok, at)
+            self._on_refused(msg, now)
+        elif isinstance(msg, p.Error):
+            sent, _at = self._inflight.pop((sh.index, msg.rid), (None, 0.0))
+            if msg.code == "NOT_FOUND" and "not registered" in msg.message:
+                self._reregister(sh, sent)
+            else:
+                self._count("report_errors")
+                log.error("worker %s: shard %s answered %s with %s: %s", self.name,
+                          sh.conn.endpoint, type(sent).__name__ if sent else "a request",
+                          msg.code, msg.message)
+        # REPLY / REGISTERED to a blocking call that timed out: nothing to do.
+
+    def _reregister(self, sh, sent):
+        # The shard restarted: register again (it adopts our leases), then resend every
+        # report it has not answered (a report is never dropped) and heartbeat at once.
+        try:
+            self._register(sh, sh.conn.register)
+        except (ShardTimeout, ShardError) as exc:
+            log.error("worker %s: re-registering with %s failed: %s", self.name,
+                      sh.conn.endpoint, exc)
+            return
+        pending = [m for (i, _rid), (m, _at) in self._inflight.items() if i == sh.index]
+        if sent is not None:
+            pending.append(sent)
+        for key in [k for k in self._inflight if k[0] == sh.index]:
+            del self._inflight[key]
+        for m in pending:
+            if isinstance(m, p.Report):
+                self._track(sh, [sh.conn.resend(m)])
+
+    def _on_refused(self, msg, now):
+        toks = msg.tokens
+        for i in range(toks.shape[0]):
+            token = toks[i].astype("<u8").tobytes()
+            verdict = Verdict(int(msg.verdicts[i]))
+            h = self._held.get(token)
+            if h is None:
+                continue
+            self._count("refused")
+            log.info("worker %s: shard refused %s attempt %s (%s): stopping it", self.name,
+                     h.lease.action, h.lease.attempt, verdict.name)
+            self._stop_attempt(h, f"token refused ({verdict.name})")
+            self._forget(h)
+
+    def _on_lease(self, sh, lease, now):
+        if lease.token in self._held:
+            return              # a duplicate push of a lease we run
+        h = _Held(lease, sh.index)
+        self._held[lease.token] = h
+        if h.finalize:
+            self._count("finalize")
+            self._finalize(h)
+            return
+        self._count("leases")
+        if self._drain.is_set():
+            self._end(h, Outcome.system("EVICTED", f"worker {self.name} is draining"), now)
+            return
+        try:
+            spec = self._spec(lease.spec)
+            ex = spec.execute
+            name = ex.plugin if ex is not None else self.settings.default_plugin
+            if name is None:
+                raise UserError(f"action {lease.action} declares no execute and worker "
+                                f"{self.name} has no worker.default_plugin")
+            plugin = self.plugins.get(name)
+            if plugin is None:
+                raise PluginError(f"worker {self.name} has no {name} plugin "
+                                  f"(it has {', '.join(self.plugins)})", cause="NO_PLUGIN")
+            if ex is None:
+                ex = Execution(plugin=name)
+            att = self._attempt(lease, spec, ex)
+            h.attempt, h.plugin = att, plugin
+            h.demand = self._demand(spec)
+            h.cleanup = name != "sim"
+            self._held_demand += h.demand
+            self._arm(h, spec, now)
+            plugin.start(att)
+        except UserError as exc:
+            self._end(h, Outcome.user(str(exc), recoverable=False), now)
+            return
+        except (PluginError, OSError) as exc:
+            self._end(h, Outcome.system(getattr(exc, "cause", "START_FAILED"), str(exc)), now)
+            return
+        except SpecError as exc:
+            self._end(h, Outcome.user(f"the lease's spec: {exc}", recoverable=False), now)
+            return
+        self._count("started")
+        self._report(h, _INITIALIZING)
+
+    def _spec(self, wire):
+        hit = self._specs.get(id(wire))
+        if hit is not None and hit[0] is wire:
+            return hit[1]
+        spec = ActionSpec.from_dict(wire)
+        if len(self._specs) >= _SPEC_CACHE:
+            self._specs.pop(next(iter(self._specs)))
+        self._specs[id(wire)] = (wire, spec)
+        return spec
+
+    def _attempt(self, lease, spec, ex):
+        pods = []
+        if spec.pods:
+            for g in spec.pods:
+                for i in range(g.replicas):
+                    pods.append(Pod(g.role, i, dict(g.resources), _memory(g.resources)))
+        else:
+            res = dict(spec.resources or {})
+            pods.append(Pod("main", 0, res, _memory(res)))
+        workdir, log_path = self._paths(lease.action, lease.attempt)
+        if ex.plugin != "sim":
+            workdir.mkdir(parents=True, exist_ok=True)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
+                       spec=spec, execute=ex, pods=tuple(pods), workdir=workdir,
+                       log_path=log_path, input_ref=lease.input_ref, env=lease.env)
+
+    def _paths(self, action, attempt):
+        # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.
+        return (self.work_dir / action / str(attempt),
+                self.log_dir / action / f"{attempt}.log")
+
+    def _demand(self, spec):
+        if spec.pods:
+            return sum((self.resources.vector(g.resources) * g.replicas for g in spec.pods),
+                       np.zeros(len(self.resources), np.int64))
+        return self.resources.vector(spec.resources or {})
+
+    # ------------------------------------------------------------------ bounds
+
+    def _arm(self, h, spec, now):
+        t = spec.timeouts
+        wall = time.time_ns()
+        if t.max_runtime is not None:
+            self._timer(now + float(t.max_runtime), h.lease.token, "max_runtime")
+        if h.lease.queued_deadline_ns is not None:
+            self._timer(now + (h.lease.queued_deadline_ns - wall) / 1e9, h.lease.token,
+                        "max_queued_time")
+        if h.lease.deadline_ns is not None:
+            self._timer(now + (h.lease.deadline_ns - wall) / 1e9, h.lease.token, "deadline")
+
+    def _timer(self, due, token, bound):
+        self._seq += 1
+        heapq.heappush(self._timers, (due, self._seq, token, bound))
+
+    def _fire_timers(self, now):
+        while self._timers and self._timers[0][0] <= now:
+            _due, _s, token, bound = heapq.heappop(self._timers)
+            h = self._held.get(token)
+            if h is None or h.finalize or h.attempt is None:
+                continue
+            if bound == "max_queued_time" and h.phase == Phase.RUNNING:
+                continue        # it ran in time: the bound no longer applies
+            spec = h.attempt.spec
+            limit = {"max_runtime": spec.timeouts.max_runtime,
+                     "max_queued_time": spec.timeouts.max_queued_time,
+                     "deadline": spec.timeouts.deadline}[bound]
+            self._stop_attempt(h, f"{bound} reached")
+            self._end(h, Outcome(Phase.TIMED_OUT, None, bound,
+                                 f"{bound} of {limit}s reached", True), now)
+
+    # ------------------------------------------------------------------ plugin changes
+
+    def _on_change(self, ch, now):
+        h = self._held.get(ch.key)
+        if h is None:
+            return              # stopped or refused meanwhile
+        if ch.outcome is None:
+            if ch.phase == Phase.RUNNING and h.phase != Phase.RUNNING:
+                h.phase = Phase.RUNNING
+                self._report(h, _RUNNING)
+            return
+        self._end(h, ch.outcome, now)
+
+    def _end(self, h, outcome, now):
+        """Report ``outcome`` for ``h`` and let it go (its cleanup comes as a finalize)."""
+        detail = None
+        if outcome.phase != Phase.SUCCEEDED:
+            detail = {"error_kind": outcome.error_kind, "cause": outcome.cause,
+                      "message": _message(outcome), "recoverable": outcome.recoverable}
+        self._count(_OUTCOME_COUNTER[outcome.phase])
+        if h.cleanup:
+            detail = dict(detail or {}, cleanup=True)
+        self._report(h, PHASE_CODE[outcome.phase], detail)
+        self._forget(h)
+
+    def _forget(self, h):
+        if self._held.pop(h.lease.token, None) is not None and h.demand is not None:
+            self._held_demand -= h.demand
+
+    def _stop_attempt(self, h, reason):
+        if h.plugin is not None and h.attempt is not None:
+            try:
+                h.plugin.stop(h.lease.token, reason)
+            except Exception:   # a plugin bug must not stop the worker
+                log.exception("worker %s: stopping %s failed", self.name, h.lease.action)
+            self._count("stopped")
+
+    # ------------------------------------------------------------------ finalize
+
+    def _finalize(self, h):
+        lease = h.lease
+        for other in list(self._held.values()):
+            if (not other.finalize and other.lease.action == lease.action
+                    and other.lease.attempt == lease.attempt):
+                self._stop_attempt(other, "cleanup of an ended attempt")
+                self._forget(other)
+        workdir, _log = self._paths(lease.action, lease.attempt)
+        try:
+            spec = self._spec(lease.spec)
+            name = spec.execute.plugin if spec.execute is not None \
+                else self.settings.default_plugin
+            plugin = self.plugins.get(name) if name else None
+            if plugin is not None and spec.execute is not None:
+                plugin.cleanup(self._attempt_for_cleanup(lease, spec))
+            if workdir.exists():
+                shutil.rmtree(workdir)
+            self._count("cleanups")
+            outcome = Outcome.succeeded()
+        except (PluginError, OSError, SpecError) as exc:
+            outcome = Outcome.system("CLEANUP_FAILED", f"cleanup of {lease.action} attempt "
+                                     f"{lease.attempt}: {exc}")
+        detail = None if outcome.phase == Phase.SUCCEEDED else {
+            "error_kind": outcome.error_kind, "cause": outcome.cause,
+            "message": outcome.message}
+        self._report(h, PHASE_CODE[outcome.phase], detail)
+        self._forget(h)
+
+    def _attempt_for_cleanup(self, lease, spec):
+        workdir, log_path = self._paths(lease.action, lease.attempt)
+        return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
+                       spec=spec, execute=spec.execute, pods=(), workdir=workdir,
+                       log_path=log_path, input_ref=lease.input_ref, env=lease.env)
+
+    # ------------------------------------------------------------------ reports
+
+    def _report(self, h, code, detail=None):
+        self._reports.setdefault(h.shard, []).append((h.lease.token, code, detail))
+
+    def _flush_reports(self):
+        for index, rows in self._reports.items():
+            if not rows:
+                continue
+            sh = self._shards[index]
+            # A RUNNING and the outcome of one attempt in one turn: the outcome says both.
+            last = {}
+            for k, (token, code, _d) in enumerate(rows):
+                if code != _INITIALIZING or token not in last:
+                    last[token] = k
+            keep = [r for k, r in enumerate(rows) if last[r[0]] == k]
+            tokens = b"".join(r[0] for r in keep)
+            codes = np.fromiter((r[1] for r in keep), np.uint8, len(keep))
+            details = {k: r[2] for k, r in enumerate(keep) if r[2] is not None}
+            self._reports[index] = []
+            if sh.lost_at is not None:
+                continue        # the shard was lost: it expired these leases itself
+            try:
+                msgs = sh.conn.send_report(tokens, codes, details or None)
+            except ShardTimeout as exc:
+                log.error("worker %s: %s", self.name, exc)
+                continue
+            self._count("reports", len(keep))
+            self._track(sh, msgs)
+
+    def _track(self, sh, msgs):
+        now = time.monotonic()
+        for m in msgs:
+            self._inflight[(sh.index, m.rid)] = (m, now)
+
+    def _await_reports(self, timeout):
+        deadline = time.monotonic() + timeout
+        def unanswered():
+            return sum(isinstance(m, p.Report) for m, _at in self._inflight.values())
+
+        while unanswered():
+            if time.monotonic() >= deadline:
+                log.error("worker %s: %d report(s) unanswered at exit", self.name,
+                          unanswered())
+                return
+            for sh in self._shards:
+                if sh.conn.socket is not None and sh.conn.socket.poll(20, zmq.POLLIN):
+                    for msg in sh.conn.take():
+                        self._on_message(sh, msg, time.monotonic())
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def _free(self):
+        if not self.settings.report_free:
+            return None
+        return self._quantities(np.maximum(self.capacity - self._held_demand, 0))
+
+    def _heartbeats(self, now):
+        for sh in self._shards:
+            if sh.lost_at is not None or now < sh.next_beat:
+                continue
+            tokens = b"".join(t for t, h in self._held.items() if h.shard == sh.index)
+            try:
+                msgs = sh.conn.send_heartbeat(tokens, self._free())
+            except ShardTimeout as exc:
+                log.error("worker %s: %s", self.name, exc)
+                msgs = []
+            self._count("heartbeats", len(msgs))
+            self._track(sh, msgs)
+            sh.next_beat = now + sh.interval
+
+    def _check_shards(self, now):
+        for sh in self._shards:
+            if sh.lost_at is None and now - sh.last_ok > sh.lease_ttl:
+                self._lose(sh, now)
+            elif sh.lost_at is not None and now >= sh.retry_at:
+                try:
+                    self._register(sh, sh.conn.reconnect)
+                except (ShardTimeout, ShardError) as exc:
+                    log.warning("worker %s: shard %s still unreachable: %s", self.name,
+                                sh.conn.endpoint, exc)
+                    sh.retry_at = time.monotonic() + 1.0
+
+    def _lose(self, sh, now):
+        held = [h for h in self._held.values() if h.shard == sh.index]
+        log.error("worker %s: shard %s silent for %.1fs (lease ttl %.1fs): stopping the %d "
+                  "attempt(s) held from it (their leases expire there and are reassigned)",
+                  self.name, sh.conn.endpoint, now - sh.last_ok, sh.lease_ttl, len(held))
+        self._count("shard_lost")
+        for h in held:
+            self._stop_attempt(h, "shard lost")
+            self._forget(h)
+        for key in [k for k in self._inflight if k[0] == sh.index]:
+            del self._inflight[key]
+        self._reports.pop(sh.index, None)
+        if self.settings.on_shard_lost == "exit":
+            self.exit_code = 3
+            self._stop.set()
+            return
+        sh.lost_at = now
+        sh.retry_at = now
+
+    # ------------------------------------------------------------------ drain
+
+    def _drain_step(self, now):
+        """One turn of a drain; True when it is finished."""
+        if not self._drained:
+            self._drained = True
+            self._drain_deadline = now + self.settings.drain_timeout
+            log.info("worker %s: draining (%d held, at most %.0fs)", self.name,
+                     len(self._held), self.settings.drain_timeout)
+            for sh in self._shards:
+                if sh.lost_at is None:
+                    try:
+                        sh.conn.drain(timeout=self.timeout)
+                    except (ShardTimeout, ShardError) as exc:
+                        log.error("worker %s: %s", self.name, exc)
+        running = [h for h in self._held.values() if not h.finalize]
+        if running and now < self._drain_deadline:
+            return False
+        for h in running:
+            self._stop_attempt(h, "drain timeout")
+            self._end(h, Outcome.system("EVICTED", f"worker {self.name} drained: still "
+                                        f"running after {self.settings.drain_timeout}s"), now)
+        self._flush_reports()
+        return True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _quantities(self, vec):
+        return {n: format_quantity(n, int(v)) for n, v in zip(self.resources.names, vec,
+                                                               strict=True)}
+
+
+def _memory(resources):
+    v = (resources or {}).get("memory")
+    return None if v is None else parse_quantity("memory", BYTES, v)
+
+
+def _message(outcome):
+    return outcome.message if outcome.pod is None or outcome.pod in outcome.message \
+        else f"pod {outcome.pod}: {outcome.message}"
+
+
+def _key_name(worker):
+    # A worker id is its key's name or NAME.<suffix> (docs/security.md).
+    return worker.split(".", 1)[0]
+
+
+def _default_name(config, cluster):
+    for peer in config.security.peers:
+        if peer.role == "worker" and peer.cluster == cluster:
+            return peer.name
+    if not config.security.insecure:
+        raise ConfigError(f"{config.source}: no [security.peers] worker key for cluster "
+                          f"{cluster!r}: add one or pass --name")
+    return f"{cluster}-{socket.gethostname().split('.')[0]}.{os.getpid()}"
+
+
+def run_worker(config_path, cluster, name=None, slots=None):
+    """``leasehold worker``: serve until SIGTERM (drain) or SIGINT; returns the exit code."""
+    w = Worker(config_path, cluster, name=name, slots=slots)
+    w.install_signal_handlers()
+    try:
+        return w.serve()
+    except (ShardTimeout, ShardError) as exc:
+        raise LeaseholdError(f"worker {w.name}: {exc}") from None
