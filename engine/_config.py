@@ -74,6 +74,7 @@ _ENGINE_KEYS = (
     "finalize_timeout",
     "backfill_percentile",
     "backfill_max_candidates",
+    "pause_on_expiry",
 )
 _CLUSTER_KEYS = ("capacity", "node_shapes")
 _SHAPE_KEYS = ("name", "count", "allocatable")
@@ -148,6 +149,9 @@ class EngineSettings:
     finalize_timeout: float = 3600.0  # a finalize lease's own bound, in seconds (> 0)
     backfill_percentile: float = 0.9  # runtime percentile that predicts a task's end (0 < p <= 1)
     backfill_max_candidates: int = 64  # actions tested for backfill per blocked head per tick
+    # A worker that lets a lease expire gets nothing new until its next heartbeat proves it
+    # alive (a killed worker is not handed the work that just expired on it).
+    pause_on_expiry: bool = True
 
     @property
     def lease_ttl_ns(self):
@@ -415,6 +419,9 @@ def _parse_engine(source, table):
                 or not 0 < p <= 1):
             raise _invalid(source, "engine.backfill_percentile", p, "a number 0 < p <= 1")
         values["backfill_percentile"] = float(p)
+    if "pause_on_expiry" in table:
+        values["pause_on_expiry"] = _parse_bool(source, "engine.pause_on_expiry",
+                                                table["pause_on_expiry"])
     return replace(EngineSettings(), **values)
 
 

@@ -193,9 +193,10 @@ class JournalMixin:
     def _restore(self):
         """Memory := disk, keeping the connected workers' sessions."""
         connected = [(name, self._clusters[self._state.w_cluster[row]],
-                      int(self._state.w_slots[row]))
+                      self._suspects.get(row, int(self._state.w_slots[row])))
                      for name, row in self._workers.items() if self._state.w_connected[row]]
         self._clear_dirty()
+        self._suspects.clear()
         self._load()
         for name, cluster, slots in connected:
             # Only workers whose identity is durable: a registration that failed with this

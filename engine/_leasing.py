@@ -148,6 +148,7 @@ class LeasingMixin:
         row = self._worker_row(worker_id)
         if not self._state.w_connected[row]:
             raise NotFound(f"worker {worker_id!r} is not connected")
+        self._suspects.pop(row, None)   # a heartbeat must not undo the drain
         self._state.w_slots[row] = 0
 
     def _worker_row(self, worker_id):
@@ -298,6 +299,16 @@ class LeasingMixin:
         with self._turn():
             return self._expire_lease(lease)
 
+    def _suspect(self, worker):
+        # A worker that let a lease expire may be dead or stalled: place nothing new on it
+        # until its next heartbeat proves it alive (else a killed worker, still registered,
+        # would be handed the very work that just expired on it).
+        st = self._state
+        if (self.config.engine.pause_on_expiry and worker >= 0
+                and worker not in self._suspects and st.w_slots[worker] > 0):
+            self._suspects[worker] = int(st.w_slots[worker])
+            st.w_slots[worker] = 0
+
     def _expire_lease(self, lease):
         kind, row, gen, worker = lease
         st = self._state
@@ -305,6 +316,7 @@ class LeasingMixin:
             if (int(st.fz_gen[row]) != gen or int(st.fz_worker[row]) != worker
                     or st.fz_state[row] != ST_SENT or st.fz_end[row] != END_LIVE):
                 return False
+            self._suspect(worker)
             st.fz_end[row] = END_EXPIRED
             st.fz_expiry[row] = NEVER
             self._kernel.release_finalize(row)
@@ -318,6 +330,7 @@ class LeasingMixin:
         if (int(st.a_gen[row]) != gen or int(st.a_worker[row]) != worker
                 or st.a_state[row] not in LIVE_STATES or st.a_end[row] != END_LIVE):
             return False
+        self._suspect(worker)
         rec = self._rec(row)
         self._stamp_attempt(rec)
         self._end_lease(row, END_EXPIRED)
@@ -335,6 +348,9 @@ class LeasingMixin:
         if not st.w_connected[row]:
             raise NotFound(f"worker {worker_id!r} is not connected")
         arr = self._codec.parse(tokens)
+        slots = self._suspects.pop(row, None)
+        if slots is not None:           # alive after all: it may take work again
+            st.w_slots[row] = slots
         if free_capacity is not None:
             try:
                 vec = self._resources.vector(free_capacity, unset=-1)

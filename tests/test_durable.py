@@ -53,7 +53,10 @@ CONFIG = {
                 "max_resources": {"cpu": 40}},
     },
     "engine": {"default_queue": "cpu", "heartbeat_interval": 10, "expiry_missed_beats": 3,
-               "expiry_jitter": 2, "system_retries": 2, "initial_capacity": 16},
+               "expiry_jitter": 2, "system_retries": 2, "initial_capacity": 16,
+               # The workload's workers never heartbeat: leases expire and are placed
+               # on the same workers again.
+               "pause_on_expiry": False},
     "storage": {"partitions": 4},
 }
 WORKERS = {"we": ("east", 50), "ww": ("west", 50)}

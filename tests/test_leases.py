@@ -179,12 +179,34 @@ def test_expiry_is_a_system_error_retried_under_the_system_budget_then_failed():
         only(eng.tick())
         clock.advance(TTL + 1)
         eng.schedule()
+        eng.heartbeat("A", b"")                      # alive again: it may take work
         clock.advance(10)
     hist = eng.attempts("acme/p/d/r/a")
     assert [h.cause for h in hist] == ["EXPIRED"] * 3
     why = eng.explain("acme/p/d/r/a")
     assert why.phase == Phase.FAILED and why.reason.startswith("EXPIRED")
     assert eng.queue_metrics("q")["actions_in_flight"] == 0
+
+
+def test_a_worker_that_let_a_lease_expire_gets_nothing_until_it_heartbeats():
+    eng, clock = engine({"A": ("east", 10)})
+    eng.enqueue(spec(retries=RetryPolicy(count=5)))
+    first = only(eng.tick())
+    clock.advance(TTL + 1)
+    eng.schedule()                                   # expired: retried after its backoff
+    assert eng.attempts("acme/p/d/r/a")[0].cause == "EXPIRED"
+    clock.advance(2)
+    assert eng.tick() == []                          # A may be dead: not placed on it again
+    assert "worker" in eng.explain("acme/p/d/r/a").reason
+    assert [r.verdict for r in eng.heartbeat("A", [first.token])] == [Verdict.EXPIRED]
+    again = only(eng.tick())                         # alive: it takes work again
+    assert again.worker == "A" and again.action == first.action
+    eng.register_worker("B", "east", 10)
+    clock.advance(TTL + 1)
+    eng.schedule()                                   # A lets this one expire too ...
+    clock.advance(5)
+    got = only(eng.tick())
+    assert got.worker == "B"                         # ... so B takes it
 
 
 def test_user_errors_retry_with_backoff_and_a_non_recoverable_one_does_not():

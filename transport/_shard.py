@@ -527,7 +527,14 @@ class _Loop:
             self.check_all = True   # the running ones end at their next heartbeat
 
     def on_status(self, conn, c, peer, msg):
-        self.reply(conn, msg.rid, {"phases": [self.eng.phase(a).value for a in msg.actions]})
+        phases = [self.eng.phase(a) for a in msg.actions]
+        self.reply(conn, msg.rid, {"phases": [ph.value for ph in phases]})
+        if len(self.watch):
+            # A watcher reads STATUS once after subscribing (Client.wait): what it found
+            # still running may have been assigned before the watch began, so no report
+            # of it would be recorded; the backstop re-check follows it from now on.
+            for a, ph in zip(msg.actions, phases, strict=True):
+                self.watch.track(a.rsplit("/", 1)[0], a, ph)
 
     def on_explain(self, conn, c, peer, msg):
         e = self.eng.explain(msg.action)

@@ -100,6 +100,16 @@ class WatchLog:
         for r in self._runs.values():
             r.watchers.discard(conn)
 
+    def track(self, run, action, phase):
+        """Have the backstop re-check follow a non-terminal ``action`` of a watched run
+        whose changes this log did not see (it was enqueued or assigned before the run was
+        first watched), without recording an event."""
+        r = self._runs.get(run)
+        phase = Phase(phase)
+        if (r is not None and phase not in TERMINAL_PHASES and action not in r.live
+                and len(r.live) < self.max_live):
+            r.live[action] = (phase, 0)
+
     def record(self, run, action, phase, attempt, time_ns, detail=None):
         """Append a change of ``action`` (in a watched run) unless it repeats the last one
         seen for it; returns ``(event tuple, watchers)`` or None."""
