@@ -200,3 +200,42 @@ def test_a_drain_takes_no_new_work_and_lets_running_attempts_finish(rig):
     assert r.plugin.actions_started() == [f"{RUN}/first"]
     assert r.client.status([f"{RUN}/second"])[0] in (Phase.QUEUED,
                                                      Phase.WAITING_FOR_RESOURCES)
+
+
+def _cli(*args, timeout=60):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args],
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_leasehold_worker_refuses_a_bad_invocation_in_one_line(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('resources = ["cpu"]\n[clusters.east]\n[security]\ninsecure = true\n'
+                   '[transport]\nendpoints = ["tcp://127.0.0.1:9"]\n'
+                   '[worker]\non_shard_lost = "maybe"\n')
+    out = _cli("worker", "--config", str(cfg), "--cluster", "east")
+    assert out.returncode == 2 and "worker.on_shard_lost" in out.stderr
+    cfg.write_text('resources = ["cpu"]\n[clusters.east]\n[security]\ninsecure = true\n'
+                   '[transport]\nendpoints = ["tcp://127.0.0.1:9"]\n')
+    out = _cli("worker", "--config", str(cfg), "--cluster", "west")
+    assert out.returncode == 2 and "cluster 'west' is not configured" in out.stderr
+    out = _cli("worker", "--config", str(cfg), "--cluster", "east", "--slots", "0")
+    assert out.returncode == 2 and "--slots" in out.stderr
+    for o in (out,):
+        assert "Traceback" not in o.stderr
+
+
+def test_leasehold_worker_exits_2_when_no_shard_answers(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('resources = ["cpu"]\n[clusters.east]\n[security]\ninsecure = true\n'
+                   '[transport]\nendpoints = ["tcp://127.0.0.1:9"]\n'
+                   f'[worker]\nwork_dir = "{tmp_path}/w"\nlog_dir = "{tmp_path}/l"\n')
+    out = _cli("worker", "--config", str(cfg), "--cluster", "east", "--name", "east-1")
+    assert out.returncode == 2, out.stderr
+    last = [x for x in out.stderr.splitlines() if x.strip()][-1]
+    assert last.startswith("leasehold: ") and "tcp://127.0.0.1:9" in last
+    assert "Traceback" not in out.stderr
