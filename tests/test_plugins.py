@@ -3,7 +3,10 @@ driven directly: no shard, no worker. Every wait is bounded."""
 
 import collections
 import itertools
+import os
 import select
+import signal
+import sys
 import time
 
 import psutil
@@ -11,7 +14,9 @@ import pytest
 
 from engine._codes import Phase
 from engine._model import ActionSpec
-from transport._plugins import Attempt, Outcome, Pod
+from transport import _process_plugin
+from transport._plugins import Attempt, Outcome, PluginError, Pod, UserError
+from transport._process_plugin import ProcessPlugin, find_memory_cgroup, pod_log_path
 from transport._sim_plugin import SimPlugin
 
 _keys = itertools.count(1)
@@ -251,3 +256,302 @@ def test_sim_100k_zero_duration_attempts_all_complete(tmp_path, plugins):
     assert len(done) == n and set(done.values()) == {1}
     assert len(running) == n and set(running.values()) == {1}
     assert sim.running() == 0 and sim.due() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# process
+
+PY = sys.executable
+
+
+def proc(*argv, env=None):
+    ex = {"plugin": "process", "command": list(argv)}
+    if env is not None:
+        ex["env"] = env
+    return ex
+
+
+def py(code, env=None):
+    return proc(PY, "-c", code, env=env)
+
+
+def wait_for_file(path, timeout=5.0):
+    until = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < until, f"{path} never written"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def gone(pids, timeout):
+    """Whether every pid in ``pids`` has exited (reaped or a zombie) within ``timeout``."""
+    until = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() >= until:
+            return not alive
+        time.sleep(0.01)
+
+
+def test_process_success_env_cwd_and_log(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    code = ("import os, sys; print('to stdout'); print('to stderr', file=sys.stderr); "
+            "open('env.txt', 'w').write(repr({k: v for k, v in os.environ.items() "
+            "if k.startswith(('LEASEHOLD_', 'MY_'))})); open('cwd.txt', 'w').write(os.getcwd())")
+    att = make_attempt(tmp_path, py(code, env={"MY_VAR": "42"}), attempt=3,
+                       input_ref="s3://in/put")
+    t0 = time.monotonic()
+    plugin.start(att)
+    assert time.monotonic() - t0 < 0.5                      # start does not wait for it
+    changes = drive(plugin, [att.key])[att.key]
+    assert [c.phase for c in changes] == [Phase.RUNNING, Phase.SUCCEEDED]
+    env = eval((att.workdir / "env.txt").read_text())
+    assert env == {"MY_VAR": "42", "LEASEHOLD_ACTION": "t/p/d/r/a", "LEASEHOLD_ATTEMPT": "3",
+                   "LEASEHOLD_POD_ROLE": "main", "LEASEHOLD_POD_INDEX": "0",
+                   "LEASEHOLD_GANG_SIZE": "1", "LEASEHOLD_INPUT": "s3://in/put"}
+    assert (att.workdir / "cwd.txt").read_text() == str(att.workdir)
+    text = att.log_path.read_text()
+    assert "to stdout" in text and "to stderr" in text
+
+
+def test_process_nonzero_exit_is_user_with_code_and_log_tail(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    code = ("import sys\nfor i in range(200): print(f'line {i}', file=sys.stderr)\n"
+            "sys.exit(3)")
+    att = make_attempt(tmp_path, py(code))
+    plugin.start(att)
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.phase, out.error_kind, out.pod) == (Phase.FAILED, "USER", None)
+    assert "exited with code 3" in out.message
+    assert "line 199" in out.message and "line 180" in out.message
+    assert "line 150" not in out.message                    # a tail, not the log
+    assert len(out.message) < 2500
+
+
+def test_process_command_not_found_or_not_executable_is_a_user_error(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    with pytest.raises(UserError, match="no-such-command-xyz.*not found"):
+        plugin.start(make_attempt(tmp_path, proc("no-such-command-xyz", "arg")))
+    script = tmp_path / "not-executable.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    with pytest.raises(UserError, match="not-executable"):
+        plugin.start(make_attempt(tmp_path, proc(str(script))))
+    assert plugin.poll() == [] and children_left() == []
+
+
+def test_process_missing_workdir_is_a_system_error_not_a_missing_command(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    att = make_attempt(tmp_path, proc("true"))
+    att.workdir.rmdir()
+    with pytest.raises(PluginError, match="workdir") as info:
+        plugin.start(att)
+    assert not isinstance(info.value, UserError)
+
+
+def test_process_killed_by_a_signal_is_system_killed(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    att = make_attempt(tmp_path, py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    plugin.start(att)
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.error_kind, out.cause) == ("SYSTEM", "KILLED")
+    assert "SIGKILL" in out.message
+
+
+def test_process_memory_limit_breach_is_system_oom(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    assert plugin.memory_mechanism in ("rss",) or plugin.memory_mechanism.startswith("cgroup:")
+    limit = 50 * 2**20
+    hog = make_attempt(tmp_path, py("import time; x = 'x' * (200 * 2**20); time.sleep(30)"),
+                       memory_limit=limit)
+    small = make_attempt(tmp_path, py("import time; time.sleep(0.3)"), memory_limit=limit)
+    plugin.start(hog)
+    plugin.start(small)
+    seen = drive(plugin, [hog.key, small.key])
+    out = outcome_of(seen[hog.key])
+    assert (out.phase, out.error_kind, out.cause) == (Phase.FAILED, "SYSTEM", "OOM")
+    assert "50.0 MiB" in out.message
+    assert outcome_of(seen[small.key]).phase == Phase.SUCCEEDED   # under the limit: runs
+
+
+def test_process_stop_kills_the_process_group_and_never_reports(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin, {"kill_grace": 5.0})
+    # A shell with a child of its own: both are in the pod's process group.
+    att = make_attempt(tmp_path, proc("sh", "-c", "sleep 60 & echo $! > bg.pid; sleep 60"))
+    plugin.start(att)
+    assert [c.phase for c in plugin.poll()] == [Phase.RUNNING]
+    bg = int(wait_for_file(att.workdir / "bg.pid"))
+    pids = [p.pid for p in children_left()]
+    assert bg in pids and len(pids) == 3               # sh, the background and the foreground sleep
+    t0 = time.monotonic()
+    plugin.stop(att.key, "refused")
+    assert time.monotonic() - t0 < 0.1                      # signals, does not wait
+    late = run_for(plugin, 0.5)
+    assert gone(pids, 1.0)                                  # SIGTERM took the whole group
+    assert [c for c in late + run_for(plugin, 0.2) if c.key == att.key] == []
+
+
+def test_process_exit_kills_what_the_pod_left_in_its_group(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    att = make_attempt(tmp_path, proc("sh", "-c", "sleep 60 & echo $! > bg.pid"))
+    plugin.start(att)
+    assert outcome_of(drive(plugin, [att.key])[att.key]).phase == Phase.SUCCEEDED
+    assert gone([int((att.workdir / "bg.pid").read_text())], 1.0)
+
+
+def test_process_stop_kills_after_the_grace_when_sigterm_is_ignored(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin, {"kill_grace": 0.4})
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "open('ready', 'w').write('1'); time.sleep(60)")
+    att = make_attempt(tmp_path, py(code))
+    plugin.start(att)
+    wait_for_file(att.workdir / "ready")
+    [pid] = [p.pid for p in children_left()]
+    plugin.stop(att.key, "timeout")
+    t0 = time.monotonic()
+    assert run_for(plugin, 0.2) == []
+    assert psutil.pid_exists(pid)                           # the grace is honoured
+    assert plugin.due() is not None and plugin.due() <= t0 + 0.45   # the SIGKILL is due
+    changes = run_for(plugin, 0.6)
+    assert gone([pid], 0.5) and changes == []
+
+
+def test_process_gang_starts_together_one_log_per_pod(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    code = ("import os, time; open(os.environ['LEASEHOLD_POD_ROLE'] + '-' + "
+            "os.environ['LEASEHOLD_POD_INDEX'] + '.t', 'w').write(repr(time.time())); "
+            "print('pod', os.environ['LEASEHOLD_POD_ROLE'], os.environ['LEASEHOLD_POD_INDEX'],"
+            " os.environ['LEASEHOLD_GANG_SIZE']); time.sleep(0.2)")
+    att = make_attempt(tmp_path, py(code), groups=[("head", 1), ("worker", 3)])
+    plugin.start(att)
+    changes = drive(plugin, [att.key])[att.key]
+    assert [c.phase for c in changes] == [Phase.RUNNING, Phase.SUCCEEDED]
+    names = ["head-0", "worker-0", "worker-1", "worker-2"]
+    times = [float((att.workdir / f"{n}.t").read_text()) for n in names]
+    assert max(times) - min(times) < 1.0
+    index = att.log_path.read_text()
+    for pod in att.pods:
+        path = pod_log_path(att, pod)
+        assert path.name == f"{att.key.hex()}.{pod.role}-{pod.index}.log"
+        assert path.read_text() == f"pod {pod.role} {pod.index} 4\n"
+        assert f"pod {pod.name}: pid " in index and str(path) in index
+
+
+def test_process_gang_one_failing_pod_fails_it_and_stops_the_others(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin, {"kill_grace": 5.0})
+    code = ("import os, sys, time\n"
+            "if os.environ['LEASEHOLD_POD_INDEX'] == '2':\n"
+            "    time.sleep(0.3); print('worker two fails', file=sys.stderr); sys.exit(5)\n"
+            "time.sleep(60)")
+    att = make_attempt(tmp_path, py(code), groups=[("worker", 4)])
+    plugin.start(att)
+    assert [c.phase for c in plugin.poll()] == [Phase.RUNNING]
+    pids = [p.pid for p in children_left()]
+    assert len(pids) == 4
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.error_kind, out.pod) == ("USER", "worker/2")
+    assert "pod worker/2" in out.message and "code 5" in out.message
+    assert "worker two fails" in out.message
+    late = run_for(plugin, 0.3)
+    assert gone(pids, 1.0)                                  # the others were stopped
+    assert late == []
+
+
+def test_process_gang_spawn_failure_kills_the_pods_already_started(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    real = plugin._reaper.spawn
+    pids = []
+
+    def failing_third(*args, **kw):
+        if len(pids) == 2:
+            raise FileNotFoundError(2, "No such file or directory", "sleep")
+        group = real(*args, **kw)
+        pids.append(group.pid)
+        return group
+
+    plugin._reaper.spawn = failing_third
+    att = make_attempt(tmp_path, proc("sleep", "60"), groups=[("worker", 4)])
+    with pytest.raises(UserError, match="pod worker/2"):
+        plugin.start(att)
+    assert len(pids) == 2
+    assert run_for(plugin, 0.3) == []
+    assert gone(pids, 1.0)
+
+
+def test_process_without_pidfd_polls_through_due(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin, {"pidfd": False, "poll_interval": 0.02})
+    assert plugin.fds() == () or all(isinstance(fd, int) for fd in plugin.fds())
+    att = make_attempt(tmp_path, py("import time; time.sleep(0.2)"))
+    plugin.start(att)
+    plugin.poll()
+    assert plugin.due() is not None and plugin.due() - time.monotonic() <= 0.05
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert out.phase == Phase.SUCCEEDED
+
+
+def test_process_close_stops_everything(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin, {"kill_grace": 10.0})
+    ignore = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "time.sleep(60)")
+    for code in ("import time; time.sleep(60)", ignore):
+        plugin.start(make_attempt(tmp_path, py(code)))
+    time.sleep(0.3)
+    assert len(children_left()) == 2
+    t0 = time.monotonic()
+    plugin.close(0.5)                                       # SIGTERM, then SIGKILL at 0.5 s
+    assert time.monotonic() - t0 < 2.0
+    assert children_left() == []
+
+
+def test_find_memory_cgroup_reads_the_v2_hierarchy(tmp_path):
+    root = tmp_path / "cg"
+    (root / "work").mkdir(parents=True)
+    (root / "work" / "cgroup.subtree_control").write_text("cpu memory\n")
+    cg = tmp_path / "cgroup"
+    cg.write_text("0::/work\n")
+    mi = tmp_path / "mountinfo"
+    mi.write_text(f"41 31 0:38 / {root} rw,relatime - cgroup2 cgroup2 rw\n")
+    assert find_memory_cgroup(cg, mi) == (root / "work", None)
+    (root / "work" / "cgroup.subtree_control").write_text("cpu\n")
+    path, why = find_memory_cgroup(cg, mi)
+    assert path is None and "memory controller is not enabled" in why
+    cg.write_text("4:memory:/x\n")
+    assert find_memory_cgroup(cg, mi)[0] is None
+    # This machine, whatever it is: an answer, with a reason when there is no cgroup.
+    path, why = find_memory_cgroup()
+    assert (path is None) != (why is None)
+
+
+def test_process_cgroup_mode_sets_memory_max_and_reports_a_kernel_oom_kill(tmp_path, plugins,
+                                                                          monkeypatch):
+    # A directory that looks like a delegated cgroup v2: the plugin writes the pod's limit
+    # and moves the pod in (here plain files), and reads memory.events at exit.
+    base = tmp_path / "cg"
+    base.mkdir()
+    (base / "cgroup.subtree_control").write_text("memory\n")
+    with pytest.raises(PluginError, match="cgroup.subtree_control"):
+        ProcessPlugin({"cgroup": str(tmp_path)})
+    plugin = plugins(ProcessPlugin, {"cgroup": str(base)})
+    assert plugin.memory_mechanism == f"cgroup:{base}"
+    real_init = _process_plugin._Cgroup.__init__
+
+    def init(self, *args):
+        real_init(self, *args)
+        (self.path / "cgroup.procs").touch()                # the kernel's file, faked
+
+    monkeypatch.setattr(_process_plugin._Cgroup, "__init__", init)
+    att = make_attempt(tmp_path, proc("sleep", "60"), memory_limit=64 * 2**20)
+    plugin.start(att)
+    [pod_cg] = list(base.glob("leasehold-*"))
+    assert (pod_cg / "memory.max").read_text() == f"{64 * 2**20}\n"
+    assert (pod_cg / "cgroup.procs").read_text() == "0\n"   # written by the pod itself
+    (pod_cg / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 1\noom_kill 1\n")
+    [pid] = [p.pid for p in children_left()]
+    os.kill(pid, signal.SIGKILL)                            # as the kernel would
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.error_kind, out.cause) == ("SYSTEM", "OOM")
+    assert "64.0 MiB" in out.message and "OOM killer" in out.message
+    for f in pod_cg.iterdir():                              # the kernel's files, faked
+        f.unlink()
+    run_for(plugin, 0.1)
+    assert not pod_cg.exists()                              # removed once empty
