@@ -16,6 +16,7 @@ from engine._codes import Phase
 from engine._model import ActionSpec
 from transport import _process_plugin
 from transport._plugins import Attempt, Outcome, PluginError, Pod, UserError
+from transport._pool import PythonPlugin
 from transport._process_plugin import ProcessPlugin, find_memory_cgroup, pod_log_path
 from transport._sim_plugin import SimPlugin
 
@@ -555,3 +556,304 @@ def test_process_cgroup_mode_sets_memory_max_and_reports_a_kernel_oom_kill(tmp_p
         f.unlink()
     run_for(plugin, 0.1)
     assert not pod_cg.exists()                              # removed once empty
+
+
+# ---------------------------------------------------------------------------------------------
+# python
+
+FUNCS = """
+import os, sys, threading, time
+
+# One line per import of this module: a warm pool imports it once per process.
+with open(os.environ["LH_IMPORTS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+_lock = threading.Lock()
+_running = 0
+
+
+def ok(x=1, inputs=None):
+    print("hello from", os.getpid(), "x =", x, "inputs =", inputs)
+    print("on stderr", file=sys.stderr)
+    return {"doubled": x * 2}
+
+
+def boom(word="kaput"):
+    def inner():
+        raise ValueError(f"bad value {word}")
+    inner()
+
+
+def whoami(path):
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+
+def overlap(path, secs=0.15):
+    global _running
+    with _lock:
+        _running += 1
+        now = _running
+    with open(path, "a") as f:
+        f.write(f"{now}\\n")
+    time.sleep(secs)
+    with _lock:
+        _running -= 1
+
+
+def sleep(secs):
+    time.sleep(secs)
+
+
+def hog(mb, secs):
+    x = "x" * (mb * 2**20)
+    time.sleep(secs)
+    return len(x)
+"""
+
+
+@pytest.fixture
+def funcs(tmp_path):
+    """The execute table of a function in a module the pool imports (``execute.imports``:
+    the file each import of the module appends its pid to)."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "lh_test_funcs.py").write_text(FUNCS)
+    imports = tmp_path / "imports.txt"
+    imports.touch()
+
+    def execute(name, **args):
+        return {"plugin": "python", "function": f"lh_test_funcs:{name}", "args": args,
+                "env": {"PYTHONPATH": str(mods), "LH_IMPORTS": str(imports)}}
+
+    execute.imports = imports
+    return execute
+
+
+def imported_by(funcs):
+    return funcs.imports.read_text().split()
+
+
+def warm(replicas=1, concurrency=1, idle_ttl=60.0):
+    return {"replicas": replicas, "concurrency": concurrency, "idle_ttl": idle_ttl}
+
+
+def test_python_success_output_in_the_log_with_the_pid(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, funcs("ok", x=21), input_ref="s3://bucket/in")
+    t0 = time.monotonic()
+    plugin.start(att)
+    assert time.monotonic() - t0 < 0.5
+    changes = drive(plugin, [att.key])[att.key]
+    assert [c.phase for c in changes] == [Phase.RUNNING, Phase.SUCCEEDED]
+    [pid] = imported_by(funcs)
+    text = att.log_path.read_text()
+    assert f"pool process pid {pid}: lh_test_funcs:ok" in text
+    assert f"hello from {pid} x = 21 inputs = s3://bucket/in" in text
+    assert "on stderr" in text and "returned {'doubled': 42}" in text
+    run_for(plugin, 0.2)
+    assert plugin.pools() == [] and gone([int(pid)], 1.0)   # a pool of one, freed
+
+
+def test_python_exception_is_user_with_the_traceback_tail(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, funcs("boom", word="zonk"))
+    plugin.start(att)
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.phase, out.error_kind, out.recoverable) == (Phase.FAILED, "USER", True)
+    assert "lh_test_funcs:boom raised ValueError: bad value zonk" in out.message
+    assert "in inner" in out.message and 'raise ValueError(f"bad value {word}")' in out.message
+    assert "_pool_child" not in out.message                 # from the function down
+    assert "ValueError: bad value zonk" in att.log_path.read_text()
+
+
+def test_python_unimportable_function_is_a_user_error_not_recoverable(tmp_path, plugins,
+                                                                      funcs):
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, {"plugin": "python", "function": "no_such_mod_xyz:f"})
+    missing = make_attempt(tmp_path, funcs("no_such_function"))
+    plugin.start(att)
+    plugin.start(missing)
+    seen = drive(plugin, [att.key, missing.key])
+    out = outcome_of(seen[att.key])
+    assert (out.error_kind, out.recoverable) == ("USER", False)
+    assert "cannot import no_such_mod_xyz:f" in out.message
+    assert "ModuleNotFoundError" in out.message
+    out = outcome_of(seen[missing.key])
+    assert "AttributeError" in out.message and not out.recoverable
+
+
+def test_python_warm_pool_reuses_its_processes(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    pids = tmp_path / "pids.txt"
+    reuse = warm(replicas=2, concurrency=2)
+    atts = [make_attempt(tmp_path, funcs("whoami", path=str(pids)), reuse=reuse, env="E1")
+            for _ in range(50)]
+    first, rest = atts[:4], atts[4:]
+    for att in first:
+        plugin.start(att)
+    [pool] = plugin.pools()
+    assert pool.env == "E1" and len(pool.pids) == 2 and pool.busy == 4
+    for changes in drive(plugin, [a.key for a in first]).values():
+        assert outcome_of(changes).phase == Phase.SUCCEEDED
+    for i in range(0, len(rest), 4):                        # follow-on actions, 4 at a time
+        batch = rest[i:i + 4]
+        for att in batch:
+            plugin.start(att)
+        for changes in drive(plugin, [a.key for a in batch]).values():
+            assert [c.phase for c in changes] == [Phase.RUNNING, Phase.SUCCEEDED]
+    ran_on = pids.read_text().split()
+    assert len(ran_on) == 50
+    assert set(map(int, ran_on)) == set(pool.pids)          # every call, the same two
+    assert plugin.pools()[0].pids == pool.pids
+    assert sorted(imported_by(funcs)) == sorted(map(str, pool.pids))   # imported once each
+
+
+def test_python_warm_pool_respects_concurrency_slots(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    path = tmp_path / "overlap.txt"
+    reuse = warm(replicas=1, concurrency=2)
+    atts = [make_attempt(tmp_path, funcs("overlap", path=str(path)), reuse=reuse, env="E2")
+            for _ in range(6)]
+    for att in atts:
+        plugin.start(att)
+    busiest = 0
+    pending = {a.key for a in atts}
+    until = time.monotonic() + 10
+    while pending:
+        assert time.monotonic() < until
+        wait(plugin, until)
+        for c in plugin.poll():
+            if c.outcome is not None:
+                assert c.outcome.phase == Phase.SUCCEEDED
+                pending.discard(c.key)
+        busiest = max(busiest, plugin.pools()[0].busy)
+    seen = [int(n) for n in path.read_text().split()]
+    assert len(seen) == 6 and max(seen) == 2                # two at once, never three
+    assert busiest == 2
+
+
+def test_python_idle_ttl_frees_the_pool(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, funcs("ok"), reuse=warm(idle_ttl=0.3), env="E3")
+    plugin.start(att)
+    drive(plugin, [att.key])
+    [pool] = plugin.pools()
+    done = time.monotonic()
+    assert plugin.due() is not None and plugin.due() <= done + 0.31
+    run_for(plugin, 0.1)
+    assert plugin.pools() != []                             # kept warm for idle_ttl
+    until = time.monotonic() + 3
+    while plugin.pools() and time.monotonic() < until:
+        wait(plugin, until)
+        plugin.poll()
+    assert plugin.pools() == [] and time.monotonic() - done >= 0.3
+    assert gone(pool.pids, 2.0)
+    again = make_attempt(tmp_path, funcs("ok"), reuse=warm(idle_ttl=0.3), env="E3")
+    plugin.start(again)                                     # a new pool for the same env
+    assert plugin.pools()[0].pids != pool.pids
+    drive(plugin, [again.key])
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_python_a_pool_process_killed_mid_call_is_system_and_replaced(tmp_path, plugins,
+                                                                      funcs, pidfd):
+    plugin = plugins(PythonPlugin, {"pidfd": pidfd})
+    reuse = warm(replicas=1, concurrency=2)
+    atts = [make_attempt(tmp_path, funcs("sleep", secs=30), reuse=reuse, env="E4")
+            for _ in range(2)]
+    for att in atts:
+        plugin.start(att)
+    [old] = plugin.pools()[0].pids
+    started = [c.key for c in run_for(plugin, 0.5) if c.phase == Phase.RUNNING]
+    assert sorted(started) == sorted(a.key for a in atts)
+    os.kill(old, signal.SIGKILL)
+    seen = drive(plugin, [a.key for a in atts])
+    for att in atts:
+        out = outcome_of(seen[att.key])
+        assert (out.error_kind, out.cause) == ("SYSTEM", "KILLED")
+        assert f"pid {old} killed by SIGKILL" in out.message
+    [new] = plugin.pools()[0].pids
+    assert new != old
+    follow = make_attempt(tmp_path, funcs("ok"), reuse=reuse, env="E4")
+    plugin.start(follow)
+    assert outcome_of(drive(plugin, [follow.key])[follow.key]).phase == Phase.SUCCEEDED
+    assert f"pid {new}:" in follow.log_path.read_text()
+
+
+def test_python_memory_breach_kills_the_pool_process_and_its_calls(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    reuse = warm(replicas=1, concurrency=2)
+    limit = 50 * 2**20
+    small = make_attempt(tmp_path, funcs("sleep", secs=30), reuse=reuse, env="E5",
+                         memory_limit=limit)
+    hog = make_attempt(tmp_path, funcs("hog", mb=200, secs=30), reuse=reuse, env="E5",
+                       memory_limit=limit)
+    plugin.start(small)
+    plugin.start(hog)
+    [old] = plugin.pools()[0].pids
+    seen = drive(plugin, [small.key, hog.key])
+    for att in (small, hog):
+        out = outcome_of(seen[att.key])
+        assert (out.error_kind, out.cause) == ("SYSTEM", "OOM")
+        assert "50.0 MiB" in out.message and f"pid {old}" in out.message
+    assert gone([old], 1.0)
+    assert plugin.pools()[0].pids != (old,)                 # replaced
+    # Under the limit, a call runs to completion in the replacement.
+    ok = make_attempt(tmp_path, funcs("ok"), reuse=reuse, env="E5", memory_limit=limit)
+    plugin.start(ok)
+    assert outcome_of(drive(plugin, [ok.key])[ok.key]).phase == Phase.SUCCEEDED
+
+
+def test_python_stop_kills_the_process_and_evicts_its_other_calls(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin, {"kill_grace": 0.5})
+    reuse = warm(replicas=1, concurrency=2)
+    a, b = (make_attempt(tmp_path, funcs("sleep", secs=30), reuse=reuse, env="E6")
+            for _ in range(2))
+    waiting = make_attempt(tmp_path, funcs("ok"), reuse=reuse, env="E6")
+    plugin.start(a)
+    plugin.start(b)
+    plugin.start(waiting)                                   # no slot: waits
+    [old] = plugin.pools()[0].pids
+    assert {c.key for c in run_for(plugin, 0.5) if c.phase == Phase.RUNNING} == {a.key, b.key}
+    t0 = time.monotonic()
+    plugin.stop(a.key, "refused")
+    assert time.monotonic() - t0 < 0.2
+    seen = drive(plugin, [b.key, waiting.key])
+    out = outcome_of(seen[b.key])
+    assert (out.error_kind, out.cause) == ("SYSTEM", "EVICTED")
+    assert f"pid {old}" in out.message
+    assert outcome_of(seen[waiting.key]).phase == Phase.SUCCEEDED   # on the replacement
+    assert a.key not in seen and not [c for c in run_for(plugin, 0.3) if c.key == a.key]
+    assert gone([old], 1.0)
+    [new] = plugin.pools()[0].pids
+    assert new != old and f"pid {new}:" in waiting.log_path.read_text()
+
+
+def test_python_stop_of_a_waiting_call_leaves_the_pool_alone(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    reuse = warm(replicas=1, concurrency=1)
+    running = make_attempt(tmp_path, funcs("sleep", secs=0.3), reuse=reuse, env="E7")
+    queued = make_attempt(tmp_path, funcs("ok"), reuse=reuse, env="E7")
+    plugin.start(running)
+    plugin.start(queued)
+    pids = plugin.pools()[0].pids
+    plugin.stop(queued.key, "refused")
+    seen = drive(plugin, [running.key])
+    assert outcome_of(seen[running.key]).phase == Phase.SUCCEEDED
+    assert queued.key not in seen and plugin.pools()[0].pids == pids
+    assert not queued.log_path.exists()
+
+
+def test_python_close_leaves_no_process(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    plugin.start(make_attempt(tmp_path, funcs("sleep", secs=30)))
+    for env in ("C1", "C2"):
+        plugin.start(make_attempt(tmp_path, funcs("sleep", secs=30),
+                                  reuse=warm(replicas=2), env=env))
+    assert len(children_left()) == 5
+    t0 = time.monotonic()
+    plugin.close(1.0)
+    assert time.monotonic() - t0 < 2.5
+    assert children_left() == [] and plugin.pools() == []
+
