@@ -15,7 +15,7 @@ import pytest
 from engine._codes import Phase
 from engine._model import ActionSpec
 from transport import _process_plugin
-from transport._plugins import Attempt, Outcome, PluginError, Pod, UserError
+from transport._plugins import Attempt, Outcome, PluginError, Pod, UserError, make_plugins
 from transport._pool import PythonPlugin
 from transport._process_plugin import ProcessPlugin, find_memory_cgroup, pod_log_path
 from transport._sim_plugin import SimPlugin
@@ -857,3 +857,22 @@ def test_python_close_leaves_no_process(tmp_path, plugins, funcs):
     assert time.monotonic() - t0 < 2.5
     assert children_left() == [] and plugin.pools() == []
 
+
+# ---------------------------------------------------------------------------------------------
+# the registry
+
+
+def test_make_plugins_builds_the_three_with_their_options(tmp_path):
+    got = make_plugins({"process": {"kill_grace": 0.25}, "sim": {"seed": 3}})
+    try:
+        assert {name: type(p) for name, p in got.items()} == {
+            "process": ProcessPlugin, "python": PythonPlugin, "sim": SimPlugin}
+        assert all(p.name == name for name, p in got.items())
+        assert got["process"].kill_grace == 0.25 and got["python"].kill_grace == 2.0
+    finally:
+        for p in got.values():
+            p.close(1.0)
+    with pytest.raises(PluginError, match="unknown plugin.*k8s"):
+        make_plugins({"k8s": {}})
+    with pytest.raises(PluginError, match="unknown option.*bogus"):
+        make_plugins({"python": {"bogus": 1}})
