@@ -605,6 +605,17 @@ def sleep(secs):
     time.sleep(secs)
 
 
+def scribble():
+    # Writes on the result pipe (its descriptor is the child's second argument).
+    os.write(int(sys.argv[2]), b"\\xff\\xff\\xff\\xff")
+    time.sleep(30)
+
+
+def binary_out():
+    sys.stdout.buffer.write(b"raw bytes\\n")
+    sys.stdout.flush()
+
+
 def hog(mb, secs):
     x = "x" * (mb * 2**20)
     time.sleep(secs)
@@ -843,6 +854,47 @@ def test_python_stop_of_a_waiting_call_leaves_the_pool_alone(tmp_path, plugins, 
     assert outcome_of(seen[running.key]).phase == Phase.SUCCEEDED
     assert queued.key not in seen and plugin.pools()[0].pids == pids
     assert not queued.log_path.exists()
+
+
+def test_python_a_pool_that_cannot_start_fails_its_calls_and_is_freed(tmp_path, plugins,
+                                                                      funcs):
+    plugin = plugins(PythonPlugin)
+    ex = funcs("ok")
+    ex["env"]["PYTHONHOME"] = str(tmp_path / "no-such-home")   # the interpreter cannot start
+    att = make_attempt(tmp_path, ex, reuse=warm(), env="E8")
+    plugin.start(att)
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.error_kind, out.cause) == ("SYSTEM", "KILLED")
+    assert "before it was ready" in out.message
+    until = time.monotonic() + 5                             # replaced, at most 3 times
+    while plugin.pools() and time.monotonic() < until:
+        wait(plugin, until)
+        assert plugin.poll() == []
+    assert plugin.pools() == []
+    once = make_attempt(tmp_path, ex)
+    plugin.start(once)
+    out = outcome_of(drive(plugin, [once.key])[once.key])
+    assert "before it was ready; tail of its output" in out.message
+    assert "Fatal Python error" in out.message
+
+
+def test_python_garbage_on_the_result_pipe_kills_the_process(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, funcs("scribble"), reuse=warm(), env="E9")
+    plugin.start(att)
+    [old] = plugin.pools()[0].pids
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert (out.error_kind, out.cause) == ("SYSTEM", "KILLED")
+    assert "a frame of" in out.message
+    assert gone([old], 1.0) and plugin.pools()[0].pids != (old,)
+
+
+def test_python_a_call_can_write_bytes_to_stdout(tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, funcs("binary_out"), reuse=warm(), env="E10")
+    plugin.start(att)
+    assert outcome_of(drive(plugin, [att.key])[att.key]).phase == Phase.SUCCEEDED
+    assert "raw bytes" in att.log_path.read_text()
 
 
 def test_python_close_leaves_no_process(tmp_path, plugins, funcs):

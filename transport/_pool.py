@@ -24,7 +24,7 @@ import msgpack
 
 from engine._codes import Phase
 from transport._plugins import Change, Outcome, Plugin, PluginError, UserError
-from transport._process_plugin import _Reaper, mib, signal_name, tree_rss
+from transport._process_plugin import _Reaper, log_tail, mib, signal_name, tree_rss
 
 __all__ = ["PoolInfo", "PythonPlugin"]
 
@@ -32,6 +32,8 @@ CHILD = str(Path(__file__).with_name("_pool_child.py"))
 #: A pool whose processes exit this many times in a row before saying hello is failing to
 #: start at all: its waiting calls fail (SYSTEM, START_FAILED) and it is freed.
 START_FAILURES = 3
+#: A result frame larger than this is not one the pool process sent.
+MAX_FRAME = 64 * 2**20
 
 
 class PoolInfo(NamedTuple):
@@ -178,6 +180,8 @@ class PythonPlugin(Plugin):
         self._dispatch(pool)
 
     def poll(self):
+        if self._closed:
+            return []
         changes, self._changes = self._changes, []
         now = time.monotonic()
         for child in list(self._unflushed):
@@ -197,9 +201,11 @@ class PythonPlugin(Plugin):
         return changes
 
     def fds(self):
-        return self._reaper.fds()
+        return () if self._closed else self._reaper.fds()
 
     def due(self):
+        if self._closed:
+            return None
         if self._changes:
             return 0.0
         when = self._reaper.due()
@@ -345,13 +351,31 @@ class PythonPlugin(Plugin):
                 break
             child.inbuf += data
         buf = child.inbuf
-        while len(buf) >= 4:
+        while len(buf) >= 4 and child.group.owner is not None:
             n = int.from_bytes(buf[:4], "big")
+            if n > MAX_FRAME:
+                self._broken(child, f"a frame of {n} bytes", changes)
+                return
             if len(buf) < 4 + n:
                 break
-            msg = msgpack.unpackb(bytes(buf[4:4 + n]))
+            try:
+                msg = msgpack.unpackb(bytes(buf[4:4 + n]))
+                if not isinstance(msg, dict):
+                    raise ValueError(f"{type(msg).__name__}, not a map")
+            except ValueError as exc:     # msgpack's errors are ValueErrors
+                self._broken(child, f"an undecodable frame ({exc})", changes)
+                return
             del buf[:4 + n]
             self._message(child, msg, changes)
+
+    def _broken(self, child, what, changes):
+        # Only this file's protocol runs on the pipe, so a bad frame means something in the
+        # process wrote to the pipe's descriptor: nothing it says can be trusted any more.
+        if child in child.pool.children:
+            child.pool.children.remove(child)
+        self._retire(child, 0, Outcome.system(
+            "KILLED", f"pool process pid {child.pid} sent {what} on its result pipe; "
+                      f"killed"), changes)
 
     def _message(self, child, msg, changes):
         op = msg.get("op")
@@ -398,10 +422,14 @@ class PythonPlugin(Plugin):
         self._read(child, changes)   # what it reported before it died still counts
         how = (f"killed by {signal_name(-returncode)}" if returncode < 0
                else f"exited with status {returncode}")
-        if not child.hello:
+        if child.hello:
+            message = f"pool process pid {child.pid} {how} while running the call"
+        else:
             pool.start_failures += 1
-        outcome = Outcome.system("KILLED", f"pool process pid {child.pid} {how} while "
-                                           f"running the call")
+            where = (f"; tail of its output:\n{log_tail(pool.output)}" if pool.output
+                     else " (its output goes to the worker's stderr)")
+            message = f"pool process pid {child.pid} {how} before it was ready{where}"
+        outcome = Outcome.system("KILLED", message)
         self._retire(child, 0, outcome, changes)
 
     def _retire(self, child, grace, outcome, changes):

@@ -71,6 +71,13 @@ class _Router(io.TextIOBase):
     def encoding(self):
         return getattr(self._target(), "encoding", "utf-8")
 
+    def __getattr__(self, name):
+        # What a text stream has beyond TextIOBase (buffer, line_buffering, reconfigure...):
+        # the target's. Never for private names (those of this object: no recursion).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._target(), name)
+
 
 class _Child:
     def __init__(self, rfd, wfd):

@@ -537,6 +537,8 @@ class ProcessPlugin(Plugin):
         self._new.append(attempt.key)
 
     def poll(self):
+        if self._closed:
+            return []
         changes = []
         for key in self._new:
             run = self._runs.get(key)
@@ -566,9 +568,11 @@ class ProcessPlugin(Plugin):
         return changes
 
     def fds(self):
-        return self._reaper.fds()
+        return () if self._closed else self._reaper.fds()
 
     def due(self):
+        if self._closed:
+            return None
         when = self._reaper.due()
         if self._new:
             when = 0.0
