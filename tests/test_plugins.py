@@ -516,6 +516,12 @@ def test_find_memory_cgroup_reads_the_v2_hierarchy(tmp_path):
     (root / "work" / "cgroup.subtree_control").write_text("cpu\n")
     path, why = find_memory_cgroup(cg, mi)
     assert path is None and "memory controller is not enabled" in why
+    # The usual delegation: the worker in a leaf, the pods next to it.
+    (root / "work" / "worker").mkdir()
+    cg.write_text("0::/work/worker\n")
+    (root / "work" / "worker" / "cgroup.subtree_control").write_text("")
+    (root / "work" / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    assert find_memory_cgroup(cg, mi) == (root / "work", None)
     cg.write_text("4:memory:/x\n")
     assert find_memory_cgroup(cg, mi)[0] is None
     # This machine, whatever it is: an answer, with a reason when there is no cgroup.

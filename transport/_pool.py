@@ -47,14 +47,15 @@ class PoolInfo(NamedTuple):
 
 
 class _Call:
-    __slots__ = ("key", "attempt", "id", "frame", "child", "started")
+    __slots__ = ("key", "attempt", "id", "frame", "pool", "child", "started")
 
     def __init__(self, key, attempt, cid, frame):
         self.key = key
         self.attempt = attempt
         self.id = cid
         self.frame = frame
-        self.child = None
+        self.pool = None
+        self.child = None           # the process it was sent to (None: waiting for a slot)
         self.started = False
 
 
@@ -175,6 +176,7 @@ class PythonPlugin(Plugin):
             self._new_pool(pool)
             self._once.add(pool)
         self._calls[key] = call
+        call.pool = pool
         pool.pending.append(call)
         pool.idle_since = None
         self._dispatch(pool)
@@ -227,11 +229,8 @@ class PythonPlugin(Plugin):
             return
         child = call.child
         if child is None:
-            for pool in itertools.chain(self._pools.values(), self._once):
-                if call in pool.pending:
-                    pool.pending.remove(call)
-                    self._settle(pool)
-                    break
+            call.pool.pending.remove(call)
+            self._settle(call.pool)
             return
         # A call cannot be interrupted inside its thread: the process goes, and with it the
         # other calls it runs.

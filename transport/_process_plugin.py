@@ -339,9 +339,12 @@ def tree_rss(roots):
 
 
 def find_memory_cgroup(proc_cgroup="/proc/self/cgroup", mountinfo="/proc/self/mountinfo"):
-    """``(path, None)``: this process's cgroup v2 directory when pods can be given memory
-    limits under it (the memory controller is enabled for its children in
-    ``cgroup.subtree_control`` and the directory is writable), else ``(None, reason)``."""
+    """``(path, None)``: the cgroup v2 directory pods get their own cgroups in, with memory
+    limits, else ``(None, reason)``. It must enable the memory controller for its children
+    (``cgroup.subtree_control``) and be writable: this process's own cgroup (possible only
+    at the root: a cgroup with processes cannot enable controllers for children), else its
+    parent (the usual delegation: a service cgroup, the worker in a leaf of it, the pods in
+    sibling leaves)."""
     try:
         own = None
         for line in Path(proc_cgroup).read_text().splitlines():
@@ -356,12 +359,15 @@ def find_memory_cgroup(proc_cgroup="/proc/self/cgroup", mountinfo="/proc/self/mo
         return None, f"cannot read the cgroup of this process: {exc}"
     if not mounts:
         return None, "no cgroup2 file system is mounted"
+    reasons = []
     for mount in mounts:
         path = Path(mount) / own.lstrip("/")
-        reason = _memory_delegated(path)
-        if reason is None:
-            return path, None
-    return None, reason
+        for candidate in (path, path.parent) if own.strip("/") else (path,):
+            reason = _memory_delegated(candidate)
+            if reason is None:
+                return candidate, None
+            reasons.append(reason)
+    return None, "; ".join(reasons)
 
 
 def _memory_delegated(path):
