@@ -33,7 +33,8 @@ from engine._errors import LeaseholdError
 from engine._execution import Execution
 from engine._model import ActionSpec
 
-__all__ = ["Attempt", "Change", "Outcome", "Plugin", "PluginError", "Pod", "UserError"]
+__all__ = ["Attempt", "Change", "Outcome", "Plugin", "PluginError", "Pod", "UserError",
+           "make_plugins"]
 
 
 class PluginError(LeaseholdError):
@@ -154,3 +155,29 @@ class Plugin:
 
     def close(self, timeout=5.0):
         """Default: nothing to free."""
+
+
+def make_plugins(options=None):
+    """The worker's plugins by name: ``{"process": ProcessPlugin, "python": PythonPlugin,
+    "sim": SimPlugin}``, each built with ``options[name]`` (a dict; absent: defaults). An
+    unknown name in ``options`` raises :class:`PluginError` (cause CONFIG)."""
+    # Imported here: the plugin modules import this one.
+    from transport._pool import PythonPlugin
+    from transport._process_plugin import ProcessPlugin
+    from transport._sim_plugin import SimPlugin
+
+    classes = {"process": ProcessPlugin, "python": PythonPlugin, "sim": SimPlugin}
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(classes))
+    if unknown:
+        raise PluginError(f"plugin options for unknown plugin(s) {', '.join(unknown)} "
+                          f"(plugins: {', '.join(classes)})", cause="CONFIG")
+    plugins = {}
+    try:
+        for name, cls in classes.items():
+            plugins[name] = cls(options.get(name))
+    except BaseException:
+        for plugin in plugins.values():
+            plugin.close(0)
+        raise
+    return plugins

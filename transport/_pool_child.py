@@ -1,0 +1,219 @@
+"""A process of the ``python`` plugin's warm pool (``transport/_pool.py``, ``docs/plugins.md``).
+
+Run as ``python <this file> <request fd> <result fd>`` (by path, not ``-m``: importing the
+``transport`` package would load ZeroMQ and numpy, some 30 MB of resident memory charged to
+every pool process and its memory limit). It reads length-prefixed msgpack frames from the
+request pipe and runs each call in a thread of its own; the parent bounds how many run at
+once. It writes back:
+
+- ``{"op": "hello", "pid": pid}`` once, at start;
+- ``{"op": "started", "id": n}`` when call ``n``'s function is imported and about to run;
+- ``{"op": "done", "id": n, "ok": True}``, or ``"ok": False`` with ``"kind"`` (``"import"``:
+  the function cannot be imported; ``"log"``: the log cannot be opened; ``"raise"``: the
+  call raised), ``"type"``, ``"message"`` and ``"tail"`` (the traceback's last lines).
+
+Imported functions are cached: a follow-on call of the same function imports nothing. Output
+a call prints (``sys.stdout``, ``sys.stderr``) goes to that call's log, chosen per thread;
+what other threads print, or what is written to descriptors 1 and 2 directly (C code,
+subprocesses), goes to the process's own output. End of file on the request pipe ends the
+process.
+
+This file imports nothing of Leasehold, only the standard library and msgpack.
+"""
+
+import importlib
+import io
+import os
+import sys
+import threading
+import traceback
+
+import msgpack
+
+TAIL_LINES = 12
+TAIL_BYTES = 2048
+REPR_CHARS = 500
+
+
+class _Router(io.TextIOBase):
+    """``sys.stdout`` / ``sys.stderr`` of the pool process: writes go to the log of the call
+    the writing thread runs, else to the original stream."""
+
+    def __init__(self, default):
+        self._default = default
+        self._local = threading.local()
+
+    def bind(self, stream):
+        self._local.stream = stream
+
+    def unbind(self):
+        self._local.stream = None
+
+    def _target(self):
+        return getattr(self._local, "stream", None) or self._default
+
+    def write(self, s):
+        return self._target().write(s)
+
+    def flush(self):
+        self._target().flush()
+
+    def fileno(self):
+        return self._target().fileno()
+
+    def isatty(self):
+        return False
+
+    def writable(self):
+        return True
+
+    @property
+    def encoding(self):
+        return getattr(self._target(), "encoding", "utf-8")
+
+    def __getattr__(self, name):
+        # What a text stream has beyond TextIOBase (buffer, line_buffering, reconfigure...):
+        # the target's. Never for private names (those of this object: no recursion).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._target(), name)
+
+
+class _Child:
+    def __init__(self, rfd, wfd):
+        self.rfd = rfd
+        self.wfd = wfd
+        self.pid = os.getpid()
+        self.write_lock = threading.Lock()
+        self.import_lock = threading.Lock()
+        self.functions = {}
+        self.stdout = _Router(sys.stdout)
+        self.stderr = _Router(sys.stderr)
+
+    def send(self, msg):
+        data = msgpack.packb(msg)
+        frame = len(data).to_bytes(4, "big") + data
+        with self.write_lock:
+            view = memoryview(frame)
+            while view:
+                n = os.write(self.wfd, view)
+                view = view[n:]
+
+    def read_exact(self, n):
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = os.read(self.rfd, n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    def resolve(self, spec):
+        fn = self.functions.get(spec)
+        if fn is not None:
+            return fn
+        with self.import_lock:
+            fn = self.functions.get(spec)
+            if fn is None:
+                module, _, name = spec.partition(":")
+                fn = getattr(importlib.import_module(module), name)
+                if not callable(fn):
+                    raise TypeError(f"{spec} is not callable ({type(fn).__name__})")
+                self.functions[spec] = fn
+        return fn
+
+    def run(self):
+        self.send({"op": "hello", "pid": self.pid})
+        while True:
+            head = self.read_exact(4)
+            if head is None:
+                break
+            body = self.read_exact(int.from_bytes(head, "big"))
+            if body is None:
+                break
+            msg = msgpack.unpackb(body)
+            if msg.get("op") == "call":
+                threading.Thread(target=self.call, args=(msg,), daemon=True,
+                                 name=f"call-{msg['id']}").start()
+        # The parent closed the pipe: it frees the pool (no call runs) or is gone (calls
+        # that still run have no one to report to). Either way, end now.
+        os._exit(0)
+
+    def call(self, msg):
+        cid = msg["id"]
+        try:
+            logf = open(msg["log"], "a", buffering=1, encoding="utf-8", errors="replace")
+        except OSError as exc:
+            self.send({"op": "done", "id": cid, "ok": False, "kind": "log",
+                       "type": type(exc).__name__, "message": str(exc), "tail": ""})
+            return
+        self.stdout.bind(logf)
+        self.stderr.bind(logf)
+        try:
+            logf.write(f"leasehold: python pool process pid {self.pid}: {msg['function']} "
+                       f"(action {msg['action']}, attempt {msg['attempt']})\n")
+            try:
+                fn = self.resolve(msg["function"])
+            except BaseException as exc:    # reported, never re-raised
+                self._failed(cid, "import", exc, logf)
+                return
+            self.send({"op": "started", "id": cid})
+            kwargs = dict(msg.get("args") or {})
+            if msg.get("input") is not None:
+                kwargs["inputs"] = msg["input"]
+            try:
+                result = fn(**kwargs)
+            except BaseException as exc:    # SystemExit in a call fails it too
+                self._failed(cid, "raise", exc, logf)
+                return
+            text = repr(result)
+            if len(text) > REPR_CHARS:
+                text = text[:REPR_CHARS] + "..."
+            logf.write(f"leasehold: returned {text}\n")
+            self.send({"op": "done", "id": cid, "ok": True})
+        finally:
+            self.stdout.unbind()
+            self.stderr.unbind()
+            try:
+                logf.close()
+            except OSError:
+                pass
+
+    def _failed(self, cid, kind, exc, logf):
+        tb = exc.__traceback__
+        if kind == "raise" and tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next         # from the function down: this file's frame says nothing
+        lines = traceback.format_exception(type(exc), exc, tb)
+        text = "".join(lines)
+        try:
+            logf.write(text)
+        except (OSError, ValueError):
+            pass
+        tail = "\n".join(text.rstrip("\n").splitlines()[-TAIL_LINES:])[-TAIL_BYTES:]
+        self.send({"op": "done", "id": cid, "ok": False, "kind": kind,
+                   "type": type(exc).__qualname__, "message": str(exc), "tail": tail})
+
+
+def main(argv):
+    rfd, wfd = int(argv[1]), int(argv[2])
+    # Run by path, sys.path[0] is this file's directory: make it the working directory, as
+    # under ``python -m``, so user modules import as they would there (and this package's
+    # private modules do not shadow anything).
+    here = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == here:
+        sys.path[0] = os.getcwd()
+    # The pipes are for this process only: a subprocess or fork a call makes must not hold
+    # them open (the parent sees end of file only when every writer is gone).
+    os.set_inheritable(rfd, False)
+    os.set_inheritable(wfd, False)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            # Line by line: the process ends with os._exit, which flushes nothing.
+            stream.reconfigure(line_buffering=True)
+    child = _Child(rfd, wfd)
+    sys.stdout, sys.stderr = child.stdout, child.stderr
+    child.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
