@@ -100,8 +100,7 @@ def worker_main(config, receipts_path):
     also notes when each lease arrived (written out at SIGTERM)."""
     import signal
 
-    from transport import Worker
-    from transport._plugins import make_plugins
+    from transport import Worker, make_plugins
 
     plugins = make_plugins()
     sim = plugins["sim"]

@@ -3,7 +3,9 @@ a test worker built on WorkerConnection, reports, watches, aborts, refusals, res
 authorisation, and a fuzz of random and mutated messages. Every wait is bounded; every
 socket, thread and store is closed in teardown."""
 
+import dataclasses
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -298,6 +300,39 @@ def test_a_resume_from_a_seq_no_longer_kept_is_refused(tmp_path):
         latest = c.subscribe(RUN)
         with pytest.raises(WatchLost, match="restarted|past the latest"):
             c.subscribe(RUN, latest + 10)
+    finally:
+        h.close()
+
+
+def test_wait_recovers_when_its_watch_falls_behind_the_ring(tmp_path):
+    # A tiny ring and queue: the watcher cannot keep every event; wait() must still see
+    # every action end (status after re-watching), not raise WatchLost.
+    cfg = base_config(tmp_path)
+    cfg = dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, hwm=4))
+    h = Harness(cfg, store=MemoryStore())
+    h.shard = Shard(cfg, store=MemoryStore(), watch_ring=8).start()
+    h.endpoint = h.shard.endpoint
+    try:
+        c = h.client()
+        w = h.worker(slots=1000)
+        c.subscribe(RUN)
+        names = [f"n{i}" for i in range(60)]   # east holds 64 cpu
+        c.enqueue_fanout(spec("x"), names)
+        ids = [f"{RUN}/{n}" for n in names]
+        got = w.leases(timeout=10, want=len(names))
+        assert len(got) == len(names)
+        # Half end while the client reads nothing: its queue overflows and the shard drops
+        # it as a watcher; the other half end while it waits, unseen, so its re-watch finds
+        # the ring moved on.
+        w.report([lease.token for lease in got[:30]], Phase.SUCCEEDED)
+        assert h.shard.counters["events_unsent"] > 0      # the watcher did fall behind
+        later = threading.Timer(0.3, w.report, ([lease.token for lease in got[30:]],
+                                               Phase.SUCCEEDED))
+        later.start()
+        try:
+            assert c.wait(ids, timeout=20) == {i: Phase.SUCCEEDED for i in ids}
+        finally:
+            later.join()
     finally:
         h.close()
 

@@ -28,7 +28,18 @@ from transport._keys import (
     load_public_key,
     load_secret_key,
 )
-from transport._plugins import Attempt, Change, Outcome, Plugin, PluginError, Pod, UserError
+from transport._plugins import (
+    Attempt,
+    Change,
+    Outcome,
+    Plugin,
+    PluginError,
+    Pod,
+    UserError,
+    make_plugins,
+)
+from transport._pool import PoolInfo, PythonPlugin
+from transport._process_plugin import ProcessPlugin
 from transport._protocol import (
     ERROR_CODES,
     TOKEN_DTYPE,
@@ -62,6 +73,7 @@ from transport._protocol import (
     tokens_array,
 )
 from transport._shard import Shard
+from transport._sim_plugin import SimPlugin
 from transport._sockets import client_socket, recv, send, server_socket
 from transport._watch import WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
@@ -74,6 +86,11 @@ __all__ = [
     "PluginError",
     "Pod",
     "UserError",
+    "PoolInfo",
+    "ProcessPlugin",
+    "PythonPlugin",
+    "SimPlugin",
+    "make_plugins",
     "Worker",
     "measured_capacity",
     "run_worker",

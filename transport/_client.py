@@ -249,7 +249,23 @@ class Client:
                 if left <= 0:
                     raise ShardTimeout(f"shard {self.endpoint}: wait: {len(want)} action(s) "
                                        f"not ended within {timeout}s (e.g. {min(want)})")
-                e = self.next_event(timeout=left, runs=runs)
+                try:
+                    e = self.next_event(timeout=left, runs=runs)
+                except WatchLost:
+                    # Fell behind the ring: watch from now on, and read what changed
+                    # meanwhile (nothing is missed: status first, then new events).
+                    for r in runs:
+                        self._watching[r] = 0
+                        self._watching[r] = self._subscribe(r, 0)
+                    self._resync.difference_update(runs)
+                    self._events = collections.deque(
+                        ev for ev in self._events if ev.run not in runs)
+                    pending = sorted(want)
+                    for a, ph in zip(pending, self.status(pending), strict=True):
+                        if ph in TERMINAL_PHASES:
+                            done[a] = ph
+                            want.discard(a)
+                    continue
                 ph = Phase(e.phase)
                 if e.action in want and ph in TERMINAL_PHASES:
                     done[e.action] = ph

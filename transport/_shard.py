@@ -329,6 +329,7 @@ class _Loop:
         self.pushes = []            # (routing id, frames, leases) LEASES after the commit
         self.stops = []             # (routing id, frames, tokens) REFUSED of aborted leases
         self.records = []           # watch records, applied to the log after the commit
+        self.attempts = {}          # action -> attempt of this turn's latest record of it
         self.events = []            # (event tuple, run, watchers)
         self.want_tick = backstop
         self.check = set()          # (run, action) whose phase to re-read after the turn
@@ -627,7 +628,7 @@ class _Loop:
                     # need to ask the engine (which would give a lean row its record).
                     run, aid = hit
                     now = self.eng.clock.now_ns() if now is None else now
-                    self.record(run, aid, ph, self.watch.attempt_of(run, aid), now)
+                    self.record(run, aid, ph, self.attempt_of(run, aid), now)
                 else:
                     self.check.add(hit)     # a failure may be a retry: ask after the turn
                 if ph in TERMINAL_PHASES:
@@ -724,7 +725,14 @@ class _Loop:
     # ------------------------------------------------------------------ watches
 
     def record(self, run, action, phase, attempt, now, detail=None):
+        self.attempts[action] = attempt
         self.records.append((run, action, phase, attempt, now, detail))
+
+    def attempt_of(self, run, action):
+        # The log learns this turn's records only after the commit: an attempt assigned
+        # earlier in the turn is in self.attempts, not yet in the log.
+        att = self.attempts.get(action)
+        return att if att is not None else self.watch.attempt_of(run, action)
 
     def recheck(self):
         """Re-read the phase of actions the turn may have changed (reports, aborts) and,
@@ -742,7 +750,7 @@ class _Loop:
                 e = self.eng.explain(action)
             except LeaseholdError:
                 continue
-            att = self.watch.attempt_of(run, action)
+            att = self.attempt_of(run, action)
             detail = e.reason if e.phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) \
                 else None
             self.record(run, action, e.phase, att, now,
