@@ -267,6 +267,10 @@ class Inspection:
         """Task names by task row (runtime history is per task)."""
         return list(self._engine._task_names)
 
+    def queue_names(self):
+        """Queue names by queue index (the ``q_*`` rows), a copy."""
+        return list(self._engine._queue_names)
+
     def queue_index(self, name):
         """The index of queue ``name`` in the arrays (``q_*`` columns)."""
         return self._engine._queue_index[name]
