@@ -795,6 +795,7 @@ class StatusReader:
     def __init__(self, path, *, timeout=0.1):
         self.path = Path(path)
         self.timeout = float(timeout)
+        self.retries = 0        # copies thrown away (mid-publish, or a publish came between)
         self._mm = None
         self._open()
 
@@ -856,6 +857,7 @@ class StatusReader:
             # Mid-publish (odd) or a publish came between the two reads: try again, briefly
             # yielding the CPU so a descheduled writer can finish.
             spins += 1
+            self.retries += 1
             if deadline is None:
                 deadline = time.monotonic() + self.timeout
             elif time.monotonic() > deadline:
