@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import ActionSpec, Phase, Refusal, parse_config
-from engine._codes import Verdict
+from engine._codes import RowState, Verdict
 from storage import MemoryStore
 from tests.conftest import make_engine
 from transport import (
@@ -599,3 +599,24 @@ def test_a_status_file_of_a_reader_is_never_written(held_engine, writer):
     assert Path(writer.path).read_bytes() == before
     with open(writer.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         assert np.frombuffer(m[:8], "S8")[0] == b"LHSTATUS"
+
+
+def test_publishing_words_heads_without_giving_them_records(held_engine, writer):
+    # Inspection.wait (what the writer words heads with) and explain of a queued row read
+    # its columns only: a lean row stays lean (off the record paths) however often it is
+    # published or explained.
+    eng, _ = held_engine
+    view = eng.inspect()
+    head = view.arrays.q_head[view.queue_index("fifo")]
+    before = view.arrays.a_edges.copy()
+    for _ in range(3):
+        writer.publish(eng)
+    code, reason, eta = view.wait(head)
+    e = eng.explain(view.action_at(head))
+    assert (code, eta) == (e.wait, e.eta_ns) and e.reason.startswith(reason)
+    assert (view.arrays.a_edges == before).all()
+    assert before[head] == 0            # it was lean to begin with
+    sent = view.arrays.a_state[:view.action_rows] == RowState.SENT
+    running = int(np.flatnonzero(sent)[0])
+    with pytest.raises(ValueError, match="not queued"):
+        view.wait(running)

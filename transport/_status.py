@@ -199,9 +199,8 @@ _WAIT_EDGES_NS = np.array([e * _US for e in WAIT_EDGES_US], dtype=np.int64)
 _VERDICT_INDEX = {v: i for i, v in enumerate(Verdict)}
 _ERROR_INDEX = {k: i for i, k in enumerate(ERROR_KINDS)}
 _QUEUED = int(RowState.QUEUED)
-_ETA_CODES = frozenset({int(WaitCode.CLUSTER_CAPACITY), int(WaitCode.HEAD_OF_LINE),
-                        int(WaitCode.QUEUE_BUDGET)})
 _EXPLAIN_EVERY_NS = 1_000_000_000   # a head's reason text and ETA are re-read at most this often
+_EXPLAIN_BUDGET_NS = 100_000        # ... and for at most this long per publish (then the next)
 
 
 class _Layout:
@@ -451,7 +450,10 @@ class StatusWriter:
         self._q_wait = np.zeros((0, len(WAIT_EDGES_US) + 1), np.uint64)
         self._q_wait_sum = np.zeros(0, np.uint64)
         self._c_dispatched = np.zeros(len(self._clusters), np.uint64)
-        self._heads = {}            # queue index -> (key, read at ns, eta, action, reason)
+        # Per queue: the head row, its enqueue seq and wait code last published, and when
+        # its reason was worded (monotonic ns; -1 never).
+        self._head_keys = np.full((0, 4), -1, np.int64)
+        self._turns = []            # batches' columns not folded into the counts yet
         self._view = None
         self._engine = None
         self._mm = None
@@ -509,7 +511,7 @@ class StatusWriter:
             if c.capacity is not None:
                 self._c["capacity"][i] = c.capacity
         self._grow_queue_counts(queue_slots)
-        self._heads.clear()
+        self._head_keys = np.full((0, 4), -1, np.int64)      # re-read every head
         self._write()
         try:
             os.replace(tmp, self.path)  # readers see a whole file or the old one, never half
@@ -583,27 +585,38 @@ class StatusWriter:
     def record_turn(self, batch, now_ns):
         """A loop turn committed: ``batch`` (an ``engine.DispatchBatch``) is what it handed
         out, ``now_ns`` the engine clock (the queue wait of each run lease is ``now_ns`` less
-        its attempt's enqueue time)."""
+        its attempt's enqueue time). Only keeps the batch's columns (fresh arrays of the
+        drain, never changed after it): the counts are folded in at the next publish, so a
+        turn pays a list append, not a handful of numpy calls."""
         self._last_turn_ns = time.time_ns()
-        n = len(batch)
-        if not n:
+        if len(batch):
+            self._turns.append((batch.queue, batch.cluster, batch.kind,
+                                batch.attempt_enqueued_ns, now_ns))
+            if len(self._turns) >= 256:
+                self._fold_turns()
+
+    def _fold_turns(self):
+        turns, self._turns = self._turns, []
+        if not turns:
             return
-        self._dispatches += n
-        q = batch.queue.astype(np.int64)
+        q = np.concatenate([t[0] for t in turns]).astype(np.int64)
+        cl = np.concatenate([t[1] for t in turns]).astype(np.int64)
+        kind = np.concatenate([t[2] for t in turns])
+        wait = np.concatenate([now - enq for _q, _c, _k, enq, now in turns])
+        self._dispatches += int(q.size)
         top = int(q.max()) + 1
         if top > self._q_dispatched.shape[0]:
             self._grow_queue_counts(top)
         self._q_dispatched[:top] += np.bincount(q, minlength=top).astype(np.uint64)
-        self._c_dispatched += np.bincount(batch.cluster.astype(np.int64),
-                                          minlength=self._c_dispatched.shape[0]
+        self._c_dispatched += np.bincount(cl, minlength=self._c_dispatched.shape[0]
                                           ).astype(np.uint64)
-        run = batch.kind == 0
+        run = kind == 0
         if run.any():
             qr = q[run]
-            wait = np.maximum(now_ns - batch.attempt_enqueued_ns[run], 0)
-            bucket = np.searchsorted(_WAIT_EDGES_NS, wait, side="left")
+            w = np.maximum(wait[run], 0)
+            bucket = np.searchsorted(_WAIT_EDGES_NS, w, side="left")
             np.add.at(self._q_wait, (qr, bucket), np.uint64(1))
-            np.add.at(self._q_wait_sum, qr, wait.astype(np.uint64))
+            np.add.at(self._q_wait_sum, qr, w.astype(np.uint64))
 
     def mark_dirty(self):
         """Publish at the next :meth:`due` check whatever the interval (a queue changed)."""
@@ -627,7 +640,7 @@ class StatusWriter:
                              f"those of this writer's config")
         self._engine = engine
         self._view = engine.inspect()
-        self._heads.clear()
+        self._head_keys = np.full((0, 4), -1, np.int64)
 
     def _sync_queues(self, names):
         """Follow the engine's queue list: new queues take spare slots, or remake the file."""
@@ -663,6 +676,7 @@ class StatusWriter:
         sh["reload_ns"][...] = self._reload_ns
         tick_no = view.tick_no
         sh["tick_no"][...] = tick_no
+        self._fold_turns()
         sh["dispatches"][...] = self._dispatches
         sh["commits"][...] = self._commits
         sh["commit_failures"][...] = self._commit_failures
@@ -692,7 +706,7 @@ class StatusWriter:
         qf["dispatched"][:nq] = self._q_dispatched[:nq]
         qf["wait_counts"][:nq] = self._q_wait[:nq]
         qf["wait_sum_ns"][:nq] = self._q_wait_sum[:nq]
-        self._publish_heads(engine, view, a, nq, tick_no)
+        self._publish_heads(view, a, nq, tick_no)
 
         nc = len(self._clusters)
         cf["in_flight_resources"][...] = a.c_adm[:nc] - a.c_rel[:nc]
@@ -721,47 +735,63 @@ class StatusWriter:
         self._next_ns = time.monotonic_ns() + self.interval_ns
         return self._gen
 
-    def _publish_heads(self, engine, view, a, nq, tick_no):
-        # Which heads wait and why, from the arrays on every publish; the worded reason and
-        # the ETA (Engine.explain: a position scan and a shadow-time walk) at most once a
-        # second per head, or when the head or its wait code changes.
+    def _publish_heads(self, view, a, nq, tick_no):
+        # Which heads wait and why, from the arrays on every publish (vectorised); the worded
+        # reason and the ETA come from Inspection.wait (explain's wording and shadow-time
+        # walk, without its position scan: tens of microseconds each), so they are re-read
+        # only for a head that changed (another action, or another wait code) or whose text
+        # is over a second old, and within a time budget per publish, least recently worded
+        # first. A head not worded yet publishes an empty reason (docs/status.md).
         qf = self._q
         heads = a.q_head[:nq]
-        blocked = np.zeros(nq, np.uint8)
+        blocked = np.zeros(nq, bool)
         live = np.flatnonzero(heads >= 0)
         if live.size:
-            rows = heads[live]
-            blocked[live] = a.a_state[rows] == _QUEUED
+            blocked[live] = a.a_state[heads[live]] == _QUEUED
         qf["head_blocked"][:nq] = blocked
         qf["head_since_ns"][:nq] = a.q_head_since[:nq]
+        bq = np.flatnonzero(blocked)
+        if not bq.size:
+            return
+        rows = heads[bq]
+        # The code Engine.explain gives a queued row (engine/_explain.py): the row's own wait
+        # of this tick, else its lane's skip of this tick, else where the queue's scan stopped.
+        lanes = a.a_lane[rows]
+        code = np.where(a.a_wait_tick[rows] == tick_no, a.a_wait_code[rows],
+                        np.where(a.ln_skip_tick[lanes] == tick_no, a.ln_skip_code[lanes],
+                                 a.q_stop_code[bq]))
+        qf["head_code"][bq] = code
+        seq = a.a_seq[rows]
+        k = self._head_keys
+        if k.shape[0] < nq:
+            k = self._head_keys = np.concatenate(
+                [k, np.full((nq - k.shape[0], 4), -1, np.int64)])
         now = time.monotonic_ns()
-        for q in np.flatnonzero(blocked).tolist():
-            row = int(heads[q])
-            # The code Engine.explain gives a queued row (engine/_explain.py): the row's own
-            # wait of this tick, else its lane's skip of this tick, else where the queue's
-            # scan stopped.
-            if int(a.a_wait_tick[row]) == tick_no:
-                code = int(a.a_wait_code[row])
-            else:
-                lane = int(a.a_lane[row])
-                code = int(a.ln_skip_code[lane]) if int(a.ln_skip_tick[lane]) == tick_no \
-                    else int(a.q_stop_code[q])
-            key = (row, int(a.a_seq[row]), code)
-            hit = self._heads.get(q)
-            if hit is None or hit[0] != key or now - hit[1] >= _EXPLAIN_EVERY_NS:
-                aid = view.action_at(row)
-                e = engine.explain(aid)
-                eta = e.eta_ns if (e.eta_ns is not None and code in _ETA_CODES
-                                   and a.q_strict[q]) else -1
-                hit = (key, now, eta, _text(str(aid)), _text(e.reason))
-                self._heads[q] = hit
-            qf["head_code"][q] = code
-            qf["head_eta_ns"][q] = hit[2]
-            qf["head_action"][q] = hit[3]
-            qf["head_reason"][q] = hit[4]
-        if len(self._heads) > int(blocked.sum()):
-            for q in [q for q in self._heads if q >= nq or not blocked[q]]:
-                del self._heads[q]
+        key = k[bq]
+        changed = (key[:, 0] != rows) | (key[:, 1] != seq) | (key[:, 2] != code)
+        old = ~changed & (now - key[:, 3] >= _EXPLAIN_EVERY_NS)
+        if changed.any():
+            # The action and the code are exact at once; the words wait for explain.
+            k[bq[changed], :3] = np.stack([rows[changed], seq[changed], code[changed]], 1)
+            k[bq[changed], 3] = -_EXPLAIN_EVERY_NS      # never worded: first in line
+            for q, row in zip(bq[changed].tolist(), rows[changed].tolist(), strict=True):
+                qf["head_action"][q] = _text(str(view.action_at(row)))
+                qf["head_reason"][q] = b""
+                qf["head_eta_ns"][q] = -1
+        todo = np.flatnonzero(changed | old)
+        if not todo.size:
+            return
+        todo = todo[np.argsort(k[bq[todo], 3], kind="stable")]    # least recently worded
+        clock = time.perf_counter_ns
+        end = clock() + _EXPLAIN_BUDGET_NS
+        for i in todo.tolist():
+            q, row = int(bq[i]), int(rows[i])
+            _code, reason, eta = view.wait(row)
+            qf["head_reason"][q] = _text(reason)
+            qf["head_eta_ns"][q] = -1 if eta is None else eta
+            k[q, 3] = now
+            if clock() > end:
+                break
 
     def close(self):
         """Mark the file stopped (the last published figures stay readable) and unmap it.
