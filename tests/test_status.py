@@ -7,6 +7,7 @@ thread, process, socket and mapping is closed in teardown."""
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 import time
@@ -620,3 +621,23 @@ def test_publishing_words_heads_without_giving_them_records(held_engine, writer)
     running = int(np.flatnonzero(sent)[0])
     with pytest.raises(ValueError, match="not queued"):
         view.wait(running)
+
+
+def test_the_grafana_dashboard_is_json_over_exported_metric_names_only():
+    dash = json.loads((ROOT / "docs" / "grafana" / "leasehold.json").read_text())
+    exported = set()
+    for name, (kind, _labels, _doc) in METRIC_NAMES.items():
+        exported |= {f"{name}_total"} if kind == "counter" else \
+            {name, f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" \
+            else {name}
+    used = set()
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert panels
+    for p in panels:
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            used |= set(re.findall(r"leasehold_[a-z_]+", t["expr"]))
+    assert used and used <= exported, used - exported
+    # Every family the collector exports is on some panel.
+    families = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
+    assert set(METRIC_NAMES) <= families, set(METRIC_NAMES) - families
