@@ -641,3 +641,25 @@ def test_the_grafana_dashboard_is_json_over_exported_metric_names_only():
     # Every family the collector exports is on some panel.
     families = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
     assert set(METRIC_NAMES) <= families, set(METRIC_NAMES) - families
+
+
+@pytest.mark.parametrize("table, text", [
+    ({"interval": -1}, "status.interval: -1 is invalid; allowed: a number of seconds >= 0"),
+    ({"interval": "fast"}, "status.interval"),
+    ({"dir": ""}, "status.dir: '' is invalid; allowed: a non-empty directory path"),
+    ({"path": "x"}, "status.path: unknown key 'path'; allowed keys: dir, interval"),
+])
+def test_bad_status_settings_are_refused_naming_the_key(tmp_path, table, text):
+    from engine import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(text)):
+        parse_config(config_data(tmp_path, **table))
+
+
+def test_a_shard_that_cannot_make_its_status_file_refuses_to_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = parse_config(config_data(tmp_path, dir=str(blocker / "run")))
+    shard = Shard(cfg, endpoint="tcp://127.0.0.1:0", store=MemoryStore())
+    with pytest.raises(StatusError, match="cannot make the status file"):
+        shard.start(timeout=10)
+    shard.stop()

@@ -320,10 +320,17 @@ class _Loop:
                     log.exception("shard %s: loop turn failed", self.shard.name)
                     self.shard._count("failed_commits")
             if self.shard._status.due():
-                self.shard._status.publish(self.eng, self.shard.counters)
+                self.publish_status()
         # A last turn: whatever was decided is committed before the store closes.
         self.turn([], False)
-        self.shard._status.publish(self.eng, self.shard.counters)
+        self.publish_status()
+
+    def publish_status(self):
+        """The shared-memory status (transport/_status.py), after the turn's sends."""
+        try:
+            self.shard._status.publish(self.eng, self.shard.counters)
+        except Exception:   # the status goes stale (readers see its age); the shard serves on
+            log.exception("shard %s: publishing the status failed", self.shard.name)
 
     def turn(self, msgs, backstop):
         """One loop turn over ``msgs``; a request that hits a bug is answered INTERNAL and

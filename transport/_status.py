@@ -20,6 +20,7 @@ issue: :class:`StatusWriter` logs a warning once there (docs/status.md).
 """
 
 import bisect
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -229,6 +230,13 @@ def _text(value, limit=TEXT_BYTES):
     if len(raw) <= limit:
         return raw
     return raw[:limit].decode(errors="ignore").encode()
+
+
+def _discard(tmp):
+    # Remove a temporary file after a failure; it may never have been made (the directory
+    # itself failed), and the failure being reported is the first one, not this.
+    with contextlib.suppress(OSError):
+        tmp.unlink()
 
 
 def status_path(config, shard_index):
@@ -457,6 +465,7 @@ class StatusWriter:
         self._view = None
         self._engine = None
         self._mm = None
+        self._pending = None        # (temporary path, old mapping) of a file not renamed yet
         if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
             log.warning("status: %s is not x86: the status seqlock assumes stores and loads "
                         "stay in program order (docs/status.md); a reader may see a torn "
@@ -465,7 +474,10 @@ class StatusWriter:
 
     # ------------------------------------------------------------------ the file
 
-    def _make(self, queue_slots):
+    def _make(self, queue_slots, install=True):
+        """Make the file (under a temporary name) for ``queue_slots`` queue slots; rename it
+        over the path now, or (``install`` False: a remake inside a publish) once that
+        publish has filled it."""
         names = (*self._resources, *self._clusters, *self._queues)
         layout = _Layout(len(self._resources), queue_slots, len(self._clusters),
                          _name_width(names))
@@ -480,7 +492,7 @@ class StatusWriter:
             finally:
                 os.close(fd)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             raise StatusError(f"{self.path}: cannot make the status file: "
                               f"{exc.strerror or exc} (status.dir sets where it goes)") from None
         pre = np.zeros((), PREAMBLE)
@@ -510,18 +522,27 @@ class StatusWriter:
         for i, c in enumerate(self.config.clusters):
             if c.capacity is not None:
                 self._c["capacity"][i] = c.capacity
+        self._sh["state"][...] = self._state
         self._grow_queue_counts(queue_slots)
         self._head_keys = np.full((0, 4), -1, np.int64)      # re-read every head
-        self._write()
+        self._pending = (tmp, old)
+        if install:
+            self._write()
+
+    def _install(self):
+        # Rename the new file over the path: readers see a whole file or the old one, never
+        # half of one (StatusReader notices the new inode and reopens).
+        tmp, old = self._pending
+        self._pending = None
         try:
-            os.replace(tmp, self.path)  # readers see a whole file or the old one, never half
+            os.replace(tmp, self.path)
         except OSError as exc:
-            mm.close()
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             raise StatusError(f"{self.path}: cannot make the status file: "
                               f"{exc.strerror or exc}") from None
-        if old is not None:
-            old.close()
+        finally:
+            if old is not None:
+                old.close()
 
     def _grow_queue_counts(self, slots):
         n = self._q_dispatched.shape[0]
@@ -544,6 +565,8 @@ class StatusWriter:
         _SEQ_WORD.pack_into(mm, _SEQ, 2 * gen - 1)          # odd: readers retry
         mm[lo:lo + len(self._stage_buf)] = self._stage_buf
         _SEQ_WORD.pack_into(mm, _SEQ, 2 * gen)              # even: this body is whole
+        if self._pending is not None:
+            self._install()
 
     @property
     def generation(self):
@@ -651,7 +674,8 @@ class StatusWriter:
         self._queues = list(names)
         width = _name_width((*self._resources, *self._clusters, *names))
         if len(names) > self._layout.queue_slots or width > self._layout.name_bytes:
-            self._make(max(len(names) + SPARE_QUEUES, 2 * self._layout.queue_slots))
+            self._make(max(len(names) + SPARE_QUEUES, 2 * self._layout.queue_slots),
+                       install=False)       # renamed once this publish has filled it
         else:
             self._q["name"][len(known):len(names)] = [n.encode() for n in names[len(known):]]
 
@@ -659,6 +683,10 @@ class StatusWriter:
         """Copy the engine's queues and clusters, the shard loop's ``counters`` (a mapping
         with every name of ``SHARD_COUNTERS``; None: zeros) and what was recorded into the
         file as one consistent generation."""
+        # Due again after the interval even if this one fails (a failing publish is retried
+        # at the interval's pace, not on every loop turn).
+        self._dirty = False
+        self._next_ns = time.monotonic_ns() + self.interval_ns
         self._bind(engine)
         view = self._view
         names = view.queue_names()
@@ -731,8 +759,6 @@ class StatusWriter:
         cf["slots"][...] = slots
         cf["dispatched"][...] = self._c_dispatched
         self._write()
-        self._dirty = False
-        self._next_ns = time.monotonic_ns() + self.interval_ns
         return self._gen
 
     def _publish_heads(self, view, a, nq, tick_no):
