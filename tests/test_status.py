@@ -42,7 +42,7 @@ from transport import (
     status_path,
 )
 from transport._metrics import METRIC_NAMES
-from transport._status import LAYOUT_HASH, SPARE_QUEUES, _layout_hash
+from transport._status import LAYOUT_HASH, SHARD_COUNTERS, SPARE_QUEUES, _layout_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "acme/ml/prod/r1"
@@ -112,11 +112,7 @@ def test_a_snapshot_round_trips_what_the_engine_and_the_loop_recorded(held_engin
     writer.record_error("NOT_FOUND")
     writer.record_error("SOMETHING_NEW")
     writer.set_reload(0.25)
-    counters = {k: i for i, k in enumerate(
-        ("received", "replies", "errors", "protocol_errors", "refused_auth", "unauthenticated",
-         "exhausted", "leases_pushed", "leases_unsent", "events", "events_unsent", "turns",
-         "failed_commits", "ticks", "store_commits", "handshakes_accepted",
-         "handshakes_refused"))}
+    counters = {k: i for i, k in enumerate(SHARD_COUNTERS)}
     gen = writer.publish(eng, counters)
     with StatusReader(writer.path) as r:
         s = r.snapshot()
@@ -663,3 +659,9 @@ def test_a_shard_that_cannot_make_its_status_file_refuses_to_start(tmp_path):
     with pytest.raises(StatusError, match="cannot make the status file"):
         shard.start(timeout=10)
     shard.stop()
+
+
+def test_the_status_copies_every_counter_the_shard_keeps(live):
+    # SHARD_COUNTERS names each of Shard.counters: a counter added to the loop and not to the
+    # layout would be missing from every snapshot.
+    assert set(live.shard.counters) == set(SHARD_COUNTERS)

@@ -80,8 +80,8 @@ WAIT_EDGES_US = (10_000, 50_000, 100_000, 500_000, 1_000_000, 5_000_000, 10_000_
 #: The shard loop's counters copied into every snapshot (``transport.Shard.counters`` keys).
 SHARD_COUNTERS = ("received", "replies", "errors", "protocol_errors", "refused_auth",
                   "unauthenticated", "exhausted", "leases_pushed", "leases_unsent", "events",
-                  "events_unsent", "turns", "failed_commits", "ticks", "store_commits",
-                  "handshakes_accepted", "handshakes_refused")
+                  "events_unsent", "turns", "failed_commits", "ticks", "stops_pushed",
+                  "stops_unsent", "store_commits", "handshakes_accepted", "handshakes_refused")
 VERDICTS = tuple(v.name for v in Verdict)           # refusal counts by Verdict value
 ERROR_KINDS = (*ERROR_CODES, "OTHER")               # ERROR replies by wire code
 STATES = ("starting", "running", "stopped")         # the shard record's ``state``
