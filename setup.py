@@ -55,7 +55,8 @@ setup(
         annotate=False,
     ),
     python_requires=">=3.11",
-    install_requires=["numpy>=1.26", "pyzmq>=25", "lmdb>=1.4", "psutil>=5.9", "msgpack>=1.0"],
+    install_requires=["numpy>=1.26", "pyzmq>=25", "lmdb>=1.4", "psutil>=5.9", "msgpack>=1.0",
+                      "prometheus-client>=0.17", "rich>=13"],
     extras_require={
         "test": [
             "pytest>=8",

@@ -31,6 +31,7 @@ __all__ = [
     "TransportSettings",
     "SecuritySettings",
     "WorkerSettings",
+    "StatusSettings",
     "PeerConfig",
     "PEER_ROLES",
     "load_config",
@@ -56,7 +57,7 @@ _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
 _TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security",
-             "worker")
+             "worker", "status")
 _STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
                  "retention")
 MAX_PARTITIONS = 256
@@ -239,6 +240,16 @@ class SecuritySettings:
     peers: tuple = ()  # tuple[PeerConfig], in file order
 
 
+@dataclass(frozen=True)
+class StatusSettings:
+    """The ``[status]`` table: the shard's shared-memory status file (``docs/status.md``)."""
+
+    # Directory of the status files (shard N writes ``DIR/shard-N.status``); None: the
+    # ``run`` directory under ``storage.path``. Relative: to the working directory.
+    dir: str | None = None
+    interval: float = 0.05  # seconds between two publishes of a busy shard (>= 0)
+
+
 @dataclass(frozen=True, eq=False)
 class Config:
     """A validated configuration. Clusters and queues are in file order."""
@@ -252,6 +263,7 @@ class Config:
     transport: TransportSettings = TransportSettings()
     security: SecuritySettings = SecuritySettings()
     worker: WorkerSettings = WorkerSettings()
+    status: StatusSettings = StatusSettings()
 
     def __post_init__(self):
         by_name = {
@@ -317,6 +329,7 @@ def parse_config(data, source="<config>"):
     transport = _parse_transport(source, _table(source, "transport", data.get("transport", {})))
     security = _parse_security(source, _table(source, "security", data.get("security", {})),
                                cluster_names)
+    status = _parse_status(source, _table(source, "status", data.get("status", {})))
 
     worker = _parse_worker(source, resources, _table(source, "worker", data.get("worker", {})))
 
@@ -345,6 +358,7 @@ def parse_config(data, source="<config>"):
         transport=transport,
         security=security,
         worker=worker,
+        status=status,
     )
 
 
@@ -461,6 +475,21 @@ def _parse_storage(source, table):
         raise _invalid(source, "storage.max_map_size", table.get("max_map_size"),
                        f"a size >= storage.map_size ({out.map_size} bytes)")
     return out
+
+
+_STATUS_KEYS = ("dir", "interval")
+
+
+def _parse_status(source, table):
+    _check_keys(source, "status", table, _STATUS_KEYS)
+    values = {}
+    if "dir" in table:
+        if not isinstance(table["dir"], str) or not table["dir"]:
+            raise _invalid(source, "status.dir", table["dir"], "a non-empty directory path")
+        values["dir"] = table["dir"]
+    if "interval" in table:
+        values["interval"] = _seconds(source, "status.interval", table["interval"], False)
+    return replace(StatusSettings(), **values)
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

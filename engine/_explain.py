@@ -52,10 +52,15 @@ class ExplainMixin:
         if ret is not None:
             return Explanation(ActionId.parse(ret.id), ret.record.phase, None,
                                ret.record.message)
-        rec = self._rec(row)
-        aid = rec.compiled.id
         st = self._state
-        row = rec.row
+        if st.a_state[row] == ST_QUEUED:
+            # Explained from its columns alone: making its record here would take a lean row
+            # off the columnar paths for the rest of its life (and the status file explains
+            # every blocked head).
+            rec, aid = None, self._aid(row)
+        else:
+            rec = self._rec(row)
+            aid = rec.compiled.id
         if st.a_state[row] == ST_BACKOFF:
             att = rec.attempt
             wait_s = max(0.0, (att.enqueued_ns - self.clock.now_ns()) / 1e9)
@@ -71,6 +76,17 @@ class ExplainMixin:
                 f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
         if st.a_state[row] != ST_QUEUED:
             return Explanation(aid, rec.phase, None, rec.message)
+        code, reason, eta = self._queued_wait(row)
+        phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
+        position = self._position(row)
+        if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
+            reason += f"; position {position} in queue {self._queue_names[int(st.a_queue[row])]}"
+        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
+
+    def _queued_wait(self, row):
+        """``(code, reason, eta_ns)`` of queued ``row``: its explanation but for the position
+        (a scan of the action table), from its columns alone."""
+        st = self._state
         q = int(st.a_queue[row])
         lane = int(st.a_lane[row])
         if int(st.a_wait_tick[row]) == self._kernel.tick_no:
@@ -83,9 +99,8 @@ class ExplainMixin:
         else:
             code = WaitCode(int(st.q_stop_code[q]))
             reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
-        phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
         # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
-        # every queued action its position in the queue.
+        # every queued action its position in the queue (explain).
         eta = None
         if int(st.q_head[q]) == row and st.q_strict[q] and code in (
                 WaitCode.CLUSTER_CAPACITY, WaitCode.HEAD_OF_LINE, WaitCode.QUEUE_BUDGET):
@@ -98,10 +113,7 @@ class ExplainMixin:
             if eta is not None:
                 wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
                 reason += f"; estimated start in {wait_s:.1f}s (runtime history)"
-        position = self._position(row)
-        if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
-            reason += f"; position {position} in queue {self._queue_names[q]}"
-        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
+        return code, reason, eta
 
     def attempts(self, action):
         """The action's attempts, oldest first (copies): cluster, worker, start, end,

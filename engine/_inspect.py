@@ -16,7 +16,7 @@ from cext._lease import validate
 from engine._codes import LeaseKind, Phase
 from engine._errors import NotFound
 from engine._model import ActionId
-from engine._rows import ST_FREE
+from engine._rows import ST_FREE, ST_QUEUED
 
 __all__ = ["Inspection", "ActionRecord", "DispatchEntry", "PendingTimer"]
 
@@ -267,6 +267,10 @@ class Inspection:
         """Task names by task row (runtime history is per task)."""
         return list(self._engine._task_names)
 
+    def queue_names(self):
+        """Queue names by queue index (the ``q_*`` rows), a copy."""
+        return list(self._engine._queue_names)
+
     def queue_index(self, name):
         """The index of queue ``name`` in the arrays (``q_*`` columns)."""
         return self._engine._queue_index[name]
@@ -289,6 +293,16 @@ class Inspection:
     def head_eta(self, row):
         """The shadow time of a blocked head ``row`` from the current state (None unknown)."""
         return self._engine._head_eta(int(row))
+
+    def wait(self, row):
+        """Why queued action ``row`` waits: ``(WaitCode, reason, eta_ns or None)``, worded as
+        ``Engine.explain`` words it but without the position (a scan of every row) and
+        without making the row a record; ``ValueError`` if the row is not queued."""
+        e = self._engine
+        row = int(row)
+        if not 0 <= row < e._next_row or e._state.a_state[row] != ST_QUEUED:
+            raise ValueError(f"action row {row} is not queued")
+        return e._queued_wait(row)
 
     def position(self, row):
         """1-based place of queued action ``row`` among its queue's queued actions."""

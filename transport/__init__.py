@@ -1,7 +1,8 @@
 """Leasehold on the wire: the ZeroMQ protocol (``docs/protocol.md``), CURVE keys and the
 authorisation of peers (``docs/security.md``), and the socket setup shared by the shard,
 its workers and its clients; the shard loop (``docs/shard.md``), the worker side of the
-protocol and the client."""
+protocol and the client; the shard's shared-memory status and the Prometheus metrics read
+from it (``docs/status.md``)."""
 
 from transport._auth import (
     ADMIN,
@@ -28,6 +29,7 @@ from transport._keys import (
     load_public_key,
     load_secret_key,
 )
+from transport._metrics import MetricsServer, StatusCollector, serve_metrics
 from transport._plugins import (
     Attempt,
     Change,
@@ -75,6 +77,20 @@ from transport._protocol import (
 from transport._shard import Shard
 from transport._sim_plugin import SimPlugin
 from transport._sockets import client_socket, recv, send, server_socket
+from transport._status import (
+    ClusterStatus,
+    HeadBlocked,
+    Histogram,
+    QueueStatus,
+    StatusBusy,
+    StatusError,
+    StatusLayoutError,
+    StatusReader,
+    StatusSnapshot,
+    StatusWriter,
+    snapshot_dict,
+    status_path,
+)
 from transport._watch import WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
 
@@ -102,6 +118,21 @@ __all__ = [
     "WatchLog",
     "WatchLost",
     "WorkerConnection",
+    "StatusWriter",
+    "StatusReader",
+    "StatusSnapshot",
+    "QueueStatus",
+    "ClusterStatus",
+    "HeadBlocked",
+    "Histogram",
+    "StatusError",
+    "StatusLayoutError",
+    "StatusBusy",
+    "status_path",
+    "snapshot_dict",
+    "StatusCollector",
+    "MetricsServer",
+    "serve_metrics",
     "ADMIN",
     "CLIENT",
     "INSECURE",

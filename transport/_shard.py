@@ -47,6 +47,7 @@ from transport._auth import (
 )
 from transport._keys import load_keyring
 from transport._sockets import send, server_socket
+from transport._status import StatusWriter
 from transport._watch import WatchGap, WatchLog
 
 __all__ = ["Shard", "BATCH"]
@@ -144,6 +145,7 @@ class Shard:
                               failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
                               store_commits=0)
         self._counts_lock = threading.Lock()
+        self._status = None         # the shared-memory status (transport/_status.py)
 
     # ------------------------------------------------------------------ running
 
@@ -224,7 +226,10 @@ class Shard:
             kw = {"store": _CountingStore(store, self)}
             if self._clock is not None:
                 kw["clock"] = self._clock
+            self._status = StatusWriter(cfg, self.shard_index)
+            loading = time.perf_counter()
             eng = Engine(cfg, **kw)
+            self._status.set_reload(time.perf_counter() - loading)
             self._loop = _Loop(self, eng, sock, keyring)
             log.info("shard %s serving on %s", cfg.storage.shard, self.endpoint)
             self._ready.set()
@@ -239,6 +244,8 @@ class Shard:
                 sock.close(0)
             if self._auth is not None:
                 self._auth.stop()
+            if self._status is not None:
+                self._status.close()    # readers see "stopped" and the last figures
             if own_ctx:
                 ctx.term()
 
@@ -251,7 +258,13 @@ class _CountingStore:
         self._shard = shard
 
     def commit(self, batch):
-        out = self._inner.commit(batch)
+        t0 = time.perf_counter_ns()
+        try:
+            out = self._inner.commit(batch)
+        except BaseException:
+            self._shard._status.record_commit(time.perf_counter_ns() - t0, ok=False)
+            raise
+        self._shard._status.record_commit(time.perf_counter_ns() - t0)
         self._shard._count("store_commits")
         return out
 
@@ -306,8 +319,18 @@ class _Loop:
                 except Exception:   # a bug: log it, keep serving (memory was restored)
                     log.exception("shard %s: loop turn failed", self.shard.name)
                     self.shard._count("failed_commits")
+            if self.shard._status.due():
+                self.publish_status()
         # A last turn: whatever was decided is committed before the store closes.
         self.turn([], False)
+        self.publish_status()
+
+    def publish_status(self):
+        """The shared-memory status (transport/_status.py), after the turn's sends."""
+        try:
+            self.shard._status.publish(self.eng, self.shard.counters)
+        except Exception:   # the status goes stale (readers see its age); the shard serves on
+            log.exception("shard %s: publishing the status failed", self.shard.name)
 
     def turn(self, msgs, backstop):
         """One loop turn over ``msgs``; a request that hits a bug is answered INTERNAL and
@@ -340,7 +363,9 @@ class _Loop:
                     self.index = i
                     self.handle(frames)
                 if self.want_tick:
+                    t0 = time.perf_counter_ns()
                     eng.schedule()
+                    self.shard._status.record_tick(time.perf_counter_ns() - t0)
                     self.shard._count("ticks")
                 batch = eng.drain_columns()
                 if len(batch):
@@ -389,6 +414,7 @@ class _Loop:
         self.push_events()
         for c in self.conns.values():
             c.outstanding = 0
+        self.shard._status.record_turn(batch, eng.clock.now_ns())
 
     def send(self, conn, msg):
         try:
@@ -398,6 +424,7 @@ class _Loop:
                                       message=f"reply not encodable: {exc}"))
         if isinstance(msg, p.Error):
             self.shard._count("errors")
+            self.shard._status.record_error(msg.code)
         else:
             self.shard._count("replies")
         send(self.sock, frames, conn)
@@ -551,6 +578,7 @@ class _Loop:
         q = self.eng.update_queue(msg.queue, **msg.changes)
         self.reply(conn, msg.rid, _plain(dataclasses.asdict(q)))
         self.want_tick = True
+        self.shard._status.mark_dirty()     # published after this turn, whatever the interval
 
     def on_watch(self, conn, c, peer, msg):
         try:
@@ -589,6 +617,7 @@ class _Loop:
     def on_heartbeat(self, conn, c, peer, msg):
         worker = self._worker(conn, c, msg)
         refused = self.eng.heartbeat(worker, msg.tokens, msg.free) if len(msg.tokens) else []
+        self.shard._status.record_refusals("heartbeat", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         if msg.free is not None or refused:
             self.want_tick = True       # capacity seen, or work ended
@@ -612,6 +641,7 @@ class _Loop:
                         cols[col][i] = d[wire]
             kw = cols
         refused = self.eng.report_many(msg.tokens, phases, worker=worker, **kw)
+        self.shard._status.record_refusals("report", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
         if self.leases:
