@@ -17,6 +17,8 @@ from engine._model import ActionId
 from engine._rows import (
     LIVE_STATES,
     ST_BACKOFF,
+    ST_DONE,
+    ST_FREE,
     ST_QUEUED,
 )
 from engine._units import format_quantity
@@ -43,6 +45,19 @@ class ExplainMixin:
     def phase(self, action):
         """The action's phase."""
         return self.explain(action).phase
+
+    def live_actions(self, run, limit=10_000):
+        """Ids of the actions of run key ``run`` that have not ended (queued, waiting,
+        assigned, running, in retry backoff), at most ``limit``, in row order; [] for a
+        run this shard does not know."""
+        r = self._runs.get(str(run))
+        if r is None:
+            return []
+        st = self._state
+        n = self._next_row
+        rows = np.flatnonzero((st.a_run[:n] == r) & (st.a_state[:n] != ST_FREE)
+                              & (st.a_state[:n] != ST_DONE))[:limit]
+        return [str(self._aid(int(row))) for row in rows]
 
     def explain(self, action):
         """The action's phase and, while it waits, the reason (code and message), its

@@ -26,6 +26,7 @@ from transport import (
     EnqueueFanout,
     Error,
     Event,
+    Events,
     Explain,
     Heartbeat,
     Leases,
@@ -75,6 +76,9 @@ def samples():
         Error(rid=12, code="NOT_FOUND", message="action acme/ml/prod/r1/x does not exist"),
         Event(run="acme/ml/prod/r1", seq=42, action="acme/ml/prod/r1/train", phase="RUNNING",
               attempt=1, time_ns=1_700_000_000_000_000_000, detail="started"),
+        Events(run="acme/ml/prod/r1", seq=43, actions=["acme/ml/prod/r1/a", "acme/ml/prod/r1/b"],
+               phases=np.array([3, 4], np.uint8), attempts=np.array([1, 2], np.int32),
+               time_ns=np.array([5, 6], np.int64), details=[None, "done"]),
         Register(rid=13, worker="east-1", cluster="east", slots=100,
                  capacity={"cpu": 64, "memory": "256Gi"},
                  node_shapes=[{"name": "big", "count": 2, "allocatable": {"cpu": 32}}]),
@@ -123,6 +127,15 @@ def fields(msg):
         v = getattr(msg, f.name)
         out[f.name] = (v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v
     return out
+
+
+def test_events_unpack_to_the_events_they_carry():
+    evs = Events(run="a/b/c/d", seq=7, actions=["a/b/c/d/x", "a/b/c/d/y"],
+                 phases=np.array([3, 4], np.uint8), attempts=np.array([1, 1], np.int32),
+                 time_ns=np.array([10, 20], np.int64), details=[None, "ok"])
+    got = decode(wire(evs)).events()
+    assert [(e.seq, e.action, e.phase, e.attempt, e.time_ns, e.detail) for e in got] == [
+        (7, "a/b/c/d/x", "RUNNING", 1, 10, None), (8, "a/b/c/d/y", "SUCCEEDED", 1, 20, "ok")]
 
 
 def test_every_message_type_has_a_sample():
@@ -263,6 +276,13 @@ def test_keys_are_checked_by_name():
     refused(with_header(Event(run="a/b/c/d", seq=1, action="a/b/c/d/e", phase="RUNNING",
                               attempt=1, time_ns=0), {"phase": "DANCING"}),
             "BAD_MESSAGE", "'phase' = 'DANCING' is not one of QUEUED")
+    evs = Events(run="a/b/c/d", seq=1, actions=["a/b/c/d/e"], phases=np.array([3], np.uint8),
+                 attempts=np.array([1], np.int32), time_ns=np.array([0], np.int64))
+    refused(with_header(evs, {"actions": ["a/b/c/d/e", "a/b/c/d/f"]}), "BAD_MESSAGE",
+            "'actions' has 2 items for 1 events")
+    bad = Events(run="a/b/c/d", seq=1, actions=["a/b/c/d/e"], phases=np.array([99], np.uint8),
+                 attempts=np.array([1], np.int32), time_ns=np.array([0], np.int64))
+    refused(wire(bad), "BAD_MESSAGE", "'phases'[0] = 99 is not a phase code")
     refused(with_header(Watch(rid=1, run="a/b/c/d"), {"run": "a/b/c"}), "BAD_MESSAGE",
             "is not a run key tenant/project/domain/run")
     refused(with_header(Abort(rid=1, action="a/b/c/d/e"), {"action": "a/b"}), "BAD_MESSAGE",

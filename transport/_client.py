@@ -76,6 +76,7 @@ class Client:
         self._events = collections.deque()      # EVENTs received, not yet consumed
         self._watching = {}                     # run -> last seq seen (0: none)
         self._resync = set()                    # runs whose event stream had a gap
+        self._floor = {}                        # run -> latest seq at its last WATCH
 
     # ------------------------------------------------------------------ connection
 
@@ -94,8 +95,8 @@ class Client:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
-        for run, seq in list(self._watching.items()):
-            self._subscribe(run, seq)
+        for run in list(self._watching):
+            self._resume(run)
 
     def close(self):
         """Close the socket (and the context this client made)."""
@@ -188,10 +189,18 @@ class Client:
             send(self._sock, p.encode(p.Unwatch(rid=next(self._rids), run=run)))
         self._events = collections.deque(e for e in self._events if e.run != run)
 
+    def _resume(self, run):
+        # From the last seq seen, or the latest the shard had when we subscribed if no
+        # event came since: a shard that restarted meanwhile then refuses (WatchLost)
+        # instead of silently starting a new log past what we missed.
+        return self._subscribe(run, max(self._watching[run], self._floor.get(run, 0)))
+
     def _subscribe(self, run, since):
         try:
-            return self._call(p.Watch(rid=next(self._rids), run=run, since=since),
-                              f"WATCH {run}")["seq"]
+            latest = self._call(p.Watch(rid=next(self._rids), run=run, since=since),
+                                f"WATCH {run}")["seq"]
+            self._floor[run] = latest
+            return latest
         except ShardError as exc:
             if exc.code == "NOT_FOUND":
                 raise WatchLost(self.endpoint, f"WATCH {run}", exc.code,
@@ -206,7 +215,7 @@ class Client:
             while self._resync:
                 run = self._resync.pop()
                 if run in self._watching:
-                    self._subscribe(run, self._watching[run])
+                    self._resume(run)
             for i, e in enumerate(self._events):
                 if runs is None or e.run in runs:
                     del self._events[i]
@@ -220,9 +229,9 @@ class Client:
             if msg is None:
                 # Silence: resubscribe from the last seq (replays anything a lost push
                 # missed); a shard that cannot answer gets a new connection.
-                for run, seq in list(self._watching.items()):
+                for run in list(self._watching):
                     try:
-                        self._subscribe(run, seq)
+                        self._resume(run)
                     except ShardTimeout:
                         self.reconnect()
                         break
@@ -255,7 +264,7 @@ class Client:
                     # Fell behind the ring: watch from now on, and read what changed
                     # meanwhile (nothing is missed: status first, then new events).
                     for r in runs:
-                        self._watching[r] = 0
+                        self._watching[r] = self._floor[r] = 0
                         self._watching[r] = self._subscribe(r, 0)
                     self._resync.difference_update(runs)
                     self._events = collections.deque(
@@ -294,7 +303,7 @@ class Client:
             if got is None:
                 raise ShardTimeout(f"shard {self.endpoint}: {what}: no answer within "
                                    f"{self.timeout}s")
-            if getattr(got, "rid", None) != msg.rid or isinstance(got, p.Event):
+            if getattr(got, "rid", None) != msg.rid or isinstance(got, (p.Event, p.Events)):
                 continue
             if isinstance(got, p.Error):
                 raise ShardError(self.endpoint, what, got.code, got.message)
@@ -317,15 +326,26 @@ class Client:
                 continue
             except p.ProtocolError:
                 continue
-            if isinstance(msg, p.Event):
-                last = self._watching.get(msg.run)
-                if last is None or msg.seq <= last:
-                    continue        # at-least-once: a seq already seen, or not watched
-                if last and msg.seq != last + 1:
-                    # A push was lost (the shard drops a watcher it cannot send to): ask
-                    # for the replay from the last seq seen instead of skipping the gap.
-                    self._resync.add(msg.run)
+            if isinstance(msg, p.Events):
+                got = [e for e in msg.events() if self._take_event(e)]
+                if not got:
                     continue
-                self._watching[msg.run] = msg.seq
-                self._events.append(msg)
+                return got[-1]
+            if isinstance(msg, p.Event):
+                if not self._take_event(msg):
+                    continue
             return msg
+
+    def _take_event(self, e):
+        """Queue ``e`` if it is the next new event of a watched run."""
+        last = self._watching.get(e.run)
+        if last is None or e.seq <= last:
+            return False        # at-least-once: a seq already seen, or not watched
+        if last and e.seq != last + 1:
+            # A push was lost (the shard drops a watcher it cannot send to): ask for the
+            # replay from the last seq seen instead of skipping the gap.
+            self._resync.add(e.run)
+            return False
+        self._watching[e.run] = e.seq
+        self._events.append(e)
+        return True

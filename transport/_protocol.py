@@ -92,6 +92,7 @@ class MsgType(enum.IntEnum):
     REPLY = 12
     ERROR = 13
     EVENT = 14
+    EVENTS = 15
     # worker -> shard
     REGISTER = 16
     HEARTBEAT = 17
@@ -267,6 +268,33 @@ class Event(Message):
     attempt: int
     time_ns: int
     detail: str | None = None
+
+
+@_message(MsgType.EVENTS)
+class Events(Message):
+    """Consecutive state changes of one watched run, ``seq`` numbering the first (the rest
+    follow without gaps): entry ``i`` is action ``actions[i]`` entering phase
+    ``phases[i]`` (uint8 code, ``engine._codes.PHASES``) in attempt ``attempts[i]`` at
+    ``time_ns[i]``; ``details``: each entry's text or nil (None when none has one). What
+    the shard sends instead of one EVENT per change: a turn's changes of a run in one
+    message. :meth:`events` gives them as :class:`Event` messages."""
+
+    run: str
+    seq: int
+    actions: list
+    phases: np.ndarray
+    attempts: np.ndarray
+    time_ns: np.ndarray
+    details: list | None = None
+
+    def events(self):
+        """The entries as :class:`Event` messages, in seq order."""
+        det = self.details
+        return [Event(run=self.run, seq=self.seq + i, action=a, phase=_PHASE_NAMES[ph],
+                      attempt=att, time_ns=t, detail=det[i] if det is not None else None)
+                for i, (a, ph, att, t) in enumerate(zip(
+                    self.actions, self.phases.tolist(), self.attempts.tolist(),
+                    self.time_ns.tolist(), strict=True))]
 
 
 @_message(MsgType.REGISTER)
@@ -486,6 +514,19 @@ def _build_schemas(lim):
                 i = int(np.flatnonzero(bad)[0])
                 raise SchemaError(f"{key!r}[{i}] = {int(getattr(m, key)[i])} is not {rule}")
 
+    def events_post(m, lim):
+        n = len(m.phases)
+        if len(m.actions) != n:
+            raise SchemaError(f"'actions' has {len(m.actions)} items for {n} events")
+        if m.details is not None and len(m.details) != n:
+            raise SchemaError(f"'details' has {len(m.details)} items for {n} events")
+        if n and int(m.phases.max()) >= len(_PHASE_NAMES):
+            i = int(np.flatnonzero(m.phases >= len(_PHASE_NAMES))[0])
+            raise SchemaError(f"'phases'[{i}] = {int(m.phases[i])} is not a phase code "
+                              f"(0..{len(_PHASE_NAMES) - 1})")
+        if n and int(m.attempts.min()) < 0:
+            raise SchemaError("'attempts' holds a negative attempt number")
+
     def refused_post(m, lim):
         v = m.verdicts
         if len(v) and (v.min() == 0 or v.max() > _MAX_VERDICT):    # two reductions
@@ -529,6 +570,13 @@ def _build_schemas(lim):
                   ("action", action, True), ("phase", sc.choice(_PHASE_NAMES), True),
                   ("attempt", sc.integer(0, 1 << 31), True), ("time_ns", i64, True),
                   ("detail", sc.optional(text), False))),
+        S(Events, (("run", run, True), ("seq", sc.integer(1, sc.MAX_INT), True),
+                   ("actions", sc.strings(lim.max_name, lim.max_batch, batch), True),
+                   ("details", sc.optional(sc.strings(lim.max_text, lim.max_batch, batch,
+                                                      nullable=True)), False)),
+          columns=(("phases", np.dtype("u1"), 1), ("attempts", np.dtype("<i4"), 1),
+                   ("time_ns", np.dtype("<i8"), 1)),
+          n_max=lim.max_batch, n_min=1, n_limit=batch, post=events_post),
         S(Register, (("rid", rid, True), ("worker", name, True), ("cluster", name, True),
                      ("slots", sc.integer(1, 1 << 31), True),
                      ("capacity", sc.optional(sc.quantities), False),

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import zmq
 
-from engine._codes import PHASES, TERMINAL_PHASES, Phase, Verdict
+from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase, Verdict
 from engine._config import Config, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
@@ -581,14 +581,20 @@ class _Loop:
         self.shard._status.mark_dirty()     # published after this turn, whatever the interval
 
     def on_watch(self, conn, c, peer, msg):
+        fresh = msg.run not in self.watch
         try:
             latest, events = self.watch.watch(msg.run, conn, msg.since)
         except WatchGap as exc:
             self.error(conn, msg.rid, "NOT_FOUND", str(exc))
             return
+        if fresh:
+            # The run's changes before its first WATCH (in this process: a restart starts
+            # every log afresh) were not recorded: have the re-check follow what is live.
+            for a in self.eng.live_actions(msg.run, self.watch.max_live):
+                self.watch.track(msg.run, a, self.eng.phase(a))
         self.reply(conn, msg.rid, {"seq": latest})
-        for e in events:    # the replay, after the reply, in order
-            self.out.append((conn, self._event(msg.run, e), False))
+        for batch in self._batches(msg.run, events):    # the replay, after the reply
+            self.out.append((conn, batch, False))
 
     def on_unwatch(self, conn, c, peer, msg):
         self.watch.unwatch(msg.run, conn)
@@ -786,23 +792,35 @@ class _Loop:
             self.record(run, action, e.phase, att, now,
                         detail[:self.settings.max_text] if detail else None)
 
-    def _event(self, run, e):
-        seq, action, phase, attempt, t, detail = e
-        return p.Event(run=run, seq=seq, action=action, phase=phase, attempt=attempt,
-                       time_ns=t, detail=detail)
+    def _batches(self, run, events):
+        """EVENTS messages of consecutive events of ``run`` (at most max_batch each)."""
+        step = self.settings.max_batch
+        for lo in range(0, len(events), step):
+            part = events[lo:lo + step]
+            details = [e[5] or None for e in part]
+            yield p.Events(run=run, seq=part[0][0], actions=[e[1] for e in part],
+                           phases=np.array([PHASE_CODE[e[2]] for e in part], np.uint8),
+                           attempts=np.array([e[3] for e in part], np.int32),
+                           time_ns=np.array([e[4] for e in part], np.int64),
+                           details=details if any(details) else None)
 
     def push_events(self):
+        # One EVENTS message a run a turn (its events are consecutive: nothing else
+        # numbers them), to each of its watchers.
+        by_run = {}
         for e, run, watchers in self.events:
-            if not watchers:
-                continue
-            frames = p.encode(self._event(run, e))
-            for conn in list(watchers):
-                if send(self.sock, frames, conn):
-                    self.shard._count("events")
-                else:
-                    # Gone or too slow: it resumes with WATCH since=its last seq.
-                    self.shard._count("events_unsent")
-                    watchers.discard(conn)
+            if watchers:
+                by_run.setdefault(run, (watchers, []))[1].append(e)
+        for run, (watchers, events) in by_run.items():
+            for msg in self._batches(run, events):
+                frames = p.encode(msg)
+                for conn in list(watchers):
+                    if send(self.sock, frames, conn):
+                        self.shard._count("events", len(msg.actions))
+                    else:
+                        # Gone or too slow: it resumes with WATCH since=its last seq.
+                        self.shard._count("events_unsent", len(msg.actions))
+                        watchers.discard(conn)
 
 
 class _Poison(Exception):

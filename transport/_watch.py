@@ -14,7 +14,7 @@ holds is refused (:class:`WatchGap`): the watcher re-reads status instead of sil
 changes.
 
 Sequence numbers start, per run, at ``epoch + 1`` where ``epoch`` is the shard's start time
-in seconds shifted left 20 bits: gap-free within one shard process, and always larger after
+in microseconds shifted left 10 bits: gap-free within one shard process, and always larger after
 a restart, so a watcher holding a ``seq`` from before the restart is told its events are gone
 instead of being handed new events it would drop as already seen.
 """
@@ -55,7 +55,10 @@ class WatchLog:
         self.ring = ring
         self.max_runs = max_runs
         self.max_live = max_live
-        self.epoch = (int(time.time()) << 20) if epoch is None else epoch
+        # Microseconds, so that even a restart within the same second starts above
+        # every seq of the process before (unless a run had more than 1,024 events a
+        # microsecond of that process's life).
+        self.epoch = ((time.time_ns() // 1000) << 10) if epoch is None else epoch
         self._runs = collections.OrderedDict()
         self.evicted = 0
 
