@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine._codes import (
+    PHASES,
     RESOURCE_WAITS,
     Phase,
     WaitCode,
@@ -73,6 +74,15 @@ class ExplainMixin:
             # off the columnar paths for the rest of its life (and the status file explains
             # every blocked head).
             rec, aid = None, self._aid(row)
+        elif st.a_lean[row] and not st.a_edges[row] and row not in self._recs:
+            # A lean row in flight or ended: its columns are its whole outcome (the shard's
+            # watch re-check explains every live action of a watched run).
+            aid = self._aid(row)
+            phase = PHASES[st.a_phase[row]]
+            if st.a_state[row] in LIVE_STATES and phase == Phase.QUEUED:
+                return self._placed(aid, row, self._queue_names[int(st.a_queue[row])])
+            return Explanation(aid, phase, None, self._abort_reason(row)
+                               if phase == Phase.ABORTED else "")
         else:
             rec = self._rec(row)
             aid = rec.compiled.id
@@ -84,11 +94,7 @@ class ExplainMixin:
                                f"attempt {att.number} waits {wait_s:.1f}s of retry backoff "
                                f"(attempt {prev.number}: {prev.phase} {prev.cause or ''})")
         if st.a_state[row] in LIVE_STATES and rec.phase == Phase.QUEUED:
-            return Explanation(
-                aid, Phase.QUEUED, WaitCode.PLACED,
-                f"queue {rec.compiled.queue}: assigned to "
-                f"{self._clusters[st.a_cluster[row]]}/{self._worker_names[st.a_worker[row]]} "
-                f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
+            return self._placed(aid, row, rec.compiled.queue)
         if st.a_state[row] != ST_QUEUED:
             return Explanation(aid, rec.phase, None, rec.message)
         code, reason, eta = self._queued_wait(row)
@@ -97,6 +103,14 @@ class ExplainMixin:
         if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
             reason += f"; position {position} in queue {self._queue_names[int(st.a_queue[row])]}"
         return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
+
+    def _placed(self, aid, row, queue):
+        st = self._state
+        return Explanation(
+            aid, Phase.QUEUED, WaitCode.PLACED,
+            f"queue {queue}: assigned to "
+            f"{self._clusters[st.a_cluster[row]]}/{self._worker_names[st.a_worker[row]]} "
+            f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
 
     def _queued_wait(self, row):
         """``(code, reason, eta_ns)`` of queued ``row``: its explanation but for the position

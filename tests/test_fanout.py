@@ -16,6 +16,7 @@ from engine import (
     RetryPolicy,
     SpecError,
     Timeouts,
+    WaitCode,
     parse_config,
 )
 from engine._codes import Verdict
@@ -248,7 +249,9 @@ def test_lean_rows_hold_no_python_record_until_asked():
     view = eng.inspect()
     edges = view.arrays.a_edges[:view.action_rows]
     assert not edges.any()              # the whole life cycle in columns
-    eng.explain(ids[7])
+    assert eng.explain(ids[7]).phase == Phase.SUCCEEDED     # read from its columns
+    assert not view.arrays.a_edges[:view.action_rows].any()
+    assert eng.attempts(ids[7])[0].phase == "SUCCEEDED"     # its record, made on demand
     assert np.flatnonzero(view.arrays.a_edges[:view.action_rows]).tolist() == [7]
 
 
@@ -411,7 +414,7 @@ def test_an_abort_ends_queued_lean_rows_in_columns_and_what_runs_gets_cleanup():
 
 
 def test_aborting_lean_rows_in_flight_equals_aborting_their_python_records():
-    # Twin shards: in one the rows stay lean, in the other explain() gave every row its
+    # Twin shards: in one the rows stay lean, in the other attempts() gave every row its
     # Python record first. The same abort, cleanup and restart look the same from outside.
     a, b = twin()
     outs = []
@@ -427,7 +430,7 @@ def test_aborting_lean_rows_in_flight_equals_aborting_their_python_records():
     root, kids, out = outs[0]
     assert outs[1][2] == out
     for aid in (root, *kids):
-        b.explain(aid)
+        b.attempts(aid)
     assert b.inspect().arrays.a_edges[:9].all() and not a.inspect().arrays.a_edges[:9].any()
     for eng in (a, b):
         eng.clock.advance(1)
@@ -453,3 +456,36 @@ def test_aborting_lean_rows_in_flight_equals_aborting_their_python_records():
         "SUCCEEDED", "FAILED", "SENT"}
     ra, rb = restart(a), restart(b)
     assert seen(ra) == seen(rb) == seen(b)
+
+
+def test_explain_of_a_lean_row_equals_explain_of_its_record_at_every_stage():
+    # Twin shards, the same decisions: in one every row keeps its columns, in the other
+    # attempts() gives each its Python record first; explain() must read the same.
+    a, b = twin()
+    ids = {}
+    for eng in (a, b):
+        ids[eng] = eng.enqueue_fanout(template(), [f"n{k}" for k in range(6)])
+        eng.clock.advance(1)
+    names = [str(x) for x in ids[a]]
+
+    def same():
+        for x in names:
+            b.attempts(x)
+        got = [dataclasses.astuple(a.explain(x)) for x in names]
+        assert got == [dataclasses.astuple(b.explain(x)) for x in names]
+        return got
+
+    for eng in (a, b):
+        eng.schedule()                        # placed, still in the dispatch channel
+    assert {e[2] for e in same()} == {WaitCode.PLACED}
+    outs = [eng.drain_dispatch() for eng in (a, b)]
+    same()
+    for eng, out in zip((a, b), outs, strict=True):
+        eng.report(out[0].token, Phase.RUNNING)
+        eng.report(out[1].token, Phase.RUNNING)
+        eng.report(out[1].token, Phase.SUCCEEDED)
+        eng.clock.advance(1)
+        eng.abort(str(out[2].action), reason="enough")
+    phases = [e[1] for e in same()]
+    assert phases[:3] == [Phase.RUNNING, Phase.SUCCEEDED, Phase.ABORTED]
+    assert not a.inspect().arrays.a_edges[:a.inspect().action_rows].any()

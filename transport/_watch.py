@@ -39,13 +39,16 @@ class WatchGap(Exception):
 
 
 class _Run:
-    __slots__ = ("ring", "seq", "watchers", "live")
+    __slots__ = ("ring", "seq", "watchers", "live", "ended")
 
     def __init__(self, ring, epoch):
         self.ring = collections.deque(maxlen=ring)   # (seq, action, phase, attempt, t, detail)
         self.seq = epoch
         self.watchers = set()       # routing ids
         self.live = {}              # action id -> (phase, attempt), non-terminal only
+        # action id -> terminal phase, of the last ``ring`` actions that ended: a repeat
+        # is found in O(1) (scanning the ring for it made a large fan-out quadratic).
+        self.ended = collections.OrderedDict()
 
 
 class WatchLog:
@@ -124,10 +127,13 @@ class WatchLog:
         if last is not None and last == (phase, attempt):
             return None
         if phase in TERMINAL_PHASES:
-            if last is None and any(e[1] == action and e[2] == phase.value
-                                    for e in reversed(r.ring)):
+            if last is None and r.ended.get(action) == phase:
                 return None     # already told (a second report, a re-check)
             r.live.pop(action, None)
+            r.ended[action] = phase
+            r.ended.move_to_end(action)
+            if len(r.ended) > self.ring:
+                r.ended.popitem(last=False)
         elif action in r.live or len(r.live) < self.max_live:
             r.live[action] = (phase, attempt)
         r.seq += 1
