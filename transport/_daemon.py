@@ -132,6 +132,7 @@ class Worker:
         self.resources = config.resources
         self.work_dir = Path(ws.work_dir).resolve()
         self.log_dir = Path(ws.log_dir).resolve()
+        self._work, self._logs = str(self.work_dir), str(self.log_dir)
         if ws.capacity is not None:
             self.capacity = ws.capacity.copy()
         else:
@@ -162,6 +163,7 @@ class Worker:
         self._reports = {}          # shard index -> [(token, code, detail)]
         self._inflight = {}         # (shard index, rid) -> REPORT message sent
         self._specs = {}            # id(spec map) -> (spec map, ActionSpec)
+        self._shapes = {}           # id(ActionSpec) -> (ActionSpec, (demand, pods))
         self._held_demand = np.zeros(len(self.resources), np.int64)
         self._stop = threading.Event()
         self._drain = threading.Event()
@@ -173,7 +175,6 @@ class Worker:
         self._counts = dict(leases=0, finalize=0, started=0, reports=0, succeeded=0, failed=0,
                             timed_out=0, stopped=0, refused=0, evicted=0, shard_lost=0,
                             heartbeats=0, report_errors=0, cleanups=0)
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ running
 
@@ -237,14 +238,13 @@ class Worker:
     def stats(self):
         """Counters (leases, started, reports, succeeded, failed, timed_out, stopped,
         refused, evicted, shard_lost, heartbeats, report_errors, cleanups) and ``held``."""
-        with self._lock:
-            out = dict(self._counts)
+        out = dict(self._counts)
         out["held"] = len(self._held)
         return out
 
     def _count(self, key, n=1):
-        with self._lock:
-            self._counts[key] += n
+        # Only the loop thread writes (its keys are fixed): readers copy whole ints.
+        self._counts[key] += n
 
     # ------------------------------------------------------------------ connections
 
@@ -420,7 +420,7 @@ class Worker:
                 ex = Execution(plugin=name)
             att = self._attempt(lease, spec, ex)
             h.attempt, h.plugin = att, plugin
-            h.demand = self._demand(spec)
+            h.demand = self._shape(spec)[0]
             h.cleanup = name != "sim"
             self._held_demand += h.demand
             self._arm(h, spec, now)
@@ -448,6 +448,27 @@ class Worker:
         return spec
 
     def _attempt(self, lease, spec, ex):
+        pods = self._shape(spec)[1]
+        workdir = log_path = None       # the sim plugin keeps no files
+        if ex.plugin != "sim":
+            workdir, log_path = self._paths(lease.action, lease.attempt)
+            workdir.mkdir(parents=True, exist_ok=True)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
+                       spec=spec, execute=ex, pods=pods, workdir=workdir,
+                       log_path=log_path, input_ref=lease.input_ref, env=lease.env)
+
+    def _paths(self, action, attempt):
+        # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.
+        # One string each (joining Path objects cost more than the sim plugin's start).
+        return (Path(f"{self._work}/{action}/{attempt}"),
+                Path(f"{self._logs}/{action}/{attempt}.log"))
+
+    def _shape(self, spec):
+        """``(demand vector, pods)`` of a spec, kept for the specs seen last."""
+        hit = self._shapes.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
         pods = []
         if spec.pods:
             for g in spec.pods:
@@ -456,20 +477,13 @@ class Worker:
         else:
             res = dict(spec.resources or {})
             pods.append(Pod("main", 0, res, _memory(res)))
-        workdir, log_path = self._paths(lease.action, lease.attempt)
-        if ex.plugin != "sim":
-            workdir.mkdir(parents=True, exist_ok=True)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
-                       spec=spec, execute=ex, pods=tuple(pods), workdir=workdir,
-                       log_path=log_path, input_ref=lease.input_ref, env=lease.env)
+        shape = (self._demand_of(spec), tuple(pods))
+        if len(self._shapes) >= _SPEC_CACHE:
+            self._shapes.pop(next(iter(self._shapes)))
+        self._shapes[id(spec)] = (spec, shape)
+        return shape
 
-    def _paths(self, action, attempt):
-        # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.
-        return (self.work_dir / action / str(attempt),
-                self.log_dir / action / f"{attempt}.log")
-
-    def _demand(self, spec):
+    def _demand_of(self, spec):
         if spec.pods:
             return sum((self.resources.vector(g.resources) * g.replicas for g in spec.pods),
                        np.zeros(len(self.resources), np.int64))

@@ -74,6 +74,7 @@ class Attempt:
     """One attempt a plugin runs. ``key`` (the lease token) identifies it in every call;
     ``workdir`` is the attempt's own scratch directory (a process runs in it; the worker
     removes it at cleanup); ``log_path`` the file its output goes to (kept after cleanup);
+    both None for the ``sim`` plugin, which keeps no files;
     ``env`` is the engine's identity of the warm pool (reusable actions only)."""
 
     key: bytes
@@ -82,8 +83,8 @@ class Attempt:
     spec: ActionSpec
     execute: Execution
     pods: tuple
-    workdir: Path
-    log_path: Path
+    workdir: Path | None
+    log_path: Path | None
     input_ref: str | None = None
     env: str | None = None
 
