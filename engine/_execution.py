@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, fields
 
 from engine._errors import SpecError
+from engine._tables import table_of
 
 __all__ = ["Execution", "PLUGINS", "check_execution"]
 
@@ -51,14 +52,7 @@ class Execution:
         """An :class:`Execution` from plain data; unknown keys are refused."""
         if isinstance(data, cls):
             return data
-        if not isinstance(data, dict):
-            raise SpecError(f"execute must be a table, not {data!r}")
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise SpecError(f"execute: unknown key(s) {', '.join(unknown)} "
-                            f"(allowed: {', '.join(sorted(allowed))})")
-        kw = dict(data)
+        kw = table_of(cls, data, "execute")
         if isinstance(kw.get("command"), list):
             kw["command"] = tuple(kw["command"])
         if isinstance(kw.get("duration"), list):

@@ -9,13 +9,14 @@ the pool footprint (replicas x per-pod vector) and its slots (replicas x concurr
 import hashlib
 import math
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import numpy as np
 
 from engine._errors import SpecError
 from engine._execution import Execution, check_execution
+from engine._tables import table_of
 from engine._units import UNLIMITED
 
 __all__ = [
@@ -188,12 +189,7 @@ class ActionSpec:
         """Build a spec from plain data (JSON/msgpack); unknown keys are refused."""
         if not isinstance(data, dict):
             raise SpecError(f"action spec must be a table, not {type(data).__name__}")
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise SpecError(f"action spec: unknown key(s) {', '.join(unknown)} "
-                            f"(allowed: {', '.join(sorted(allowed))})")
-        kw = dict(data)
+        kw = table_of(cls, data, "action spec")
         if kw.get("pods") is not None:
             if not isinstance(kw["pods"], (list, tuple)):
                 raise SpecError("pods must be a list of {role, replicas, resources}")
@@ -210,14 +206,7 @@ class ActionSpec:
 def _sub(cls, data, what):
     if isinstance(data, cls):
         return data
-    if not isinstance(data, dict):
-        raise SpecError(f"{what} must be a table, not {data!r}")
-    allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise SpecError(f"{what}: unknown key(s) {', '.join(unknown)} "
-                        f"(allowed: {', '.join(sorted(allowed))})")
-    return cls(**data)
+    return cls(**table_of(cls, data, what))
 
 
 @dataclass

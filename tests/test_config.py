@@ -726,3 +726,42 @@ scheduling = "GREEDY_CAPACITY"
         update_queue(config.queue("fast"), {"backfill": True}, config)
     with pytest.raises(ConfigError, match=r"queues.gpu.backfill.*GREEDY_CAPACITY"):
         update_queue(gpu, {"scheduling": "GREEDY_CAPACITY"}, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# [worker], engine.pause_on_expiry
+
+
+def test_worker_defaults_and_values():
+    w = parse(BASE).worker
+    assert (w.slots, w.capacity, w.node_shapes, w.on_shard_lost, w.default_plugin) == (
+        0, None, (), "reconnect", None)
+    w = parse(BASE + '[worker]\nslots = 8\ncapacity = { cpu = 4 }\non_shard_lost = "exit"\n'
+                     'drain_timeout = 5\nkill_grace = 0.5\nwork_dir = "/w"\nlog_dir = "/l"\n'
+                     'default_plugin = "sim"\nreport_free = false\n').worker
+    cpu = parse(BASE).resources.index("cpu")
+    assert (w.slots, int(w.capacity[cpu]), w.on_shard_lost, w.drain_timeout, w.kill_grace,
+            w.work_dir, w.log_dir, w.default_plugin, w.report_free) == (
+        8, 4000, "exit", 5.0, 0.5, "/w", "/l", "sim", False)
+    assert parse(BASE).engine.pause_on_expiry is True
+    assert parse(BASE + "[engine]\npause_on_expiry = false\n").engine.pause_on_expiry is False
+
+
+@pytest.mark.parametrize("table,fragments", [
+    ("slots = -1", ("worker.slots", "-1")),
+    ('on_shard_lost = "retry"', ("worker.on_shard_lost", '"reconnect" or "exit"')),
+    ("drain_timeout = -2", ("worker.drain_timeout",)),
+    ('kill_grace = "soon"', ("worker.kill_grace",)),
+    ('work_dir = ""', ("worker.work_dir",)),
+    ('default_plugin = "k8s"', ("worker.default_plugin", "process, python, sim")),
+    ('report_free = "yes"', ("worker.report_free", "true or false")),
+    ("capacity = { tpu = 1 }", ("tpu",)),
+    ('colour = "blue"', ("worker.colour",)),
+])
+def test_worker_errors_name_the_key(table, fragments):
+    config_error(BASE + "[worker]\n" + table + "\n", *fragments)
+
+
+def test_pause_on_expiry_must_be_a_boolean():
+    config_error(BASE + '[engine]\npause_on_expiry = "no"\n', "engine.pause_on_expiry",
+                 "true or false")

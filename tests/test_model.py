@@ -6,7 +6,16 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from engine import ActionId, ActionSpec, PodGroup, RetryPolicy, ReusePolicy, SpecError, Timeouts
+from engine import (
+    ActionId,
+    ActionSpec,
+    Execution,
+    PodGroup,
+    RetryPolicy,
+    ReusePolicy,
+    SpecError,
+    Timeouts,
+)
 from engine._model import compile_spec
 from engine._units import ResourceSet, format_quantity, parse_quantity
 
@@ -146,3 +155,47 @@ def test_timedeltas_and_from_dict():
 def test_oversized_quantities_are_refused_not_wrapped(kw, message):
     with pytest.raises(SpecError, match=message):
         compile_(**kw)
+
+
+def test_an_execute_declaration_round_trips_and_is_kept_on_the_spec():
+    spec = ActionSpec.from_dict({"id": "t/p/d/r/a", "task": "t", "resources": {"cpu": 1},
+                                 "execute": {"plugin": "sim", "duration": [0.5, 2],
+                                             "fail": "SYSTEM:OOM", "fail_attempts": 1}})
+    c = compile_spec(spec, RES, QUEUES, "default")
+    assert c.spec.execute == Execution(plugin="sim", duration=(0.5, 2), fail="SYSTEM:OOM",
+                                       fail_attempts=1)
+    assert c.spec.execute.sim_failure() == ("SYSTEM", "OOM")
+
+
+@pytest.mark.parametrize("execute, message", [
+    ({"duration": 1}, "execute needs a plugin"),
+    ({"plugin": "k8s"}, "execute.plugin 'k8s' is not one of process, python, sim"),
+    ({"plugin": "sim", "colour": 1}, "execute: unknown key(s) colour"),
+    ({"plugin": "sim", "command": ["x"]}, "execute.command does not apply to the sim plugin"),
+    ({"plugin": "process"}, "execute.command must be a non-empty list of strings"),
+    ({"plugin": "process", "command": ["ls", 3]}, "execute.command must be a non-empty list"),
+    ({"plugin": "process", "command": ["ls"], "env": {"1X": "a"}},
+     "execute.env: '1X' is not an environment variable name"),
+    ({"plugin": "process", "command": ["ls"], "env": {"X": 1}}, "execute.env.X must be a string"),
+    ({"plugin": "python", "function": "os.getpid"}, "must be \"package.module:function\""),
+    ({"plugin": "python", "function": "os:getpid", "args": [1]}, "execute.args must be a table"),
+    ({"plugin": "sim", "duration": -1}, "execute.duration -1 must be seconds >= 0"),
+    ({"plugin": "sim", "duration": [2, 1]}, "execute.duration (2, 1) must be seconds"),
+    ({"plugin": "sim", "fail": "OOM"}, "execute.fail 'OOM' must be \"USER\" or"),
+    ({"plugin": "sim", "fail": "SYSTEM:oom"}, "execute.fail 'SYSTEM:oom' must be"),
+    ({"plugin": "sim", "fail_attempts": 1}, "execute.fail_attempts needs execute.fail"),
+    ({"plugin": "sim", "fail": "USER", "fail_attempts": 0}, "execute.fail_attempts 0 must be"),
+])
+def test_a_bad_execute_declaration_is_refused_naming_the_key(execute, message):
+    with pytest.raises(SpecError) as info:
+        compile_spec({"id": "t/p/d/r/a", "task": "t", "resources": {"cpu": 1},
+                      "execute": execute}, RES, QUEUES, "default")
+    assert message in str(info.value)
+
+
+def test_the_python_plugin_refuses_a_gang():
+    pods = [{"role": "w", "replicas": 2, "resources": {"cpu": 1}}]
+    with pytest.raises(SpecError, match="python plugin runs single-pod actions"):
+        compile_spec({"id": "t/p/d/r/a", "task": "t", "pods": pods,
+                      "execute": {"plugin": "python", "function": "os:getpid"}},
+                     RES, QUEUES, "default")
