@@ -616,7 +616,10 @@ class _Loop:
 
     def on_heartbeat(self, conn, c, peer, msg):
         worker = self._worker(conn, c, msg)
-        refused = self.eng.heartbeat(worker, msg.tokens, msg.free) if len(msg.tokens) else []
+        # A heartbeat of no tokens still carries the worker's free capacity: an idle worker
+        # whose last beat said "nothing free" must be able to say it is free again.
+        refused = self.eng.heartbeat(worker, msg.tokens, msg.free) \
+            if len(msg.tokens) or msg.free is not None else []
         self.shard._status.record_refusals("heartbeat", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         if msg.free is not None or refused:
