@@ -248,6 +248,9 @@ class StatusSettings:
     # ``run`` directory under ``storage.path``. Relative: to the working directory.
     dir: str | None = None
     interval: float = 0.05  # seconds between two publishes of a busy shard (>= 0)
+    # Where ``leasehold serve`` serves the Prometheus metrics read from the status files:
+    # "HOST:PORT" (port 0: any free port, logged), or None (``metrics = false``): none.
+    metrics: str | None = "127.0.0.1:9464"
 
 
 @dataclass(frozen=True, eq=False)
@@ -477,7 +480,8 @@ def _parse_storage(source, table):
     return out
 
 
-_STATUS_KEYS = ("dir", "interval")
+_STATUS_KEYS = ("dir", "interval", "metrics")
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
 
 def _parse_status(source, table):
@@ -489,6 +493,17 @@ def _parse_status(source, table):
         values["dir"] = table["dir"]
     if "interval" in table:
         values["interval"] = _seconds(source, "status.interval", table["interval"], False)
+    if "metrics" in table:
+        v = table["metrics"]
+        m = _HOST_PORT.match(v) if isinstance(v, str) else None
+        if v is False:
+            values["metrics"] = None
+        elif m is None or int(m.group(2)) > 65535:
+            raise _invalid(source, "status.metrics", v,
+                           '"HOST:PORT" (e.g. "127.0.0.1:9464"; port 0: any free port), '
+                           "or false for no metrics endpoint")
+        else:
+            values["metrics"] = v
     return replace(StatusSettings(), **values)
 
 
