@@ -383,6 +383,21 @@ def _shard(args):
         raise SpecError(f"shard {args.shard}: {exc}") from None
 
 
+def _serve(args):
+    """Run the supervisor until SIGTERM/SIGINT (docs/operations.md)."""
+    import logging
+
+    from transport._supervisor import run_supervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    try:
+        return run_supervisor(args.config, start_timeout=args.start_timeout,
+                              stop_timeout=args.stop_timeout)
+    except OSError as exc:
+        raise SpecError(f"serve: {exc}") from None
+
+
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     parser = argparse.ArgumentParser(prog="leasehold", description=__doc__)
@@ -439,6 +454,15 @@ def main(argv=None):
     p.add_argument("--name", help="the worker id: its key's name or NAME.<suffix> (default: "
                    "the first worker key of the cluster in [security.peers])")
     p.set_defaults(func=_worker)
+    p = sub.add_parser("serve", help="the supervisor: one pinned shard process per endpoint, "
+                       "restarted when it dies, metrics; until SIGTERM/SIGINT "
+                       "(docs/operations.md)")
+    p.add_argument("--config", required=True, help="the config file")
+    p.add_argument("--start-timeout", type=float, default=60.0,
+                   help="seconds a shard may take to serve after its start (default 60)")
+    p.add_argument("--stop-timeout", type=float, default=15.0,
+                   help="seconds the shards get after SIGTERM before SIGKILL (default 15)")
+    p.set_defaults(func=_serve)
     p = sub.add_parser("keys", help="CURVE keys (docs/security.md)")
     keys = p.add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("generate", help="write a key pair NAME.key / NAME.key_secret")

@@ -2,7 +2,8 @@
 authorisation of peers (``docs/security.md``), and the socket setup shared by the shard,
 its workers and its clients; the shard loop (``docs/shard.md``), the worker side of the
 protocol and the client; the shard's shared-memory status and the Prometheus metrics read
-from it (``docs/status.md``)."""
+from it (``docs/status.md``); the supervisor and how shards share out the data
+(``docs/operations.md``)."""
 
 from transport._auth import (
     ADMIN,
@@ -75,6 +76,7 @@ from transport._protocol import (
     tokens_array,
 )
 from transport._shard import Shard
+from transport._shards import shard_config, shard_store_path, tenant_shard
 from transport._sim_plugin import SimPlugin
 from transport._sockets import client_socket, recv, send, server_socket
 from transport._status import (
@@ -91,10 +93,17 @@ from transport._status import (
     snapshot_dict,
     status_path,
 )
+from transport._supervisor import Supervisor, SupervisorError, run_supervisor
 from transport._watch import WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
 
 __all__ = [
+    "Supervisor",
+    "SupervisorError",
+    "run_supervisor",
+    "shard_config",
+    "shard_store_path",
+    "tenant_shard",
     "Attempt",
     "Change",
     "Outcome",
@@ -187,3 +196,4 @@ __all__ = [
     "encode",
     "tokens_array",
 ]
+
