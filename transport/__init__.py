@@ -2,8 +2,10 @@
 authorisation of peers (``docs/security.md``), and the socket setup shared by the shard,
 its workers and its clients; the shard loop (``docs/shard.md``), the worker side of the
 protocol and the client; the shard's shared-memory status and the Prometheus metrics read
-from it (``docs/status.md``); the supervisor and how shards share out the data
-(``docs/operations.md``)."""
+from it (``docs/status.md``); the supervisor and how shards share out the data, and the
+devbox with its example workload (``docs/operations.md``, ``docs/devbox.md``)."""
+
+import importlib
 
 from transport._auth import (
     ADMIN,
@@ -104,6 +106,11 @@ __all__ = [
     "shard_config",
     "shard_store_path",
     "tenant_shard",
+    "Devbox",
+    "DevboxError",
+    "run_devbox",
+    "ExampleWorkload",
+    "WorkloadFailed",
     "Attempt",
     "Change",
     "Outcome",
@@ -197,3 +204,17 @@ __all__ = [
     "tokens_array",
 ]
 
+# The devbox and its workload pull in rich's live display, which no shard or worker process
+# needs: they are imported on first use.
+_LAZY = {"Devbox": "transport._devbox", "DevboxError": "transport._devbox",
+         "run_devbox": "transport._devbox", "ExampleWorkload": "transport._workload",
+         "WorkloadFailed": "transport._workload"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
