@@ -95,7 +95,13 @@ from transport._status import (
     snapshot_dict,
     status_path,
 )
-from transport._supervisor import Supervisor, SupervisorError, run_supervisor
+from transport._supervisor import (
+    MAX_FAILURES,
+    STABLE_S,
+    Supervisor,
+    SupervisorError,
+    run_supervisor,
+)
 from transport._watch import WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
 
@@ -103,6 +109,8 @@ __all__ = [
     "Supervisor",
     "SupervisorError",
     "run_supervisor",
+    "STABLE_S",
+    "MAX_FAILURES",
     "shard_config",
     "shard_store_path",
     "tenant_shard",

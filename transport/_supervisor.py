@@ -56,7 +56,8 @@ from transport._metrics import serve_metrics
 from transport._shards import shard_store_path
 from transport._status import StatusError, StatusReader, status_path
 
-__all__ = ["Supervisor", "SupervisorError", "run_supervisor", "LOCK_NAME"]
+__all__ = ["Supervisor", "SupervisorError", "run_supervisor", "LOCK_NAME", "STABLE_S",
+           "MAX_FAILURES"]
 
 log = logging.getLogger("leasehold.supervisor")
 
