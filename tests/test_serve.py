@@ -333,6 +333,7 @@ def test_an_unknown_table_is_refused_naming_it(rig, extra, key):
     ("heartbeat_interval = 1.0", "heartbeat_interval = -1", "engine.heartbeat_interval"),
     ('endpoints = ["tcp://127.0.0.1:', 'endpoints = ["tcp://127.0.0.1:0", "tcp://127.0.0.1:',
      "transport.endpoints[0]"),
+    ('keys_dir = "', 'keys_dir = "/nonexistent', "shard.key_secret"),
 ])
 def test_an_invalid_config_is_refused_with_one_line_naming_the_key(rig, old, new, key):
     cfg = rig.config()

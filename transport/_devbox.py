@@ -26,13 +26,14 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import psutil
 from rich.console import Console
 
 from engine._config import load_config
-from engine._errors import LeaseholdError
+from engine._errors import LeaseholdError, SpecError
 from transport._daemon import measured_capacity
 from transport._keys import generate_keypair
 from transport._status import StatusError, StatusReader, status_path
@@ -257,12 +258,15 @@ def _kept(box):
 def run_devbox(directory=None, workload="example", keep=False):
     """``leasehold devbox``: start, run ``workload`` (None: serve until Ctrl-C/SIGTERM),
     print the summary, stop; returns the exit code."""
+    if workload is not None and workload not in WORKLOADS:
+        raise SpecError(f"--workload {workload!r}: unknown; bundled: {', '.join(WORKLOADS)}")
     console = Console(soft_wrap=True)
     box = Devbox(directory, keep=keep, console=console)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
     old = signal.signal(signal.SIGTERM, on_term)
+    old_int = signal.getsignal(signal.SIGINT)
     summary = None
     try:
         try:
@@ -278,6 +282,7 @@ def run_devbox(directory=None, workload="example", keep=False):
                 while True:
                     time.sleep(3600)
             summary = box.run_workload(workload)
+            box.failed = not summary.ok         # keep the directory: its logs say why
         except KeyboardInterrupt:
             if workload is not None:
                 box.failed = True
@@ -287,8 +292,23 @@ def run_devbox(directory=None, workload="example", keep=False):
             err = DevboxError(f"{exc}{_kept(box)}")
             err.code = exc.code
             raise err from None
+        except Exception as exc:    # a bug: its traceback goes to a file, not the terminal
+            box.failed = True
+            where = box.logs / "devbox-error.log" if box.logs.is_dir() else None
+            if where is not None:
+                where.write_text(traceback.format_exc())
+            err = DevboxError(f"internal error: {type(exc).__name__}: {exc}"
+                              f"{f' (traceback in {where})' if where else ''}{_kept(box)}")
+            err.code = "INTERNAL"
+            raise err from None
         finally:
-            problems = box.stop()
+            # The ordered stop is not interrupted by a second Ctrl-C (each step is bounded).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                problems = box.stop()
+            finally:
+                signal.signal(signal.SIGINT, old_int)
         if summary is not None:
             for line in summary.lines():
                 console.print(line, highlight=False)
@@ -301,3 +321,4 @@ def run_devbox(directory=None, workload="example", keep=False):
         return 0
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)

@@ -52,6 +52,7 @@ from engine._config import Config, load_config
 from engine._errors import LeaseholdError
 from storage._lmdb import partition_dir
 from storage._store import DBS, META_CLAIM, Claim
+from transport._keys import load_keyring
 from transport._metrics import serve_metrics
 from transport._shards import shard_store_path
 from transport._status import StatusError, StatusReader, status_path
@@ -162,7 +163,9 @@ class Supervisor:
     # ------------------------------------------------------------------ checks
 
     def check(self):
-        """Every refusal that needs no process: the store held, a port taken."""
+        """Every refusal that needs no process: the shard's keys, the store held, a port
+        taken."""
+        load_keyring(self.config.security)      # ConfigError naming the key or file
         self._check_claims()
         for i, ep in enumerate(self.config.transport.endpoints):
             _check_endpoint(f"transport.endpoints[{i}]", ep)
