@@ -220,7 +220,8 @@ class ExampleWorkload:
     def _show(self, label, x):
         eta = "" if x.eta_s is None else f" [ETA {x.eta_s:.1f}s]"
         self._say(f"  [bold]{label}[/] {x.action.rsplit('/', 2)[-2]}/"
-                  f"{x.action.rsplit('/', 1)[-1]}: {x.phase} {x.code or ''}{eta}\n"
+                  f"{x.action.rsplit('/', 1)[-1]}: {x.phase}{' ' + x.code if x.code else ''}"
+                  f"{eta}\n"
                   f"    {x.reason}")
 
     # ------------------------------------------------------------------ the steps
