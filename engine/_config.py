@@ -32,6 +32,7 @@ __all__ = [
     "SecuritySettings",
     "WorkerSettings",
     "StatusSettings",
+    "SupervisorSettings",
     "PeerConfig",
     "PEER_ROLES",
     "load_config",
@@ -57,7 +58,7 @@ _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
 _TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security",
-             "worker", "status")
+             "worker", "status", "supervisor")
 _STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
                  "retention")
 MAX_PARTITIONS = 256
@@ -253,6 +254,14 @@ class StatusSettings:
     metrics: str | None = "127.0.0.1:9464"
 
 
+@dataclass(frozen=True)
+class SupervisorSettings:
+    """The ``[supervisor]`` table: bounds of ``leasehold serve`` (``docs/operations.md``)."""
+
+    start_timeout: float = 60.0  # seconds a shard may take from its spawn to serving (> 0)
+    stop_timeout: float = 15.0  # seconds the shards get after SIGTERM before SIGKILL (> 0)
+
+
 @dataclass(frozen=True, eq=False)
 class Config:
     """A validated configuration. Clusters and queues are in file order."""
@@ -267,6 +276,7 @@ class Config:
     security: SecuritySettings = SecuritySettings()
     worker: WorkerSettings = WorkerSettings()
     status: StatusSettings = StatusSettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
 
     def __post_init__(self):
         by_name = {
@@ -333,6 +343,8 @@ def parse_config(data, source="<config>"):
     security = _parse_security(source, _table(source, "security", data.get("security", {})),
                                cluster_names)
     status = _parse_status(source, _table(source, "status", data.get("status", {})))
+    supervisor = _parse_supervisor(source, _table(source, "supervisor",
+                                                  data.get("supervisor", {})))
 
     worker = _parse_worker(source, resources, _table(source, "worker", data.get("worker", {})))
 
@@ -362,6 +374,7 @@ def parse_config(data, source="<config>"):
         security=security,
         worker=worker,
         status=status,
+        supervisor=supervisor,
     )
 
 
@@ -505,6 +518,13 @@ def _parse_status(source, table):
         else:
             values["metrics"] = v
     return replace(StatusSettings(), **values)
+
+
+def _parse_supervisor(source, table):
+    _check_keys(source, "supervisor", table, ("start_timeout", "stop_timeout"))
+    values = {key: _seconds(source, f"supervisor.{key}", table[key], True)
+              for key in ("start_timeout", "stop_timeout") if key in table}
+    return replace(SupervisorSettings(), **values)
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

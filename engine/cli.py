@@ -467,10 +467,12 @@ def main(argv=None):
                        "restarted when it dies, metrics; until SIGTERM/SIGINT "
                        "(docs/operations.md)")
     p.add_argument("--config", required=True, help="the config file")
-    p.add_argument("--start-timeout", type=float, default=60.0,
-                   help="seconds a shard may take to serve after its start (default 60)")
-    p.add_argument("--stop-timeout", type=float, default=15.0,
-                   help="seconds the shards get after SIGTERM before SIGKILL (default 15)")
+    p.add_argument("--start-timeout", type=float,
+                   help="seconds a shard may take to serve after its start (default: "
+                   "supervisor.start_timeout, 60)")
+    p.add_argument("--stop-timeout", type=float,
+                   help="seconds the shards get after SIGTERM before SIGKILL (default: "
+                   "supervisor.stop_timeout, 15)")
     p.set_defaults(func=_serve)
     p = sub.add_parser("devbox", help="a local engine (supervisor, shard, worker) on a fresh "
                        "directory, running the bundled example workload (docs/devbox.md)")

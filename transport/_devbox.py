@@ -139,8 +139,7 @@ class Devbox:
         root.propagate = False      # the terminal shows the workload; the logs hold the rest
         self._shard_log = open(self.logs / "shards.log", "a", buffering=1)   # noqa: SIM115
         self.supervisor = Supervisor(self.config, config_path=self.config_path,
-                                     output=self._shard_log, python=self.python,
-                                     start_timeout=_READY_TIMEOUT_S)
+                                     output=self._shard_log, python=self.python)
         self.supervisor.launch()
         # The worker starts while the shard loads: it waits for the shard's socket itself.
         self._start_worker()

@@ -126,26 +126,28 @@ class Supervisor:
     ``config_path`` is the file the shards load (default: ``config`` when it is a path, else
     ``config.source``). ``output`` receives the shards' output lines (default: stderr).
     ``start_timeout`` bounds a shard's start (process spawn to serving); ``stop_timeout``
-    the wait for the shards after SIGTERM before SIGKILL.
+    the wait for the shards after SIGTERM before SIGKILL (None: ``[supervisor]``'s).
 
     :meth:`start` checks, locks the store, spawns every shard and returns once all serve
     (or raises :class:`SupervisorError` having stopped what it started); :meth:`run` then
     watches them (restarts) until :meth:`request_stop` (signal-safe), stops them and returns
     the exit code; :meth:`close` stops everything from any state."""
 
-    def __init__(self, config, *, config_path=None, output=None, start_timeout=60.0,
-                 stop_timeout=15.0, python=None):
+    def __init__(self, config, *, config_path=None, output=None, start_timeout=None,
+                 stop_timeout=None, python=None):
         if config_path is None and not isinstance(config, Config):
             config_path = config
         self.config = config if isinstance(config, Config) else load_config(config)
         self.config_path = Path(config_path if config_path is not None
                                 else self.config.source).resolve()
         self.output = output if output is not None else sys.stderr
-        self.start_timeout = float(start_timeout)
-        self.stop_timeout = float(stop_timeout)
+        sv = self.config.supervisor
+        self.start_timeout = float(sv.start_timeout if start_timeout is None else start_timeout)
+        self.stop_timeout = float(sv.stop_timeout if stop_timeout is None else stop_timeout)
         self.python = python or sys.executable
         self._stop = threading.Event()
         self._out_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self._lock_fd = None
         self.metrics = None
         self.exit_code = None
@@ -405,6 +407,10 @@ class Supervisor:
         """Stop every shard (SIGTERM; SIGKILL past ``stop_timeout``), the metrics server,
         release the lock. Idempotent; returns 0 when every shard exited 0, else 1."""
         self._stop.set()
+        with self._close_lock:      # run()'s own close on its thread, and the caller's
+            return self._close()
+
+    def _close(self):
         live = [sh for sh in self.shards if sh.proc is not None]
         for sh in live:
             if sh.proc.poll() is None:
@@ -568,7 +574,7 @@ def _last_line(sh):
     return ""
 
 
-def run_supervisor(config_path, *, start_timeout=60.0, stop_timeout=15.0):
+def run_supervisor(config_path, *, start_timeout=None, stop_timeout=None):
     """``leasehold serve``: start, serve until SIGTERM/SIGINT, stop; returns the exit code."""
     sup = Supervisor(config_path, start_timeout=start_timeout, stop_timeout=stop_timeout)
     sup.install_signal_handlers()
