@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from engine import Phase, parse_config
-from storage import MemoryStore
+from storage import LmdbStore, MemoryStore
 from transport import (
     Client,
     Shard,
@@ -362,7 +362,12 @@ def test_sigterm_stops_everything_cleanly_and_releases_the_claims(rig):
     assert sup.wait(30) == 0, rig.log(sup)
     assert not [c.pid for c in children if alive(c.pid)]
     assert "shard 0: pid" in rig.log(sup) and "stopped" in rig.log(sup)
-    # The claims are released: a new supervisor starts at once on the same store.
+    # The claims were released: another shard name may open the store at once (a killed
+    # shard's claims would stay live for storage.claim_ttl and refuse it).
+    store = LmdbStore(rig.tmp / "data", partitions=2)
+    store.open("someone-else", time.time_ns())
+    store.close()
+    # And a new supervisor starts at once on the same store.
     again = rig.serve(cfg, label="serve-again")
     again.send_signal(signal.SIGINT)
     assert again.wait(30) == 0, rig.log(again)
