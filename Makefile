@@ -6,9 +6,15 @@ DEPS   := $(VENV)/.deps-installed
 EXT    := $(VENV)/.ext-built
 EXT_SRC := $(wildcard cext/*.pyx cext/*.pxd) setup.py
 
-.PHONY: run test test-debug build lint bench clean
+.PHONY: run simulate test test-debug build lint bench clean
 
+# The devbox (docs/devbox.md): a supervisor, its shard and a local worker on a temporary
+# directory, running the bundled example workload; prints a summary and stops everything.
 run: $(EXT)
+	$(VENV)/bin/leasehold devbox
+
+# The trace simulator (docs/simulator.md): scheduling policies compared on the bundled trace.
+simulate: $(EXT)
 	$(VENV)/bin/leasehold simulate engine/examples/trace.jsonl
 
 test: $(EXT)

@@ -1,4 +1,4 @@
-"""Generate ``engine/examples/trace.jsonl``, the bundled trace of ``make run`` (seeded).
+"""Generate ``engine/examples/trace.jsonl``, the bundled trace of ``make simulate`` (seeded).
 
 One virtual day of the workload model of ``bench/backfill.py`` (its docstring describes it)
 for ``engine/examples/simulate.toml``: gangs of 2-8 pods x 8 H100, single-pod GPU fine-tunes

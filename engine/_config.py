@@ -32,6 +32,7 @@ __all__ = [
     "SecuritySettings",
     "WorkerSettings",
     "StatusSettings",
+    "SupervisorSettings",
     "PeerConfig",
     "PEER_ROLES",
     "load_config",
@@ -57,7 +58,7 @@ _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
 _TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security",
-             "worker", "status")
+             "worker", "status", "supervisor")
 _STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
                  "retention")
 MAX_PARTITIONS = 256
@@ -248,6 +249,17 @@ class StatusSettings:
     # ``run`` directory under ``storage.path``. Relative: to the working directory.
     dir: str | None = None
     interval: float = 0.05  # seconds between two publishes of a busy shard (>= 0)
+    # Where ``leasehold serve`` serves the Prometheus metrics read from the status files:
+    # "HOST:PORT" (port 0: any free port, logged), or None (``metrics = false``): none.
+    metrics: str | None = "127.0.0.1:9464"
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    """The ``[supervisor]`` table: bounds of ``leasehold serve`` (``docs/operations.md``)."""
+
+    start_timeout: float = 60.0  # seconds a shard may take from its spawn to serving (> 0)
+    stop_timeout: float = 15.0  # seconds the shards get after SIGTERM before SIGKILL (> 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -264,6 +276,7 @@ class Config:
     security: SecuritySettings = SecuritySettings()
     worker: WorkerSettings = WorkerSettings()
     status: StatusSettings = StatusSettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
 
     def __post_init__(self):
         by_name = {
@@ -330,6 +343,8 @@ def parse_config(data, source="<config>"):
     security = _parse_security(source, _table(source, "security", data.get("security", {})),
                                cluster_names)
     status = _parse_status(source, _table(source, "status", data.get("status", {})))
+    supervisor = _parse_supervisor(source, _table(source, "supervisor",
+                                                  data.get("supervisor", {})))
 
     worker = _parse_worker(source, resources, _table(source, "worker", data.get("worker", {})))
 
@@ -359,6 +374,7 @@ def parse_config(data, source="<config>"):
         security=security,
         worker=worker,
         status=status,
+        supervisor=supervisor,
     )
 
 
@@ -477,7 +493,8 @@ def _parse_storage(source, table):
     return out
 
 
-_STATUS_KEYS = ("dir", "interval")
+_STATUS_KEYS = ("dir", "interval", "metrics")
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
 
 def _parse_status(source, table):
@@ -489,7 +506,25 @@ def _parse_status(source, table):
         values["dir"] = table["dir"]
     if "interval" in table:
         values["interval"] = _seconds(source, "status.interval", table["interval"], False)
+    if "metrics" in table:
+        v = table["metrics"]
+        m = _HOST_PORT.match(v) if isinstance(v, str) else None
+        if v is False:
+            values["metrics"] = None
+        elif m is None or int(m.group(2)) > 65535:
+            raise _invalid(source, "status.metrics", v,
+                           '"HOST:PORT" (e.g. "127.0.0.1:9464"; port 0: any free port), '
+                           "or false for no metrics endpoint")
+        else:
+            values["metrics"] = v
     return replace(StatusSettings(), **values)
+
+
+def _parse_supervisor(source, table):
+    _check_keys(source, "supervisor", table, ("start_timeout", "stop_timeout"))
+    values = {key: _seconds(source, f"supervisor.{key}", table[key], True)
+              for key in ("start_timeout", "stop_timeout") if key in table}
+    return replace(SupervisorSettings(), **values)
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -383,6 +383,30 @@ def _shard(args):
         raise SpecError(f"shard {args.shard}: {exc}") from None
 
 
+def _serve(args):
+    """Run the supervisor until SIGTERM/SIGINT (docs/operations.md)."""
+    import logging
+
+    from transport._supervisor import run_supervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    try:
+        return run_supervisor(args.config, start_timeout=args.start_timeout,
+                              stop_timeout=args.stop_timeout)
+    except OSError as exc:
+        raise SpecError(f"serve: {exc}") from None
+
+
+def _devbox(args):
+    """A supervisor, its shards and a local worker, then the example workload
+    (docs/devbox.md)."""
+    from transport._devbox import run_devbox
+
+    return run_devbox(args.dir, workload=None if args.no_workload else args.workload,
+                      keep=args.keep)
+
+
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     parser = argparse.ArgumentParser(prog="leasehold", description=__doc__)
@@ -439,6 +463,29 @@ def main(argv=None):
     p.add_argument("--name", help="the worker id: its key's name or NAME.<suffix> (default: "
                    "the first worker key of the cluster in [security.peers])")
     p.set_defaults(func=_worker)
+    p = sub.add_parser("serve", help="the supervisor: one pinned shard process per endpoint, "
+                       "restarted when it dies, metrics; until SIGTERM/SIGINT "
+                       "(docs/operations.md)")
+    p.add_argument("--config", required=True, help="the config file")
+    p.add_argument("--start-timeout", type=float,
+                   help="seconds a shard may take to serve after its start (default: "
+                   "supervisor.start_timeout, 60)")
+    p.add_argument("--stop-timeout", type=float,
+                   help="seconds the shards get after SIGTERM before SIGKILL (default: "
+                   "supervisor.stop_timeout, 15)")
+    p.set_defaults(func=_serve)
+    p = sub.add_parser("devbox", help="a local engine (supervisor, shard, worker) on a fresh "
+                       "directory, running the bundled example workload (docs/devbox.md)")
+    p.add_argument("--dir", help="the directory for config, keys, data and logs (default: a "
+                   "new temporary directory, removed afterwards)")
+    wl = p.add_mutually_exclusive_group()
+    wl.add_argument("--workload", default="example",
+                    help="the bundled workload to run (default: example)")
+    wl.add_argument("--no-workload", action="store_true",
+                    help="start everything, print how to reach it, serve until Ctrl-C")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary directory (its path is printed)")
+    p.set_defaults(func=_devbox)
     p = sub.add_parser("keys", help="CURVE keys (docs/security.md)")
     keys = p.add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("generate", help="write a key pair NAME.key / NAME.key_secret")

@@ -2,7 +2,10 @@
 authorisation of peers (``docs/security.md``), and the socket setup shared by the shard,
 its workers and its clients; the shard loop (``docs/shard.md``), the worker side of the
 protocol and the client; the shard's shared-memory status and the Prometheus metrics read
-from it (``docs/status.md``)."""
+from it (``docs/status.md``); the supervisor and how shards share out the data, and the
+devbox with its example workload (``docs/operations.md``, ``docs/devbox.md``)."""
+
+import importlib
 
 from transport._auth import (
     ADMIN,
@@ -76,6 +79,7 @@ from transport._protocol import (
     tokens_array,
 )
 from transport._shard import Shard
+from transport._shards import shard_config, shard_store_path, tenant_shard
 from transport._sim_plugin import SimPlugin
 from transport._sockets import client_socket, recv, send, server_socket
 from transport._status import (
@@ -92,10 +96,30 @@ from transport._status import (
     snapshot_dict,
     status_path,
 )
+from transport._supervisor import (
+    MAX_FAILURES,
+    STABLE_S,
+    Supervisor,
+    SupervisorError,
+    run_supervisor,
+)
 from transport._watch import WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
 
 __all__ = [
+    "Supervisor",
+    "SupervisorError",
+    "run_supervisor",
+    "STABLE_S",
+    "MAX_FAILURES",
+    "shard_config",
+    "shard_store_path",
+    "tenant_shard",
+    "Devbox",
+    "DevboxError",
+    "run_devbox",
+    "ExampleWorkload",
+    "WorkloadFailed",
     "Attempt",
     "Change",
     "Outcome",
@@ -189,3 +213,18 @@ __all__ = [
     "encode",
     "tokens_array",
 ]
+
+# The devbox and its workload pull in rich's live display, which no shard or worker process
+# needs: they are imported on first use.
+_LAZY = {"Devbox": "transport._devbox", "DevboxError": "transport._devbox",
+         "run_devbox": "transport._devbox", "ExampleWorkload": "transport._workload",
+         "WorkloadFailed": "transport._workload"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

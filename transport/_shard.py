@@ -46,6 +46,7 @@ from transport._auth import (
     visible_metrics,
 )
 from transport._keys import load_keyring
+from transport._shards import shard_config
 from transport._sockets import send, server_socket
 from transport._status import StatusWriter
 from transport._watch import WatchGap, WatchLog
@@ -118,13 +119,16 @@ class Shard:
 
     def __init__(self, config, shard_index=0, *, endpoint=None, store=None, clock=None,
                  context=None, heartbeat=None, watch_ring=None, watch_runs=None):
-        self.config = config if isinstance(config, Config) else load_config(config)
-        eps = self.config.transport.endpoints
+        config = config if isinstance(config, Config) else load_config(config)
+        eps = config.transport.endpoints
         if endpoint is None:
             if not 0 <= shard_index < len(eps):
                 raise LeaseholdError(f"shard {shard_index}: transport.endpoints has "
                                      f"{len(eps)} endpoint(s)")
             endpoint = eps[shard_index]
+        # Several shards cannot share one store (its open claims every partition): each
+        # runs on a store directory of its own (transport/_shards.py).
+        self.config = shard_config(config, shard_index)
         self.shard_index = shard_index
         self.name = f"{self.config.storage.shard}@{endpoint}"
         self._bind_to = endpoint
@@ -622,7 +626,10 @@ class _Loop:
 
     def on_heartbeat(self, conn, c, peer, msg):
         worker = self._worker(conn, c, msg)
-        refused = self.eng.heartbeat(worker, msg.tokens, msg.free) if len(msg.tokens) else []
+        # A heartbeat of no tokens still carries the worker's free capacity: an idle worker
+        # whose last beat said "nothing free" must be able to say it is free again.
+        refused = self.eng.heartbeat(worker, msg.tokens, msg.free) \
+            if len(msg.tokens) or msg.free is not None else []
         self.shard._status.record_refusals("heartbeat", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         if msg.free is not None or refused:
