@@ -94,6 +94,7 @@ cdef class TickKernel:
     cdef u8[::1] q_head_code           # its WaitCode
     cdef i64[::1] q_head_since         # when that head was first seen blocked (ns)
     cdef u8[::1] q_backfill            # 1 = EASY backfill behind a blocked head (STRICT only)
+    cdef u8[::1] q_paused              # 1 = paused: the queue places nothing (live drain/pause)
     cdef u64[::1] q_backfilled         # placements made by backfill (cumulative)
 
     # --- clusters ---

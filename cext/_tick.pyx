@@ -17,7 +17,8 @@ from cext._types cimport (
     UNLIMITED, W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
-    W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_RUNS, W_RUN_ACTIONS, W_UNSCHEDULABLE_CAP,
+    W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_PAUSED, W_QUEUE_RUNS, W_RUN_ACTIONS,
+    W_UNSCHEDULABLE_CAP,
     W_UNSCHEDULABLE_SHAPE, check_index, i32, i64, u8, u64,
 )
 
@@ -159,6 +160,7 @@ cdef class TickKernel:
         self.q_head_code = state.q_head_code
         self.q_head_since = state.q_head_since
         self.q_backfill = state.q_backfill
+        self.q_paused = state.q_paused
         self.q_backfilled = state.q_backfilled
         self.c_cap = state.c_cap
         self.c_adm = state.c_adm
@@ -273,7 +275,10 @@ cdef class TickKernel:
                 self.s_cfree[c, r] = self.s_free[r]
 
     cdef inline i64 _actions_left(self, i32 q) noexcept nogil:
-        # Actions the queue may still admit: action_concurrency minus in flight.
+        # Actions the queue may still admit: action_concurrency minus in flight; none while
+        # it is paused (what it holds runs on; its queued actions wait).
+        if self.q_paused[q]:
+            return 0
         if self.q_action_cap[q] <= 0:
             return NO_CAP
         return self.q_action_cap[q] - <i64>(self.q_adm[q] - self.q_rel[q])
@@ -692,7 +697,7 @@ cdef class TickKernel:
                 if self.q_ring[q, kind] < 0:
                     break
             if actions_left <= 0:
-                stop = W_QUEUE_ACTIONS
+                stop = W_QUEUE_PAUSED if self.q_paused[q] else W_QUEUE_ACTIONS
                 break
             if cand >= self.max_candidates:
                 stop = W_CANDIDATE_LIMIT

@@ -51,6 +51,7 @@ cpdef enum WaitCode:
     W_UNSCHEDULABLE_CAP = 13   # demand exceeds the queue's hard cap
     W_HEAD_BUDGET = 14         # STRICT_FIFO: behind a head blocked on the queue budget
     W_POOL_ELSEWHERE = 15      # its warm pool runs on a cluster the queue no longer allows
+    W_QUEUE_PAUSED = 16        # the queue is paused (queues.NAME.paused): it places nothing
 
 # How the current generation of a lease ended (a heartbeat for it is refused with this).
 cpdef enum LeaseEnd:

@@ -214,6 +214,13 @@ class AdmissionMixin:
     def _check_depth(self, per_queue):
         for qname, n in per_queue.items():
             q = self._queue_index[qname]
+            if n and self._queues[qname].draining:
+                # A drain lets what the queue has run out; retries of it still re-queue
+                # (they are not new actions), re-enqueues of known ids stay no-ops.
+                raise ResourceExhausted(
+                    f"queue {qname}: draining: it takes no new actions ({n} asked; "
+                    f"`leasehold queue update {qname} --draining false` reopens it); "
+                    f"nothing was enqueued")
             depth = self._queues[qname].depth
             if self._state.q_pending[q] + n > depth:
                 raise ResourceExhausted(

@@ -37,6 +37,7 @@ class WaitCode(enum.IntEnum):
     UNSCHEDULABLE_CAP = 13
     HEAD_BUDGET = 14
     POOL_ELSEWHERE = 15
+    QUEUE_PAUSED = 16
 
 
 # Waits that are about resources (the phase is WAITING_FOR_RESOURCES, not QUEUED).

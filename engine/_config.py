@@ -90,6 +90,8 @@ _QUEUE_KEYS = (
     "max_accelerators",
     "clusters",
     "backfill",
+    "paused",
+    "draining",
 )
 _DEFAULT_DEPTH = 10000
 
@@ -132,6 +134,9 @@ class QueueConfig:
     max_resources: np.ndarray  # int64[R]; UNLIMITED where no limit (max_accelerators merged in)
     clusters: tuple  # tuple[str] of cluster names the queue may use
     backfill: bool = False  # EASY backfill behind a blocked head (STRICT_FIFO only)
+    # Live operations (``leasehold queue update|drain``), also settable in the file:
+    paused: bool = False  # the tick places nothing from it; what it holds runs on
+    draining: bool = False  # it takes no new actions (enqueue refused); what it has runs on
 
 
 @dataclass(frozen=True)
@@ -772,6 +777,8 @@ def _build_queue(source, resources, cluster_names, name, table, existing=None):
         "depth": lambda s, p, v: _int(s, p, v, 1),
         "clusters": lambda s, p, v: _parse_queue_clusters(s, p, v, cluster_names),
         "backfill": _parse_bool,
+        "paused": _parse_bool,
+        "draining": _parse_bool,
     }
     defaults = {
         "priority": PRIORITY_NAMES["MEDIUM"],
@@ -781,6 +788,8 @@ def _build_queue(source, resources, cluster_names, name, table, existing=None):
         "depth": _DEFAULT_DEPTH,
         "clusters": tuple(cluster_names),
         "backfill": False,
+        "paused": False,
+        "draining": False,
     }
     values = {}
     for key, parse in parsers.items():

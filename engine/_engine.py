@@ -273,6 +273,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             mask |= 1 << self._cluster_index[name]
         st.q_clusters[i] = mask
         st.q_backfill[i] = q.backfill   # backfill (issue 5)
+        st.q_paused[i] = q.paused
+        st.q_draining[i] = q.draining
         self._queues[q.name] = q
         # Priority descending; equal priorities keep config order.
         order = sorted(range(len(self._queue_names)),

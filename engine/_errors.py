@@ -28,7 +28,7 @@ class SpecError(LeaseholdError):
 
 
 class ResourceExhausted(LeaseholdError):
-    """A queue is at its depth; nothing was stored."""
+    """A queue is at its depth, or draining; nothing was stored."""
 
     code = "RESOURCE_EXHAUSTED"
 

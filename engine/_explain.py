@@ -159,6 +159,9 @@ class ExplainMixin:
         queue = self._queues[qname]
         if code == WaitCode.NONE:
             return f"queue {qname}: queued, not examined by a tick yet"
+        if code == WaitCode.QUEUE_PAUSED:
+            return (f"queue {qname}: paused: it places nothing until resumed "
+                    f"(leasehold queue update {qname} --paused false)")
         if code == WaitCode.QUEUE_ACTIONS:
             return f"queue {qname}: action_concurrency {queue.action_concurrency} reached"
         if code == WaitCode.QUEUE_RUNS:
@@ -233,7 +236,8 @@ class ExplainMixin:
         """Per queue: runs and actions in flight, in-flight resources, depth and head_blocked
         (since, action, reason, demand) or None; ``backfilled`` (placements made by EASY
         backfill, cumulative) and ``head_eta_ns`` (the blocked head's shadow time, None when
-        not blocked or unknown). One queue when ``name`` is given."""
+        not blocked or unknown); ``paused`` and ``draining`` (the live flags). One queue when
+        ``name`` is given."""
         st = self._state
         names = [name] if name is not None else self._queue_names
         out = {}
@@ -268,6 +272,8 @@ class ExplainMixin:
                 },
                 "depth": int(st.q_pending[q]),
                 "head_blocked": blocked,
+                "paused": bool(self._queues[qname].paused),
+                "draining": bool(self._queues[qname].draining),
             }
         return out[name] if name is not None else out
 

@@ -228,6 +228,10 @@ class State:
         self.q_head_code = np.zeros(q, dtype=U8)
         self.q_head_since = np.zeros(q, dtype=I64)
         self.q_backfill = np.zeros(q, dtype=U8)
+        self.q_paused = np.zeros(q, dtype=U8)      # queues.NAME.paused: the tick places none
+        # queues.NAME.draining: admission refuses new actions (Python reads the config; the
+        # column is for readers of the arrays, the status file's vectorised publish)
+        self.q_draining = np.zeros(q, dtype=U8)
         self.q_backfilled = np.zeros(q, dtype=U64)
 
         self.c_cap = np.full((c, r), UNLIMITED, dtype=I64)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
+from engine._commands import register as register_commands
 from engine._config import load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError, SpecError
@@ -498,6 +499,7 @@ def main(argv=None):
                    help="client: a tenant prefix it may act for (repeatable)")
     p.add_argument("--force", action="store_true", help="replace an existing pair")
     p.set_defaults(func=_keys_generate)
+    register_commands(sub)      # config check, submit, status, explain, abort, top, watch, queue
     args = parser.parse_args(argv)
     try:
         return args.func(args)

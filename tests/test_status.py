@@ -42,7 +42,13 @@ from transport import (
     status_path,
 )
 from transport._metrics import METRIC_NAMES
-from transport._status import LAYOUT_HASH, SHARD_COUNTERS, SPARE_QUEUES, _layout_hash
+from transport._status import (
+    LAYOUT_HASH,
+    LAYOUT_VERSION,
+    SHARD_COUNTERS,
+    SPARE_QUEUES,
+    _layout_hash,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "acme/ml/prod/r1"
@@ -249,7 +255,8 @@ def test_a_reader_of_another_layout_refuses_clearly(held_engine, writer, tmp_pat
     writer.publish(eng)
     raw = Path(writer.path).read_bytes()
     cases = {
-        "hash": (16, bytes(16), StatusLayoutError, "layout version 1 .*hash 0000"),
+        "hash": (16, bytes(16), StatusLayoutError,
+                 f"layout version {LAYOUT_VERSION} .*hash 0000"),
         "version": (8, (7).to_bytes(4, "little"), StatusLayoutError, "version 7"),
         "magic": (0, b"NOTMAGIC", StatusError, "not a Leasehold status file"),
     }

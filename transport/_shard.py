@@ -82,6 +82,8 @@ def _plain(value):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, np.ndarray):   # a queue's budget vector: a list, not its str()
+        return value.tolist()
     if isinstance(value, Phase):
         return value.value
     if hasattr(value, "value") and not isinstance(value, (str, int, float, bool)):
@@ -626,10 +628,10 @@ class _Loop:
 
     def on_heartbeat(self, conn, c, peer, msg):
         worker = self._worker(conn, c, msg)
-        # A heartbeat of no tokens still carries the worker's free capacity: an idle worker
-        # whose last beat said "nothing free" must be able to say it is free again.
-        refused = self.eng.heartbeat(worker, msg.tokens, msg.free) \
-            if len(msg.tokens) or msg.free is not None else []
+        # An empty heartbeat still counts: its free capacity (an idle worker's is the only
+        # report that the capacity its last leases held is free again) and its proof that
+        # the worker is alive (a worker paused after an expiry takes work again).
+        refused = self.eng.heartbeat(worker, msg.tokens, msg.free)
         self.shard._status.record_refusals("heartbeat", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         if msg.free is not None or refused:

@@ -64,7 +64,7 @@ log = logging.getLogger("leasehold.status")
 # Everything below this line and above "derived" is the layout: change any of it and the hash
 # changes, so old readers refuse new files (and the other way round). Bump LAYOUT_VERSION too.
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = b"LHSTATUS"
 
 #: Upper bounds (microseconds) of the histogram buckets; one more bucket holds the rest (+Inf).
@@ -136,6 +136,8 @@ QUEUE_FIELDS = (
     ("strict", "u1", ()),               # STRICT_FIFO
     ("action_concurrency", "<i8", ()),  # 0: unlimited
     ("run_concurrency", "<i8", ()),     # 0: unlimited
+    ("paused", "u1", ()),               # the tick places nothing from it (live flag)
+    ("draining", "u1", ()),             # it takes no new actions (live flag)
     ("depth", "<i8", ()),               # queued actions
     ("actions_in_flight", "<i8", ()),
     ("runs_in_flight", "<i8", ()),
@@ -326,6 +328,8 @@ class QueueStatus:
     strict: bool                # STRICT_FIFO (else GREEDY_CAPACITY)
     action_concurrency: int     # 0: unlimited
     run_concurrency: int        # 0: unlimited
+    paused: bool                # the tick places nothing from it
+    draining: bool              # it takes no new actions
     depth: int
     actions_in_flight: int
     runs_in_flight: int
@@ -726,6 +730,8 @@ class StatusWriter:
         qf["strict"][:nq] = a.q_strict[:nq]
         qf["action_concurrency"][:nq] = a.q_action_cap[:nq]
         qf["run_concurrency"][:nq] = a.q_run_cap[:nq]
+        qf["paused"][:nq] = a.q_paused[:nq]
+        qf["draining"][:nq] = a.q_draining[:nq]
         qf["depth"][:nq] = a.q_pending[:nq]
         qf["actions_in_flight"][:nq] = a.q_adm[:nq] - a.q_rel[:nq]
         qf["runs_in_flight"][:nq] = a.q_runs_adm[:nq] - a.q_runs_rel[:nq]
@@ -970,7 +976,8 @@ class StatusReader:
             queues[name] = QueueStatus(
                 name=name, priority=cols["priority"][i], strict=bool(cols["strict"][i]),
                 action_concurrency=cols["action_concurrency"][i],
-                run_concurrency=cols["run_concurrency"][i], depth=cols["depth"][i],
+                run_concurrency=cols["run_concurrency"][i], paused=bool(cols["paused"][i]),
+                draining=bool(cols["draining"][i]), depth=cols["depth"][i],
                 actions_in_flight=cols["actions_in_flight"][i],
                 runs_in_flight=cols["runs_in_flight"][i],
                 in_flight_resources=vec(cols["in_flight_resources"][i]),
