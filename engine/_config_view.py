@@ -23,7 +23,7 @@ from engine._units import DEVICE, UNLIMITED, format_quantity
 __all__ = ["effective_config", "render_toml"]
 
 _KNOWN = ("source", "resources", "engine", "storage", "transport", "security", "worker",
-          "status", "clusters", "queues")
+          "status", "supervisor", "clusters", "queues")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -92,7 +92,10 @@ def effective_config(cfg):
     # The directory the status files really go to (the default is derived from storage.path).
     out["status"] = {"dir": cfg.status.dir if cfg.status.dir is not None
                      else os.path.join(cfg.storage.path, "run"),
-                     "interval": cfg.status.interval}
+                     "interval": cfg.status.interval,
+                     # TOML has no nil: no metrics endpoint is written `metrics = false`.
+                     "metrics": cfg.status.metrics if cfg.status.metrics is not None else False}
+    out["supervisor"] = _plain(cfg.supervisor)
     out["clusters"] = {
         c.name: {"capacity": None if c.capacity is None else _vector(res, c.capacity),
                  "node_shapes": _shapes(res, c.node_shapes)}
@@ -188,7 +191,7 @@ def render_toml(cfg):
     """The effective config as TOML text: every key with its value (defaults included)."""
     eff = effective_config(cfg)
     out = [f"resources = {_value(eff['resources'])}"]
-    for section in ("engine", "storage", "transport", "status"):
+    for section in ("engine", "storage", "transport", "status", "supervisor"):
         out += ["", f"[{section}]"]
         _lines(section, eff[section], out)
     sec = dict(eff["security"])

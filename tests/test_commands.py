@@ -539,7 +539,7 @@ def test_config_check_prints_the_effective_config_with_every_default(tmp_path):
     js = _json_of(cli("config", "check", f, "--json"))
     assert js["ok"] is True
     assert set(js["config"]) == {"resources", "engine", "storage", "transport", "security",
-                                 "worker", "status", "clusters", "queues"}
+                                 "worker", "status", "supervisor", "clusters", "queues"}
     assert js["config"]["queues"]["default"]["max_resources"] == {}
     assert js["config"]["engine"]["system_retries"] == 3
     # The example config round-trips too (node shapes, budgets, several clusters).
