@@ -202,6 +202,9 @@ def register(sub):
     g.add_argument("--function", metavar="MODULE:FUNC", help="python: the function to call")
     g.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="process/python: an environment variable (repeatable)")
+    p.add_argument("--flyte", action="append", default=[], metavar="FILE",
+                   help="a serialised Flyte 2 enqueue (flyteidl2 EnqueueActionRequest or "
+                   "EnqueueRequest, docs/flyte.md) instead of FILE or flags (repeatable)")
     p.add_argument("--wait", action="store_true",
                    help="wait until every action ended (exit 1 unless all SUCCEEDED)")
     p.add_argument("--timeout", type=_seconds, metavar="S",

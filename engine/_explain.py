@@ -90,9 +90,10 @@ class ExplainMixin:
             att = rec.attempt
             wait_s = max(0.0, (att.enqueued_ns - self.clock.now_ns()) / 1e9)
             prev = rec.attempts[-2]
+            cause = f" {prev.cause}" if prev.cause else ""
             return Explanation(aid, Phase.QUEUED, None,
                                f"attempt {att.number} waits {wait_s:.1f}s of retry backoff "
-                               f"(attempt {prev.number}: {prev.phase} {prev.cause or ''})")
+                               f"(attempt {prev.number}: {prev.phase}{cause})")
         if st.a_state[row] in LIVE_STATES and rec.phase == Phase.QUEUED:
             return self._placed(aid, row, rec.compiled.queue)
         if st.a_state[row] != ST_QUEUED:

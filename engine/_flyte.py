@@ -48,6 +48,7 @@ __all__ = [
     "flyte_fanouts",
     "flyte_task_action",
     "enqueue_flyte",
+    "enqueue_fanouts",
 ]
 
 EnqueueActionRequest = queue_service_pb2.EnqueueActionRequest
@@ -1083,7 +1084,14 @@ def enqueue_flyte(engine, requests, *, kind=None):
     enqueued."""
     if isinstance(requests, (bytes, bytearray, memoryview, Message)):
         requests = [requests]
-    fanouts = flyte_fanouts(requests, resources=engine.config.resources, kind=kind)
+    return enqueue_fanouts(engine, flyte_fanouts(requests, resources=engine.config.resources,
+                                                 kind=kind))
+
+
+def enqueue_fanouts(engine, fanouts):
+    """Enqueue decoded :class:`FlyteFanOut`s (:func:`flyte_fanouts`) as
+    :func:`enqueue_flyte` does; returns the ``ActionId`` of each action, in order. (The
+    shard decodes first, checks every action's tenant, then calls this.)"""
     ids = []
     insp = None
     for f in fanouts:

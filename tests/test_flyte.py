@@ -575,3 +575,103 @@ def test_cli_flyte_decode_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.startswith("leasehold: INVALID_ARGUMENT: ")
     assert main(["flyte-decode", str(tmp_path / "missing.bin")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- over the wire
+@pytest.fixture
+def wire_shard(tmp_path):
+    from engine import parse_config
+    from storage import MemoryStore
+    from transport import Client, Shard, generate_keypair, load_client_keys
+
+    keys = tmp_path / "keys"
+    for name in ("shard", "acme-app", "globex-app"):
+        generate_keypair(keys, name)
+    cfg = parse_config(dict(CONFIG, transport={"endpoints": ["tcp://127.0.0.1:0"]},
+                            security={"keys_dir": str(keys), "peers": {
+                                "acme-app": {"role": "client", "tenants": ["acme"]},
+                                "globex-app": {"role": "client", "tenants": ["globex"]}}}))
+    shard = Shard(cfg, store=MemoryStore()).start()
+    clients = {n: Client(endpoint=shard.endpoint, keys=load_client_keys(keys, n, "shard"),
+                         timeout=10.0) for n in ("acme-app", "globex-app")}
+    yield clients
+    for c in clients.values():
+        c.close()
+    shard.stop()
+
+
+def test_the_client_enqueues_flyte_messages_and_a_child_inherits_the_runs_queue(wire_shard):
+    c = wire_shard["acme-app"]
+    root = request(etl, "a0", run_queue="interactive")
+    assert c.enqueue_flyte(root) == ["acme/ml/dev/r1/a0"]
+    # Bytes, and a child without a RunSpec: its run's queue comes from the stored parent.
+    kids = [request(etl, f"c{i}", parent="a0").SerializeToString() for i in range(3)]
+    assert c.enqueue_flyte(kids) == [f"acme/ml/dev/r1/c{i}" for i in range(3)]
+    assert "queue interactive" in c.explain("acme/ml/dev/r1/c2")["reason"]
+    assert c.status(["acme/ml/dev/r1/c0"]) == [Phase.WAITING_FOR_RESOURCES]   # no worker
+
+
+def test_flyte_enqueues_are_checked_by_tenant_and_bad_bytes_are_named(wire_shard):
+    from transport import ShardError
+
+    other = wire_shard["globex-app"]
+    with pytest.raises(ShardError) as info:
+        other.enqueue_flyte(request(etl, "a0"))       # an acme action, a globex key
+    assert info.value.code == "PERMISSION_DENIED" and "acme/ml/dev/r1/a0" in str(info.value)
+    with pytest.raises(ShardError) as info:
+        wire_shard["acme-app"].enqueue_flyte(b"\xff not a protobuf")
+    assert info.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(ShardError):
+        wire_shard["acme-app"].status(["acme/ml/dev/r1/a0"])    # nothing was enqueued
+
+
+def test_leasehold_submit_takes_serialised_flyte_files(tmp_path, capsys):
+    import socket
+
+    from transport import Shard, generate_keypair
+
+    keys = tmp_path / "keys"
+    for name in ("shard", "acme-app"):
+        generate_keypair(keys, name)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "leasehold.toml"
+    cfg.write_text(f"""resources = {json.dumps(CONFIG["resources"])}
+[clusters.east]
+[queues.interactive]
+priority = "MAX"
+[queues.gpu]
+priority = 700
+[queues.batch]
+priority = "MIN"
+[engine]
+default_queue = "batch"
+[storage]
+path = "{tmp_path / 'data'}"
+partitions = 2
+[transport]
+endpoints = ["tcp://127.0.0.1:{port}"]
+[security]
+keys_dir = "{keys}"
+[security.peers.acme-app]
+role = "client"
+tenants = ["acme"]
+""")
+    files = []
+    for name, req in (("root", request(etl, "a0", run_queue="interactive")),
+                      ("kid", request(etl, "c1", parent="a0"))):
+        files.append(tmp_path / f"{name}.pb")
+        files[-1].write_bytes(req.SerializeToString())
+    shard = Shard(str(cfg)).start()
+    try:
+        code = main(["submit", "--config", str(cfg), "--key", "acme-app", "--flyte",
+                     str(files[0]), "--flyte", str(files[1])])
+        out = capsys.readouterr().out.split()
+        assert code == 0 and out == ["acme/ml/dev/r1/a0", "acme/ml/dev/r1/c1"]
+        code = main(["submit", "--config", str(cfg), "--key", "acme-app", "--flyte",
+                     str(tmp_path / "missing.pb")])
+        err = capsys.readouterr().err
+        assert code == 2 and "missing.pb: cannot read it" in err and "Traceback" not in err
+    finally:
+        shard.stop()

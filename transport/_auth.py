@@ -20,6 +20,7 @@ from engine._errors import LeaseholdError
 from transport import _protocol as p
 
 __all__ = [
+    "check_tenants",
     "WORKER",
     "CLIENT",
     "ADMIN",
@@ -203,8 +204,9 @@ def peer_of(frame, keyring):
 
 
 _CLIENT_TYPES = frozenset({
-    p.MsgType.ENQUEUE, p.MsgType.ENQUEUE_FANOUT, p.MsgType.ABORT, p.MsgType.STATUS,
-    p.MsgType.EXPLAIN, p.MsgType.QUEUE_METRICS, p.MsgType.WATCH, p.MsgType.UNWATCH,
+    p.MsgType.ENQUEUE, p.MsgType.ENQUEUE_FANOUT, p.MsgType.ENQUEUE_FLYTE, p.MsgType.ABORT,
+    p.MsgType.STATUS, p.MsgType.EXPLAIN, p.MsgType.QUEUE_METRICS, p.MsgType.WATCH,
+    p.MsgType.UNWATCH,
 })
 _WORKER_TYPES = frozenset({p.MsgType.REGISTER, p.MsgType.HEARTBEAT, p.MsgType.REPORT,
                            p.MsgType.BYE})
@@ -234,6 +236,15 @@ def _ids(msg):
     return []
 
 
+def check_tenants(peer, what, keys):
+    """Raise :class:`PermissionDenied` unless ``peer`` owns every action id or run key of
+    ``keys`` (what a client message names only once decoded, such as Flyte enqueues)."""
+    for key in keys:
+        if not peer.owns(key):
+            raise PermissionDenied(f"{what}: {key} is outside the tenants of key "
+                                   f"{peer.name!r} ({', '.join(peer.tenants)})")
+
+
 def authorize(peer, msg):
     """Whether ``peer`` may send ``msg`` (a decoded message) to a shard; raises
     :class:`PermissionDenied` naming why not. The rules:
@@ -241,7 +252,9 @@ def authorize(peer, msg):
     - PING: anyone;
     - ENQUEUE, ENQUEUE_FANOUT, ABORT, STATUS, EXPLAIN, WATCH, UNWATCH: a client, for
       actions and runs of its tenants only (an enqueued spec's id and parent both), or an
-      admin (every tenant); QUEUE_METRICS: a client or an admin;
+      admin (every tenant); QUEUE_METRICS: a client or an admin; ENQUEUE_FLYTE: a client
+      or an admin here, its actions' tenants checked by the shard once it decoded them
+      (:func:`check_tenants`);
     - QUEUE_UPDATE: an admin;
     - REGISTER: a worker, for its own cluster and as worker id its key's name or
       ``NAME.<suffix>``; HEARTBEAT, REPORT, BYE: a worker (that it holds the tokens it
@@ -257,10 +270,7 @@ def authorize(peer, msg):
         if role not in (CLIENT, ADMIN, INSECURE):
             raise PermissionDenied(f"{t.name}: key {peer.name!r} is a {role} key; only "
                                    f"client and admin keys may send it")
-        for key in _ids(msg):
-            if not peer.owns(key):
-                raise PermissionDenied(f"{t.name}: {key} is outside the tenants of key "
-                                       f"{peer.name!r} ({', '.join(peer.tenants)})")
+        check_tenants(peer, t.name, _ids(msg))
         return
     if t in _ADMIN_TYPES:
         if role not in (ADMIN, INSECURE):

@@ -135,6 +135,20 @@ class Client:
                                           inputs=list(inputs) if inputs is not None else None),
                           "ENQUEUE_FANOUT")["n"]
 
+    def enqueue_flyte(self, requests, kind=None):
+        """Enqueue Flyte 2 declarations as the SDK writes them (``docs/flyte.md``): one or a
+        list of flyteidl2 ``EnqueueActionRequest`` / ``EnqueueRequest`` messages or their
+        serialised bytes (``kind`` "queue" or "actions" when known). The shard decodes them
+        (it needs ``leasehold[flyte]``) and enqueues each fan-out atomically; returns the
+        action ids, in order."""
+        if isinstance(requests, (bytes, bytearray, memoryview)) or hasattr(
+                requests, "SerializeToString"):
+            requests = [requests]
+        raw = [bytes(r) if isinstance(r, (bytes, bytearray, memoryview))
+               else r.SerializeToString() for r in requests]
+        return self._call(p.EnqueueFlyte(rid=next(self._rids), requests=raw, kind=kind),
+                          "ENQUEUE_FLYTE")["ids"]
+
     def abort(self, action, reason=None):
         """Abort ``action`` and its descendants; returns the ids that ended at once."""
         return self._call(p.Abort(rid=next(self._rids), action=str(action), reason=reason),

@@ -411,9 +411,24 @@ def _check_spec(path, where, spec):
         raise CommandError("INVALID_ARGUMENT", f"{path}: {where}: {exc}") from None
 
 
+def _read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CommandError("INVALID_ARGUMENT", f"--flyte {path}: cannot read it: "
+                           f"{exc.strerror or exc}") from None
+
+
 def submit(args):
     """``leasehold submit``: enqueue, print the ids, optionally wait for the outcomes."""
-    if args.file is not None:
+    if args.flyte:
+        given = _flags_given(args) + ([args.file] if args.file is not None else [])
+        if given:
+            raise CommandError("INVALID_ARGUMENT", f"submit: give --flyte FILE alone, not "
+                               f"with {', '.join(given)}")
+        plan = ("flyte", [_read_bytes(f) for f in args.flyte])
+    elif args.file is not None:
         given = _flags_given(args)
         if given:
             raise CommandError("INVALID_ARGUMENT", f"submit: give FILE or flags, not both "
@@ -426,7 +441,9 @@ def submit(args):
     ids = []
     with talk(args) as (cfg, client):
         try:
-            if plan[0] == "fanout":
+            if plan[0] == "flyte":
+                ids += client.enqueue_flyte(plan[1])
+            elif plan[0] == "fanout":
                 _, template, names, inputs = plan
                 run = _run_of(str(ActionId.parse(template.get("id"))))
                 step = cfg.transport.max_fanout

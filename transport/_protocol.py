@@ -88,6 +88,7 @@ class MsgType(enum.IntEnum):
     WATCH = 8
     UNWATCH = 9
     PING = 10
+    ENQUEUE_FLYTE = 11
     # shard -> client (ERROR goes to workers too)
     REPLY = 12
     ERROR = 13
@@ -124,7 +125,7 @@ ERROR_CODES = (
     "UNAUTHENTICATED", "PERMISSION_DENIED",                         # who sent it
     "INVALID_ARGUMENT", "INVALID_CONFIG", "NOT_FOUND", "ALREADY_EXISTS",
     "RESOURCE_EXHAUSTED",                                           # what the engine said
-    "UNAVAILABLE", "INTERNAL",                                      # the shard
+    "UNAVAILABLE", "INTERNAL", "UNIMPLEMENTED",                     # the shard
 )
 
 
@@ -153,6 +154,20 @@ class Enqueue(Message):
 
     rid: int
     specs: list
+
+
+@_message(MsgType.ENQUEUE_FLYTE)
+class EnqueueFlyte(Message):
+    """Flyte 2 enqueues as the SDK serialises them (``docs/flyte.md``): ``requests`` are
+    serialised flyteidl2 queue-service ``EnqueueActionRequest``s or actions-service
+    ``EnqueueRequest``s (``kind`` "queue" or "actions"; absent: each is tried as the
+    first, then the second). The shard decodes them, checks every action's tenant, and
+    enqueues each fan-out as ``engine.flyte.enqueue_flyte`` does (a child takes its run's
+    queue from its parent's stored spec). REPLY body: ``{"ids": [action id, ...]}``."""
+
+    rid: int
+    requests: list
+    kind: str | None = None
 
 
 @_message(MsgType.ENQUEUE_FANOUT)
@@ -542,6 +557,10 @@ def _build_schemas(lim):
     schemas = [
         S(Enqueue, (("rid", rid, True),
                     ("specs", sc.list_of(spec, lim.max_batch, batch), True))),
+        S(EnqueueFlyte, (("rid", rid, True),
+                         ("requests", sc.binaries(lim.max_frame_bytes, lim.max_batch, batch),
+                          True),
+                         ("kind", sc.optional(sc.choice(("queue", "actions"))), False))),
         S(EnqueueFanout, (("rid", rid, True), ("template", spec, True),
                           ("names", sc.strings(lim.max_name, lim.max_fanout,
                                                "transport.max_fanout"), True),

@@ -15,6 +15,7 @@ import math
 import re
 
 __all__ = [
+    "binaries",
     "SchemaError",
     "kind_of",
     "MAX_DEPTH",
@@ -168,6 +169,23 @@ def strings(limit, count, count_name, pattern=None, rule=None, nullable=False, m
                                   f"{' or nil' if nullable else ''}, not {kind_of(v)}")
             one(v, f"{key}[{i}]")
         raise AssertionError("unreachable: some item failed the fast check")
+
+    return check
+
+
+def binaries(limit, count, count_name):
+    """A list of 1..``count`` byte strings, each of 1..``limit`` bytes (serialised messages
+    of another protocol, such as Flyte's)."""
+
+    def check(value, key):
+        if not _sized_list(value, key, count, count_name, 1):
+            return value
+        for i, v in enumerate(value):
+            if type(v) is not bytes:
+                raise SchemaError(f"{key}[{i}] must be bytes, not {kind_of(v)}")
+            if not 0 < len(v) <= limit:
+                raise SchemaError(f"{key}[{i}] has {len(v)} bytes; allowed: 1..{limit}")
+        return value
 
     return check
 

@@ -42,6 +42,7 @@ from transport._auth import (
     PermissionDenied,
     Unauthenticated,
     authorize,
+    check_tenants,
     peer_of,
     visible_metrics,
 )
@@ -527,6 +528,29 @@ class _Loop:
                 if run in self.watch:
                     self.record(run, a, Phase.QUEUED, 0, now)
 
+    def on_enqueue_flyte(self, conn, c, peer, msg):
+        try:
+            from engine.flyte import enqueue_fanouts, flyte_fanouts
+        except ImportError as exc:
+            raise _Unimplemented(f"this shard cannot read Flyte messages: {exc}") from None
+        fanouts = flyte_fanouts(msg.requests, resources=self.eng.config.resources,
+                                kind=msg.kind)
+        # The tenants are known only now: every action and parent is checked before any
+        # is enqueued.
+        check_tenants(peer, "ENQUEUE_FLYTE", [
+            key for f in fanouts for key in (
+                [f"{f.template.id.rsplit('/', 1)[0]}/{n}" for n in f.names]
+                + ([f.template.parent] if f.template.parent else []))])
+        out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
+        self.reply(conn, msg.rid, {"ids": out})
+        self.want_tick = True
+        if len(self.watch):
+            now = self.eng.clock.now_ns()
+            for a in out:
+                run = a.rsplit("/", 1)[0]
+                if run in self.watch:
+                    self.record(run, a, Phase.QUEUED, 0, now)
+
     def on_enqueue_fanout(self, conn, c, peer, msg):
         ids = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
         self._keep_spec(msg.template)
@@ -842,6 +866,10 @@ class _Poison(Exception):
 
 class _NotRegistered(LeaseholdError):
     code = "NOT_FOUND"
+
+
+class _Unimplemented(LeaseholdError):
+    code = "UNIMPLEMENTED"
 
 
 def _refused(rid, refused):
