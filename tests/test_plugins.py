@@ -308,6 +308,7 @@ def test_process_success_env_cwd_and_log(tmp_path, plugins):
     changes = drive(plugin, [att.key])[att.key]
     assert [c.phase for c in changes] == [Phase.RUNNING, Phase.SUCCEEDED]
     env = eval((att.workdir / "env.txt").read_text())
+    env.pop("LEASEHOLD_DEBUG", None)    # the debug build's switch, inherited like any other
     assert env == {"MY_VAR": "42", "LEASEHOLD_ACTION": "t/p/d/r/a", "LEASEHOLD_ATTEMPT": "3",
                    "LEASEHOLD_POD_ROLE": "main", "LEASEHOLD_POD_INDEX": "0",
                    "LEASEHOLD_GANG_SIZE": "1", "LEASEHOLD_INPUT": "s3://in/put"}

@@ -100,7 +100,7 @@ class Cluster:
             capacity = {{ cpu = 100000, memory = "100Ti" }}
             work_dir = "{tmp_path / 'work'}"
             log_dir = "{tmp_path / 'logs'}"
-            drain_timeout = 5
+            drain_timeout = 1
             kill_grace = 0.5
             """))
         self.procs = []
