@@ -24,6 +24,7 @@ from transport import (
     Decoder,
     Enqueue,
     EnqueueFanout,
+    EnqueueFlyte,
     Error,
     Event,
     Events,
@@ -76,6 +77,7 @@ def samples():
         Error(rid=12, code="NOT_FOUND", message="action acme/ml/prod/r1/x does not exist"),
         Event(run="acme/ml/prod/r1", seq=42, action="acme/ml/prod/r1/train", phase="RUNNING",
               attempt=1, time_ns=1_700_000_000_000_000_000, detail="started"),
+        EnqueueFlyte(rid=16, requests=[b"\x0a\x02ab", b"\x12\x00"], kind="queue"),
         Events(run="acme/ml/prod/r1", seq=43, actions=["acme/ml/prod/r1/a", "acme/ml/prod/r1/b"],
                phases=np.array([3, 4], np.uint8), attempts=np.array([1, 2], np.int32),
                time_ns=np.array([5, 6], np.int64), details=[None, "done"]),
@@ -276,6 +278,11 @@ def test_keys_are_checked_by_name():
     refused(with_header(Event(run="a/b/c/d", seq=1, action="a/b/c/d/e", phase="RUNNING",
                               attempt=1, time_ns=0), {"phase": "DANCING"}),
             "BAD_MESSAGE", "'phase' = 'DANCING' is not one of QUEUED")
+    fl = EnqueueFlyte(rid=1, requests=[b"x"])
+    refused(with_header(fl, {"requests": ["text"]}), "BAD_MESSAGE",
+            "requests[0] must be bytes, not str")
+    refused(with_header(fl, {"requests": [b""]}), "BAD_MESSAGE", "has 0 bytes")
+    refused(with_header(fl, {"kind": "other"}), "BAD_MESSAGE", "'kind'")
     evs = Events(run="a/b/c/d", seq=1, actions=["a/b/c/d/e"], phases=np.array([3], np.uint8),
                  attempts=np.array([1], np.int32), time_ns=np.array([0], np.int64))
     refused(with_header(evs, {"actions": ["a/b/c/d/e", "a/b/c/d/f"]}), "BAD_MESSAGE",
