@@ -459,6 +459,22 @@ def test_process_gang_one_failing_pod_fails_it_and_stops_the_others(tmp_path, pl
     assert late == []
 
 
+def test_process_gang_pods_that_exit_at_once_with_one_failing_fail_it_once(tmp_path, plugins):
+    # Every pod exits before the plugin looks: the failing pod ends the gang and stops its
+    # siblings, which are in the same batch of exits (the case that once raised).
+    plugin = plugins(ProcessPlugin)
+    code = "import os, sys; sys.exit(3 if os.environ['LEASEHOLD_POD_INDEX'] == '0' else 0)"
+    att = make_attempt(tmp_path, py(code), groups=[("worker", 4)])
+    plugin.start(att)
+    assert [c.phase for c in plugin.poll()] == [Phase.RUNNING]
+    deadline = time.monotonic() + 10
+    while len(children_left()) and time.monotonic() < deadline:
+        time.sleep(0.02)            # all four are zombies now, none reaped yet
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert out.phase == Phase.FAILED and out.pod == "worker/0"
+    assert run_for(plugin, 0.2) == []
+
+
 def test_process_gang_spawn_failure_kills_the_pods_already_started(tmp_path, plugins):
     plugin = plugins(ProcessPlugin)
     real = plugin._reaper.spawn

@@ -239,3 +239,33 @@ def test_leasehold_worker_exits_2_when_no_shard_answers(tmp_path):
     last = [x for x in out.stderr.splitlines() if x.strip()][-1]
     assert last.startswith("leasehold: ") and "tcp://127.0.0.1:9" in last
     assert "Traceback" not in out.stderr
+
+
+class Broken(Controlled):
+    """Raises where a buggy plugin would: in start() for one action, in poll() once."""
+
+    def __init__(self):
+        super().__init__(instant=True)
+        self.poll_failures = 1
+
+    def start(self, attempt):
+        if attempt.action.endswith("/boom"):
+            raise RuntimeError("a bug in start")
+        super().start(attempt)
+
+    def poll(self):
+        if self.poll_failures:
+            self.poll_failures -= 1
+            raise RuntimeError("a bug in poll")
+        return super().poll()
+
+
+def test_a_plugins_bug_fails_its_attempt_and_the_worker_keeps_serving(rig):
+    r = rig(Broken())
+    r.client.enqueue(spec("boom"))
+    r.client.enqueue(spec("fine"))
+    got = r.client.wait([f"{RUN}/boom", f"{RUN}/fine"], timeout=20)
+    assert got == {f"{RUN}/boom": Phase.FAILED, f"{RUN}/fine": Phase.SUCCEEDED}
+    assert "PLUGIN_ERROR" in str(r.client.explain(f"{RUN}/boom"))
+    # A SYSTEM failure is retried (engine.system_retries = 3): four starts failed, one poll.
+    assert r.worker.stats()["plugin_errors"] == 5 and r.worker.wait(timeout=0) is None

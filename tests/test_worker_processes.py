@@ -189,7 +189,7 @@ def test_a_fanout_of_10000_completes_on_a_worker_process(cluster):
 
 def test_a_gang_starts_together_and_one_failing_pod_fails_it(cluster, tmp_path):
     c = cluster(system_retries=0)
-    c.worker()
+    w = c.worker()
     stamp = ("import os, sys, time; "
              "open(os.environ['STAMPS'] + '/' + os.environ['LEASEHOLD_POD_ROLE'] + "
              "os.environ['LEASEHOLD_POD_INDEX'], 'w').write(repr(time.time())); "
@@ -204,7 +204,8 @@ def test_a_gang_starts_together_and_one_failing_pod_fails_it(cluster, tmp_path):
             "plugin": "process", "command": [sys.executable, "-c", stamp],
             "env": {"STAMPS": str(stamps), "FAIL": fail}}})
     got = c.client.wait([f"{RUN}/ok", f"{RUN}/bad"], timeout=60)
-    assert got == {f"{RUN}/ok": Phase.SUCCEEDED, f"{RUN}/bad": Phase.FAILED}
+    assert got == {f"{RUN}/ok": Phase.SUCCEEDED, f"{RUN}/bad": Phase.FAILED}, \
+        (c.client.explain(f"{RUN}/ok"), c.log_of(w)[-3000:])
     times = [float(p.read_text()) for p in (tmp_path / "stamps-ok").iterdir()]
     assert len(times) == 4 and max(times) - min(times) < 1.0
     e = str(c.client.explain(f"{RUN}/bad"))

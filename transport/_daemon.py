@@ -174,7 +174,7 @@ class Worker:
         self._error = None
         self._counts = dict(leases=0, finalize=0, started=0, reports=0, succeeded=0, failed=0,
                             timed_out=0, stopped=0, refused=0, evicted=0, shard_lost=0,
-                            heartbeats=0, report_errors=0, cleanups=0)
+                            heartbeats=0, report_errors=0, cleanups=0, plugin_errors=0)
 
     # ------------------------------------------------------------------ running
 
@@ -237,7 +237,8 @@ class Worker:
 
     def stats(self):
         """Counters (leases, started, reports, succeeded, failed, timed_out, stopped,
-        refused, evicted, shard_lost, heartbeats, report_errors, cleanups) and ``held``."""
+        refused, evicted, shard_lost, heartbeats, report_errors, cleanups, plugin_errors)
+        and ``held``."""
         out = dict(self._counts)
         out["held"] = len(self._held)
         return out
@@ -315,8 +316,14 @@ class Worker:
                 if sh.lost_at is None:
                     for msg in sh.conn.take():
                         self._on_message(sh, msg, now)
-            for plugin in self.plugins.values():
-                for ch in plugin.poll():
+            for name, plugin in self.plugins.items():
+                try:
+                    changes = plugin.poll()
+                except Exception:   # a plugin's bug: log it, keep every other attempt going
+                    log.exception("worker %s: plugin %s failed to poll", self.name, name)
+                    self._count("plugin_errors")
+                    continue
+                for ch in changes:
                     self._on_change(ch, now)
             self._fire_timers(now)
             self._flush_reports()
@@ -433,6 +440,11 @@ class Worker:
             return
         except SpecError as exc:
             self._end(h, Outcome.user(f"the lease's spec: {exc}", recoverable=False), now)
+            return
+        except Exception as exc:    # a plugin's bug: this attempt fails, the worker goes on
+            log.exception("worker %s: starting %s failed", self.name, lease.action)
+            self._count("plugin_errors")
+            self._end(h, Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}"), now)
             return
         self._count("started")
         self._report(h, _INITIALIZING)

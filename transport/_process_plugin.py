@@ -557,6 +557,8 @@ class ProcessPlugin(Plugin):
         exited, _ = self._reaper.ready()
         for group in exited:
             pod = group.owner
+            if pod is None:
+                continue    # stopped meanwhile: a gang sibling that failed first ended it
             run = pod.run
             if run.attempt.key not in self._runs:
                 continue
