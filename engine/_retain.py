@@ -189,6 +189,11 @@ class RetentionMixin:
             getattr(st, name)[rows] = fill
         st.a_released_gen[rows] = gen
         st.a_state[rows] = ST_FREE
+        # A queue's blocked head is a row number the kernel keeps until its next scan of
+        # the queue: one that names a freed row would name whatever action takes it next.
+        stale = np.isin(st.q_head, rows)
+        if stale.any():
+            st.q_head[stale] = -1
         # Its FREE record in the old action's partition (a_part is kept), written even if
         # the row is reused in this turn by another partition's action.
         self._action_blocks(rows, self._ops)
