@@ -51,3 +51,24 @@ def engine_factory():
 if os.environ.get("CI"):
     settings.register_profile("ci", derandomize=True, database=None)
     settings.load_profile("ci")
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process told its port)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(cond, timeout=10.0, what="condition"):
+    """``cond()``'s first truthy value, polled every 20 ms for at most ``timeout`` seconds;
+    AssertionError naming ``what`` when it never comes."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -12,7 +12,6 @@ socket and thread is closed at the end."""
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,16 +24,11 @@ import pytest
 
 from engine import ManualClock, Phase, load_config, parse_config
 from engine._config_view import effective_config
+from tests.conftest import free_port as _free_port
 from transport import Client, Shard, WorkerConnection, generate_keypair, load_client_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "acme/p/d"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():

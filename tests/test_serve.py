@@ -23,6 +23,7 @@ import pytest
 
 from engine import Phase, parse_config
 from storage import LmdbStore, MemoryStore
+from tests.conftest import free_port, until
 from transport import (
     Client,
     Shard,
@@ -39,22 +40,6 @@ from transport import (
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "acme/ml/prod/r1"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def alive(pid):

@@ -13,6 +13,7 @@ import zmq
 from engine import Phase, parse_config
 from engine._codes import LeaseKind, Verdict
 from storage import LmdbStore, MemoryStore, StoreError
+from tests.conftest import free_port as _free_port
 from transport import (
     Client,
     ClientKeys,
@@ -32,6 +33,7 @@ from transport import (
 )
 
 RUN = "acme/ml/prod/r1"
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -485,13 +487,6 @@ tenants = ["acme"]
     path = tmp_path / "leasehold.toml"
     path.write_text(text)
     return path
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shard_process(config):

@@ -11,6 +11,7 @@ import pytest
 
 from engine import Phase, parse_config
 from storage import MemoryStore
+from tests.conftest import until
 from transport import Change, Client, Outcome, Plugin, Shard, Worker
 
 RUN = "acme/ml/prod/r1"
@@ -84,15 +85,6 @@ def spec(name, **kw):
          "execute": {"plugin": "sim"}}
     d.update(kw)
     return d
-
-
-def until(cond, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Rig:

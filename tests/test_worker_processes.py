@@ -8,7 +8,6 @@ two workers. Every wait is bounded; every process is killed in teardown."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,26 +18,12 @@ import psutil
 import pytest
 
 from engine import Phase
+from tests.conftest import free_port as _free_port
+from tests.conftest import until
 from transport import Client, generate_keypair, load_client_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "acme/ml/prod/r1"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def pid_gone(pid):
