@@ -61,6 +61,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-benchmark>=4",
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "ruff>=0.5",
             "cython-lint>=0.16",
