@@ -198,6 +198,7 @@ class TransportSettings:
     max_text: int = 4096  # bytes of a free text (reason, message, input reference)
     hwm: int = 1000  # ZeroMQ send/receive high-water mark per connection, in messages
     max_outstanding: int = 64  # requests a client may have unanswered (the shard loop refuses more)
+    commit_pipeline: int = 2  # loop turns in commit at once (1: each turn waits for its commit)
     # The ZeroMQ endpoint each shard binds, by shard index (``leasehold shard --shard N``
     # binds ``endpoints[N]``; clients and workers dial the same strings).
     endpoints: tuple = ("tcp://127.0.0.1:7700",)
@@ -551,16 +552,22 @@ def _duration(source, path, value):
     return _seconds(source, path, value, False)
 
 
+#: Loop turns a shard may have decided and not yet committed (``transport.commit_pipeline``).
+MAX_COMMIT_PIPELINE = 16
+
 _ENDPOINT = re.compile(r"^(tcp://[^\s:]+:[0-9]+|ipc://\S+|inproc://\S+)$")
 
 
 def _parse_transport(source, table):
     minimums = {"max_frames": 2, "max_frame_bytes": 1024, "max_header_bytes": 1024,
                 "max_tokens": 1, "max_batch": 1, "max_fanout": 1, "max_name": 64,
-                "max_text": 64, "hwm": 1, "max_outstanding": 1}
+                "max_text": 64, "hwm": 1, "max_outstanding": 1, "commit_pipeline": 1}
     _check_keys(source, "transport", table, (*minimums, "endpoints"))
     values = {key: _int(source, f"transport.{key}", table[key], minimums[key])
               for key in minimums if key in table}
+    if values.get("commit_pipeline", 1) > MAX_COMMIT_PIPELINE:
+        raise _invalid(source, "transport.commit_pipeline", table["commit_pipeline"],
+                       f"an integer from 1 to {MAX_COMMIT_PIPELINE}")
     if "endpoints" in table:
         eps = table["endpoints"]
         if (not isinstance(eps, list) or not eps

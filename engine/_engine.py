@@ -104,8 +104,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._tenant_parts = {}     # tenant -> partition (a cache of partition_of)
         self._depth = 0             # nesting of transitions in the current loop turn
         self._deferring = False     # the current turn is deferred (decide / deferred_turn)
+        self._hand_out_own = False  # ... and may hand out what is not committed yet
         self._pending = collections.deque()   # deferred groups not committed yet, in order
         self._pending_batch = None  # the batch a deferred turn just encoded
+        self._pending_retained = None   # ... and the retained outcomes it writes
         self._group_seq = itertools.count(1)
         self._committed_tail = 0    # dispatch ring position up to which decisions are durable
         self._store.open(config.storage.shard, self._wall.time_ns())
@@ -193,13 +195,11 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._kernel.bind(self._state)
         self._codec_records.bind(self._state)
 
-
     def _part_of(self, tenant):
         part = self._tenant_parts.get(tenant)
         if part is None:
             part = self._tenant_parts[tenant] = partition_of(tenant, self._store.partitions)
         return part
-
 
     def _load_meta(self, secret):
         """Check (or write) the shard layout and return the token secret."""
@@ -308,8 +308,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
 
     # ------------------------------------------------------------------ loop turns
 
-
-
     def decide(self):
         """One tick's decision without its commit (:meth:`schedule` is ``decide`` then
         :meth:`commit`): fire due timers, expire leases whose heartbeats stopped, run the
@@ -319,17 +317,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         with self.deferred_turn() as group:
             group.placed, group.swept = self._decide_body()
         return group
-
-
-
-
-
-
-
-
-
-
-
 
     def close(self):
         """Release the store (claims are released so a successor can start at once)."""
@@ -349,49 +336,13 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
 
     # ------------------------------------------------------------------ workers
 
-
-
-
-
-
-
     # ------------------------------------------------------------------ enqueue
-
-
-
-
-
-
-
-
-
-
-
-
 
     # ------------------------------------------------------------------ rows and their edges
     # A row is *lean* (a_edges 0) while its columns are its whole outcome: one attempt on the
     # common path (queued, dispatched, running, succeeded), its spec in its enqueue group.
     # It has no Python object; anything else (explain, attempts, a failure, a retry, an
     # abort) gives it its Python record (_materialize), which is its truth from then on.
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
     # ------------------------------------------------------------------ the tick
 
@@ -439,11 +390,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
         return placed, swept
 
-
-
-
-
-
     def tick(self):
         """Schedule once and return the assignments made (the in-process dispatcher), in
         one loop turn (one group commit)."""
@@ -451,47 +397,19 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             self.schedule()
             return self._drain(None)
 
-
     # ------------------------------------------------------------------ timers
-
-
-
 
     # ------------------------------------------------------------------ expiry
 
-
-
-
     # ------------------------------------------------------------------ heartbeats
-
-
 
     # ------------------------------------------------------------------ reports
 
-
-
-
-
-
-
-
-
-
     # ------------------------------------------------------------------ abort
-
-
 
     # ------------------------------------------------------------------ transitions
 
-
-
-
-
-
     # ------------------------------------------------------------------ finalize leases
-
-
-
 
     # ------------------------------------------------------------------ backfill (issue 5)
     # Runtime history per task name feeds EASY backfill: each task row of t_pred_rt holds
@@ -536,19 +454,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         """What the task's history predicts (seconds, at ``backfill_percentile``), or None."""
         return self.history.percentile(task, self.config.engine.backfill_percentile)
 
-
-
     # ------------------------------------------------------------------ queries
-
-
-
-
-
-
-
-
-
-
 
     def inspect(self):
         """A read-only :class:`~engine.Inspection` of this engine's state (arrays, counters,

@@ -33,12 +33,13 @@ class Group:
     its turn runs, then ``"pending"``, then ``"committed"`` or ``"discarded"`` (an earlier
     or its own commit failed: nothing of it may be acted on)."""
 
-    __slots__ = ("seq", "state", "batch", "dispatch_tail", "placed", "swept")
+    __slots__ = ("seq", "state", "batch", "retained", "dispatch_tail", "placed", "swept")
 
     def __init__(self, seq):
         self.seq = seq
         self.state = "open"
         self.batch = None
+        self.retained = None    # (partition, key) -> retained outcome the batch writes
         self.dispatch_tail = 0
         self.placed = 0         # assignments the decision made (decide)
         self.swept = False      # the decision ran the periodic lease-expiry sweep (decide)
@@ -60,28 +61,38 @@ class JournalMixin:
             yield self
 
     @contextlib.contextmanager
-    def deferred_turn(self):
+    def deferred_turn(self, *, hand_out_own=False):
         """A loop turn whose commit is left to the caller: the block's transitions are
         applied in memory and encoded, when it exits, into a :class:`Group` (yielded at
-        entry, filled at exit) to pass to :meth:`commit`. Nothing done inside is durable,
-        nor may it be acknowledged, until that commit returns; decisions it makes stay in
-        the dispatch channel until then. Several groups may be pending (decide turn N+1
-        while turn N syncs); they commit in order. While any is pending only deferred
-        turns may run."""
+        entry, filled at exit) to pass to :meth:`commit` (or, when another thread wrote
+        ``group.batch`` to the store, to :meth:`settle`). Nothing done inside is durable,
+        nor may it be acknowledged, until that commit returns. Several groups may be
+        pending (decide turn N+1 while turn N syncs); they commit in order. While any is
+        pending only deferred turns may run.
+
+        A drain inside hands out only what committed groups decided, unless
+        ``hand_out_own``: then it hands out this turn's decisions and those of groups still
+        pending too. That is for a caller that holds everything it drained until *this*
+        group has committed (a shard loop's outbox): the hand-out record and the decisions
+        it hands out then become durable together, or with the groups before it."""
         if self._depth:
             raise StoreError("a deferred turn cannot be nested in another turn")
         group = Group(next(self._group_seq))
         self._deferring = True
+        self._hand_out_own = bool(hand_out_own)
         try:
             with self._turn():
                 yield group
         finally:
             self._deferring = False
+            self._hand_out_own = False
         if self._stopped is None and group.state == "open":
             group.batch = self._pending_batch
+            group.retained = self._pending_retained or None
             group.dispatch_tail = self._kernel.d_tail
             group.state = "pending"
             self._pending_batch = None
+            self._pending_retained = None
             self._pending.append(group)
 
     def commit(self, group):
@@ -89,22 +100,50 @@ class JournalMixin:
         decided). On failure memory is restored to what the store holds, which discards
         this group and every later pending one (their state becomes ``"discarded"``), and
         the error is raised: nothing of them may be acted on."""
+        self._check_next(group)
+        try:
+            self._write(group.batch)
+        except BaseException:
+            self._discard_pending()
+            raise
+        self._committed(group)
+
+    def settle(self, group, error=None):
+        """Record the outcome of a pending group's store commit done outside the engine (a
+        committer thread wrote ``group.batch`` with the store's ``commit``, in group order):
+        ``error`` None for success, else the exception that commit raised. A failure is
+        handled as :meth:`commit` handles it (a full store is grown and the group written
+        again here; otherwise memory := the store, this and every later pending group
+        discarded) and ``error`` is raised. Call it on the engine's own thread."""
+        self._check_next(group)
+        if error is None:
+            self._committed(group)
+            return
+        try:
+            self._after_failed_commit(error)        # returns only when grown: write again
+            self._write(group.batch)
+        except BaseException:
+            self._discard_pending()
+            raise
+        self._committed(group)
+
+    def _check_next(self, group):
         if group.state != "pending":
             raise StoreError(f"group {group.seq} is {group.state}, not pending")
         if self._pending[0] is not group:
             raise StoreError(f"group {group.seq} commits after group {self._pending[0].seq}")
-        try:
-            self._write(group.batch)
-        except BaseException:
-            for g in self._pending:
-                g.state = "discarded"
-                g.batch = None
-            self._pending.clear()
-            raise
+
+    def _committed(self, group):
         self._pending.popleft()
         group.state = "committed"
-        group.batch = None
+        group.batch = group.retained = None
         self._committed_tail = group.dispatch_tail
+
+    def _discard_pending(self):
+        for g in self._pending:
+            g.state = "discarded"
+            g.batch = g.retained = None
+        self._pending.clear()
 
     @property
     def pending_groups(self):
@@ -128,16 +167,14 @@ class JournalMixin:
             if self._depth == 0:
                 if ok and self._deferring:
                     self._pending_batch = self._encode() if self._has_dirty() else {}
+                    self._pending_retained = self._retained_turn
                     self._clear_dirty()
                 elif ok:
                     self._commit()
                 elif self._has_dirty():
                     # An error after memory changed: put memory back to what disk holds
                     # (which also discards every pending deferred group).
-                    for g in self._pending:
-                        g.state = "discarded"
-                        g.batch = None
-                    self._pending.clear()
+                    self._discard_pending()
                     self._restore()
 
     def _has_dirty(self):
@@ -162,36 +199,45 @@ class JournalMixin:
         if not batch:
             self._clear_dirty()
             return
-        store = self._store
         while True:
             try:
-                store.commit(batch)
+                self._store.commit(batch)
                 break
-            except StoreFull:
-                grow = getattr(store, "resize", None)
-                size = getattr(store, "map_size", None)
-                limit = self.config.storage.max_map_size
-                if grow is not None and size is not None and size < limit:
-                    grow(min(size * 2, limit))   # nothing was applied: retry the group
-                    continue
-                self._restore()
-                raise
-            except OwnershipError as exc:
-                self._stopped = f"ownership lost: {exc}"
-                raise
-            except StoreFailed:
-                # Unknown outcome: reopen (finishes or discards the group) and reload.
-                store.close()
-                store.open(self.config.storage.shard, self._wall.time_ns())
-                self._restore()
-                raise
-            except BaseException:
-                self._restore()
-                raise
+            except BaseException as exc:
+                self._after_failed_commit(exc)     # returns only when grown: try again
         self._clear_dirty()
+
+    def _after_failed_commit(self, exc):
+        """A group's commit raised ``exc`` (nothing of it applied, or, for StoreFailed, an
+        unknown outcome): grow a full store and return (the caller writes the group again),
+        or restore memory := disk and raise ``exc``."""
+        store = self._store
+        if isinstance(exc, StoreFull):
+            grow = getattr(store, "resize", None)
+            size = getattr(store, "map_size", None)
+            limit = self.config.storage.max_map_size
+            if grow is not None and size is not None and size < limit:
+                grow(min(size * 2, limit))   # nothing was applied: retry the group
+                return
+            self._restore()
+            raise exc
+        if isinstance(exc, OwnershipError):
+            self._stopped = f"ownership lost: {exc}"
+            raise exc
+        if isinstance(exc, StoreFailed):
+            # Unknown outcome: reopen (finishes or discards the group) and reload.
+            store.close()
+            store.open(self.config.storage.shard, self._wall.time_ns())
+        self._restore()
+        raise exc
 
     def _restore(self):
         """Memory := disk, keeping the connected workers' sessions."""
+        # A store written from another thread (a pipelined shard's committer) finishes or
+        # drops what it was given first, so what is read here is what the store keeps.
+        quiesce = getattr(self._store, "quiesce", None)
+        if quiesce is not None:
+            quiesce()
         connected = [(name, self._clusters[self._state.w_cluster[row]],
                       self._suspects.get(row, int(self._state.w_slots[row])))
                      for name, row in self._workers.items() if self._state.w_connected[row]]
@@ -290,6 +336,11 @@ class JournalMixin:
         self._dirty_arrays = []
         self._dirty_fz = set()      # finalize rows
         self._ops = {}              # partition -> [(db, key, value)] of the edges
+        # (partition, key) -> retained outcome (None: deleted) this turn writes: what a
+        # lookup must see before the store has it (engine/_retain.py, _unwritten_retained).
+        self._retained_turn = {}
 
     def _op(self, part, db, key, value):
         self._ops.setdefault(part, []).append((db, key, value))
+        if db == "retained":
+            self._retained_turn[(part, key)] = value

@@ -179,7 +179,8 @@ class LeasingMixin:
     def _drain_columns(self, limit):
         k, st = self._kernel, self._state
         # A deferred turn hands out only what committed groups decided.
-        n = (self._committed_tail if self._deferring else k.d_tail) - k.d_head
+        n = (self._committed_tail if self._deferring and not self._hand_out_own
+             else k.d_tail) - k.d_head
         if limit is not None:
             n = min(n, limit)
         if n <= 0:

@@ -287,16 +287,36 @@ class RetentionMixin:
         if aid.run_key not in self._runs:
             return None     # a run the shard never saw has no retained action
         text, part = str(aid), self._part_of(aid.tenant)
-        raw = self._store.get(part, "retained", retained_key(text))
+        key = retained_key(text)
+        found, raw = self._unwritten_retained(part, key)
+        if not found:
+            raw = self._store.get(part, "retained", key)
         return None if raw is None else self._decode_retained(text, part, raw)
 
     def _retained_many(self, tenant, texts):
         """Retained outcomes of the ids ``texts`` (one tenant), None where there is none."""
-        raws = self._store.get_many(self._part_of(tenant), "retained",
-                                    [retained_key(t) for t in texts])
         part = self._part_of(tenant)
+        keys = [retained_key(t) for t in texts]
+        raws = self._store.get_many(part, "retained", keys)
+        if self._retained_turn or self._pending:
+            for i, key in enumerate(keys):
+                found, raw = self._unwritten_retained(part, key)
+                if found:
+                    raws[i] = raw
         return [None if raw is None else self._decode_retained(t, part, raw)
                 for t, raw in zip(texts, raws, strict=True)]
+
+    def _unwritten_retained(self, part, key):
+        """``(found, raw)``: a retained outcome this turn, or a group decided and not yet
+        committed, writes (raw None: deletes). The store does not have it yet; a lookup
+        that missed it would take a reclaimed action for one never enqueued."""
+        k = (part, key)
+        if k in self._retained_turn:
+            return True, self._retained_turn[k]
+        for g in reversed(self._pending):
+            if g.retained and k in g.retained:
+                return True, g.retained[k]
+        return False, None
 
     def _decode_retained(self, aid, part, raw):
         """The :class:`Retained` of action id text ``aid`` from its record in ``part``."""

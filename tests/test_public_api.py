@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 
 from cext import TickKernel
-from engine import ActionSpec, Engine, Group, Inspection, ManualClock, Phase, Timeouts, parse_config
+from engine import (
+    ActionSpec,
+    Engine,
+    Group,
+    Inspection,
+    ManualClock,
+    NotFound,
+    Phase,
+    Timeouts,
+    parse_config,
+)
 from storage import MemoryStore, StoreError, StoreFull
 from tests.conftest import make_engine as _make_engine
 
@@ -177,6 +187,40 @@ def test_a_deferred_turn_hands_out_only_what_committed_groups_decided():
         [asg] = eng.drain_dispatch()             # g1 committed: its decision may leave
     eng.commit(g3)
     assert asg.action.action == "a" and asg.generation == 1
+
+
+def test_a_deferred_turn_that_hands_out_its_own_decisions_and_settle_after_a_store_commit():
+    """A pipelined shard's use: decide and drain in one deferred turn (the leases wait for
+    the group's commit), write the batch elsewhere, then settle."""
+    eng, clock = make_engine(CONFIG)
+    eng.register_worker("w", "east", 4)
+    store = eng.store
+    with eng.deferred_turn(hand_out_own=True) as group:
+        eng.enqueue_many([spec("r", "a")])
+        assert eng.schedule() == 1
+        [asg] = eng.drain_dispatch()             # its own decision, held by the caller
+    assert asg.action.action == "a" and group.state == "pending"
+    commits = store.commits
+    store.commit(group.batch)                    # as the committer thread does
+    eng.settle(group)
+    assert group.state == "committed" and store.commits == commits + 1
+    assert eng.pending_groups == ()
+    assert eng.drain_dispatch() == []            # handed out once, durably
+
+
+def test_settle_of_a_failed_store_commit_restores_memory_and_discards_later_groups():
+    eng, clock = make_engine(CONFIG)
+    eng.register_worker("w", "east", 4)
+    with eng.deferred_turn() as first:
+        eng.enqueue_many([spec("r", "a")])
+    with eng.deferred_turn() as second:
+        eng.enqueue_many([spec("r", "b")])
+    with pytest.raises(StoreError, match="disk said no"):
+        eng.settle(first, StoreError("the disk said no"))
+    assert first.state == second.state == "discarded" and eng.pending_groups == ()
+    for name in ("a", "b"):
+        with pytest.raises(NotFound):
+            eng.phase(f"acme/p/d/r/{name}")     # memory is what the store holds
 
 
 def test_the_store_holds_a_committed_group_across_a_restart():

@@ -338,3 +338,24 @@ def test_retained_outcomes_of_lean_rows_are_what_the_table_said():
         assert (eng.explain(a).phase, eng.explain(a).reason) == (exp.phase, exp.reason)
     assert any(t.finalize == "SUCCEEDED" for a in every for t in eng.attempts(a))
     assert {t.message for a in kids for t in eng.attempts(a)} == {"operator said stop"}
+
+
+def test_an_outcome_retained_by_a_group_not_yet_committed_keeps_reenqueue_idempotent():
+    """A pipelined shard decides the next turn before the last one's commit returns: an
+    action reclaimed in a pending group is found in that group, not taken for a new one."""
+    eng, clock = make_engine(config())
+    spec = template("r1")
+    ids = eng.enqueue_fanout(spec, ["a0", "a1"])
+    solo = ActionSpec(id="acme/p/d/r1/solo", task="t", resources={"cpu": 1})
+    [single] = eng.enqueue_many([solo])
+    run_to_success(eng)
+    with eng.deferred_turn() as reclaimed:
+        assert eng.reclaim() == 3
+    with eng.deferred_turn() as again:
+        assert list(eng.enqueue_fanout(spec, ["a0", "a1"])) == list(ids)
+        assert eng.enqueue(solo) == single
+        assert eng.phase(single) == Phase.SUCCEEDED
+    assert eng.inspect().free_rows.size == 3     # nothing enqueued anew
+    eng.commit(reclaimed)
+    eng.commit(again)
+    assert eng.phase(single) == Phase.SUCCEEDED and eng.inspect().free_rows.size == 3

@@ -2,24 +2,26 @@
 
 One decision thread owns the engine, the socket and every session. A loop turn:
 
-1. poll the ROUTER (the timeout is the backstop tick's due time);
-2. take every message waiting (up to ``BATCH`` of them), decode, authorise, apply each to the
-   engine inside one engine turn, collecting the answers instead of sending them;
-3. tick when an event asked for it (enqueue, register, report, heartbeat freeing capacity,
-   abort) or the backstop timer is due, and drain the dispatch channel;
-4. leave the turn: one group commit, one sync;
-5. only then send: the answers in the order the requests came, the LEASES pushes, the EVENTs.
+1. poll the ROUTER (the timeout is the backstop tick's due time) and the committer;
+2. settle the turns whose commit returned, oldest first, and only then send what each
+   decided: the answers in the order the requests came, the stops, the LEASES pushes, the
+   EVENTs;
+3. take every message waiting (up to ``BATCH`` of them), decode, authorise, apply each to the
+   engine inside one deferred engine turn, collecting the answers in the turn's outbox;
+4. tick when an event asked for it (enqueue, register, report, heartbeat freeing capacity,
+   abort) or the backstop timer is due, and drain the dispatch channel into the outbox;
+5. leave the turn: its group goes to the committer thread (``transport/_committer.py``),
+   which writes and syncs it while this thread decides the next turn. At most
+   ``transport.commit_pipeline`` turns are in commit at once.
 
 A failed commit restores the engine's memory to what the store holds, and nothing decided in
-that turn is sent: every request of it is answered UNAVAILABLE (retry) and its leases are
-decided again from the restored state.
-
-Commits run on the decision thread, not pipelined on a committer thread: the engine's
-``commit(group)`` resets the per-turn dirty sets and, on failure, reloads every array, both of
-which the decision thread mutates while deciding the next turn, so running it concurrently
-would lose or corrupt state. One sync a turn is shared by every message the turn took.
+that turn or any later one is sent: every request of them is answered UNAVAILABLE (retry)
+and their leases are decided again from the restored state. Only the store's I/O runs on the
+committer thread; the engine's memory (dirty sets, arrays, the restore) is the decision
+thread's alone, which settles each group with ``Engine.settle``.
 """
 
+import collections
 import dataclasses
 import logging
 import signal
@@ -46,6 +48,7 @@ from transport._auth import (
     peer_of,
     visible_metrics,
 )
+from transport._committer import Committer, CommitterStore
 from transport._keys import load_keyring
 from transport._shards import shard_config
 from transport._sockets import send, server_socket
@@ -206,6 +209,13 @@ class Shard:
         with self._counts_lock:
             self._counters[key] += n
 
+    def _on_commit(self, ns, ok):
+        # On the committer thread: the status's commit histogram is updated there too
+        # (a reader racing it sees one commit more or less, never a torn figure).
+        self._status.record_commit(ns, ok=ok)
+        if ok:
+            self._count("store_commits")
+
     def serve(self):
         """Run the loop on this thread until :meth:`stop` (or a signal handler) asks."""
         from transport._auth import Authenticator
@@ -230,7 +240,7 @@ class Shard:
                 sc = cfg.storage
                 store = LmdbStore(sc.path, partitions=sc.partitions, map_size=sc.map_size,
                                   sync=sc.sync, claim_ttl_s=sc.claim_ttl)
-            kw = {"store": _CountingStore(store, self)}
+            kw = {"store": CommitterStore(store, self._on_commit)}
             if self._clock is not None:
                 kw["clock"] = self._clock
             self._status = StatusWriter(cfg, self.shard_index)
@@ -255,28 +265,6 @@ class Shard:
                 self._status.close()    # readers see "stopped" and the last figures
             if own_ctx:
                 ctx.term()
-
-
-class _CountingStore:
-    """The engine's store, counting group commits (``counters["store_commits"]``)."""
-
-    def __init__(self, store, shard):
-        self._inner = store
-        self._shard = shard
-
-    def commit(self, batch):
-        t0 = time.perf_counter_ns()
-        try:
-            out = self._inner.commit(batch)
-        except BaseException:
-            self._shard._status.record_commit(time.perf_counter_ns() - t0, ok=False)
-            raise
-        self._shard._status.record_commit(time.perf_counter_ns() - t0)
-        self._shard._count("store_commits")
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 class _Loop:
@@ -304,33 +292,110 @@ class _Loop:
                         lease_ttl=cfg.engine.lease_ttl_ns / 1e9,
                         max_tokens=cfg.transport.max_tokens)
         self.session_no = 0
+        # Pipelined commits (transport/_committer.py): turns decided, their commit not yet
+        # settled, oldest first; at most ``depth`` of them.
+        self.committer = None
+        self.inflight = collections.deque()
+        self.depth = cfg.transport.commit_pipeline
+        # Attempts recorded by turns whose records have not joined the watch log yet
+        # (cleared once nothing is in commit).
+        self.attempts = {}
 
     # ------------------------------------------------------------------ the loop
 
     def run(self, stop):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        while not stop.is_set():
-            wait = max(0.0, min(self.next_backstop - time.monotonic(), 0.1))
-            poller.poll(int(wait * 1000) + (0 if wait == 0 else 1))
-            msgs = []
-            while len(msgs) < BATCH:
-                try:
-                    msgs.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
-                except zmq.Again:
-                    break
-            backstop = time.monotonic() >= self.next_backstop
-            if msgs or backstop:
-                try:
-                    self.turn(msgs, backstop)
-                except Exception:   # a bug: log it, keep serving (memory was restored)
-                    log.exception("shard %s: loop turn failed", self.shard.name)
-                    self.shard._count("failed_commits")
-            if self.shard._status.due():
-                self.publish_status()
-        # A last turn: whatever was decided is committed before the store closes.
-        self.turn([], False)
+        committer = self.committer = Committer(self.eng._store, f"{self.shard.name} committer")
+        poller.register(committer.fd, zmq.POLLIN)
+        try:
+            while not stop.is_set():
+                wait = max(0.0, min(self.next_backstop - time.monotonic(), 0.1))
+                poller.poll(int(wait * 1000) + (0 if wait == 0 else 1))
+                self.settle_done()
+                msgs = []
+                while len(msgs) < BATCH:
+                    try:
+                        msgs.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+                backstop = time.monotonic() >= self.next_backstop
+                if msgs or backstop:
+                    self.room()
+                    try:
+                        self.turn(msgs, backstop)
+                    except Exception:   # a bug: log it, keep serving (memory was restored)
+                        log.exception("shard %s: loop turn failed", self.shard.name)
+                        self.shard._count("failed_commits")
+                if self.shard._status.due():
+                    self.publish_status()
+            # A last turn: whatever was decided is committed before the store closes.
+            self.room()
+            self.turn([], False)
+            self.settle_all()
+        finally:
+            committer.close()
         self.publish_status()
+
+    def room(self):
+        """Wait (settling what finished) until fewer than ``commit_pipeline`` turns are in
+        commit, so a turn may start; with 1, until the previous turn has left."""
+        while len(self.inflight) >= self.depth:
+            if not self.committer.wait(60.0):
+                raise LeaseholdError(f"shard {self.shard.name}: a group commit has not "
+                                     f"returned for 60 s")
+            self.settle_done()
+
+    def settle_all(self, timeout=60.0):
+        """Settle every turn in commit (the loop is stopping)."""
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline:
+            self.committer.wait(max(0.0, deadline - time.monotonic()))
+            self.settle_done()
+
+    def settle_done(self):
+        """Settle the turns whose commit finished, in order, and send what each decided."""
+        for job in self.committer.done():
+            head = self.inflight.popleft()
+            assert head is job, "the committer finished jobs out of order"
+            self.settle(job)
+        if not self.inflight:
+            self.committer.resume()     # after a failure, once every skipped turn is back
+            self.attempts.clear()
+
+    def settle(self, job):
+        group, box = job.group, job.outbox
+        if group.state != "pending":
+            # The engine discarded it (a later turn failed and memory was restored): its
+            # answers say so; whatever of it the store holds is what memory now holds.
+            self.unavailable(box, "a later turn failed and memory was restored")
+            return
+        try:
+            if job.skipped:
+                # An earlier commit failed and was mended (its store grew): the committer
+                # skipped this turn behind it, so it is written here, in order.
+                self.eng.commit(group)
+            else:
+                self.eng.settle(group, job.error)
+        except (StoreError, LeaseholdError, OSError) as exc:
+            # Memory is what the store holds; nothing of this turn (or any later one, all
+            # discarded with it) may leave.
+            self.shard._count("failed_commits")
+            log.error("shard %s: commit failed, nothing of its turn sent: %s",
+                      self.shard.name, exc)
+            self.unavailable(box, f"the commit failed ({exc})")
+            return
+        self.flush(box)
+
+    def unavailable(self, box, why):
+        """Answer every request of a turn that will never leave UNAVAILABLE (retry)."""
+        for rid_conn, msg, is_req in box.out:
+            if is_req:
+                rid = getattr(msg, "rid", None)
+                self.send(rid_conn, p.Error(rid=rid, code="UNAVAILABLE",
+                                            message=f"shard {self.shard.name}: {why}; retry"))
+        for c in self.conns.values():
+            c.outstanding = 0
 
     def publish_status(self):
         """The shared-memory status (transport/_status.py), after the turn's sends."""
@@ -354,18 +419,17 @@ class _Loop:
 
     def _turn(self, msgs, backstop):
         eng = self.eng
-        out = []        # (routing id, message, request?) in request order
-        self.out = out
-        self.pushes = []            # (routing id, frames, leases) LEASES after the commit
-        self.stops = []             # (routing id, frames, tokens) REFUSED of aborted leases
-        self.records = []           # watch records, applied to the log after the commit
-        self.attempts = {}          # action -> attempt of this turn's latest record of it
-        self.events = []            # (event tuple, run, watchers)
+        box = _Outbox()
+        # The handlers collect into the turn's outbox (sent after its commit).
+        self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
+            box.records
         self.want_tick = backstop
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
         try:
-            with eng.turn():
+            # Draining hands out this turn's own decisions: its leases wait in the outbox
+            # until this group (which holds both the decisions and their hand-out) commits.
+            with eng.deferred_turn(hand_out_own=True) as group:
                 for i, frames in enumerate(msgs):
                     self.index = i
                     self.handle(frames)
@@ -374,9 +438,9 @@ class _Loop:
                     eng.schedule()
                     self.shard._status.record_tick(time.perf_counter_ns() - t0)
                     self.shard._count("ticks")
-                batch = eng.drain_columns()
-                if len(batch):
-                    self.push_leases(batch)
+                box.batch = eng.drain_columns()
+                if len(box.batch):
+                    self.push_leases(box.batch)
                 self.recheck()
             self.shard._count("turns")
         except _Poison:
@@ -384,44 +448,51 @@ class _Loop:
                 c.outstanding = 0
             raise
         except (StoreError, LeaseholdError, OSError) as exc:
-            # The commit (or the engine under it) failed: memory is what the store holds;
-            # nothing of this turn may leave, its watch records included. Answer every
-            # request UNAVAILABLE.
+            # The turn failed in the engine: memory is what the store holds (every turn
+            # still in commit was discarded with it); nothing of this turn may leave.
             self.shard._count("failed_commits")
             log.error("shard %s: turn failed, nothing of it sent: %s", self.shard.name, exc)
-            for rid_conn, msg, is_req in out:
-                if is_req:
-                    rid = getattr(msg, "rid", None)
-                    self.send(rid_conn, p.Error(rid=rid, code="UNAVAILABLE",
-                                                message=f"shard {self.shard.name}: the "
-                                                f"commit failed ({exc}); retry"))
-            for c in self.conns.values():
-                c.outstanding = 0
+            self.unavailable(box, f"the turn failed ({exc})")
             return
         finally:
             if backstop:
                 self.next_backstop = time.monotonic() + self.backstop_s
+        box.now_ns = eng.clock.now_ns()
+        if group.state != "pending":        # the engine stopped (ownership lost)
+            self.unavailable(box, "the shard stopped")
+            return
+        if not group.batch and not self.inflight:
+            # Nothing to write and nothing before it in commit: settled at once.
+            eng.settle(group)
+            self.flush(box)
+            return
+        self.inflight.append(self.committer.submit(group, box))
+
+    def flush(self, box):
+        """Send what one committed turn decided, in order: answers, stops, leases, events."""
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone).
-        for args in self.records:
+        events = []
+        for args in box.records:
             hit = self.watch.record(*args)
             if hit is not None:
-                self.events.append((hit[0], args[0], hit[1]))
-        for conn, msg, _ in out:
+                events.append((hit[0], args[0], hit[1]))
+        for conn, msg, _ in box.out:
             self.send(conn, msg)
         # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
-        for conn, frames, n in self.stops:
+        for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
                               else "stops_unsent", n)
-        for conn, frames, n in self.pushes:
+        for conn, frames, n in box.pushes:
             # A push that cannot go (peer gone, queue full) is not retried under this
             # generation: the lease misses its heartbeats and is assigned again.
             self.shard._count("leases_pushed" if send(self.sock, frames, conn)
                               else "leases_unsent", n)
-        self.push_events()
+        self.push_events(events)
         for c in self.conns.values():
             c.outstanding = 0
-        self.shard._status.record_turn(batch, eng.clock.now_ns())
+        if box.batch is not None:
+            self.shard._status.record_turn(box.batch, box.now_ns)
 
     def send(self, conn, msg):
         try:
@@ -837,11 +908,11 @@ class _Loop:
                            time_ns=np.array([e[4] for e in part], np.int64),
                            details=details if any(details) else None)
 
-    def push_events(self):
+    def push_events(self, events):
         # One EVENTS message a run a turn (its events are consecutive: nothing else
         # numbers them), to each of its watchers.
         by_run = {}
-        for e, run, watchers in self.events:
+        for e, run, watchers in events:
             if watchers:
                 by_run.setdefault(run, (watchers, []))[1].append(e)
         for run, (watchers, events) in by_run.items():
@@ -854,6 +925,22 @@ class _Loop:
                         # Gone or too slow: it resumes with WATCH since=its last seq.
                         self.shard._count("events_unsent", len(msg.actions))
                         watchers.discard(conn)
+
+
+class _Outbox:
+    """What one loop turn sends once its commit returned: the answers (in request order),
+    the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
+    (for the status)."""
+
+    __slots__ = ("out", "pushes", "stops", "records", "batch", "now_ns")
+
+    def __init__(self):
+        self.out = []           # (routing id, message, request?)
+        self.pushes = []        # (routing id, frames, leases)
+        self.stops = []         # (routing id, frames, tokens) of aborted leases
+        self.records = []       # watch records, applied to the log after the commit
+        self.batch = None
+        self.now_ns = 0
 
 
 class _Poison(Exception):
