@@ -22,7 +22,7 @@ from transport._auth import (
     peer_of,
     visible_metrics,
 )
-from transport._client import Client, WatchLost
+from transport._client import Client, CrossShardBatch, WatchLost
 from transport._daemon import Worker, measured_capacity, run_worker
 from transport._keys import (
     ClientKeys,
@@ -152,6 +152,7 @@ __all__ = [
     "measured_capacity",
     "run_worker",
     "Client",
+    "CrossShardBatch",
     "Lease",
     "Shard",
     "ShardError",
