@@ -346,3 +346,65 @@ def test_a_silent_shard_is_named(tmp_path):
                 str(ei.value)
     finally:
         shard.stop()
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def test_the_cli_routes_by_tenant_and_updates_every_shard(tmp_path, capsys):
+    import json
+
+    from engine.cli import main
+
+    cfg = two_shard_config(tmp_path)
+    path = tmp_path / "leasehold.toml"
+    path.write_text(f"""resources = ["cpu"]
+[clusters.east]
+capacity = {{ cpu = 64 }}
+[queues.q]
+scheduling = "GREEDY_CAPACITY"
+[engine]
+default_queue = "q"
+[storage]
+path = "{tmp_path / 'data'}"
+partitions = 2
+[transport]
+endpoints = {json.dumps(list(cfg.transport.endpoints))}
+[status]
+metrics = false
+[security]
+insecure = true
+""")
+    shards = [Shard(path, i, store=MemoryStore()).start() for i in (0, 1)]
+    try:
+        specs = tmp_path / "mixed.jsonl"
+        items = [spec(ON_1, "x"), spec(ON_0, "y"), spec(ON_1, "z")]
+        mixed = [x["id"] for x in items]
+        specs.write_text("".join(json.dumps(x) + "\n" for x in items))
+        capsys.readouterr()
+        assert main(["submit", str(specs), "--config", str(path), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ids"] == mixed
+        with Client(path, shard=1, timeout=5.0) as p1:
+            assert len(p1.status([mixed[0], mixed[2]])) == 2
+        assert main(["status", mixed[1], mixed[0], "--config", str(path), "--json"]) == 0
+        assert list(json.loads(capsys.readouterr().out)) == [mixed[1], mixed[0]]
+        # Pinned to the wrong shard: one line naming the owner, exit 2.
+        assert main(["explain", mixed[0], "--config", str(path), "--shard", "0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("leasehold: WRONG_SHARD: "), err
+        assert "owned by shard 1 of 2" in err[0] and "(shard 0 at tcp://" in err[0], err
+        # A queue update goes to every shard: a table each.
+        assert main(["queue", "update", "q", "--paused", "true", "--config", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "queue q on shard 0: updated (paused)" in out
+        assert "queue q on shard 1: updated (paused)" in out
+        for i in (0, 1):
+            with Client(path, shard=i, timeout=5.0) as pinned:
+                assert pinned.queue_metrics("q")["paused"] is True
+        assert main(["queue", "drain", "q", "--config", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "3 queued, 0 in flight (shard 0: 1 queued" in out, out
+        assert "shard 1: 2 queued, 0 in flight)" in out, out
+    finally:
+        for s in shards:
+            s.stop()
