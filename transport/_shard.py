@@ -10,6 +10,10 @@ One decision thread owns the engine, the socket and every session. A loop turn:
 4. leave the turn: one group commit, one sync;
 5. only then send: the answers in the order the requests came, the LEASES pushes, the EVENTs.
 
+A shard of a config with several endpoints owns the tenants ``transport.tenant_shard`` maps
+to its index: a request naming any other tenant is refused whole, before it is applied
+(``WRONG_SHARD``, ``transport/_shards.py``).
+
 A failed commit restores the engine's memory to what the store holds, and nothing decided in
 that turn is sent: every request of it is answered UNAVAILABLE (retry) and its leases are
 decided again from the restored state.
