@@ -16,6 +16,7 @@ from storage import MemoryStore
 from tests.conftest import free_port
 from transport import (
     ERROR_CODES,
+    INSECURE_PEER,
     Client,
     CrossShardBatch,
     Enqueue,
@@ -32,7 +33,6 @@ from transport import (
     tenant_of,
     tenant_shard,
 )
-from transport._auth import INSECURE_PEER
 
 # Tenants on either side of the map of two shards (asserted below, so a changed hash fails
 # loudly here instead of making the tests vacuous).
