@@ -119,12 +119,17 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
-def _shard_options(p, needs_key=True):
+_ROUTED = ("pin to shard N: transport.endpoints[N] (default: each request goes to the shard "
+           "owning its tenant)")
+_EVERY = "only shard N: transport.endpoints[N] and its status file (default: every shard)"
+
+
+def _shard_options(p, needs_key=True, shard_help=_ROUTED):
     env = os.environ.get("LEASEHOLD_CONFIG")
     p.add_argument("--config", default=env, required=env is None,
                    help="the config file (default: $LEASEHOLD_CONFIG)")
-    p.add_argument("--shard", type=_count, default=0,
-                   help="shard index: transport.endpoints[N] and its status file (default 0)")
+    # None (not given) means "route by tenant" or "every shard", as the command says.
+    p.add_argument("--shard", type=_count, default=None, metavar="N", help=shard_help)
     if needs_key:
         p.add_argument("--key", default=os.environ.get("LEASEHOLD_KEY"),
                        help="the client key's name (keys_dir/NAME.key_secret); needed unless "
@@ -234,7 +239,8 @@ def register(sub):
 
     p = sub.add_parser("top", help="live per-queue and per-cluster table from the shards' "
                        "shared-memory status (never messages a shard)")
-    _shard_options(p, needs_key=False)
+    _shard_options(p, needs_key=False,
+                   shard_help="shard index: its status file shard-N.status (default 0)")
     p.add_argument("--all-shards", action="store_true",
                    help="every shard of transport.endpoints (default: --shard only)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
@@ -257,7 +263,7 @@ def register(sub):
     p = sub.add_parser("queue", help="queues: list, live update, drain")
     qs = p.add_subparsers(dest="queue_command", required=True)
     p = qs.add_parser("list", help="every queue: policy, flags, depth, in flight, head")
-    _shard_options(p)
+    _shard_options(p, shard_help=_EVERY)
     p.add_argument("--remote", action="store_true",
                    help="ask the shard (QUEUE_METRICS, needs --key) instead of reading its "
                         "status file")
@@ -267,7 +273,7 @@ def register(sub):
                       "it; nothing in flight is stopped")
     p.add_argument("name", help="the queue")
     _queue_changes(p)
-    _shard_options(p)
+    _shard_options(p, shard_help=_EVERY)
     _json(p, "print the queue's new settings as JSON")
     p.set_defaults(func=_lazy(cmd, "queue_update"))
     p = qs.add_parser("drain", help="stop a queue taking new actions (an admin key) and report "
@@ -277,6 +283,6 @@ def register(sub):
                    help="wait until nothing is queued or in flight")
     p.add_argument("--timeout", type=_seconds, metavar="S",
                    help="--wait: give up after S seconds (exit 1)")
-    _shard_options(p)
+    _shard_options(p, shard_help=_EVERY)
     _json(p)
     p.set_defaults(func=_lazy(cmd, "queue_drain"))

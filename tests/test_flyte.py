@@ -675,3 +675,48 @@ tenants = ["acme"]
         assert code == 2 and "missing.pb: cannot read it" in err and "Traceback" not in err
     finally:
         shard.stop()
+
+
+def test_flyte_enqueues_are_routed_to_the_tenants_shard_and_refused_by_the_other(tmp_path):
+    from engine import parse_config
+    from storage import MemoryStore
+    from tests.conftest import free_port
+    from transport import Client, CrossShardBatch, Shard, ShardError, tenant_shard
+
+    assert tenant_shard("acme", 2) == 1 and tenant_shard("globex", 2) == 0
+    eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    cfg = parse_config(dict(CONFIG, transport={"endpoints": eps}, status={"metrics": False},
+                            storage={"path": str(tmp_path / "data")},
+                            security={"insecure": True}))
+    shards = [Shard(cfg, i, store=MemoryStore()).start() for i in (0, 1)]
+    clients = [Client(cfg, timeout=10.0), Client(cfg, shard=0, timeout=10.0),
+               Client(cfg, shard=1, timeout=10.0)]
+    routed, on0, on1 = clients
+    try:
+        acme = request(etl, "a0")
+        globex = request(etl, "g0")
+        globex.action_id.run.org = "globex"
+        # Pinned to the wrong shard: refused once decoded, nothing enqueued anywhere.
+        with pytest.raises(ShardError) as info:
+            on0.enqueue_flyte(acme)
+        assert info.value.code == "WRONG_SHARD" and "tenant 'acme'" in str(info.value)
+        with pytest.raises(ShardError) as info:
+            on1.status(["acme/ml/dev/r1/a0"])
+        assert info.value.code == "NOT_FOUND"
+        # Routed: each to its owner.
+        assert routed.enqueue_flyte(acme) == ["acme/ml/dev/r1/a0"]
+        assert routed.enqueue_flyte(globex.SerializeToString()) == ["globex/ml/dev/r1/g0"]
+        assert on1.status("acme/ml/dev/r1/a0") == Phase.WAITING_FOR_RESOURCES
+        assert on0.status("globex/ml/dev/r1/g0") == Phase.WAITING_FOR_RESOURCES
+        # Both tenants in one call: refused before anything is sent.
+        more = request(etl, "a1")
+        with pytest.raises(CrossShardBatch):
+            routed.enqueue_flyte([more, globex])
+        with pytest.raises(ShardError) as info:
+            on1.status(["acme/ml/dev/r1/a1"])
+        assert info.value.code == "NOT_FOUND"
+    finally:
+        for c in clients:
+            c.close()
+        for s in shards:
+            s.stop()

@@ -55,7 +55,7 @@ class Rig:
     def __init__(self, tmp):
         self.tmp = tmp
         self.keys = tmp / "keys"
-        for name in ("shard", "east-1", "acme-app"):
+        for name in ("shard", "east-1", "acme-app", "both-app", "ops"):
             generate_keypair(self.keys, name)
         self.procs = []
         self.seen = set()           # every pid started below us (for the teardown check)
@@ -96,6 +96,11 @@ class Rig:
             [security.peers.acme-app]
             role = "client"
             tenants = ["acme"]
+            [security.peers.both-app]
+            role = "client"
+            tenants = ["acme", "globex"]
+            [security.peers.ops]
+            role = "admin"
             [worker]
             capacity = {{ cpu = 100000, memory = "100Ti" }}
             work_dir = "{self.tmp / 'work'}"

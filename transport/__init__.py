@@ -18,10 +18,11 @@ from transport._auth import (
     PermissionDenied,
     Unauthenticated,
     authorize,
+    message_keys,
     peer_of,
     visible_metrics,
 )
-from transport._client import Client, WatchLost
+from transport._client import Client, CrossShardBatch, WatchLost
 from transport._daemon import Worker, measured_capacity, run_worker
 from transport._keys import (
     ClientKeys,
@@ -80,7 +81,16 @@ from transport._protocol import (
     tokens_array,
 )
 from transport._shard import Shard
-from transport._shards import shard_config, shard_store_path, tenant_shard
+from transport._shards import (
+    WrongShard,
+    check_owned,
+    shard_config,
+    shard_of,
+    shard_store_path,
+    split_by_shard,
+    tenant_of,
+    tenant_shard,
+)
 from transport._sim_plugin import SimPlugin
 from transport._sockets import client_socket, recv, send, server_socket
 from transport._status import (
@@ -116,6 +126,11 @@ __all__ = [
     "shard_config",
     "shard_store_path",
     "tenant_shard",
+    "tenant_of",
+    "shard_of",
+    "split_by_shard",
+    "check_owned",
+    "WrongShard",
     "Devbox",
     "DevboxError",
     "run_devbox",
@@ -137,6 +152,7 @@ __all__ = [
     "measured_capacity",
     "run_worker",
     "Client",
+    "CrossShardBatch",
     "Lease",
     "Shard",
     "ShardError",
@@ -165,6 +181,7 @@ __all__ = [
     "INSECURE_PEER",
     "WORKER",
     "Authenticator",
+    "message_keys",
     "ClientKeys",
     "Keyring",
     "Peer",

@@ -21,6 +21,7 @@ from transport import _protocol as p
 
 __all__ = [
     "check_tenants",
+    "message_keys",
     "WORKER",
     "CLIENT",
     "ADMIN",
@@ -214,8 +215,10 @@ _ADMIN_TYPES = frozenset({p.MsgType.QUEUE_UPDATE})
 _ANY_TYPES = frozenset({p.MsgType.PING})
 
 
-def _ids(msg):
-    """The action ids and run keys a client message touches."""
+def message_keys(msg):
+    """The action ids and run keys a client message names (an enqueued spec's id and
+    parent, a fan-out template's, ABORT/EXPLAIN's action, STATUS's actions, WATCH/UNWATCH's
+    run); empty for the others. ENQUEUE_FLYTE names its actions only once decoded."""
     t = msg.TYPE
     if t == p.MsgType.ENQUEUE:
         out = []
@@ -270,7 +273,7 @@ def authorize(peer, msg):
         if role not in (CLIENT, ADMIN, INSECURE):
             raise PermissionDenied(f"{t.name}: key {peer.name!r} is a {role} key; only "
                                    f"client and admin keys may send it")
-        check_tenants(peer, t.name, _ids(msg))
+        check_tenants(peer, t.name, message_keys(msg))
         return
     if t in _ADMIN_TYPES:
         if role not in (ADMIN, INSECURE):

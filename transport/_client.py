@@ -1,10 +1,15 @@
 """The client (``transport.Client``): enqueue, abort, status, explain, queue metrics, live
 queue updates, and watches that push every state change of a run (``docs/shard.md``).
 
-Routing: the config has no partition map yet (one shard endpoint per shard index in
-``transport.endpoints``, and nothing that says which shard owns which tenant), so a client
-talks to one shard: ``endpoints[shard]`` (default the first). When a partition map lands,
-:meth:`Client._shard_for` is where a tenant picks its shard.
+Routing (``docs/operations.md``, "Several shards"): a client of a config with several
+``transport.endpoints`` keeps one lazily opened connection per shard and sends each request
+about an action or run to the shard that owns its tenant (``transport.tenant_shard``, the
+partition map every shard enforces). A batch (``enqueue_many``, ``enqueue_flyte``) is atomic
+on one shard only, so one naming tenants of several shards is refused before anything is sent
+(:class:`CrossShardBatch`); ``status`` splits its ids (a read needs no atomicity). Queue
+metrics, queue updates and ``ping`` are per shard: they go to every shard and answer
+``{shard index: answer}``. ``shard=N`` or ``endpoint=`` pins a client to one shard (it then
+sends everything there, and a shard that does not own a tenant refuses: ``WRONG_SHARD``).
 
 Every request waits at most ``timeout`` seconds; a timeout raises :class:`ShardTimeout`, an
 ERROR answer :class:`ShardError`, both naming the shard and the request. Not thread-safe: one
@@ -20,18 +25,36 @@ import zmq
 
 from engine._codes import TERMINAL_PHASES, Phase
 from engine._config import Config, TransportSettings, load_config
+from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionId
 from transport import _protocol as p
 from transport._keys import load_client_keys
+from transport._shards import split_by_shard, tenant_of, tenant_shard
 from transport._sockets import client_socket, send
 from transport._worker import ShardError, ShardTimeout
 
-__all__ = ["Client", "WatchLost"]
+__all__ = ["Client", "CrossShardBatch", "WatchLost"]
 
 
 class WatchLost(ShardError):
     """A watch cannot resume: the shard no longer holds the events after the last ``seq``
     seen (its ring moved on, or it restarted). Re-read the status and watch again."""
+
+
+class CrossShardBatch(LeaseholdError):
+    """A batch given to a routing client names tenants of several shards. A batch is atomic
+    on one shard only, so it is refused whole before anything is sent; ``shards`` maps each
+    shard index to the positions of the batch it owns (send one batch per shard)."""
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, what, keys, groups):
+        where = "; ".join(f"shard {s}: {len(ix)} (e.g. tenant {tenant_of(keys[ix[0]])!r})"
+                          for s, ix in sorted(groups.items()))
+        super().__init__(f"{what}: the batch spans {len(groups)} shards ({where}); a batch "
+                         f"is atomic on one shard only: send one batch per shard "
+                         f"(transport.split_by_shard groups them)")
+        self.shards = {s: list(ix) for s, ix in groups.items()}
 
 
 def _spec_map(spec):
@@ -41,28 +64,66 @@ def _spec_map(spec):
     return {k: v for k, v in d.items() if v is not None}
 
 
+class _Link:
+    """One shard the client talks to: its index (None: an endpoint given without one), its
+    endpoint, the name errors give it, and its socket (opened on first use)."""
+
+    __slots__ = ("index", "endpoint", "label", "sock")
+
+    def __init__(self, index, endpoint):
+        self.index = index
+        self.endpoint = endpoint
+        self.label = endpoint if index is None else f"{index} at {endpoint}"
+        self.sock = None
+
+
+def _labels(links):
+    return ", ".join(link.label for link in links)
+
+
 class Client:
-    """A client of one shard.
+    """A client of the shards of one config (routing by tenant), or of one shard.
 
     Either ``config`` (a Config or a path: endpoints from ``transport.endpoints``, limits
     from ``[transport]``) and ``key`` (the key name: ``keys_dir/KEY.key_secret``, with the
-    shard's ``server_key.key`` from ``[security]``), or ``endpoint`` and ``keys`` (a
-    :class:`~transport.ClientKeys`, None for a shard run insecure)."""
+    shards' ``server_key.key`` from ``[security]``), or ``endpoint`` and ``keys`` (a
+    :class:`~transport.ClientKeys`, None for a shard run insecure).
 
-    def __init__(self, config=None, *, key=None, endpoint=None, keys=None, shard=0,
+    With a config of several endpoints and no ``shard``, the client routes: each request
+    goes to the shard owning its tenant (see the module text); ``shard=N`` pins it to
+    ``endpoints[N]``, as does ``endpoint=``. :attr:`routed` says which; :attr:`endpoints`
+    are the shards it may talk to, :attr:`endpoint` the one shard of a client that talks to
+    one (None when it routes)."""
+
+    def __init__(self, config=None, *, key=None, endpoint=None, keys=None, shard=None,
                  timeout=10.0, settings=None, context=None, heartbeat=None):
         if config is not None and not isinstance(config, Config):
             config = load_config(config)
         self.config = config
-        if endpoint is None:
-            if config is None:
-                raise ValueError("Client needs a config or an endpoint")
-            endpoint = config.transport.endpoints[shard]
+        if endpoint is not None:
+            links = [_Link(shard, endpoint)]
+        elif config is None:
+            raise ValueError("Client needs a config or an endpoint")
+        else:
+            eps = config.transport.endpoints
+            if shard is None:
+                links = [_Link(i, ep) for i, ep in enumerate(eps)]
+            elif isinstance(shard, int) and 0 <= shard < len(eps):
+                links = [_Link(shard, eps[shard])]
+            else:
+                raise ValueError(f"Client: shard {shard!r}: {config.source} has {len(eps)} "
+                                 f"endpoint(s) in transport.endpoints (0..{len(eps) - 1})")
         if keys is None and config is not None and not config.security.insecure:
             if key is None:
                 raise ValueError("Client: a CURVE shard needs key= (the client key's name)")
             keys = load_client_keys(config.security.keys_dir, key, config.security.server_key)
-        self.endpoint = endpoint
+        self._links = links
+        #: Whether requests are routed by tenant over several shards.
+        self.routed = len(links) > 1
+        #: The endpoints this client may talk to (index: shard, when routed).
+        self.endpoints = tuple(link.endpoint for link in links)
+        #: The endpoint of a client of one shard; None when it routes.
+        self.endpoint = None if self.routed else links[0].endpoint
         self.keys = keys
         self.settings = settings or (config.transport if config is not None
                                      else TransportSettings())
@@ -72,37 +133,69 @@ class Client:
         self._heartbeat = heartbeat
         self._decoder = p.Decoder(self.settings)
         self._rids = itertools.count(1)
-        self._sock = None
         self._events = collections.deque()      # EVENTs received, not yet consumed
         self._watching = {}                     # run -> last seq seen (0: none)
         self._resync = set()                    # runs whose event stream had a gap
         self._floor = {}                        # run -> latest seq at its last WATCH
 
+    # ------------------------------------------------------------------ routing
+
+    def _link_of(self, key):
+        """The link owning the tenant of action id or run key ``key``."""
+        if not self.routed:
+            return self._links[0]
+        if not isinstance(key, (str, ActionId)):
+            raise SpecError(f"{key!r} is not an action id or run key: a client of several "
+                            f"shards routes by its tenant (its first segment)")
+        return self._links[tenant_shard(tenant_of(key), len(self._links))]
+
+    def endpoint_of(self, key):
+        """The endpoint a request about action id or run key ``key`` goes to."""
+        return self._link_of(key).endpoint
+
+    def _one_link(self, what, keys):
+        """The one link every key of a batch goes to; :class:`CrossShardBatch` if none."""
+        if not self.routed:
+            return self._links[0]
+        for i, key in enumerate(keys):
+            if not isinstance(key, str):
+                raise SpecError(f"{what}: specs[{i}] has no string id: a client of several "
+                                f"shards routes a spec by its id's tenant")
+        groups = split_by_shard(keys, len(self._links))
+        if len(groups) > 1:
+            raise CrossShardBatch(what, keys, groups)
+        return self._links[next(iter(groups))]
+
     # ------------------------------------------------------------------ connection
 
-    def _shard_for(self, tenant):
-        """The endpoint owning ``tenant`` (one shard until the config has a partition map)."""
-        return self.endpoint
+    def _socket(self, link):
+        if link.sock is None:
+            link.sock = client_socket(self._ctx, link.endpoint, self.keys, self.settings,
+                                      heartbeat=self._heartbeat)
+        return link.sock
 
-    def _socket(self):
-        if self._sock is None:
-            self._sock = client_socket(self._ctx, self.endpoint, self.keys, self.settings,
-                                       heartbeat=self._heartbeat)
-        return self._sock
+    def _drop(self, link):
+        if link.sock is not None:
+            link.sock.close(0)
+            link.sock = None
 
     def reconnect(self):
-        """Drop the connection and open a new one; watches resume from their last seq."""
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        """Drop every connection and open new ones as needed; watches resume from their
+        last seq."""
+        for link in self._links:
+            self._drop(link)
         for run in list(self._watching):
             self._resume(run)
 
+    def _reconnect_link(self, link):
+        self._drop(link)
+        for run in [r for r in self._watching if self._link_of(r) is link]:
+            self._resume(run)
+
     def close(self):
-        """Close the socket (and the context this client made)."""
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        """Close the sockets (and the context this client made)."""
+        for link in self._links:
+            self._drop(link)
         if self._own_ctx:
             self._ctx.term()
             self._own_ctx = False
@@ -115,24 +208,53 @@ class Client:
 
     # ------------------------------------------------------------------ requests
 
+    def _per_shard(self, make, what):
+        """``make()`` sent to every shard: the answer, or ``{shard: answer}`` when routed.
+        Shard by shard in index order; an error names the shards that already took it."""
+        if not self.routed:
+            return self._call(self._links[0], make(), what)
+        out = {}
+        for link in self._links:
+            try:
+                out[link.index] = self._call(link, make(), what)
+            except ShardError as exc:
+                if not out:
+                    raise
+                raise type(exc)(exc.shard, what, exc.code, f"{exc.error_message} (shard(s) "
+                                f"{', '.join(map(str, out))} took it already)") from None
+            except ShardTimeout as exc:
+                if not out:
+                    raise
+                raise ShardTimeout(f"{exc} (shard(s) {', '.join(map(str, out))} took it "
+                                   f"already)") from None
+        return out
+
     def ping(self):
-        """The shard's name and protocol version."""
-        return self._call(p.Ping(rid=next(self._rids)), "PING")
+        """The shard's name and protocol version (``{shard: answer}`` when routed)."""
+        return self._per_shard(lambda: p.Ping(rid=next(self._rids)), "PING")
 
     def enqueue(self, spec):
         """Enqueue one action (an ActionSpec or a map); returns its id."""
         return self.enqueue_many([spec])[0]
 
     def enqueue_many(self, specs):
-        """Enqueue a batch atomically (durable when this returns); returns the ids."""
-        return self._call(p.Enqueue(rid=next(self._rids), specs=[_spec_map(s) for s in specs]),
-                          "ENQUEUE")["ids"]
+        """Enqueue a batch atomically (durable when this returns); returns the ids. The
+        batch goes to one shard: a routing client refuses, before sending anything, a batch
+        whose specs' tenants belong to several shards (:class:`CrossShardBatch`; split it
+        with ``transport.split_by_shard``)."""
+        maps = [_spec_map(s) for s in specs]
+        link = self._one_link("ENQUEUE", [m.get("id") for m in maps])
+        return self._call(link, p.Enqueue(rid=next(self._rids), specs=maps), "ENQUEUE")["ids"]
 
     def enqueue_fanout(self, template, names, inputs=None):
-        """Enqueue ``len(names)`` actions sharing ``template``; returns how many."""
-        return self._call(p.EnqueueFanout(rid=next(self._rids), template=_spec_map(template),
-                                          names=list(names),
-                                          inputs=list(inputs) if inputs is not None else None),
+        """Enqueue ``len(names)`` actions sharing ``template`` (one run: one shard);
+        returns how many."""
+        template = _spec_map(template)
+        link = self._one_link("ENQUEUE_FANOUT", [template.get("id")])
+        return self._call(link, p.EnqueueFanout(rid=next(self._rids), template=template,
+                                                names=list(names),
+                                                inputs=list(inputs) if inputs is not None
+                                                else None),
                           "ENQUEUE_FANOUT")["n"]
 
     def enqueue_flyte(self, requests, kind=None):
@@ -140,40 +262,62 @@ class Client:
         list of flyteidl2 ``EnqueueActionRequest`` / ``EnqueueRequest`` messages or their
         serialised bytes (``kind`` "queue" or "actions" when known). The shard decodes them
         (it needs ``leasehold[flyte]``) and enqueues each fan-out atomically; returns the
-        action ids, in order."""
+        action ids, in order. A routing client decodes them too, to find their tenants'
+        shard (so it needs ``leasehold[flyte]`` as well); one shard a call, as
+        :meth:`enqueue_many`."""
         if isinstance(requests, (bytes, bytearray, memoryview)) or hasattr(
                 requests, "SerializeToString"):
             requests = [requests]
         raw = [bytes(r) if isinstance(r, (bytes, bytearray, memoryview))
                else r.SerializeToString() for r in requests]
-        return self._call(p.EnqueueFlyte(rid=next(self._rids), requests=raw, kind=kind),
+        link = self._links[0]
+        if self.routed:
+            link = self._one_link("ENQUEUE_FLYTE", _flyte_keys(raw, kind))
+        return self._call(link, p.EnqueueFlyte(rid=next(self._rids), requests=raw, kind=kind),
                           "ENQUEUE_FLYTE")["ids"]
 
     def abort(self, action, reason=None):
         """Abort ``action`` and its descendants; returns the ids that ended at once."""
-        return self._call(p.Abort(rid=next(self._rids), action=str(action), reason=reason),
+        return self._call(self._link_of(action),
+                          p.Abort(rid=next(self._rids), action=str(action), reason=reason),
                           "ABORT")["ended"]
 
     def status(self, actions):
-        """The phase of each action id (a list in, a list of Phase out; one id, one Phase)."""
+        """The phase of each action id (a list in, a list of Phase out; one id, one Phase).
+        A routing client asks each owning shard for its ids (one request a shard)."""
         one = isinstance(actions, (str, ActionId))
         ids = [str(actions)] if one else [str(a) for a in actions]
-        phases = [Phase(x) for x in
-                  self._call(p.Status(rid=next(self._rids), actions=ids), "STATUS")["phases"]]
+        groups = split_by_shard(ids, len(self._links)) if self.routed and ids else \
+            {None: list(range(len(ids)))}
+        phases = [None] * len(ids)
+        for shard, idx in groups.items():
+            link = self._links[0] if shard is None else self._links[shard]
+            part = [ids[i] for i in idx]
+            got = self._call(link, p.Status(rid=next(self._rids), actions=part),
+                             "STATUS")["phases"]
+            for i, x in zip(idx, got, strict=True):
+                phases[i] = Phase(x)
         return phases[0] if one else phases
 
     def explain(self, action):
         """Why ``action`` is where it is (a map: action, phase, wait, reason, ...)."""
-        return self._call(p.Explain(rid=next(self._rids), action=str(action)), "EXPLAIN")
+        return self._call(self._link_of(action),
+                          p.Explain(rid=next(self._rids), action=str(action)), "EXPLAIN")
 
     def queue_metrics(self, queue=None):
-        """``Engine.queue_metrics`` over the wire (one queue, or all)."""
-        return self._call(p.QueueMetrics(rid=next(self._rids), queue=queue), "QUEUE_METRICS")
+        """``Engine.queue_metrics`` over the wire (one queue, or all). Queues are per
+        shard: a routing client asks every shard and returns ``{shard: metrics}`` (not
+        merged: each shard's depth, in-flight counts and blocked head are its own)."""
+        return self._per_shard(lambda: p.QueueMetrics(rid=next(self._rids), queue=queue),
+                               "QUEUE_METRICS")
 
     def queue_update(self, queue, **changes):
-        """Change a queue live (an admin key); returns its new settings."""
-        return self._call(p.QueueUpdate(rid=next(self._rids), queue=queue, changes=changes),
-                          "QUEUE_UPDATE")
+        """Change a queue live (an admin key); returns its new settings. A routing client
+        changes it on every shard, in index order, and returns ``{shard: settings}``; this
+        is not atomic across shards: an error names the shards that took it already (every
+        shard checks a change by the same config rules, so a refusal comes from the first)."""
+        return self._per_shard(lambda: p.QueueUpdate(rid=next(self._rids), queue=queue,
+                                                     changes=changes), "QUEUE_UPDATE")
 
     # ------------------------------------------------------------------ watches
 
@@ -193,14 +337,18 @@ class Client:
             self.unsubscribe(run)
 
     def subscribe(self, run, since=0):
-        """Start receiving EVENTs of ``run`` after ``since``; returns the run's latest seq."""
+        """Start receiving EVENTs of ``run`` (from the shard owning it) after ``since``;
+        returns the run's latest seq."""
+        self._link_of(run)          # a bad key is refused before it is watched
         self._watching[run] = since
         return self._subscribe(run, since)
 
     def unsubscribe(self, run):
         """Stop receiving EVENTs of ``run`` (best effort)."""
-        if self._watching.pop(run, None) is not None and self._sock is not None:
-            send(self._sock, p.encode(p.Unwatch(rid=next(self._rids), run=run)))
+        if self._watching.pop(run, None) is not None:
+            link = self._link_of(run)
+            if link.sock is not None:
+                send(link.sock, p.encode(p.Unwatch(rid=next(self._rids), run=run)))
         self._events = collections.deque(e for e in self._events if e.run != run)
 
     def _resume(self, run):
@@ -210,20 +358,27 @@ class Client:
         return self._subscribe(run, max(self._watching[run], self._floor.get(run, 0)))
 
     def _subscribe(self, run, since):
+        link = self._link_of(run)
         try:
-            latest = self._call(p.Watch(rid=next(self._rids), run=run, since=since),
+            latest = self._call(link, p.Watch(rid=next(self._rids), run=run, since=since),
                                 f"WATCH {run}")["seq"]
             self._floor[run] = latest
             return latest
         except ShardError as exc:
             if exc.code == "NOT_FOUND":
-                raise WatchLost(self.endpoint, f"WATCH {run}", exc.code,
+                raise WatchLost(link.label, f"WATCH {run}", exc.code,
                                 exc.error_message) from None
             raise
 
+    def _watched_labels(self, runs):
+        runs = self._watching if runs is None else runs
+        links = {id(lk): lk for lk in (self._link_of(r) for r in runs)}
+        return _labels(sorted(links.values(), key=lambda lk: lk.index or 0)) or \
+            _labels(self._links)
+
     def next_event(self, timeout=None, refresh=2.0, runs=None):
-        """The next new EVENT of a subscribed run (of ``runs`` when given); see
-        :meth:`watch`."""
+        """The next new EVENT of a subscribed run (of ``runs`` when given), from whichever
+        shard pushes it (every open connection is polled); see :meth:`watch`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while self._resync:
@@ -236,24 +391,28 @@ class Client:
                     return e
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise ShardTimeout(f"shard {self.endpoint}: watch: no event within "
-                                   f"{timeout}s")
+                raise ShardTimeout(f"shard {self._watched_labels(runs)}: watch: no event "
+                                   f"within {timeout}s")
             wait = refresh if deadline is None else min(refresh, deadline - now)
-            msg = self._recv(time.monotonic() + wait)
+            msg = self._recv_any(time.monotonic() + wait)
             if msg is None:
                 # Silence: resubscribe from the last seq (replays anything a lost push
                 # missed); a shard that cannot answer gets a new connection.
+                redone = set()          # links reconnected (their runs resumed) just now
                 for run in list(self._watching):
+                    link = self._link_of(run)
+                    if run not in self._watching or id(link) in redone:
+                        continue
                     try:
                         self._resume(run)
                     except ShardTimeout:
-                        self.reconnect()
-                        break
+                        redone.add(id(link))
+                        self._reconnect_link(link)
 
     def wait(self, actions, timeout=60.0):
-        """Wait until every action (ids, one run or several) is terminal, by watch pushes
-        (no polling: one STATUS after subscribing, then events). Returns
-        ``{action id: Phase}``."""
+        """Wait until every action (ids, one run or several, on one shard or several) is
+        terminal, by watch pushes (no polling: one STATUS after subscribing, then events).
+        Returns ``{action id: Phase}``."""
         ids = [str(a) for a in ([actions] if isinstance(actions, (str, ActionId))
                                 else actions)]
         runs = {a.rsplit("/", 1)[0] for a in ids}
@@ -270,10 +429,16 @@ class Client:
             while want:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ShardTimeout(f"shard {self.endpoint}: wait: {len(want)} action(s) "
-                                       f"not ended within {timeout}s (e.g. {min(want)})")
+                    late = {a.rsplit("/", 1)[0] for a in want}
+                    raise ShardTimeout(f"shard {self._watched_labels(late)}: wait: "
+                                       f"{len(want)} action(s) not ended within {timeout}s "
+                                       f"(e.g. {min(want)})")
                 try:
                     e = self.next_event(timeout=left, runs=runs)
+                except ShardTimeout:
+                    if time.monotonic() < deadline:
+                        raise       # a shard that cannot answer, not the wait running out
+                    continue        # the top of the loop says which actions did not end
                 except WatchLost:
                     # Fell behind the ring: watch from now on, and read what changed
                     # meanwhile (nothing is missed: status first, then new events).
@@ -300,55 +465,81 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _call(self, msg, what):
-        sock = self._socket()
+    def _call(self, link, msg, what):
+        sock = self._socket(link)
         if not send(sock, p.encode(msg)):
             deadline = time.monotonic() + self.timeout
             while True:
                 if time.monotonic() >= deadline:
-                    raise ShardTimeout(f"shard {self.endpoint}: {what}: cannot send (not "
+                    raise ShardTimeout(f"shard {link.label}: {what}: cannot send (not "
                                        f"connected within {self.timeout}s: down, unreachable "
                                        f"or key refused)")
                 if sock.poll(20, zmq.POLLOUT) and send(sock, p.encode(msg)):
                     break
         deadline = time.monotonic() + self.timeout
         while True:
-            got = self._recv(deadline)
+            got = self._recv(sock, deadline)
             if got is None:
-                raise ShardTimeout(f"shard {self.endpoint}: {what}: no answer within "
+                raise ShardTimeout(f"shard {link.label}: {what}: no answer within "
                                    f"{self.timeout}s")
             if getattr(got, "rid", None) != msg.rid or isinstance(got, (p.Event, p.Events)):
                 continue
             if isinstance(got, p.Error):
-                raise ShardError(self.endpoint, what, got.code, got.message)
+                raise ShardError(link.label, what, got.code, got.message)
             return got.body
 
-    def _recv(self, deadline):
-        """The next message before ``deadline``; EVENTs of watched runs are queued (new
-        seqs only) and returned as well."""
-        sock = self._socket()
+    def _recv(self, sock, deadline):
+        """The next message on ``sock`` before ``deadline``; EVENTs of watched runs are
+        queued (new seqs only) and returned as well."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
             if not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 return None
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                msg = self._decoder.decode(frames)
-            except zmq.Again:
-                continue
-            except p.ProtocolError:
-                continue
-            if isinstance(msg, p.Events):
-                got = [e for e in msg.events() if self._take_event(e)]
-                if not got:
-                    continue
-                return got[-1]
-            if isinstance(msg, p.Event):
-                if not self._take_event(msg):
-                    continue
-            return msg
+            msg = self._take(sock)
+            if msg is not None:
+                return msg
+
+    def _recv_any(self, deadline):
+        """As :meth:`_recv`, over every open connection (events come from any shard)."""
+        socks = [link.sock for link in self._links if link.sock is not None]
+        if len(socks) == 1:
+            return self._recv(socks[0], deadline)
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not socks:
+                time.sleep(left)        # nothing open: nothing can arrive
+                return None
+            ready = poller.poll(max(1, int(left * 1000)))
+            if not ready:
+                return None
+            for sock, _ in ready:
+                msg = self._take(sock)
+                if msg is not None:
+                    return msg
+
+    def _take(self, sock):
+        """Read one waiting message of ``sock``: the message, or None when there was none,
+        it was not valid, or it carried only events already seen."""
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            msg = self._decoder.decode(frames)
+        except zmq.Again:
+            return None
+        except p.ProtocolError:
+            return None
+        if isinstance(msg, p.Events):
+            got = [e for e in msg.events() if self._take_event(e)]
+            return got[-1] if got else None
+        if isinstance(msg, p.Event) and not self._take_event(msg):
+            return None
+        return msg
 
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""
@@ -363,3 +554,18 @@ class Client:
         self._watching[e.run] = e.seq
         self._events.append(e)
         return True
+
+
+def _flyte_keys(raw, kind):
+    """The action ids of serialised Flyte enqueues (decoded here only to route them)."""
+    try:
+        from engine.flyte import flyte_fanouts
+    except ImportError as exc:
+        raise _NoFlyte(f"ENQUEUE_FLYTE: a client of several shards decodes Flyte enqueues to "
+                       f"route them by tenant: {exc}; or pin the shard (Client(config, "
+                       f"shard=N))") from None
+    return [f.template.id for f in flyte_fanouts(raw, kind=kind)]
+
+
+class _NoFlyte(LeaseholdError):
+    code = "UNIMPLEMENTED"

@@ -5,9 +5,11 @@ arguments and returns the exit status.
 
 Every shard answer goes through :func:`talk`, which turns the client's errors into
 :class:`~engine._commands.CommandError` (one line, and the exit status: 1 for NOT_FOUND,
-2 for everything else). Waiting (``submit --wait``, ``watch``) follows the push stream
-(:class:`RunTracker`), never polling ``STATUS``; ``queue drain --wait`` asks
-``QUEUE_METRICS`` twice a second (queue counts have no push stream).
+2 for everything else). Without ``--shard`` the client routes: each action or run goes to
+the shard owning its tenant, and the queue commands act on every shard (``docs/cli.md``).
+Waiting (``submit --wait``, ``watch``) follows the push stream (:class:`RunTracker`), never
+polling ``STATUS``; ``queue drain --wait`` asks ``QUEUE_METRICS`` twice a second (queue
+counts have no push stream).
 """
 
 import collections
@@ -30,7 +32,8 @@ from engine._config import load_config
 from engine._errors import SpecError
 from engine._model import ActionId, ActionSpec
 from engine._units import UNLIMITED, format_quantity
-from transport._client import Client, WatchLost
+from transport._client import Client, CrossShardBatch, WatchLost
+from transport._shards import split_by_shard
 from transport._worker import ShardError, ShardTimeout
 
 __all__ = ["RunTracker", "talk", "console", "submit", "status", "explain", "abort", "watch",
@@ -45,10 +48,11 @@ _ENDED_BADLY = (Phase.FAILED, Phase.ABORTED, Phase.TIMED_OUT)
 @contextlib.contextmanager
 def talk(args):
     """``(config, Client)`` for ``args`` (``--config``, ``--shard``, ``--key``,
-    ``--request-timeout``); the shard's errors become :class:`CommandError`."""
+    ``--request-timeout``): pinned to ``--shard``, else routing by tenant over every shard
+    of the config; the shards' errors become :class:`CommandError`."""
     cfg = load_config(args.config)
     eps = cfg.transport.endpoints
-    if args.shard >= len(eps):
+    if args.shard is not None and args.shard >= len(eps):
         raise CommandError("INVALID_ARGUMENT", f"--shard {args.shard}: {cfg.source} has "
                            f"{len(eps)} endpoint(s) in transport.endpoints")
     if not cfg.security.insecure and not args.key:
@@ -64,6 +68,8 @@ def talk(args):
                            NO if exc.code == "NOT_FOUND" else 2) from None
     except ShardTimeout as exc:
         raise CommandError("UNAVAILABLE", str(exc)) from None
+    except CrossShardBatch as exc:
+        raise CommandError(exc.code, str(exc)) from None
     finally:
         client.close()
 
@@ -453,10 +459,11 @@ def submit(args):
                                           else inputs[lo:lo + step])
                     ids += [f"{run}/{n}" for n in part]
             else:
-                specs = plan[1]
-                step = cfg.transport.max_batch
-                for lo in range(0, len(specs), step):
-                    ids += [str(a) for a in client.enqueue_many(specs[lo:lo + step])]
+                got = [None] * len(plan[1])
+                try:
+                    _enqueue_specs(client, cfg, plan[1], got)
+                finally:
+                    ids += [a for a in got if a is not None]
         except (ShardError, ShardTimeout):
             if ids:     # earlier batches are durable: say which, then fail
                 print("\n".join(ids))
@@ -477,6 +484,20 @@ def submit(args):
     if phases is not None and any(ph != Phase.SUCCEEDED for ph in phases.values()):
         return NO
     return OK
+
+
+def _enqueue_specs(client, cfg, specs, got):
+    """Enqueue ``specs`` in batches of ``transport.max_batch``, one shard's specs per batch
+    (a batch is atomic on one shard only), setting ``got[i]`` to the id of ``specs[i]`` as
+    its batch is acknowledged (so after an error ``got`` says what is durable)."""
+    groups = split_by_shard([s["id"] for s in specs], len(client.endpoints)) \
+        if client.routed else {None: list(range(len(specs)))}
+    step = cfg.transport.max_batch
+    for idx in groups.values():
+        for lo in range(0, len(idx), step):
+            part = idx[lo:lo + step]
+            for i, a in zip(part, client.enqueue_many([specs[i] for i in part]), strict=True):
+                got[i] = str(a)
 
 
 def _phase_table(phases, title=None):
@@ -614,7 +635,7 @@ def watch(args):
         t = RunTracker(client, [run], cfg.transport.max_batch)
         try:
             t.start(ids)
-            print(f"watching {run} on {client.endpoint} from seq {t.floor[run]}"
+            print(f"watching {run} on {client.endpoint_of(run)} from seq {t.floor[run]}"
                   + (f", {len(ids)} action(s) given" if ids else ""), file=sys.stderr,
                   flush=True)
             view = contextlib.nullcontext() if args.json else _Bars(run)
@@ -692,49 +713,76 @@ def _settings_rows(cfg, q):
     return rows
 
 
+def _by_shard(client, answer):
+    """``{shard or None: answer}``: a routing client's per-shard map as it is, a pinned
+    client's one answer under None."""
+    return answer if client.routed else {None: answer}
+
+
 def queue_update(args):
-    """``leasehold queue update``: change a queue live; print its new settings."""
+    """``leasehold queue update``: change a queue live (on every shard, or ``--shard``);
+    print its new settings."""
     changes = _changes(args)
     if not changes:
         raise CommandError("INVALID_ARGUMENT", f"queue update {args.name}: give at least one "
                            f"change (--priority, --action-concurrency, --paused, ...)")
     with talk(args) as (cfg, client):
-        q = client.queue_update(args.name, **changes)
+        got = _by_shard(client, client.queue_update(args.name, **changes))
     if args.json:
-        _emit_json(q)
+        _emit_json(got[None] if None in got else
+                   {"queue": args.name, "shards": {str(i): q for i, q in got.items()}})
         return OK
-    t = Table(title=f"queue {args.name}: updated ({', '.join(changes)}); the next tick uses "
-                    f"it", title_justify="left")
-    t.add_column("key")
-    t.add_column("value")
-    for key, text in _settings_rows(cfg, q):
-        t.add_row(f"[bold]{key}[/]" if key in changes else key, text)
-    console().print(t)
+    for shard, q in got.items():
+        on = "" if shard is None else f" on shard {shard}"
+        t = Table(title=f"queue {args.name}{on}: updated ({', '.join(changes)}); the next "
+                        f"tick uses it", title_justify="left")
+        t.add_column("key")
+        t.add_column("value")
+        for key, text in _settings_rows(cfg, q):
+            t.add_row(f"[bold]{key}[/]" if key in changes else key, text)
+        console().print(t)
     return OK
 
 
+def _left_in(metrics):
+    """``(queued, in flight)`` summed over ``{shard: metrics}``."""
+    return (sum(m["depth"] for m in metrics.values()),
+            sum(m["actions_in_flight"] for m in metrics.values()))
+
+
 def queue_drain(args):
-    """``leasehold queue drain``: stop the queue taking new actions; report when empty."""
+    """``leasehold queue drain``: stop the queue taking new actions (on every shard, or
+    ``--shard``); report when it is empty everywhere."""
     if args.timeout is not None and not args.wait:
         raise CommandError("INVALID_ARGUMENT", "--timeout is for --wait")
     deadline = _deadline(args.timeout)
     with talk(args) as (_cfg, client):
         client.queue_update(args.name, draining=True)
-        m = client.queue_metrics(args.name)
+        ms = _by_shard(client, client.queue_metrics(args.name))
+        depth, flying = _left_in(ms)
         if not args.json:
-            print(f"queue {args.name}: draining (new actions refused): {m['depth']} queued, "
-                  f"{m['actions_in_flight']} in flight", flush=True)
-        while args.wait and (m["depth"] or m["actions_in_flight"]):
+            each = "" if None in ms else " (" + ", ".join(
+                f"shard {i}: {m['depth']} queued, {m['actions_in_flight']} in flight"
+                for i, m in ms.items()) + ")"
+            print(f"queue {args.name}: draining (new actions refused): {depth} queued, "
+                  f"{flying} in flight{each}", flush=True)
+        while args.wait and (depth or flying):
             if deadline is not None and time.monotonic() >= deadline:
                 raise CommandError("DEADLINE_EXCEEDED", f"queue {args.name}: not empty "
-                                   f"within {args.timeout}s ({m['depth']} queued, "
-                                   f"{m['actions_in_flight']} in flight)", NO)
+                                   f"within {args.timeout}s ({depth} queued, "
+                                   f"{flying} in flight)", NO)
             time.sleep(0.5 if deadline is None else min(0.5, _left(deadline)))
-            m = client.queue_metrics(args.name)
-    empty = not (m["depth"] or m["actions_in_flight"])
+            ms = _by_shard(client, client.queue_metrics(args.name))
+            depth, flying = _left_in(ms)
+    empty = not (depth or flying)
     if args.json:
-        _emit_json({"queue": args.name, "draining": True, "empty": empty,
-                    "depth": m["depth"], "actions_in_flight": m["actions_in_flight"]})
+        out = {"queue": args.name, "draining": True, "empty": empty, "depth": depth,
+               "actions_in_flight": flying}
+        if None not in ms:
+            out["shards"] = {str(i): {"depth": m["depth"],
+                                      "actions_in_flight": m["actions_in_flight"]}
+                             for i, m in ms.items()}
+        _emit_json(out)
     elif empty:
         print(f"queue {args.name}: empty (nothing queued or in flight)")
     else:

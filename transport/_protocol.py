@@ -126,6 +126,7 @@ ERROR_CODES = (
     "INVALID_ARGUMENT", "INVALID_CONFIG", "NOT_FOUND", "ALREADY_EXISTS",
     "RESOURCE_EXHAUSTED",                                           # what the engine said
     "UNAVAILABLE", "INTERNAL", "UNIMPLEMENTED",                     # the shard
+    "WRONG_SHARD",              # another shard owns the tenant (appended: indices stay)
 )
 
 

@@ -14,6 +14,10 @@ One decision thread owns the engine, the socket and every session. A loop turn:
    which writes and syncs it while this thread decides the next turn. At most
    ``transport.commit_pipeline`` turns are in commit at once.
 
+A shard of a config with several endpoints owns the tenants ``transport.tenant_shard`` maps
+to its index: a request naming any other tenant is refused whole, before it is applied
+(``WRONG_SHARD``, ``transport/_shards.py``).
+
 A failed commit restores the engine's memory to what the store holds, and nothing decided in
 that turn or any later one is sent: every request of them is answered UNAVAILABLE (retry)
 and their leases are decided again from the restored state. Only the store's I/O runs on the
@@ -45,12 +49,13 @@ from transport._auth import (
     Unauthenticated,
     authorize,
     check_tenants,
+    message_keys,
     peer_of,
     visible_metrics,
 )
 from transport._committer import Committer, CommitterStore
 from transport._keys import load_keyring
-from transport._shards import shard_config
+from transport._shards import check_owned, shard_config
 from transport._sockets import send, server_socket
 from transport._status import StatusWriter
 from transport._watch import WatchGap, WatchLog
@@ -136,6 +141,10 @@ class Shard:
         # runs on a store directory of its own (transport/_shards.py).
         self.config = shard_config(config, shard_index)
         self.shard_index = shard_index
+        # The partition map: this shard owns the tenants that tenant_shard puts on its index
+        # among the config's endpoints (every tenant when there is one); it refuses requests
+        # about the others (WRONG_SHARD).
+        self.n_shards = len(eps)
         self.name = f"{self.config.storage.shard}@{endpoint}"
         self._bind_to = endpoint
         self._store = store
@@ -555,6 +564,9 @@ class _Loop:
             return
         method = getattr(self, "on_" + msg.TYPE.name.lower())
         try:
+            # Before anything is applied: a request naming a tenant another shard owns is
+            # refused whole, so a tenant's runs never split over two shards' stores.
+            check_owned(message_keys(msg), self.shard.shard_index, self.shard.n_shards)
             method(conn, c, peer, msg)
         except (StoreError, OSError):
             raise           # the turn fails as a whole
@@ -608,10 +620,11 @@ class _Loop:
                                 kind=msg.kind)
         # The tenants are known only now: every action and parent is checked before any
         # is enqueued.
-        check_tenants(peer, "ENQUEUE_FLYTE", [
-            key for f in fanouts for key in (
-                [f"{f.template.id.rsplit('/', 1)[0]}/{n}" for n in f.names]
-                + ([f.template.parent] if f.template.parent else []))])
+        keys = [key for f in fanouts for key in (
+            [f"{f.template.id.rsplit('/', 1)[0]}/{n}" for n in f.names]
+            + ([f.template.parent] if f.template.parent else []))]
+        check_tenants(peer, "ENQUEUE_FLYTE", keys)
+        check_owned(keys, self.shard.shard_index, self.shard.n_shards)
         out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True

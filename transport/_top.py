@@ -26,12 +26,17 @@ __all__ = ["top", "queue_list", "render"]
 _QUANTILES = (0.5, 0.9, 0.99)
 
 
-def _readers(args, cfg):
+def _readers(args, cfg, every=False):
+    """The status sources of ``--shard`` (of every shard with ``every`` or
+    ``--all-shards``; of shard 0 for ``top`` without either)."""
     eps = cfg.transport.endpoints
-    if args.shard >= len(eps):
+    if args.shard is not None and args.shard >= len(eps):
         raise CommandError("INVALID_ARGUMENT", f"--shard {args.shard}: {cfg.source} has "
                            f"{len(eps)} endpoint(s) in transport.endpoints")
-    shards = range(len(eps)) if getattr(args, "all_shards", False) else [args.shard]
+    if getattr(args, "all_shards", False) or (every and args.shard is None):
+        shards = range(len(eps))
+    else:
+        shards = [args.shard or 0]
     return {i: _Source(status_path(cfg, i)) for i in shards}
 
 
@@ -235,26 +240,31 @@ def queue_list(args):
     """``leasehold queue list``: every queue, from the status file (or the shard)."""
     if args.remote:
         with talk(args) as (_cfg, client):
-            metrics = client.queue_metrics()
-        rows = [{"name": name, **m} for name, m in metrics.items()]
+            got = client.queue_metrics()
+            # A routing client asks every shard ({shard: metrics}); a pinned one its own.
+            per_shard = got if client.routed else {args.shard or 0: got}
+        rows = [{"shard": i, "name": name, **m} for i, metrics in per_shard.items()
+                for name, m in metrics.items()]
         if args.json:
             print(_dumps({"queues": rows}))
             return OK
-        t = Table(title="queues (from the shard)", title_justify="left")
-        for col in ("queue", "flags", "depth", "in flight", "in-flight resources",
-                    "head blocked"):
+        several = len(per_shard) > 1
+        t = Table(title="queues (from the shards)" if several else "queues (from the shard)",
+                  title_justify="left")
+        for col in (("shard",) if several else ()) + (
+                "queue", "flags", "depth", "in flight", "in-flight resources", "head blocked"):
             t.add_column(col)
         for r in rows:
             flags = " ".join(f for f in ("paused", "draining") if r.get(f)) or "-"
             h = r["head_blocked"]
             head = "-" if h is None else f"{h['code']}: {h['reason'] or h['action'] or ''}"
-            t.add_row(r["name"], flags, str(r["depth"]),
-                      f"{r['actions_in_flight']} ({r['runs_in_flight']} runs)",
+            t.add_row(*((str(r["shard"]),) if several else ()), r["name"], flags,
+                      str(r["depth"]), f"{r['actions_in_flight']} ({r['runs_in_flight']} runs)",
                       _amounts(r["in_flight_resources"]), head)
         console().print(t)
         return OK
     cfg = load_config(args.config)
-    sources = _readers(args, cfg)
+    sources = _readers(args, cfg, every=True)
     try:
         frames = {i: src.read() for i, src in sources.items()}
     finally:
