@@ -52,7 +52,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_config(tmp, port):
+def write_config(tmp, port, pipeline=None):
     keys = tmp / "keys"
     if not keys.exists():
         generate_keypair(keys, "shard")
@@ -75,6 +75,7 @@ sync = true
 map_size = 4294967296
 [transport]
 endpoints = ["tcp://127.0.0.1:{port}"]
+{f"commit_pipeline = {pipeline}" if pipeline else ""}
 [security]
 keys_dir = "{keys}"
 server_key = "shard"
@@ -161,11 +162,11 @@ def pct(values, q):
     return values[min(len(values) - 1, int(len(values) * q))]
 
 
-def one_run(actions, rtt_count):
+def one_run(actions, rtt_count, pipeline=None):
     with tempfile.TemporaryDirectory(prefix="leasehold-dispatch-") as d:
         tmp = Path(d)
         port = free_port()
-        config = write_config(tmp, port)
+        config = write_config(tmp, port, pipeline)
         endpoint = f"tcp://127.0.0.1:{port}"
         keys = tmp / "keys"
 
@@ -298,18 +299,21 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--actions", type=int, default=50000)
     ap.add_argument("--rtt", type=int, default=200)
+    ap.add_argument("--commit-pipeline", type=int, default=None,
+                    help="transport.commit_pipeline of the shard (default: the config's)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_main(*args.worker)
         return
-    runs = [one_run(args.actions, args.rtt) for _ in range(args.repeats)]
+    runs = [one_run(args.actions, args.rtt, args.commit_pipeline) for _ in range(args.repeats)]
     out = {}
     for key in runs[0]:
         vals = [r[key] for r in runs if r[key] is not None]
         out[key] = round(statistics.median(vals), 3) if vals else None
         out[f"{key}_runs"] = [None if r[key] is None else round(r[key], 3) for r in runs]
-    out.update(actions=args.actions, batch=BATCH, window=WINDOW, repeats=args.repeats,
+    out.update(actions=args.actions, commit_pipeline=args.commit_pipeline or 2, batch=BATCH,
+               window=WINDOW, repeats=args.repeats,
                goals={"dispatch_per_s": ">= 100000", "dispatch_p99_ms": "<= 50",
                       "small_run_p50_ms": "<= 2", "idle_rtt_p50_ms": "<= 1.5",
                       "warm_pool_rtt_p50_ms": "<= 2.0"},

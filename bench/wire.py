@@ -64,7 +64,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_config(tmp, secure, port, sync=True):
+def write_config(tmp, secure, port, sync=True, pipeline=None):
     keys = tmp / "keys"
     if secure and not keys.exists():
         generate_keypair(keys, "shard")
@@ -93,6 +93,7 @@ map_size = 4294967296
 [transport]
 endpoints = ["tcp://127.0.0.1:{port}"]
 max_outstanding = 64
+{f"commit_pipeline = {pipeline}" if pipeline else ""}
 {sec}"""
     path = tmp / f"{'secure' if secure else 'plain'}-{'sync' if sync else 'nosync'}.toml"
     path.write_text(text)
@@ -206,9 +207,9 @@ def rtt(endpoint, tmp, secure, count):
         worker.wait()
 
 
-def one_run(tmp, secure, batches, count, sync=True):
+def one_run(tmp, secure, batches, count, sync=True, pipeline=None):
     port = free_port()
-    config = write_config(tmp, secure, port, sync)
+    config = write_config(tmp, secure, port, sync, pipeline)
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = start_shard(config)
     try:
@@ -242,6 +243,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--rtt", type=int, default=300)
+    ap.add_argument("--commit-pipeline", type=int, default=None,
+                    help="transport.commit_pipeline of the shard (default: the config's)")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -254,8 +257,10 @@ def main():
         nosync = []
         for _ in range(args.repeats):
             for secure in (True, False):
-                res[secure].append(one_run(tmp, secure, args.batches, args.rtt))
-            nosync.append(one_run(tmp, True, args.batches, args.rtt, sync=False))
+                res[secure].append(one_run(tmp, secure, args.batches, args.rtt,
+                                           pipeline=args.commit_pipeline))
+            nosync.append(one_run(tmp, True, args.batches, args.rtt, sync=False,
+                                  pipeline=args.commit_pipeline))
         out["fdatasync_p50_ms"] = round(fdatasync_ms(tmp), 3)
     med = {s: [statistics.median(col) for col in zip(*res[s], strict=True)] for s in res}
     out["enqueue_wire_per_s"] = round(med[True][0])
@@ -269,6 +274,7 @@ def main():
     nos = [statistics.median(col) for col in zip(*nosync, strict=True)]
     out["nosync_enqueue_wire_per_s"] = round(nos[0])
     out["nosync_idle_rtt_p50_ms"] = round(nos[1], 3)
+    out["commit_pipeline"] = args.commit_pipeline or 2
     out["repeats"] = args.repeats
     out["fanout_batch"] = 1000
     out["batches"] = args.batches

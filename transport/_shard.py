@@ -470,9 +470,17 @@ class _Loop:
         if group.state != "pending":        # the engine stopped (ownership lost)
             self.unavailable(box, "the shard stopped")
             return
-        if not group.batch and not self.inflight:
-            # Nothing to write and nothing before it in commit: settled at once.
-            eng.settle(group)
+        if not self.inflight and (self.depth == 1 or not group.batch):
+            # Nothing before it in commit, and nothing to write or no pipeline: committed
+            # on this thread (no hand-off to the committer and back).
+            try:
+                eng.commit(group)
+            except (StoreError, LeaseholdError, OSError) as exc:
+                self.shard._count("failed_commits")
+                log.error("shard %s: commit failed, nothing of its turn sent: %s",
+                          self.shard.name, exc)
+                self.unavailable(box, f"the commit failed ({exc})")
+                return
             self.flush(box)
             return
         self.inflight.append(self.committer.submit(group, box))
