@@ -108,6 +108,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._pending = collections.deque()   # deferred groups not committed yet, in order
         self._pending_batch = None  # the batch a deferred turn just encoded
         self._pending_retained = None   # ... and the retained outcomes it writes
+        self._history_samples = set()   # tasks with runtime samples not yet in the store
+        self._history_flush_ns = 0      # engine clock: when they are written at the latest
         self._group_seq = itertools.count(1)
         self._committed_tail = 0    # dispatch ring position up to which decisions are durable
         self._store.open(config.storage.shard, self._wall.time_ns())
@@ -319,8 +321,14 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         return group
 
     def close(self):
-        """Release the store (claims are released so a successor can start at once)."""
-        self._store.close()
+        """Write the runtime samples not yet in the store (when no decided group waits for
+        its commit), then release the store (claims are released so a successor can start
+        at once)."""
+        try:
+            if self._history_samples and not self._pending and self._stopped is None:
+                self.flush_history()
+        finally:
+            self._store.close()     # the claims go even when that last write failed
 
     def renew(self):
         """Renew the shard's partition claims (call well within ``storage.claim_ttl``);
@@ -435,7 +443,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
 
     def _record_runtime(self, task, ns):
         self.history.record_ns(task, max(0, int(ns)))
-        self._history_dirty.add(task)
+        self._add_sample(task)
         if task in self._tasks:
             self._refresh_prediction(task, self._tasks[task])
 

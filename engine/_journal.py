@@ -24,7 +24,11 @@ from storage import (
     StoreFull,
 )
 
-__all__ = ["JournalMixin"]
+__all__ = ["JournalMixin", "HISTORY_FLUSH_NS"]
+
+#: Runtime samples reach the store at most this long after they were taken (engine clock),
+#: unless a group writes partition 0 sooner (engine/_journal.py, _encode_history).
+HISTORY_FLUSH_NS = 1_000_000_000
 
 
 class Group:
@@ -179,7 +183,7 @@ class JournalMixin:
 
     def _has_dirty(self):
         return bool(self._dirty_rows or self._dirty_arrays or self._dirty_fz or self._ops
-                    or self._history_dirty)
+                    or self._history_dirty or self._history_due())
 
     def _touch(self, row):
         self._dirty_rows.append(row)
@@ -242,6 +246,7 @@ class JournalMixin:
                       self._suspects.get(row, int(self._state.w_slots[row])))
                      for name, row in self._workers.items() if self._state.w_connected[row]]
         self._clear_dirty()
+        self._history_samples = set()   # the history is reloaded: what the store holds
         self._suspects.clear()
         self._load()
         for name, cluster, slots in connected:
@@ -259,10 +264,6 @@ class JournalMixin:
         """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
         st = self._state
         batch = {p: list(ops) for p, ops in self._ops.items()}
-        for task in self._history_dirty:
-            data = self.history.encode(task) if self.history.count(task) else None
-            batch.setdefault(0, []).append(
-                ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
         if self._dirty_rows or self._dirty_arrays:
             parts_ = [a.astype(np.int64, copy=False) for a in self._dirty_arrays]
             if self._dirty_rows:
@@ -293,7 +294,43 @@ class JournalMixin:
             for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), idx.size], strict=True):
                 batch.setdefault(int(part[lo]), []).append(
                     Records("finalize", keys[lo:hi], recs[lo:hi], 8, size))
+        self._encode_history(batch)
         return batch
+
+    def _encode_history(self, batch):
+        """Task history records (partition 0): new task rows always (action records name
+        them); runtime samples when a flush is due or the group writes partition 0 anyway.
+        Samples are predictions' input, not transitions: deferring them (at most
+        HISTORY_FLUSH_NS) keeps a turn that only reports successes on its tenant's
+        partition (one environment's syncs, not a journaled group over two)."""
+        tasks = self._history_dirty
+        if self._history_samples and (0 in batch or self._history_due()):
+            tasks = tasks | self._history_samples
+            self._history_samples = set()
+        for task in tasks:
+            data = self.history.encode(task) if self.history.count(task) else None
+            batch.setdefault(0, []).append(
+                ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
+
+    def _add_sample(self, task):
+        """``task`` has a runtime sample the store does not have yet: it is written within
+        HISTORY_FLUSH_NS of the oldest such sample."""
+        if not self._history_samples:
+            self._history_flush_ns = self.clock.now_ns() + HISTORY_FLUSH_NS
+        self._history_samples.add(task)
+
+    def _history_due(self):
+        return bool(self._history_samples) and self.clock.now_ns() >= self._history_flush_ns
+
+    def flush_history(self):
+        """Write every runtime sample not yet in the store now (one group); the engine does
+        it by itself within about a second of a sample, with any group that writes
+        partition 0, and at :meth:`close`."""
+        if not self._history_samples:
+            return
+        self._history_flush_ns = 0
+        with self._turn():
+            pass
 
     def _action_blocks(self, idx, batch):
         """Append the fixed records of action rows ``idx`` to ``batch``: one block per

@@ -535,7 +535,7 @@ class LeasingMixin:
             for t in np.unique(tasks).tolist():
                 name = self._task_names[t]
                 self.history.record_many_ns(name, np.maximum(0, now - began[tasks == t]))
-                self._history_dirty.add(name)
+                self._add_sample(name)
                 self._refresh_prediction(name, t)
             self._end_leases_lean(done, END_COMPLETED, PH_SUCCEEDED, now)
 

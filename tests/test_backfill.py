@@ -3,12 +3,13 @@ ETAs, and a property: with exact predictions backfill never delays the first blo
 
 import heapq
 
+import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import ActionSpec, Engine, PodGroup, WaitCode
 from engine._history import RuntimeHistory, bucket_edges_ns
-from storage import MemoryStore
+from storage import MemoryStore, partition_of
 from tests.conftest import make_engine
 
 NODE = {"cpu": 96, "memory": "1Ti", "gpu:H100": 8}
@@ -305,6 +306,58 @@ def test_history_records_successes_only():
     again = Engine(eng.config, clock=clock,
                    store=MemoryStore(store.partitions, backing=store.backing))
     assert again.history.count("etl") == 1 and again.predicted_runtime("etl") == predicted
+
+
+class RecordingStore(MemoryStore):
+    """A MemoryStore remembering the partitions each group commit wrote."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.groups = []
+
+    def commit(self, batch):
+        self.groups.append(sorted(p for p, ops in batch.items() if ops))
+        return super().commit(batch)
+
+
+def test_runtime_samples_leave_a_success_on_its_partition_and_reach_the_store_within_1s():
+    """A success's runtime sample is history, not a transition: the group that records the
+    success writes the tenant's partition only; the sample follows within a second (engine
+    clock) with the next group, or with close."""
+    store = RecordingStore(16)
+    eng, clock = make_engine(config(), store=store)
+    clock.advance(5)                    # past the first flush's due time
+    a_run = act("r1", "etl").id.rsplit("/", 1)[0]
+    part = partition_of(a_run.split("/")[0], 16)
+    assert part != 0                    # else the sample would ride along at once
+    [a] = start(eng, clock, [cpu_job("r1", "etl")])
+    clock.advance(3)
+    eng.complete(a.action, a.generation)
+    assert store.groups[-1] == [part]   # the success alone: no partition 0, no journal
+    assert eng.predicted_runtime("etl") is not None
+    assert stored_samples(store, "etl") == 0    # not in the store yet (a crash loses it)
+    clock.advance(1)
+    eng.enqueue(cpu_job("r2", "etl"))   # any group after the flush is due carries it
+    assert 0 in store.groups[-1] and stored_samples(store, "etl") == 1
+    clock.advance(3)
+    [b] = [x for x in eng.tick() if x.action.run == "r2"]
+    eng.mark_running(b.action, b.generation)
+    clock.advance(3)
+    eng.complete(b.action, b.generation)
+    eng.close()                         # close writes what is left
+    twin = Engine(eng.config, clock=clock, store=MemoryStore(16, backing=store.backing))
+    assert twin.history.count("etl") == 2
+
+
+def stored_samples(store, task):
+    """How many runtime samples of ``task`` the store's history record holds."""
+    for _p, _key, raw in store.scan("history"):
+        name, data = msgpack.unpackb(raw)
+        if name == task and data is not None:
+            h = RuntimeHistory()
+            h.load(task, data)
+            return h.count(task)
+    return 0
 
 
 def test_waiting_actions_report_their_position():
