@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
+from _harness import free_port  # noqa: E402  (bench/ is sys.path[0])
 
 from transport import (  # noqa: E402
     STABLE_S,
@@ -55,11 +55,6 @@ from transport import (  # noqa: E402
 RUN = "acme/bench/prod/hold"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def until(cond, timeout, what):

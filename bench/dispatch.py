@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,16 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _harness import free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
+
 from transport import Client, generate_keypair, load_client_keys  # noqa: E402
 
 BATCH = 1000
 WINDOW = 4
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(tmp, port, pipeline=None):
@@ -137,24 +133,6 @@ def start_processes(tmp, config):
     return shard, worker
 
 
-def stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def wait_up(client, timeout=30):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return client.ping()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            client.reconnect()
 
 
 def pct(values, q):

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import zmq  # noqa: E402
+from _harness import free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
 
 from transport import (  # noqa: E402
     Client,
@@ -57,11 +57,6 @@ from transport import (  # noqa: E402
 
 RUN = "acme/bench/prod"
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(tmp, secure, port, sync=True, pipeline=None):
@@ -112,26 +107,13 @@ def start_shard(config):
     return proc
 
 
-def stop(proc):
-    proc.terminate()
+
+def wait_for(endpoint, keys, timeout=30):
+    c = Client(endpoint=endpoint, keys=keys, timeout=1.0)
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def wait_up(endpoint, keys, timeout=30):
-    deadline = time.monotonic() + timeout
-    while True:
-        c = Client(endpoint=endpoint, keys=keys, timeout=1.0)
-        try:
-            return c.ping()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        finally:
-            c.close()
+        return wait_up(c, timeout)
+    finally:
+        c.close()
 
 
 def enqueue_rate(endpoint, keys, batches, window=8):
@@ -213,7 +195,7 @@ def one_run(tmp, secure, batches, count, sync=True, pipeline=None):
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = start_shard(config)
     try:
-        wait_up(endpoint, keys_of(tmp, secure, "app"))
+        wait_for(endpoint, keys_of(tmp, secure, "app"))
         rate = enqueue_rate(endpoint, keys_of(tmp, secure, "app"), batches)
         p50, p99, commits = rtt(endpoint, tmp, secure, count)
         return rate, p50, p99, commits
