@@ -102,6 +102,27 @@ class _Shard:
     retry_at: float = 0.0
 
 
+class _IdentityCache:
+    """``make(obj)`` kept by the identity of ``obj`` for the ``limit`` objects seen last
+    (each kept alive with its value, so an id is never reused while it is cached)."""
+
+    __slots__ = ("_items", "_limit")
+
+    def __init__(self, limit):
+        self._items = {}
+        self._limit = limit
+
+    def get(self, obj, make):
+        hit = self._items.get(id(obj))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        value = make(obj)
+        if len(self._items) >= self._limit:
+            self._items.pop(next(iter(self._items)))
+        self._items[id(obj)] = (obj, value)
+        return value
+
+
 class Worker:
     """A cluster worker (``docs/worker.md``).
 
@@ -162,8 +183,10 @@ class Worker:
         self._seq = 0
         self._reports = {}          # shard index -> [(token, code, detail)]
         self._inflight = {}         # (shard index, rid) -> REPORT message sent
-        self._specs = {}            # id(spec map) -> (spec map, ActionSpec)
-        self._shapes = {}           # id(ActionSpec) -> (ActionSpec, (demand, pods))
+        # A LEASES message's groups share one spec map per group: parsed once, and each
+        # ActionSpec's pods and demand made once (by identity, the last ones seen kept).
+        self._specs = _IdentityCache(_SPEC_CACHE)      # spec map -> ActionSpec
+        self._shapes = _IdentityCache(_SPEC_CACHE)     # ActionSpec -> (demand, pods)
         self._held_demand = np.zeros(len(self.resources), np.int64)
         self._stop = threading.Event()
         self._drain = threading.Event()
@@ -450,14 +473,7 @@ class Worker:
         self._report(h, _INITIALIZING)
 
     def _spec(self, wire):
-        hit = self._specs.get(id(wire))
-        if hit is not None and hit[0] is wire:
-            return hit[1]
-        spec = ActionSpec.from_dict(wire)
-        if len(self._specs) >= _SPEC_CACHE:
-            self._specs.pop(next(iter(self._specs)))
-        self._specs[id(wire)] = (wire, spec)
-        return spec
+        return self._specs.get(wire, ActionSpec.from_dict)
 
     def _attempt(self, lease, spec, ex):
         pods = self._shape(spec)[1]
@@ -478,9 +494,9 @@ class Worker:
 
     def _shape(self, spec):
         """``(demand vector, pods)`` of a spec, kept for the specs seen last."""
-        hit = self._shapes.get(id(spec))
-        if hit is not None and hit[0] is spec:
-            return hit[1]
+        return self._shapes.get(spec, self._make_shape)
+
+    def _make_shape(self, spec):
         pods = []
         if spec.pods:
             for g in spec.pods:
@@ -489,11 +505,7 @@ class Worker:
         else:
             res = dict(spec.resources or {})
             pods.append(Pod("main", 0, res, _memory(res)))
-        shape = (self._demand_of(spec), tuple(pods))
-        if len(self._shapes) >= _SPEC_CACHE:
-            self._shapes.pop(next(iter(self._shapes)))
-        self._shapes[id(spec)] = (spec, shape)
-        return shape
+        return self._demand_of(spec), tuple(pods)
 
     def _demand_of(self, spec):
         if spec.pods:

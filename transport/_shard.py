@@ -612,12 +612,7 @@ class _Loop:
             self._keep_spec(spec)
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        if len(self.watch):
-            now = self.eng.clock.now_ns()
-            for a in out:
-                run = a.rsplit("/", 1)[0]
-                if run in self.watch:
-                    self.record(run, a, Phase.QUEUED, 0, now)
+        self.record_queued(out)
 
     def on_enqueue_flyte(self, conn, c, peer, msg):
         try:
@@ -636,12 +631,7 @@ class _Loop:
         out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        if len(self.watch):
-            now = self.eng.clock.now_ns()
-            for a in out:
-                run = a.rsplit("/", 1)[0]
-                if run in self.watch:
-                    self.record(run, a, Phase.QUEUED, 0, now)
+        self.record_queued(out)
 
     def on_enqueue_fanout(self, conn, c, peer, msg):
         ids = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
@@ -650,9 +640,17 @@ class _Loop:
         self.want_tick = True
         run = msg.template["id"].rsplit("/", 1)[0]
         if run in self.watch:
-            now = self.eng.clock.now_ns()
-            for name in msg.names:
-                self.record(run, f"{run}/{name}", Phase.QUEUED, 0, now)
+            self.record_queued([f"{run}/{name}" for name in msg.names])
+
+    def record_queued(self, ids):
+        """QUEUED watch records of the enqueued ids (action id texts) of watched runs."""
+        if not len(self.watch):
+            return
+        now = self.eng.clock.now_ns()
+        for a in ids:
+            run = a.rsplit("/", 1)[0]
+            if run in self.watch:
+                self.record(run, a, Phase.QUEUED, 0, now)
 
     def on_abort(self, conn, c, peer, msg):
         held = self.eng.live_leases(msg.action)
