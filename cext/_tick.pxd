@@ -112,6 +112,7 @@ cdef class TickKernel:
     cdef u64[::1] w_rel                # leases released from it
     cdef u8[::1] w_connected           # 1 while registered
     cdef i32[::1] w_ident              # the worker's stable identity (rows are sessions)
+    cdef u8[::1] w_paused              # non-zero: draining or suspect, place nothing new
 
     # --- tasks ---
     cdef i64[::1] t_pred_rt            # predicted runtime (ns) from history, NEVER = none

@@ -184,6 +184,7 @@ cdef class TickKernel:
         self.w_rel = state.w_rel
         self.w_connected = state.w_connected
         self.w_ident = state.w_ident
+        self.w_paused = state.w_paused
         self.u_cap = state.u_cap
         self.u_adm = state.u_adm
         self.u_rel = state.u_rel
@@ -468,7 +469,7 @@ cdef class TickKernel:
         for w in range(self.n_clusters):
             self.s_slots[w] = 0
         for w in range(self.n_workers):
-            if not self.w_connected[w]:
+            if not self.w_connected[w] or self.w_paused[w]:
                 continue
             free = self.w_slots[w] - <i64>(self.w_adm[w] - self.w_rel[w])
             if free > 0:
@@ -585,7 +586,7 @@ cdef class TickKernel:
             c = self.fz_cluster[f]
             p = self.fz_pref[f]
             w = -1
-            if (p >= 0 and self.w_connected[p]
+            if (p >= 0 and self.w_connected[p] and not self.w_paused[p]
                     and self.w_slots[p] > <i64>(self.w_adm[p] - self.w_rel[p])):
                 w = p
             elif self.s_slots[c] > 0:
@@ -1294,7 +1295,7 @@ cdef class TickKernel:
             w += 1
             if w >= n:
                 w = 0
-            if (self.w_cluster[w] == c and self.w_connected[w]
+            if (self.w_cluster[w] == c and self.w_connected[w] and not self.w_paused[w]
                     and self.w_slots[w] > <i64>(self.w_adm[w] - self.w_rel[w])):
                 self.s_cursor[c] = w
                 return w

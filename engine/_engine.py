@@ -171,7 +171,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._idents = {}           # worker id -> durable identity (index)
         self._ident_names = []      # identity -> (worker id, cluster name)
         self._adoptable = set()     # session rows restored at load, waiting for reconnect
-        self._suspects = {}         # session row -> slots, of workers that let a lease expire
         self._fit_cache = {}        # pod matrix bytes -> cluster bitmask
         self._next_row = 0          # high-water row: rows below it are actions or FREE
         self._free_rows = np.zeros(0, dtype=np.int64)   # reclaimed rows, ascending

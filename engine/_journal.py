@@ -242,18 +242,19 @@ class JournalMixin:
         quiesce = getattr(self._store, "quiesce", None)
         if quiesce is not None:
             quiesce()
-        connected = [(name, self._clusters[self._state.w_cluster[row]],
-                      self._suspects.get(row, int(self._state.w_slots[row])))
-                     for name, row in self._workers.items() if self._state.w_connected[row]]
+        st = self._state
+        connected = [(name, self._clusters[st.w_cluster[row]], int(st.w_slots[row]),
+                      int(st.w_paused[row]))
+                     for name, row in self._workers.items() if st.w_connected[row]]
         self._clear_dirty()
         self._history_samples = set()   # the history is reloaded: what the store holds
-        self._suspects.clear()
         self._load()
-        for name, cluster, slots in connected:
+        for name, cluster, slots, paused in connected:
             # Only workers whose identity is durable: a registration that failed with this
             # turn is undone (re-registering it here would drop its identity record).
             if name in self._idents:
                 self._register(name, cluster, slots)
+                self._state.w_paused[self._workers[name]] = paused
         self._clear_dirty()
 
     def _load(self):

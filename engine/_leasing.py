@@ -42,7 +42,7 @@ from engine._rows import (
     ST_SENT,
     set_state,
 )
-from engine._state import NEVER
+from engine._state import NEVER, W_DRAINING, W_SUSPECT
 
 __all__ = ["LeasingMixin"]
 
@@ -148,8 +148,8 @@ class LeasingMixin:
         row = self._worker_row(worker_id)
         if not self._state.w_connected[row]:
             raise NotFound(f"worker {worker_id!r} is not connected")
-        self._suspects.pop(row, None)   # a heartbeat must not undo the drain
-        self._state.w_slots[row] = 0
+        st = self._state
+        st.w_paused[row] = int(st.w_paused[row]) | W_DRAINING    # a heartbeat keeps it
 
     def _worker_row(self, worker_id):
         try:
@@ -305,10 +305,8 @@ class LeasingMixin:
         # until its next heartbeat proves it alive (else a killed worker, still registered,
         # would be handed the very work that just expired on it).
         st = self._state
-        if (self.config.engine.pause_on_expiry and worker >= 0
-                and worker not in self._suspects and st.w_slots[worker] > 0):
-            self._suspects[worker] = int(st.w_slots[worker])
-            st.w_slots[worker] = 0
+        if self.config.engine.pause_on_expiry and worker >= 0:
+            st.w_paused[worker] = int(st.w_paused[worker]) | W_SUSPECT
 
     def _expire_lease(self, lease):
         kind, row, gen, worker = lease
@@ -349,9 +347,7 @@ class LeasingMixin:
         if not st.w_connected[row]:
             raise NotFound(f"worker {worker_id!r} is not connected")
         arr = self._codec.parse(tokens)
-        slots = self._suspects.pop(row, None)
-        if slots is not None:           # alive after all: it may take work again
-            st.w_slots[row] = slots
+        st.w_paused[row] = int(st.w_paused[row]) & ~W_SUSPECT    # alive: it may take work
         if free_capacity is not None:
             try:
                 vec = self._resources.vector(free_capacity, unset=-1)

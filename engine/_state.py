@@ -119,7 +119,12 @@ WORKER_FIELDS = {
     "w_rel": (U64, 0, ()),
     "w_connected": (U8, 0, ()),
     "w_ident": (I32, -1, ()),
+    "w_paused": (U8, 0, ()),            # W_DRAINING | W_SUSPECT: nothing new is placed on it
 }
+#: ``w_paused`` bits. Draining (``Engine.drain_worker``) lasts for the session; a suspect (it
+#: let a lease expire, ``engine.pause_on_expiry``) is cleared by its next heartbeat.
+W_DRAINING = 1
+W_SUSPECT = 2
 ENV_FIELDS = {
     "e_queue": (I32, -1, ()),
     "e_cluster": (I32, -1, ()),

@@ -396,3 +396,35 @@ def test_an_assignment_whose_lease_ended_before_dispatch_is_never_delivered():
     placed = eng.tick()
     assert [(a.kind, a.generation, a.attempt) for a in placed] == [
         (LeaseKind.FINALIZE, 1, 1), (LeaseKind.RUN, 2, 2)]
+
+
+def test_a_worker_that_let_a_lease_expire_gets_nothing_new_until_its_next_heartbeat():
+    eng, clock = engine({"A": ("east", 10)})
+    eng.enqueue(spec(name="a"))
+    a = only(eng.tick())
+    clock.advance(TTL + 1)                           # A went silent: a expires
+    eng.tick()
+    clock.advance(1)
+    eng.enqueue(spec(name="b"))
+    assert eng.tick() == []                          # A is suspect: nothing placed on it
+    assert eng.explain("acme/p/d/r/b").phase == Phase.WAITING_FOR_RESOURCES
+    assert eng.heartbeat("A", []) == []              # alive after all
+    placed = {x.action.action for x in eng.tick() if x.kind == LeaseKind.RUN}
+    assert placed == {"a", "b"} and a.worker == "A"
+
+
+def test_a_drained_worker_keeps_its_session_and_gets_nothing_new_even_after_a_heartbeat():
+    eng, clock = engine({"A": ("east", 10)})
+    eng.enqueue(spec(name="a"))
+    a = only(eng.tick())
+    eng.drain_worker("A")
+    eng.enqueue(spec(name="b"))
+    assert eng.tick() == []
+    assert eng.heartbeat("A", [a.token]) == []       # what it holds is still its own
+    assert eng.tick() == []                          # the heartbeat does not end the drain
+    clock.advance(TTL + 1)                           # and neither does a suspect's heartbeat
+    eng.tick()
+    assert eng.heartbeat("A", []) == []
+    assert [x for x in eng.tick() if x.kind == LeaseKind.RUN] == []
+    eng.register_worker("A", "east", 10)             # a new session ends the drain
+    assert {x.action.action for x in eng.tick() if x.kind == LeaseKind.RUN} >= {"b"}

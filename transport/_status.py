@@ -755,10 +755,12 @@ class StatusWriter:
             ok = wc >= 0
             wc = wc[ok].astype(np.int64)
             on = a.w_connected[:nw][ok] != 0
+            # A draining or suspect worker offers no slots (the gate places nothing on it).
+            offered = np.where(a.w_paused[:nw][ok] == 0, a.w_slots[:nw][ok], 0)
             held = np.bincount(wc, weights=(a.w_adm[:nw][ok] - a.w_rel[:nw][ok]).astype(
                 np.float64), minlength=nc)
             connected = np.bincount(wc[on], minlength=nc)
-            slots = np.bincount(wc[on], weights=a.w_slots[:nw][ok][on].astype(np.float64),
+            slots = np.bincount(wc[on], weights=offered[on].astype(np.float64),
                                 minlength=nc)
         cf["leases_in_flight"][...] = held
         cf["workers_connected"][...] = connected
