@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import ActionSpec, Phase, Refusal, parse_config
-from engine._codes import RowState, Verdict
+from engine._codes import RowState, Verdict, WaitCode
 from storage import MemoryStore
 from tests.conftest import make_engine
 from transport import (
@@ -672,3 +672,92 @@ def test_the_status_copies_every_counter_the_shard_keeps(live):
     # SHARD_COUNTERS names each of Shard.counters: a counter added to the loop and not to the
     # layout would be missing from every snapshot.
     assert set(live.shard.counters) == set(SHARD_COUNTERS)
+
+
+# ------------------------------------------------------------------------- wait reasons
+
+
+def reason_config(tmp_path):
+    """Queues that make actions wait for different reasons: capacity and head-of-line
+    (STRICT_FIFO on a 4-cpu cluster), an action cap, runs capped by max_action_concurrency,
+    a cluster with no worker yet, and a queue that gets paused."""
+    return config_data(tmp_path, queues={
+        "fifo": {"scheduling": "STRICT_FIFO", "depth": 1000, "clusters": ["east"]},
+        "capped": {"scheduling": "GREEDY_CAPACITY", "action_concurrency": 2, "clusters": ["west"]},
+        "runcap": {"scheduling": "GREEDY_CAPACITY", "clusters": ["west"]},
+        "lonely": {"scheduling": "GREEDY_CAPACITY", "clusters": ["north"]},
+        "paused": {"scheduling": "GREEDY_CAPACITY", "clusters": ["west"]},
+    }) | {"clusters": {"east": {"capacity": {"cpu": 4, "memory": "64Gi"}}, "west": {},
+                       "north": {}}}
+
+
+def drive_reason_scenario(eng, clock, steps=24):
+    """Ticks of a workload whose actions wait for several reasons, every lease finishing
+    two ticks after it was handed out. Before each tick every queued action is explained
+    (the public way to ask why it waits). Returns ``[(batch, now_ns, expected), ...]`` per
+    tick: ``expected`` is, per entry of the drained batch, the WaitCode explain gave that
+    action just before the tick, or NONE for an action enqueued since the previous tick."""
+    queued = set()          # ids queued, not placed yet
+    before_tick = set()     # ... as the previous tick left them
+    running = []            # (finish at step, token)
+    out = []
+    n = 0
+
+    def enqueue(queue, count, run="r", **kw):
+        nonlocal n
+        specs = [ActionSpec(id=f"acme/p/d/{run}/x{n + i}", task="t", resources={"cpu": 1},
+                            task_queue=queue, **kw) for i in range(count)]
+        n += count
+        eng.enqueue_many(specs)
+        queued.update(s.id for s in specs)
+
+    for step in range(steps):
+        if step % 3 == 0:
+            enqueue("fifo", 8)
+            enqueue("capped", 5, run="c")
+            enqueue("runcap", 2, run=f"u{step}", run_max_action_concurrency=2)
+            enqueue("runcap", 3, run="u", run_max_action_concurrency=2)
+            enqueue("lonely", 1, run="l")
+            enqueue("paused", 1, run="p")
+        if step == 2:
+            eng.update_queue("paused", paused=True)
+        if step == 8:
+            eng.update_queue("paused", paused=False)
+        if step == 10:
+            eng.register_worker("w-north", "north", 10)
+        for due, token in [x for x in running if x[0] <= step]:
+            assert eng.report(token, Phase.SUCCEEDED) == Verdict.OK
+            running.remove((due, token))
+        said = {a: eng.explain(a).wait for a in queued}
+        clock.advance(1.0)
+        eng.schedule()
+        batch = eng.drain_columns()
+        expected = []
+        for i in range(len(batch)):
+            aid = str(batch.action(i))
+            expected.append(said[aid] if aid in before_tick else WaitCode.NONE)
+            queued.discard(aid)
+            running.append((step + 2, batch.token(i)))
+        out.append((batch, eng.clock.now_ns(), expected))
+        before_tick = set(queued)
+    return out
+
+
+def test_a_leases_wait_code_is_what_explain_said_just_before_the_tick_that_placed_it(
+        tmp_path):
+    eng, clock = make_engine(reason_config(tmp_path), workers={
+        "w-east": ("east", 1000), "w-west": ("west", 1000)})
+    try:
+        seen = set()
+        for batch, _now, expected in drive_reason_scenario(eng, clock):
+            got = [WaitCode(int(c)) for c in batch.wait_code]
+            assert got == expected, [str(batch.action(i)) for i in range(len(batch))]
+            seen.update(got)
+        # The scenario reaches the reasons a placed action can have waited for: its own
+        # wait (capacity, no worker), its lane's (a capped run), its queue's scan stop (the
+        # action cap, paused), and none at all.
+        assert {WaitCode.NONE, WaitCode.CLUSTER_CAPACITY, WaitCode.QUEUE_ACTIONS,
+                WaitCode.RUN_ACTIONS, WaitCode.NO_WORKER, WaitCode.QUEUE_PAUSED} <= seen, seen
+    finally:
+        eng.close()
+
