@@ -47,6 +47,7 @@ from transport._status import (
     LAYOUT_VERSION,
     SHARD_COUNTERS,
     SPARE_QUEUES,
+    WAIT_REASONS,
     _layout_hash,
 )
 
@@ -644,6 +645,10 @@ def test_the_grafana_dashboard_is_json_over_exported_metric_names_only():
     # Every family the collector exports is on some panel.
     families = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
     assert set(METRIC_NAMES) <= families, set(METRIC_NAMES) - families
+    # ... and the queue wait by its reason label too (what the histogram is for).
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    assert any("leasehold_queue_wait_seconds_bucket" in e and re.search(r"by \([^)]*reason", e)
+               for e in exprs), exprs
 
 
 @pytest.mark.parametrize("table, text", [
@@ -761,3 +766,64 @@ def test_a_leases_wait_code_is_what_explain_said_just_before_the_tick_that_place
     finally:
         eng.close()
 
+
+def test_the_queue_wait_is_published_and_exported_per_queue_and_reason(tmp_path):
+    eng, clock = make_engine(reason_config(tmp_path), workers={
+        "w-east": ("east", 1000), "w-west": ("west", 1000)})
+    w = StatusWriter(eng.config, 0)
+    try:
+        want = {}           # (queue, reason) -> [count, sum of waits in ns]
+        names = eng.inspect().queue_names()
+        for batch, now, expected in drive_reason_scenario(eng, clock):
+            w.record_turn(batch, now)
+            for i, code in enumerate(expected):
+                got = want.setdefault((names[int(batch.queue[i])], code.name), [0, 0])
+                got[0] += 1
+                got[1] += now - int(batch.attempt_enqueued_ns[i])
+        w.publish(eng)
+        with StatusReader(w.path) as r:
+            s = r.snapshot()
+        published = {(q.name, reason): [h.count, round(h.sum * 1e9)]
+                     for q in s.queues.values() for reason, h in q.wait_by_reason.items()}
+        assert published == want
+        assert len({reason for _q, reason in want}) >= 5
+        for q in s.queues.values():
+            # The per-queue histogram is every reason's together, bucket by bucket.
+            parts = list(q.wait_by_reason.values())
+            total = np.sum([h.counts for h in parts], axis=0).tolist() if parts else \
+                [0] * len(q.wait.counts)
+            assert list(q.wait.counts) == total
+            assert q.wait.sum == pytest.approx(sum(h.sum for h in parts))
+            assert list(q.wait_by_reason) == [r for r in WAIT_REASONS if r in q.wait_by_reason]
+        fifo = s.queues["fifo"].wait_by_reason
+        assert fifo["CLUSTER_CAPACITY"].quantile(1.0) > fifo["NONE"].quantile(1.0)
+        d = json.loads(json.dumps(snapshot_dict(s)))        # the --json form carries them
+        held = d["queues"]["capped"]["wait_by_reason"]["QUEUE_ACTIONS"]
+        assert held["counts"] == list(s.queues["capped"].wait_by_reason["QUEUE_ACTIONS"].counts)
+        assert held["counts"] and sum(held["counts"]) == want[("capped", "QUEUE_ACTIONS")][0]
+
+        collector = StatusCollector([w.path])
+        registry = CollectorRegistry()
+        registry.register(collector)
+        try:
+            fams = _families(generate_latest(registry).decode())
+        finally:
+            collector.close()
+        exported = {}
+        for sample in fams["leasehold_queue_wait_seconds"].samples:
+            key = (sample.labels["queue"], sample.labels["reason"])
+            if sample.name == "leasehold_queue_wait_seconds_count":
+                exported.setdefault(key, [0, 0])[0] = sample.value
+            elif sample.name == "leasehold_queue_wait_seconds_sum":
+                exported.setdefault(key, [0, 0])[1] = round(sample.value * 1e9)
+        # One series per (queue, reason) that saw a placement, none for the others.
+        assert exported == want
+    finally:
+        w.close()
+        eng.close()
+
+
+def test_every_wait_code_is_a_reason_of_the_status_file():
+    # A wait code added to the engine gets a reason of its own (and a new layout hash).
+    assert WAIT_REASONS == tuple(c.name for c in WaitCode)
+    assert WAIT_REASONS.index("NONE") == WaitCode.NONE
