@@ -1,8 +1,9 @@
 """The shard's shared-memory status (transport/_status.py) and the Prometheus metrics read from
 it (transport/_metrics.py): layout round trip, the seqlock under a writer process hammering
 publish, refusal of another layout, a live shard whose published figures match queue_metrics,
-and the collector's families over a registry and over HTTP. Every wait is bounded; every
-thread, process, socket and mapping is closed in teardown."""
+the collector's families over a registry and over HTTP, and the queue wait by reason (each
+lease's reason is what explain said just before the tick that placed it).
+Every wait is bounded; every thread, process, socket and mapping is closed in teardown."""
 
 import json
 import mmap
@@ -207,8 +208,12 @@ def test_the_publish_interval_and_a_dirty_mark(held_engine, tmp_path):
 
 def test_a_queue_added_live_takes_a_spare_slot_then_the_file_is_remade(tmp_path):
     small = config_data(tmp_path)
-    eng, _ = make_engine(small)
+    eng, clock = make_engine(small)
     w = StatusWriter(eng.config, 0)
+    eng.enqueue_many([action("a0"), action("a1")])
+    clock.advance(3.0)
+    eng.schedule()
+    w.record_turn(eng.drain_columns(), eng.clock.now_ns())      # two waits of 3 s
     w.publish(eng)
     r = StatusReader(w.path)
     ino = os.stat(w.path).st_ino
@@ -223,6 +228,9 @@ def test_a_queue_added_live_takes_a_spare_slot_then_the_file_is_remade(tmp_path)
     assert os.stat(w.path).st_ino != ino
     s = r.snapshot()                # the reader follows the rename
     assert len(s.queues) == 23 and r.layout.queue_slots >= 23 + SPARE_QUEUES
+    # ... and the larger file kept the queue wait published before it.
+    assert s.queues["fifo"].wait_by_reason["NONE"].count == 2
+    assert s.queues["fifo"].wait.sum == pytest.approx(6.0)
     reordered = dict(small, queues={"greedy": {}, "fifo": {}})
     eng4, _ = make_engine(reordered)
     with pytest.raises(ValueError, match="only appended"):
@@ -827,3 +835,4 @@ def test_every_wait_code_is_a_reason_of_the_status_file():
     # A wait code added to the engine gets a reason of its own (and a new layout hash).
     assert WAIT_REASONS == tuple(c.name for c in WaitCode)
     assert WAIT_REASONS.index("NONE") == WaitCode.NONE
+

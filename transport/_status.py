@@ -471,9 +471,10 @@ class StatusWriter:
         self._refusals = {"heartbeat": [0] * len(VERDICTS), "report": [0] * len(VERDICTS)}
         self._errors = [0] * len(ERROR_KINDS)
         self._q_dispatched = np.zeros(0, np.uint64)
-        # Queue wait by [queue, reason, bucket], and its sums by [queue, reason].
-        self._q_wait = np.zeros((0, len(WAIT_REASONS), len(WAIT_EDGES_US) + 1), np.uint64)
-        self._q_wait_sum = np.zeros((0, len(WAIT_REASONS)), np.uint64)
+        # Queue wait by [queue, reason, bucket] and its sums by [queue, reason]: the staging
+        # body's own fields (set in _make), folded into in place. Two thirds of the body, so
+        # no second copy to keep and copy over at every publish.
+        self._q_wait = self._q_wait_sum = None
         self._c_dispatched = np.zeros(len(self._clusters), np.uint64)
         # Per queue: the head row, its enqueue seq and wait code last published, and when
         # its reason was worded (monotonic ns; -1 never).
@@ -541,6 +542,11 @@ class StatusWriter:
                 self._c["capacity"][i] = c.capacity
         self._sh["state"][...] = self._state
         self._grow_queue_counts(queue_slots)
+        old_wait, old_sum = self._q_wait, self._q_wait_sum
+        self._q_wait, self._q_wait_sum = self._q["wait_counts"], self._q["wait_sum_ns"]
+        if old_wait is not None:        # a remade file keeps the counts (it only grows)
+            n = old_wait.shape[0]
+            self._q_wait[:n], self._q_wait_sum[:n] = old_wait, old_sum
         self._head_keys = np.full((0, 4), -1, np.int64)      # re-read every head
         self._pending = (tmp, old)
         if install:
@@ -566,12 +572,6 @@ class StatusWriter:
         if slots > n:
             self._q_dispatched = np.concatenate([self._q_dispatched,
                                                  np.zeros(slots - n, np.uint64)])
-            self._q_wait_sum = np.concatenate([self._q_wait_sum,
-                                               np.zeros((slots - n, *self._q_wait_sum.shape[1:]),
-                                                        np.uint64)])
-            self._q_wait = np.concatenate([self._q_wait,
-                                           np.zeros((slots - n, *self._q_wait.shape[1:]),
-                                                    np.uint64)])
 
     def _write(self):
         """Copy the staging body into the file under the seqlock (odd, copy, even)."""
@@ -639,10 +639,15 @@ class StatusWriter:
                 self._fold_turns()
 
     def _fold_turns(self):
-        turns, self._turns = self._turns, []
+        turns = self._turns
         if not turns:
             return
         q = np.concatenate([t[0] for t in turns]).astype(np.int64)
+        if int(q.max()) >= self._layout.queue_slots:
+            # A queue the file has no slot for yet (the engine gained it live): kept for the
+            # next publish, which makes room (_sync_queues) before it folds.
+            return
+        self._turns = []
         cl = np.concatenate([t[1] for t in turns]).astype(np.int64)
         kind = np.concatenate([t[2] for t in turns])
         wait = np.concatenate([now - enq for _q, _c, _k, enq, _w, now in turns])
@@ -756,8 +761,7 @@ class StatusWriter:
         qf["in_flight_resources"][:nq] = a.q_res_adm[:nq] - a.q_res_rel[:nq]
         qf["backfilled"][:nq] = a.q_backfilled[:nq]
         qf["dispatched"][:nq] = self._q_dispatched[:nq]
-        qf["wait_counts"][:nq] = self._q_wait[:nq]
-        qf["wait_sum_ns"][:nq] = self._q_wait_sum[:nq]
+        # wait_counts, wait_sum_ns: folded into the staging body in place (_fold_turns)
         self._publish_heads(view, a, nq, tick_no)
 
         nc = len(self._clusters)
