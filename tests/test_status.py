@@ -1,21 +1,26 @@
 """The shard's shared-memory status (transport/_status.py) and the Prometheus metrics read from
 it (transport/_metrics.py): layout round trip, the seqlock under a writer process hammering
 publish, refusal of another layout, a live shard whose published figures match queue_metrics,
-the collector's families over a registry and over HTTP, and the queue wait by reason (each
-lease's reason is what explain said just before the tick that placed it).
+the collector's families over a registry and over HTTP, the queue wait by reason (each lease's
+reason is what explain said just before the tick that placed it), and a shard process frozen
+with SIGSTOP whose status and metrics still answer (nothing reads them through the shard).
 Every wait is bounded; every thread, process, socket and mapping is closed in teardown."""
 
+import contextlib
 import json
 import mmap
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,13 +28,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import ActionSpec, Phase, Refusal, parse_config
 from engine._codes import RowState, Verdict, WaitCode
 from storage import MemoryStore
-from tests.conftest import make_engine
+from tests.conftest import free_port, make_engine, until
 from transport import (
     Client,
     ClusterStatus,
     QueueStatus,
     Shard,
     ShardError,
+    ShardTimeout,
     StatusBusy,
     StatusCollector,
     StatusError,
@@ -836,3 +842,107 @@ def test_every_wait_code_is_a_reason_of_the_status_file():
     assert WAIT_REASONS == tuple(c.name for c in WaitCode)
     assert WAIT_REASONS.index("NONE") == WaitCode.NONE
 
+
+# ------------------------------------------------------------------------- scrapes never wait
+
+
+SHARD_TOML = """
+resources = ["cpu", "memory"]
+[clusters.east]
+capacity = {{ cpu = 4, memory = "64Gi" }}
+[queues.fifo]
+scheduling = "STRICT_FIFO"
+depth = 1000
+[engine]
+default_queue = "fifo"
+[storage]
+path = "{data}"
+partitions = 1
+[transport]
+endpoints = ["tcp://127.0.0.1:{port}"]
+[status]
+interval = 0.01
+metrics = false
+[security]
+insecure = true
+"""
+
+
+def _running_snapshot(path, pid):
+    try:
+        with StatusReader(path) as r:
+            s = r.snapshot()
+    except StatusError:         # not made yet
+        return None
+    return s if s.state == "running" and s.pid == pid else None
+
+
+def test_a_stopped_shard_still_answers_scrapes_and_status_reads_with_its_last_figures(
+        tmp_path):
+    # The mechanism behind "scrapes do not change the shard's tick latency": a scrape and a
+    # status read copy the shard's shared memory and never message it nor wait on it. So with
+    # the shard process frozen (SIGSTOP), both still answer within their bounds, with what it
+    # published last, while a request to the shard itself gets no answer (the control: it
+    # really cannot answer anything). Every wait is bounded; the shard is killed at the end.
+    cfg_path = tmp_path / "leasehold.toml"
+    port = free_port()
+    cfg_path.write_text(SHARD_TOML.format(data=tmp_path / "data", port=port))
+    path = status_path(parse_config(tomllib.loads(cfg_path.read_text())), 0)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(tmp_path / "shard.log", "wb")        # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "shard", "--config",
+                             str(cfg_path)], env=env, cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT)
+    log.close()
+    closing = []
+    try:
+        until(lambda: _running_snapshot(path, proc.pid) or proc.poll() is not None, 60,
+              "the shard to publish running")
+        assert proc.poll() is None, (tmp_path / "shard.log").read_text()
+        client = Client(endpoint=f"tcp://127.0.0.1:{port}", keys=None, timeout=10.0)
+        closing.append(client)
+        client.enqueue_many([spec(f"a{i}") for i in range(3)])     # no worker: they stay
+        reader = StatusReader(path, timeout=0.5)
+        closing.append(reader)
+        until(lambda: reader.snapshot().queues["fifo"].depth == 3, 10, "depth 3 published")
+        server = serve_metrics([path], "127.0.0.1", 0)
+        closing.append(server)
+
+        os.kill(proc.pid, signal.SIGSTOP)
+        until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 10,
+              "the shard to be stopped")
+        frozen = reader.snapshot()
+        for _ in range(20):
+            # Each scrape and each read returns (urlopen raises past its timeout, a read
+            # raises StatusBusy past the reader's): nothing in them waits for the shard.
+            with urllib.request.urlopen(server.url, timeout=5) as resp:
+                fams = _families(resp.read().decode())
+            assert _sample(fams, "leasehold_queue_depth", "leasehold_queue_depth",
+                           shard="0", queue="fifo") == 3
+            assert _sample(fams, "leasehold_shard_up", "leasehold_shard_up", shard="0") == 1
+            s = reader.snapshot()
+            # The last published figures, and no publish since: the shard is frozen.
+            assert s.generation == frozen.generation and s.queues["fifo"].depth == 3
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+        # The control: the shard itself answers nothing while stopped.
+        probe = Client(endpoint=f"tcp://127.0.0.1:{port}", keys=None, timeout=0.5)
+        closing.append(probe)
+        with pytest.raises(ShardTimeout):
+            probe.queue_metrics("fifo")
+
+        os.kill(proc.pid, signal.SIGCONT)
+        # Running again: it publishes again, and the same reader follows.
+        until(lambda: reader.snapshot().generation > frozen.generation, 10,
+              "a publish after SIGCONT")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        for c in reversed(closing):
+            c.close()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
