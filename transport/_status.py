@@ -635,7 +635,7 @@ class StatusWriter:
         if len(batch):
             self._turns.append((batch.queue, batch.cluster, batch.kind,
                                 batch.attempt_enqueued_ns, batch.wait_code, now_ns))
-            if len(self._turns) >= 256:
+            if len(self._turns) % 256 == 0:     # (kept longer while a queue has no slot)
                 self._fold_turns()
 
     def _fold_turns(self):
@@ -985,12 +985,13 @@ class StatusReader:
         # The wait histograms by reason, vectorised: per queue the total over reasons, and
         # only the reasons with observations become Histograms (most (queue, reason) pairs
         # never see one).
-        wc, ws = qa["wait_counts"], qa["wait_sum_ns"]
+        wc, ws = np.ascontiguousarray(qa["wait_counts"]), np.ascontiguousarray(qa["wait_sum_ns"])
         totals, total_sums = wc.sum(axis=1).tolist(), ws.sum(axis=1).tolist()
-        seen = wc.sum(axis=2) > 0
+        qi, ki = np.nonzero(wc.sum(axis=2))
         by_reason = [{} for _ in range(nq)]
-        for i, k in zip(*np.nonzero(seen), strict=True):
-            by_reason[i][WAIT_REASONS[k]] = hist("wait", wc[i, k].tolist(), int(ws[i, k]))
+        for i, k, counts, sum_ns in zip(qi.tolist(), ki.tolist(), wc[qi, ki].tolist(),
+                                        ws[qi, ki].tolist(), strict=True):
+            by_reason[i][WAIT_REASONS[k]] = hist("wait", counts, sum_ns)
         for i in range(nq):
             blocked = None
             if cols["head_blocked"][i]:
