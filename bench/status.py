@@ -20,7 +20,9 @@ flight, blocked STRICT_FIFO heads):
   worst case for a reader: every copy may race a publish); ``contended_retries_per_read``.
 * ``snapshot_us``: median wall time of ``StatusReader.snapshot()``: the consistent copy decoded
   into ``StatusSnapshot`` dataclasses (every queue and cluster), what the CLI and the metrics
-  collector use; ``scrape_us``: one Prometheus scrape body (``generate_latest``) of it.
+  collector use; ``scrape_us``: one Prometheus scrape body (``generate_latest``) of it;
+  ``wait_reason_series``: the (queue, reason) queue-wait histograms it exports (one per pair
+  that saw a placement), ``scrape_samples`` the samples in all.
 """
 
 import argparse
@@ -165,6 +167,7 @@ def main(argv=None):
         registry = CollectorRegistry()
         registry.register(collector)
         scrape = _timed(lambda: generate_latest(registry), max(50, args.samples // 20))
+        samples = sum(len(f.samples) for f in registry.collect())
         last = reader.snapshot()
         layout = reader.layout
         collector.close()
@@ -186,6 +189,8 @@ def main(argv=None):
         "contended_publishes": published,
         "snapshot_us": _median_us(snap),
         "scrape_us": _median_us(scrape),
+        "scrape_samples": samples,
+        "wait_reason_series": sum(len(q.wait_by_reason) for q in last.queues.values()),
         "file_bytes": layout.file_bytes,
         "workload": {
             "seed": args.seed,

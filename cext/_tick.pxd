@@ -48,6 +48,8 @@ cdef class TickKernel:
     cdef i32[::1] a_wait_cluster       # cluster the wait is about, -1 none
     cdef i32[::1] a_wait_dim           # resource the wait is about, -1 none
     cdef i32[::1] a_wait_blocker       # action row blocking it (head of line), -1 none
+    cdef i64[::1] a_queued_tick        # tick_no when it joined its lane (this attempt)
+    cdef u8[::1] a_held_code           # WaitCode that held it before the tick placing it
     cdef i64[::1] a_expiry             # run lease expiry (ns) while sent or running
     cdef u8[::1] a_end                 # LeaseEnd of the current generation
     cdef i32[::1] a_task               # task row (runtime history is per task name)
@@ -89,6 +91,7 @@ cdef class TickKernel:
     cdef i64[::1] q_pending            # queued actions (depth)
     cdef i32[:, ::1] q_ring            # [Q, 2] ring cursor lane per lane kind, -1 empty
     cdef u8[::1] q_stop_code           # why the last tick stopped scanning the queue
+    cdef u8[::1] q_prev_stop           # q_stop_code as the tick before this one left it
     cdef i32[::1] q_stop_blocker       # action behind that stop, -1 none
     cdef i32[::1] q_head               # head blocked on resources in the last tick, -1 none
     cdef u8[::1] q_head_code           # its WaitCode
@@ -210,6 +213,7 @@ cdef class TickKernel:
     cdef void _place(self, i32 a, int c, int mode, i64 now, u64* avail,
                      i64* actions_left, i64* runs_left) noexcept nogil
     cdef void _wait(self, i32 a, u8 code, i32 cluster, i32 dim, i32 blocker) noexcept nogil
+    cdef u8 _held_code(self, i32 a) noexcept nogil
     cdef void _fail(self, i32 a, u8 code) noexcept nogil
     cdef void _live_link(self, i32 a, int c) noexcept nogil
     cdef void _live_unlink(self, i32 a) noexcept nogil

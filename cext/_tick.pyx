@@ -117,6 +117,8 @@ cdef class TickKernel:
         self.a_wait_cluster = state.a_wait_cluster
         self.a_wait_dim = state.a_wait_dim
         self.a_wait_blocker = state.a_wait_blocker
+        self.a_queued_tick = state.a_queued_tick
+        self.a_held_code = state.a_held_code
         self.a_expiry = state.a_expiry
         self.a_end = state.a_end
         self.a_task = state.a_task
@@ -155,6 +157,7 @@ cdef class TickKernel:
         self.q_pending = state.q_pending
         self.q_ring = state.q_ring
         self.q_stop_code = state.q_stop_code
+        self.q_prev_stop = state.q_prev_stop
         self.q_stop_blocker = state.q_stop_blocker
         self.q_head = state.q_head
         self.q_head_code = state.q_head_code
@@ -359,6 +362,7 @@ cdef class TickKernel:
         self.a_state[a] = ST_QUEUED
         self.a_wait_code[a] = W_NONE
         self.a_wait_tick[a] = -1
+        self.a_queued_tick[a] = self.tick_no
 
     cdef void _unlink(self, i32 a) noexcept nogil:
         cdef i32 lane = self.a_lane[a]
@@ -498,6 +502,10 @@ cdef class TickKernel:
             self.s_bq_head[i] = -1
         self.bf_held = 0
         self.bf_contested = 0
+        # What the previous tick said of each queue's scan, for _held_code: this tick
+        # overwrites q_stop_code before it places anything of the queue.
+        for i in range(self.n_queues):
+            self.q_prev_stop[i] = self.q_stop_code[i]
         self._snapshot_free()
         if self.fz_head >= 0 and self._place_finalize(now, &avail):
             for j in range(self.n_queues):
@@ -1352,8 +1360,25 @@ cdef class TickKernel:
             self.a_pred_end[a] = NEVER
         self.a_expiry[a] = now + self.lease_ttl
         self.a_end[a] = END_LIVE
+        self.a_held_code[a] = self._held_code(a)
         self._wait(a, W_PLACED, c, -1, -1)
         self._push_dispatch(KIND_RUN, a, self.a_gen[a], c, w)
+
+    cdef u8 _held_code(self, i32 a) noexcept nogil:
+        # The WaitCode Engine.explain gave queued ``a`` just before this tick (the queue-wait
+        # histogram's reason, docs/status.md): its own wait of the previous tick, else its
+        # lane's skip then, else where its queue's scan stopped then; W_NONE when it joined
+        # its lane after the previous tick (no tick held it). Read before _wait(PLACED).
+        cdef i64 prev = self.tick_no - 1
+        cdef i32 lane
+        if self.a_queued_tick[a] >= prev:
+            return W_NONE
+        if self.a_wait_tick[a] == prev:
+            return self.a_wait_code[a]
+        lane = self.a_lane[a]
+        if self.ln_skip_tick[lane] == prev:
+            return self.ln_skip_code[lane]
+        return self.q_prev_stop[self.a_queue[a]]
 
     cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil:
         cdef i64 slot = self.d_tail % self.d_action.shape[0]

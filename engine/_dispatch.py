@@ -39,14 +39,17 @@ class DispatchBatch:
     finalize row of a finalize lease), ``action_row``, ``generation``, ``cluster`` (index in
     the config's clusters), ``worker`` (worker session row), ``attempt``, ``queue`` (index),
     ``group`` and ``index`` (the action's enqueue group and its place in it: its name),
-    ``first_enqueued_ns``, ``attempt_enqueued_ns``, and ``tokens`` (n x 3 uint64, the 24-byte
-    tokens back to back: ``tokens.tobytes()`` is the frame). Entries whose lease ended before
-    the drain are not in it."""
+    ``first_enqueued_ns``, ``attempt_enqueued_ns``, ``wait_code`` (uint8, a run lease's: the
+    ``WaitCode`` that ``Engine.explain`` gave its action just before the tick that placed it,
+    ``NONE`` when it joined its queue after the previous tick, so no tick held it; ``NONE``
+    for a finalize lease and for a lease the shard decided before its last load), and
+    ``tokens`` (n x 3 uint64, the 24-byte tokens back to back: ``tokens.tobytes()`` is the
+    frame). Entries whose lease ended before the drain are not in it."""
 
     __slots__ = ("kind", "lease_row", "action_row", "generation", "cluster", "worker",
                  "attempt", "queue", "group", "index", "first_enqueued_ns",
-                 "attempt_enqueued_ns", "tokens", "_groups", "_clusters", "_workers",
-                 "_queues")
+                 "attempt_enqueued_ns", "wait_code", "tokens", "_groups", "_clusters",
+                 "_workers", "_queues")
 
     def __init__(self, columns, groups, clusters, workers, queues):
         for name, values in columns.items():
@@ -107,4 +110,5 @@ class DispatchBatch:
         return {"kind": np.zeros(0, np.uint8), "lease_row": i64, "action_row": i64,
                 "generation": i64, "cluster": i32, "worker": i32, "attempt": i32,
                 "queue": i32, "group": i64, "index": i32, "first_enqueued_ns": i64,
-                "attempt_enqueued_ns": i64, "tokens": np.zeros((0, 3), np.uint64)}
+                "attempt_enqueued_ns": i64, "wait_code": np.zeros(0, np.uint8),
+                "tokens": np.zeros((0, 3), np.uint64)}

@@ -253,7 +253,9 @@ class LeasingMixin:
             "cluster": st.d_cluster[slots].copy(), "worker": st.d_worker[slots].copy(),
             "attempt": attempt, "queue": st.a_queue[arows].copy(), "group": group,
             "index": st.a_gidx[arows].copy(), "first_enqueued_ns": st.a_enqueued[arows].copy(),
-            "attempt_enqueued_ns": att_enq, "tokens": tokens,
+            "attempt_enqueued_ns": att_enq, "wait_code": np.where(fin, 0, st.a_held_code[arows]
+                                                                ).astype(np.uint8),
+            "tokens": tokens,
         }
         groups = {gid: self._group_of(int(arows[i])) for gid, i in zip(
             *np.unique(group, return_index=True), strict=True)}

@@ -37,6 +37,11 @@ ACTION_FIELDS = {
     "a_wait_cluster": (I32, -1, ()),
     "a_wait_dim": (I32, -1, ()),
     "a_wait_blocker": (I32, -1, ()),
+    # In memory only: the kernel's tick_no when the row's current attempt joined its lane,
+    # and, stamped when the tick places it, the WaitCode that held it until then (W_NONE:
+    # no tick did). The queue-wait histogram's reason (docs/status.md, DispatchBatch).
+    "a_queued_tick": (I64, -1, ()),
+    "a_held_code": (U8, 0, ()),
     "a_enqueued": (I64, 0, ()),
     "a_expiry": (I64, NEVER, ()),
     "a_end": (U8, 0, ()),
@@ -228,6 +233,7 @@ class State:
         self.q_pending = np.zeros(q, dtype=I64)
         self.q_ring = np.full((q, 2), -1, dtype=I32)
         self.q_stop_code = np.zeros(q, dtype=U8)
+        self.q_prev_stop = np.zeros(q, dtype=U8)    # tick scratch: q_stop_code before it
         self.q_stop_blocker = np.full(q, -1, dtype=I32)
         self.q_head = np.full(q, -1, dtype=I32)
         self.q_head_code = np.zeros(q, dtype=U8)

@@ -1,34 +1,41 @@
 """The shard's shared-memory status (transport/_status.py) and the Prometheus metrics read from
 it (transport/_metrics.py): layout round trip, the seqlock under a writer process hammering
 publish, refusal of another layout, a live shard whose published figures match queue_metrics,
-and the collector's families over a registry and over HTTP. Every wait is bounded; every
-thread, process, socket and mapping is closed in teardown."""
+the collector's families over a registry and over HTTP, the queue wait by reason (each lease's
+reason is what explain said just before the tick that placed it), and a shard process frozen
+with SIGSTOP whose status and metrics still answer (nothing reads them through the shard).
+Every wait is bounded; every thread, process, socket and mapping is closed in teardown."""
 
+import contextlib
 import json
 import mmap
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import ActionSpec, Phase, Refusal, parse_config
-from engine._codes import RowState, Verdict
+from engine._codes import RowState, Verdict, WaitCode
 from storage import MemoryStore
-from tests.conftest import make_engine
+from tests.conftest import free_port, make_engine, until
 from transport import (
     Client,
     ClusterStatus,
     QueueStatus,
     Shard,
     ShardError,
+    ShardTimeout,
     StatusBusy,
     StatusCollector,
     StatusError,
@@ -47,6 +54,7 @@ from transport._status import (
     LAYOUT_VERSION,
     SHARD_COUNTERS,
     SPARE_QUEUES,
+    WAIT_REASONS,
     _layout_hash,
 )
 
@@ -206,8 +214,12 @@ def test_the_publish_interval_and_a_dirty_mark(held_engine, tmp_path):
 
 def test_a_queue_added_live_takes_a_spare_slot_then_the_file_is_remade(tmp_path):
     small = config_data(tmp_path)
-    eng, _ = make_engine(small)
+    eng, clock = make_engine(small)
     w = StatusWriter(eng.config, 0)
+    eng.enqueue_many([action("a0"), action("a1")])
+    clock.advance(3.0)
+    eng.schedule()
+    w.record_turn(eng.drain_columns(), eng.clock.now_ns())      # two waits of 3 s
     w.publish(eng)
     r = StatusReader(w.path)
     ino = os.stat(w.path).st_ino
@@ -222,6 +234,9 @@ def test_a_queue_added_live_takes_a_spare_slot_then_the_file_is_remade(tmp_path)
     assert os.stat(w.path).st_ino != ino
     s = r.snapshot()                # the reader follows the rename
     assert len(s.queues) == 23 and r.layout.queue_slots >= 23 + SPARE_QUEUES
+    # ... and the larger file kept the queue wait published before it.
+    assert s.queues["fifo"].wait_by_reason["NONE"].count == 2
+    assert s.queues["fifo"].wait.sum == pytest.approx(6.0)
     reordered = dict(small, queues={"greedy": {}, "fifo": {}})
     eng4, _ = make_engine(reordered)
     with pytest.raises(ValueError, match="only appended"):
@@ -644,6 +659,10 @@ def test_the_grafana_dashboard_is_json_over_exported_metric_names_only():
     # Every family the collector exports is on some panel.
     families = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
     assert set(METRIC_NAMES) <= families, set(METRIC_NAMES) - families
+    # ... and the queue wait by its reason label too (what the histogram is for).
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    assert any("leasehold_queue_wait_seconds_bucket" in e and re.search(r"by \([^)]*reason", e)
+               for e in exprs), exprs
 
 
 @pytest.mark.parametrize("table, text", [
@@ -672,3 +691,258 @@ def test_the_status_copies_every_counter_the_shard_keeps(live):
     # SHARD_COUNTERS names each of Shard.counters: a counter added to the loop and not to the
     # layout would be missing from every snapshot.
     assert set(live.shard.counters) == set(SHARD_COUNTERS)
+
+
+# ------------------------------------------------------------------------- wait reasons
+
+
+def reason_config(tmp_path):
+    """Queues that make actions wait for different reasons: capacity and head-of-line
+    (STRICT_FIFO on a 4-cpu cluster), an action cap, runs capped by max_action_concurrency,
+    a cluster with no worker yet, and a queue that gets paused."""
+    return config_data(tmp_path, queues={
+        "fifo": {"scheduling": "STRICT_FIFO", "depth": 1000, "clusters": ["east"]},
+        "capped": {"scheduling": "GREEDY_CAPACITY", "action_concurrency": 2, "clusters": ["west"]},
+        "runcap": {"scheduling": "GREEDY_CAPACITY", "clusters": ["west"]},
+        "lonely": {"scheduling": "GREEDY_CAPACITY", "clusters": ["north"]},
+        "paused": {"scheduling": "GREEDY_CAPACITY", "clusters": ["west"]},
+    }) | {"clusters": {"east": {"capacity": {"cpu": 4, "memory": "64Gi"}}, "west": {},
+                       "north": {}}}
+
+
+def drive_reason_scenario(eng, clock, steps=24):
+    """Ticks of a workload whose actions wait for several reasons, every lease finishing
+    two ticks after it was handed out. Before each tick every queued action is explained
+    (the public way to ask why it waits). Returns ``[(batch, now_ns, expected), ...]`` per
+    tick: ``expected`` is, per entry of the drained batch, the WaitCode explain gave that
+    action just before the tick, or NONE for an action enqueued since the previous tick."""
+    queued = set()          # ids queued, not placed yet
+    before_tick = set()     # ... as the previous tick left them
+    running = []            # (finish at step, token)
+    out = []
+    n = 0
+
+    def enqueue(queue, count, run="r", **kw):
+        nonlocal n
+        specs = [ActionSpec(id=f"acme/p/d/{run}/x{n + i}", task="t", resources={"cpu": 1},
+                            task_queue=queue, **kw) for i in range(count)]
+        n += count
+        eng.enqueue_many(specs)
+        queued.update(s.id for s in specs)
+
+    for step in range(steps):
+        if step % 3 == 0:
+            enqueue("fifo", 8)
+            enqueue("capped", 5, run="c")
+            enqueue("runcap", 2, run=f"u{step}", run_max_action_concurrency=2)
+            enqueue("runcap", 3, run="u", run_max_action_concurrency=2)
+            enqueue("lonely", 1, run="l")
+            enqueue("paused", 1, run="p")
+        if step == 2:
+            eng.update_queue("paused", paused=True)
+        if step == 8:
+            eng.update_queue("paused", paused=False)
+        if step == 10:
+            eng.register_worker("w-north", "north", 10)
+        for due, token in [x for x in running if x[0] <= step]:
+            assert eng.report(token, Phase.SUCCEEDED) == Verdict.OK
+            running.remove((due, token))
+        said = {a: eng.explain(a).wait for a in queued}
+        clock.advance(1.0)
+        eng.schedule()
+        batch = eng.drain_columns()
+        expected = []
+        for i in range(len(batch)):
+            aid = str(batch.action(i))
+            expected.append(said[aid] if aid in before_tick else WaitCode.NONE)
+            queued.discard(aid)
+            running.append((step + 2, batch.token(i)))
+        out.append((batch, eng.clock.now_ns(), expected))
+        before_tick = set(queued)
+    return out
+
+
+def test_a_leases_wait_code_is_what_explain_said_just_before_the_tick_that_placed_it(
+        tmp_path):
+    eng, clock = make_engine(reason_config(tmp_path), workers={
+        "w-east": ("east", 1000), "w-west": ("west", 1000)})
+    try:
+        seen = set()
+        for batch, _now, expected in drive_reason_scenario(eng, clock):
+            got = [WaitCode(int(c)) for c in batch.wait_code]
+            assert got == expected, [str(batch.action(i)) for i in range(len(batch))]
+            seen.update(got)
+        # The scenario reaches the reasons a placed action can have waited for: its own
+        # wait (capacity, no worker), its lane's (a capped run), its queue's scan stop (the
+        # action cap, paused), and none at all.
+        assert {WaitCode.NONE, WaitCode.CLUSTER_CAPACITY, WaitCode.QUEUE_ACTIONS,
+                WaitCode.RUN_ACTIONS, WaitCode.NO_WORKER, WaitCode.QUEUE_PAUSED} <= seen, seen
+    finally:
+        eng.close()
+
+
+def test_the_queue_wait_is_published_and_exported_per_queue_and_reason(tmp_path):
+    eng, clock = make_engine(reason_config(tmp_path), workers={
+        "w-east": ("east", 1000), "w-west": ("west", 1000)})
+    w = StatusWriter(eng.config, 0)
+    try:
+        want = {}           # (queue, reason) -> [count, sum of waits in ns]
+        names = eng.inspect().queue_names()
+        for batch, now, expected in drive_reason_scenario(eng, clock):
+            w.record_turn(batch, now)
+            for i, code in enumerate(expected):
+                got = want.setdefault((names[int(batch.queue[i])], code.name), [0, 0])
+                got[0] += 1
+                got[1] += now - int(batch.attempt_enqueued_ns[i])
+        w.publish(eng)
+        with StatusReader(w.path) as r:
+            s = r.snapshot()
+        published = {(q.name, reason): [h.count, round(h.sum * 1e9)]
+                     for q in s.queues.values() for reason, h in q.wait_by_reason.items()}
+        assert published == want
+        assert len({reason for _q, reason in want}) >= 5
+        for q in s.queues.values():
+            # The per-queue histogram is every reason's together, bucket by bucket.
+            parts = list(q.wait_by_reason.values())
+            total = np.sum([h.counts for h in parts], axis=0).tolist() if parts else \
+                [0] * len(q.wait.counts)
+            assert list(q.wait.counts) == total
+            assert q.wait.sum == pytest.approx(sum(h.sum for h in parts))
+            assert list(q.wait_by_reason) == [r for r in WAIT_REASONS if r in q.wait_by_reason]
+        fifo = s.queues["fifo"].wait_by_reason
+        assert fifo["CLUSTER_CAPACITY"].quantile(1.0) > fifo["NONE"].quantile(1.0)
+        d = json.loads(json.dumps(snapshot_dict(s)))        # the --json form carries them
+        held = d["queues"]["capped"]["wait_by_reason"]["QUEUE_ACTIONS"]
+        assert held["counts"] == list(s.queues["capped"].wait_by_reason["QUEUE_ACTIONS"].counts)
+        assert held["counts"] and sum(held["counts"]) == want[("capped", "QUEUE_ACTIONS")][0]
+
+        collector = StatusCollector([w.path])
+        registry = CollectorRegistry()
+        registry.register(collector)
+        try:
+            fams = _families(generate_latest(registry).decode())
+        finally:
+            collector.close()
+        exported = {}
+        for sample in fams["leasehold_queue_wait_seconds"].samples:
+            key = (sample.labels["queue"], sample.labels["reason"])
+            if sample.name == "leasehold_queue_wait_seconds_count":
+                exported.setdefault(key, [0, 0])[0] = sample.value
+            elif sample.name == "leasehold_queue_wait_seconds_sum":
+                exported.setdefault(key, [0, 0])[1] = round(sample.value * 1e9)
+        # One series per (queue, reason) that saw a placement, none for the others.
+        assert exported == want
+    finally:
+        w.close()
+        eng.close()
+
+
+def test_every_wait_code_is_a_reason_of_the_status_file():
+    # A wait code added to the engine gets a reason of its own (and a new layout hash).
+    assert WAIT_REASONS == tuple(c.name for c in WaitCode)
+    assert WAIT_REASONS.index("NONE") == WaitCode.NONE
+
+
+# ------------------------------------------------------------------------- scrapes never wait
+
+
+SHARD_TOML = """
+resources = ["cpu", "memory"]
+[clusters.east]
+capacity = {{ cpu = 4, memory = "64Gi" }}
+[queues.fifo]
+scheduling = "STRICT_FIFO"
+depth = 1000
+[engine]
+default_queue = "fifo"
+[storage]
+path = "{data}"
+partitions = 1
+[transport]
+endpoints = ["tcp://127.0.0.1:{port}"]
+[status]
+interval = 0.01
+metrics = false
+[security]
+insecure = true
+"""
+
+
+def _running_snapshot(path, pid):
+    try:
+        with StatusReader(path) as r:
+            s = r.snapshot()
+    except StatusError:         # not made yet
+        return None
+    return s if s.state == "running" and s.pid == pid else None
+
+
+def test_a_stopped_shard_still_answers_scrapes_and_status_reads_with_its_last_figures(
+        tmp_path):
+    # The mechanism behind "scrapes do not change the shard's tick latency": a scrape and a
+    # status read copy the shard's shared memory and never message it nor wait on it. So with
+    # the shard process frozen (SIGSTOP), both still answer within their bounds, with what it
+    # published last, while a request to the shard itself gets no answer (the control: it
+    # really cannot answer anything). Every wait is bounded; the shard is killed at the end.
+    cfg_path = tmp_path / "leasehold.toml"
+    port = free_port()
+    cfg_path.write_text(SHARD_TOML.format(data=tmp_path / "data", port=port))
+    path = status_path(parse_config(tomllib.loads(cfg_path.read_text())), 0)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(tmp_path / "shard.log", "wb")        # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "shard", "--config",
+                             str(cfg_path)], env=env, cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT)
+    log.close()
+    closing = []
+    try:
+        until(lambda: _running_snapshot(path, proc.pid) or proc.poll() is not None, 60,
+              "the shard to publish running")
+        assert proc.poll() is None, (tmp_path / "shard.log").read_text()
+        client = Client(endpoint=f"tcp://127.0.0.1:{port}", keys=None, timeout=10.0)
+        closing.append(client)
+        client.enqueue_many([spec(f"a{i}") for i in range(3)])     # no worker: they stay
+        reader = StatusReader(path, timeout=0.5)
+        closing.append(reader)
+        until(lambda: reader.snapshot().queues["fifo"].depth == 3, 10, "depth 3 published")
+        server = serve_metrics([path], "127.0.0.1", 0)
+        closing.append(server)
+
+        os.kill(proc.pid, signal.SIGSTOP)
+        until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 10,
+              "the shard to be stopped")
+        frozen = reader.snapshot()
+        for _ in range(20):
+            # Each scrape and each read returns (urlopen raises past its timeout, a read
+            # raises StatusBusy past the reader's): nothing in them waits for the shard.
+            with urllib.request.urlopen(server.url, timeout=5) as resp:
+                fams = _families(resp.read().decode())
+            assert _sample(fams, "leasehold_queue_depth", "leasehold_queue_depth",
+                           shard="0", queue="fifo") == 3
+            assert _sample(fams, "leasehold_shard_up", "leasehold_shard_up", shard="0") == 1
+            s = reader.snapshot()
+            # The last published figures, and no publish since: the shard is frozen.
+            assert s.generation == frozen.generation and s.queues["fifo"].depth == 3
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+        # The control: the shard itself answers nothing while stopped.
+        probe = Client(endpoint=f"tcp://127.0.0.1:{port}", keys=None, timeout=0.5)
+        closing.append(probe)
+        with pytest.raises(ShardTimeout):
+            probe.queue_metrics("fifo")
+
+        os.kill(proc.pid, signal.SIGCONT)
+        # Running again: it publishes again, and the same reader follows.
+        until(lambda: reader.snapshot().generation > frozen.generation, 10,
+              "a publish after SIGCONT")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        for c in reversed(closing):
+            c.close()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)

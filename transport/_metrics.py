@@ -51,8 +51,11 @@ METRIC_NAMES = {
                                 "at its high-water mark); they expire and are reassigned"),
     "leasehold_dispatches": ("counter", ("queue",), "Leases handed out from the queue after "
                              "their commit (run and finalize); rate() is the dispatch rate"),
-    "leasehold_queue_wait_seconds": ("histogram", ("queue",), "Enqueue of an attempt to its "
-                                     "assignment, per run lease handed out"),
+    "leasehold_queue_wait_seconds": ("histogram", ("queue", "reason"), "Enqueue of an "
+                                     "attempt to its assignment, per run lease handed out; "
+                                     "reason is the wait code that held the action just "
+                                     "before the tick that placed it (NONE: no tick held it, "
+                                     "placed by the first tick after its enqueue)"),
     "leasehold_queue_depth": ("gauge", ("queue",), "Queued actions"),
     "leasehold_queue_actions_in_flight": ("gauge", ("queue",), "Actions of the queue in "
                                           "flight"),
@@ -182,7 +185,11 @@ class StatusCollector(Collector):
         for q in s.queues.values():
             labels = [sh, q.name]
             fam["leasehold_dispatches"].add_metric(labels, float(q.dispatched))
-            fam["leasehold_queue_wait_seconds"].add_metric(labels, _buckets(q.wait), q.wait.sum)
+            # A (queue, reason) series appears with its first observation: every reason of
+            # every queue from the start would multiply the scrape for mostly zeros.
+            for reason, hist in q.wait_by_reason.items():
+                fam["leasehold_queue_wait_seconds"].add_metric([*labels, reason],
+                                                               _buckets(hist), hist.sum)
             fam["leasehold_queue_depth"].add_metric(labels, float(q.depth))
             fam["leasehold_queue_actions_in_flight"].add_metric(labels,
                                                                 float(q.actions_in_flight))

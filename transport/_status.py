@@ -56,6 +56,7 @@ __all__ = [
     "TICK_EDGES_US",
     "COMMIT_EDGES_US",
     "WAIT_EDGES_US",
+    "WAIT_REASONS",
 ]
 
 log = logging.getLogger("leasehold.status")
@@ -64,7 +65,7 @@ log = logging.getLogger("leasehold.status")
 # Everything below this line and above "derived" is the layout: change any of it and the hash
 # changes, so old readers refuse new files (and the other way round). Bump LAYOUT_VERSION too.
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAGIC = b"LHSTATUS"
 
 #: Upper bounds (microseconds) of the histogram buckets; one more bucket holds the rest (+Inf).
@@ -76,6 +77,10 @@ COMMIT_EDGES_US = (100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 1
 WAIT_EDGES_US = (10_000, 50_000, 100_000, 500_000, 1_000_000, 5_000_000, 10_000_000, 30_000_000,
                  60_000_000, 300_000_000, 900_000_000, 3_600_000_000, 14_400_000_000,
                  86_400_000_000)
+#: The queue wait's reasons: every WaitCode, by value. A run lease's wait is counted under the
+#: code that held its action just before the tick that placed it (DispatchBatch.wait_code:
+#: what Engine.explain said then), NONE when no tick held it (docs/status.md, "reason").
+WAIT_REASONS = tuple(c.name for c in WaitCode)
 
 #: The shard loop's counters copied into every snapshot (``transport.Shard.counters`` keys).
 SHARD_COUNTERS = ("received", "replies", "errors", "protocol_errors", "refused_auth",
@@ -150,8 +155,8 @@ QUEUE_FIELDS = (
     ("head_eta_ns", "<i8", ()),         # engine clock: its estimated start; -1 unknown
     ("head_action", f"S{TEXT_BYTES}", ()),
     ("head_reason", f"S{TEXT_BYTES}", ()),
-    ("wait_counts", "<u8", (len(WAIT_EDGES_US) + 1,)),
-    ("wait_sum_ns", "<u8", ()),
+    ("wait_counts", "<u8", (len(WAIT_REASONS), len(WAIT_EDGES_US) + 1)),    # [reason, bucket]
+    ("wait_sum_ns", "<u8", (len(WAIT_REASONS),)),
 )
 CLUSTER_FIELDS = (
     ("generation", "<u8", ()),
@@ -170,8 +175,8 @@ CLUSTER_FIELDS = (
 
 def _layout_hash():
     text = repr((LAYOUT_VERSION, MAGIC, PREAMBLE_FIELDS, SHARD_FIELDS, QUEUE_FIELDS,
-                 CLUSTER_FIELDS, TICK_EDGES_US, COMMIT_EDGES_US, WAIT_EDGES_US, SHARD_COUNTERS,
-                 VERDICTS, ERROR_KINDS, STATES, TEXT_BYTES))
+                 CLUSTER_FIELDS, TICK_EDGES_US, COMMIT_EDGES_US, WAIT_EDGES_US, WAIT_REASONS,
+                 SHARD_COUNTERS, VERDICTS, ERROR_KINDS, STATES, TEXT_BYTES))
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
@@ -200,8 +205,12 @@ _TICK_EDGES_NS = [e * _US for e in TICK_EDGES_US]
 _COMMIT_EDGES_NS = [e * _US for e in COMMIT_EDGES_US]
 _WAIT_EDGES_NS = np.array([e * _US for e in WAIT_EDGES_US], dtype=np.int64)
 _VERDICT_INDEX = {v: i for i, v in enumerate(Verdict)}
+# A wait code is its reason's index (the fold indexes the counts with the batch's codes).
+assert [int(c) for c in WaitCode] == list(range(len(WAIT_REASONS))), \
+    "WaitCode values must be 0..n-1 for the status file's wait reasons"
 _ERROR_INDEX = {k: i for i, k in enumerate(ERROR_KINDS)}
 _QUEUED = int(RowState.QUEUED)
+_WAIT_FIELDS = ("wait_counts", "wait_sum_ns")     # decoded apart (by reason) in snapshot()
 _EXPLAIN_EVERY_NS = 1_000_000_000   # a head's reason text and ETA are re-read at most this often
 _EXPLAIN_BUDGET_NS = 100_000        # ... and for at most this long per publish (then the next)
 
@@ -337,7 +346,10 @@ class QueueStatus:
     dispatched: int             # leases handed out, cumulative
     backfilled: int             # EASY backfill placements, cumulative
     head_blocked: HeadBlocked | None
-    wait: Histogram             # enqueue -> assignment of the leases handed out
+    wait: Histogram             # enqueue -> assignment of the run leases handed out
+    wait_by_reason: dict        # reason (WaitCode name) -> Histogram: ``wait`` by what held
+    #                             the action before the tick that placed it (NONE: nothing);
+    #                             only reasons with observations, in WAIT_REASONS order
 
 
 @dataclass(frozen=True)
@@ -459,8 +471,10 @@ class StatusWriter:
         self._refusals = {"heartbeat": [0] * len(VERDICTS), "report": [0] * len(VERDICTS)}
         self._errors = [0] * len(ERROR_KINDS)
         self._q_dispatched = np.zeros(0, np.uint64)
-        self._q_wait = np.zeros((0, len(WAIT_EDGES_US) + 1), np.uint64)
-        self._q_wait_sum = np.zeros(0, np.uint64)
+        # Queue wait by [queue, reason, bucket] and its sums by [queue, reason]: the staging
+        # body's own fields (set in _make), folded into in place. Two thirds of the body, so
+        # no second copy to keep and copy over at every publish.
+        self._q_wait = self._q_wait_sum = None
         self._c_dispatched = np.zeros(len(self._clusters), np.uint64)
         # Per queue: the head row, its enqueue seq and wait code last published, and when
         # its reason was worded (monotonic ns; -1 never).
@@ -528,6 +542,11 @@ class StatusWriter:
                 self._c["capacity"][i] = c.capacity
         self._sh["state"][...] = self._state
         self._grow_queue_counts(queue_slots)
+        old_wait, old_sum = self._q_wait, self._q_wait_sum
+        self._q_wait, self._q_wait_sum = self._q["wait_counts"], self._q["wait_sum_ns"]
+        if old_wait is not None:        # a remade file keeps the counts (it only grows)
+            n = old_wait.shape[0]
+            self._q_wait[:n], self._q_wait_sum[:n] = old_wait, old_sum
         self._head_keys = np.full((0, 4), -1, np.int64)      # re-read every head
         self._pending = (tmp, old)
         if install:
@@ -553,10 +572,6 @@ class StatusWriter:
         if slots > n:
             self._q_dispatched = np.concatenate([self._q_dispatched,
                                                  np.zeros(slots - n, np.uint64)])
-            self._q_wait_sum = np.concatenate([self._q_wait_sum, np.zeros(slots - n, np.uint64)])
-            self._q_wait = np.concatenate([self._q_wait,
-                                           np.zeros((slots - n, self._q_wait.shape[1]),
-                                                    np.uint64)])
 
     def _write(self):
         """Copy the staging body into the file under the seqlock (odd, copy, even)."""
@@ -612,24 +627,31 @@ class StatusWriter:
     def record_turn(self, batch, now_ns):
         """A loop turn committed: ``batch`` (an ``engine.DispatchBatch``) is what it handed
         out, ``now_ns`` the engine clock (the queue wait of each run lease is ``now_ns`` less
-        its attempt's enqueue time). Only keeps the batch's columns (fresh arrays of the
-        drain, never changed after it): the counts are folded in at the next publish, so a
-        turn pays a list append, not a handful of numpy calls."""
+        its attempt's enqueue time, counted under the batch's ``wait_code`` of it). Only
+        keeps the batch's columns (fresh arrays of the drain, never changed after it): the
+        counts are folded in at the next publish, so a turn pays a list append, not a
+        handful of numpy calls."""
         self._last_turn_ns = time.time_ns()
         if len(batch):
             self._turns.append((batch.queue, batch.cluster, batch.kind,
-                                batch.attempt_enqueued_ns, now_ns))
-            if len(self._turns) >= 256:
+                                batch.attempt_enqueued_ns, batch.wait_code, now_ns))
+            if len(self._turns) % 256 == 0:     # (kept longer while a queue has no slot)
                 self._fold_turns()
 
     def _fold_turns(self):
-        turns, self._turns = self._turns, []
+        turns = self._turns
         if not turns:
             return
         q = np.concatenate([t[0] for t in turns]).astype(np.int64)
+        if int(q.max()) >= self._layout.queue_slots:
+            # A queue the file has no slot for yet (the engine gained it live): kept for the
+            # next publish, which makes room (_sync_queues) before it folds.
+            return
+        self._turns = []
         cl = np.concatenate([t[1] for t in turns]).astype(np.int64)
         kind = np.concatenate([t[2] for t in turns])
-        wait = np.concatenate([now - enq for _q, _c, _k, enq, now in turns])
+        wait = np.concatenate([now - enq for _q, _c, _k, enq, _w, now in turns])
+        reason = np.concatenate([t[4] for t in turns]).astype(np.int64)
         self._dispatches += int(q.size)
         top = int(q.max()) + 1
         if top > self._q_dispatched.shape[0]:
@@ -642,8 +664,9 @@ class StatusWriter:
             qr = q[run]
             w = np.maximum(wait[run], 0)
             bucket = np.searchsorted(_WAIT_EDGES_NS, w, side="left")
-            np.add.at(self._q_wait, (qr, bucket), np.uint64(1))
-            np.add.at(self._q_wait_sum, qr, w.astype(np.uint64))
+            rr = reason[run]
+            np.add.at(self._q_wait, (qr, rr, bucket), np.uint64(1))
+            np.add.at(self._q_wait_sum, (qr, rr), w.astype(np.uint64))
 
     def mark_dirty(self):
         """Publish at the next :meth:`due` check whatever the interval (a queue changed)."""
@@ -738,8 +761,7 @@ class StatusWriter:
         qf["in_flight_resources"][:nq] = a.q_res_adm[:nq] - a.q_res_rel[:nq]
         qf["backfilled"][:nq] = a.q_backfilled[:nq]
         qf["dispatched"][:nq] = self._q_dispatched[:nq]
-        qf["wait_counts"][:nq] = self._q_wait[:nq]
-        qf["wait_sum_ns"][:nq] = self._q_wait_sum[:nq]
+        # wait_counts, wait_sum_ns: folded into the staging body in place (_fold_turns)
         self._publish_heads(view, a, nq, tick_no)
 
         nc = len(self._clusters)
@@ -961,7 +983,17 @@ class StatusReader:
 
         queues = {}
         qa = body["queues"][:nq]
-        cols = {f[0]: qa[f[0]].tolist() for f in QUEUE_FIELDS}
+        cols = {f[0]: qa[f[0]].tolist() for f in QUEUE_FIELDS if f[0] not in _WAIT_FIELDS}
+        # The wait histograms by reason, vectorised: per queue the total over reasons, and
+        # only the reasons with observations become Histograms (most (queue, reason) pairs
+        # never see one).
+        wc, ws = np.ascontiguousarray(qa["wait_counts"]), np.ascontiguousarray(qa["wait_sum_ns"])
+        totals, total_sums = wc.sum(axis=1).tolist(), ws.sum(axis=1).tolist()
+        qi, ki = np.nonzero(wc.sum(axis=2))
+        by_reason = [{} for _ in range(nq)]
+        for i, k, counts, sum_ns in zip(qi.tolist(), ki.tolist(), wc[qi, ki].tolist(),
+                                        ws[qi, ki].tolist(), strict=True):
+            by_reason[i][WAIT_REASONS[k]] = hist("wait", counts, sum_ns)
         for i in range(nq):
             blocked = None
             if cols["head_blocked"][i]:
@@ -984,8 +1016,8 @@ class StatusReader:
                 runs_in_flight=cols["runs_in_flight"][i],
                 in_flight_resources=vec(cols["in_flight_resources"][i]),
                 dispatched=cols["dispatched"][i], backfilled=cols["backfilled"][i],
-                head_blocked=blocked,
-                wait=hist("wait", cols["wait_counts"][i], cols["wait_sum_ns"][i]))
+                head_blocked=blocked, wait=hist("wait", totals[i], total_sums[i]),
+                wait_by_reason=by_reason[i])
         clusters = {}
         ca = body["clusters"]
         cols = {f[0]: ca[f[0]].tolist() for f in CLUSTER_FIELDS}
