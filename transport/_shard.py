@@ -379,16 +379,20 @@ class _Loop:
             # answers say so; whatever of it the store holds is what memory now holds.
             self.unavailable(box, "a later turn failed and memory was restored")
             return
+        if job.skipped:
+            # An earlier commit failed and was mended (its store grew): the committer
+            # skipped this turn behind it, so it is written here, in order.
+            self.conclude(box, self.eng.commit, group)
+        else:
+            self.conclude(box, self.eng.settle, group, job.error)
+
+    def conclude(self, box, commit, *args):
+        """``commit(*args)`` (the engine's commit or settle of a turn's group), then send
+        the turn's outbox; on failure memory is what the store holds and nothing of this
+        turn (or any later one, all discarded with it) leaves."""
         try:
-            if job.skipped:
-                # An earlier commit failed and was mended (its store grew): the committer
-                # skipped this turn behind it, so it is written here, in order.
-                self.eng.commit(group)
-            else:
-                self.eng.settle(group, job.error)
+            commit(*args)
         except (StoreError, LeaseholdError, OSError) as exc:
-            # Memory is what the store holds; nothing of this turn (or any later one, all
-            # discarded with it) may leave.
             self.shard._count("failed_commits")
             log.error("shard %s: commit failed, nothing of its turn sent: %s",
                       self.shard.name, exc)
@@ -473,15 +477,7 @@ class _Loop:
         if not self.inflight and (self.depth == 1 or not group.batch):
             # Nothing before it in commit, and nothing to write or no pipeline: committed
             # on this thread (no hand-off to the committer and back).
-            try:
-                eng.commit(group)
-            except (StoreError, LeaseholdError, OSError) as exc:
-                self.shard._count("failed_commits")
-                log.error("shard %s: commit failed, nothing of its turn sent: %s",
-                          self.shard.name, exc)
-                self.unavailable(box, f"the commit failed ({exc})")
-                return
-            self.flush(box)
+            self.conclude(box, eng.commit, group)
             return
         self.inflight.append(self.committer.submit(group, box))
 
