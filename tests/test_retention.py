@@ -359,3 +359,28 @@ def test_an_outcome_retained_by_a_group_not_yet_committed_keeps_reenqueue_idempo
     eng.commit(reclaimed)
     eng.commit(again)
     assert eng.phase(single) == Phase.SUCCEEDED and eng.inspect().free_rows.size == 3
+
+
+def test_a_reclaimed_blocked_head_is_not_named_as_its_queues_head_once_its_row_is_reused():
+    """A queue's blocked head is a row number kept until the kernel scans the queue again:
+    reclaimed and reused by another queue's action, it must not be reported as the head
+    (regression: the engine state machine found queue_metrics naming the new action)."""
+    eng, clock = make_engine({
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 4}}},
+        "queues": {"fifo": {"scheduling": "STRICT_FIFO"},
+                   "other": {"scheduling": "GREEDY_CAPACITY"}},
+        "engine": {"default_queue": "fifo", "initial_capacity": 16},
+    })
+    eng.enqueue(ActionSpec(id="acme/p/d/r1/small", task="t", resources={"cpu": 2}))
+    assert len(eng.tick()) == 1                       # holds 2 of the 4 cpus
+    head = eng.enqueue(ActionSpec(id="acme/p/d/r1/big", task="t", resources={"cpu": 4}))
+    assert eng.tick() == []
+    assert eng.queue_metrics("fifo")["head_blocked"]["action"] == str(head)
+    eng.abort(head)
+    assert eng.reclaim() == 1
+    [row] = eng.inspect().free_rows.tolist()
+    other = eng.enqueue(ActionSpec(id="acme/p/d/r2/x", task="t", task_queue="other",
+                                   resources={"cpu": 8}))
+    assert eng.inspect().find(other) == row           # the head's old row, reused
+    assert eng.queue_metrics("fifo")["head_blocked"] is None
