@@ -336,7 +336,11 @@ class _Loop:
                     except Exception:   # a bug: log it, keep serving (memory was restored)
                         log.exception("shard %s: loop turn failed", self.shard.name)
                         self.shard._count("failed_commits")
-                if self.shard._status.due():
+                # Published when no turn is in commit, so the status shows durable state
+                # (what the last sent answers said); a shard always busy publishes anyway
+                # once it is overdue.
+                status = self.shard._status
+                if status.due() and (not self.inflight or status.overdue()):
                     self.publish_status()
             # A last turn: whatever was decided is committed before the store closes.
             self.room()

@@ -678,6 +678,12 @@ class StatusWriter:
             return True
         return (time.monotonic_ns() if now_ns is None else now_ns) >= self._next_ns
 
+    def overdue(self, intervals=4, now_ns=None):
+        """Whether the last publish is ``intervals`` intervals older than :meth:`due` asked
+        for (a pipelined shard waits for a moment with no turn in commit, but not forever)."""
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        return now >= self._next_ns + intervals * max(self.interval_ns, 1_000_000)
+
     # ------------------------------------------------------------------ publishing
 
     def _bind(self, engine):
