@@ -2,9 +2,10 @@
 
 import socket
 import subprocess
+import sys
 import time
 
-__all__ = ["free_port", "stop", "wait_up"]
+__all__ = ["free_port", "stop", "until", "wait_up"]
 
 
 def free_port():
@@ -35,3 +36,15 @@ def wait_up(client, timeout=30):
             if time.monotonic() > deadline:
                 raise
             client.reconnect()
+
+
+def until(cond, timeout, what, step=0.005):
+    """``cond()``'s first truthy value, polled every ``step`` s for at most ``timeout`` s;
+    else the bench exits naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(step)
+    raise SystemExit(f"{sys.argv[0]}: timed out after {timeout}s waiting for {what}")

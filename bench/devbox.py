@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
-from _harness import free_port  # noqa: E402  (bench/ is sys.path[0])
+from _harness import free_port, until  # noqa: E402  (bench/ is sys.path[0])
 
 from transport import (  # noqa: E402
     STABLE_S,
@@ -55,16 +55,6 @@ from transport import (  # noqa: E402
 RUN = "acme/bench/prod/hold"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-
-
-def until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise SystemExit(f"bench/devbox.py: timed out after {timeout}s waiting for {what}")
 
 
 def devbox_start(repeats):

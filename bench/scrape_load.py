@@ -31,7 +31,6 @@ import collections
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from _harness import free_port, stop  # noqa: E402  (bench/ is sys.path[0])
 
 from engine import Phase, load_config  # noqa: E402
 from transport import Client, StatusReader, WorkerConnection, status_path  # noqa: E402
@@ -109,13 +110,6 @@ for t in threads:
 server.close()
 print(sum(counts), flush=True)
 """
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quantile(edges_us, counts, q):
@@ -259,7 +253,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory(prefix="leasehold-scrape-") as tmp:
         tmp = Path(tmp)
-        port = _free_port()
+        port = free_port()
         cfg_path = tmp / "leasehold.toml"
         cfg_path.write_text(CONFIG.format(data=tmp / "data", port=port))
         path = status_path(load_config(cfg_path), 0)
@@ -299,12 +293,7 @@ def main(argv=None):
             if reader is not None:
                 reader.close()
             if shard.poll() is None:
-                shard.send_signal(signal.SIGTERM)
-                try:
-                    shard.wait(20)
-                except subprocess.TimeoutExpired:
-                    shard.kill()
-                    shard.wait(10)
+                stop(shard, 20)
 
     keys = ("tick_p50_us", "tick_p99_us", "tick_p50_le_us", "tick_p99_le_us", "tick_mean_us",
             "dispatches_per_s", "scrapes_per_s")

@@ -40,11 +40,6 @@ class CommitterStore:
         self._on_commit = on_commit     # (ns, ok) of each non-empty commit, any thread
         self._committer = None
 
-    @property
-    def inner(self):
-        """The wrapped store."""
-        return self._inner
-
     def commit(self, batch):
         """Commit ``batch`` (under the lock); the engine's own synchronous writes come
         here too (a group written again after its store grew)."""
@@ -83,14 +78,13 @@ class CommitterStore:
 
 
 class _Job:
-    __slots__ = ("group", "outbox", "error", "skipped", "commit_ns")
+    __slots__ = ("group", "outbox", "error", "skipped")
 
     def __init__(self, group, outbox):
         self.group = group
         self.outbox = outbox
         self.error = None           # the exception the commit raised
         self.skipped = False        # not written: an earlier commit failed, or discarded
-        self.commit_ns = 0
 
 
 class Committer:
@@ -122,12 +116,6 @@ class Committer:
     def fd(self):
         """A descriptor readable while finished jobs wait in :meth:`done`."""
         return self._rfd
-
-    @property
-    def in_flight(self):
-        """Jobs submitted and not yet taken back with :meth:`done`."""
-        with self._cv:
-            return len(self._todo) + len(self._done) + self._busy
 
     def submit(self, group, outbox):
         """Queue ``group`` (pending, its ``batch`` encoded) with the turn's ``outbox``."""
@@ -196,13 +184,11 @@ class Committer:
                 if self._failed or group.state != "pending":
                     job.skipped = True
                 elif group.batch:
-                    t0 = time.perf_counter_ns()
                     try:
-                        store._commit(group.batch)
+                        store._commit(group.batch)     # timed and counted there
                     except BaseException as exc:    # handed to the decision thread
                         job.error = exc
                         self._failed = True
-                    job.commit_ns = time.perf_counter_ns() - t0
             with self._cv:
                 self._busy = False
                 self._done.append(job)
