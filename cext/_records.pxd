@@ -85,3 +85,4 @@ cdef class RecordCodec:
     cdef i32[::1] w_ident                   # session row -> worker identity
 
     cdef void _encode(self, i64 a, u8* dst) noexcept nogil
+    cdef int _decode(self, const u8* src, i32[::1] holder, i64 rows) noexcept nogil

@@ -6,13 +6,40 @@ column), this is ~50 ns per row.
 """
 
 cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from libc.string cimport memcpy
 
 from cext._types cimport check_index, i32, i64, u8
 
-__all__ = ["RecordCodec", "ACTION_HEAD_SIZE"]
+__all__ = ["RecordCodec", "ACTION_HEAD_SIZE", "copy_fixed"]
 
 ACTION_HEAD_SIZE = sizeof(ActionHead)
+
+
+def copy_fixed(values, Py_ssize_t size, Py_ssize_t count, u8[::1] out not None,
+               Py_ssize_t offset):
+    """Copy the fixed-size ``bytes`` that iterator ``values`` yields back to back into
+    ``out`` from byte ``offset``: the bulk scan's copy of cursor values (a join of chunks
+    allocated and copied every record twice).
+
+    Copies at most ``count`` items, then takes one more to see whether there is one.
+    Returns ``(items, bad)``: the items seen (``count + 1`` when there were more) and the
+    index of the first item that is not ``bytes`` of ``size`` (nothing of it or after it
+    copied), or -1."""
+    cdef Py_ssize_t i = 0
+    cdef char* dst
+    if size < 1 or count < 0 or offset < 0 or offset + count * size > out.shape[0]:
+        raise ValueError(f"{count} records of {size} bytes from byte {offset} do not fit "
+                         f"an output of {out.shape[0]} bytes")
+    dst = <char*>&out[0] if out.shape[0] else NULL
+    for item in values:
+        if i == count:
+            return count + 1, -1
+        if not PyBytes_Check(item) or PyBytes_GET_SIZE(item) != size:
+            return i, i
+        memcpy(dst + offset + i * size, PyBytes_AS_STRING(item), size)
+        i += 1
+    return i, -1
 
 
 @cython.final
@@ -76,6 +103,73 @@ cdef class RecordCodec:
         with nogil:
             for i in range(n):
                 self._encode(rows[i], &out[i * self.action_size])
+
+    def decode_actions(self, const u8[::1] records not None, Py_ssize_t start,
+                       Py_ssize_t stop, i32[::1] holder not None):
+        """Reload: scatter records ``[start, stop)`` of ``records`` (back to back) into the
+        bound columns at their own rows, and each holder's identity into ``holder[row]``.
+
+        One pass over the records (a column-by-column copy reads every record once per
+        column). The GIL is released, so two threads can decode two halves. Returns -1, or
+        the index of the first record whose row is outside the table or ``holder``
+        (records before it are written)."""
+        cdef Py_ssize_t size = self.action_size
+        cdef Py_ssize_t i
+        cdef i64 bad = -1
+        if size == 0:
+            raise ValueError("codec is not bound")
+        if not 0 <= start <= stop or stop * size > records.shape[0]:
+            raise ValueError(f"records [{start}, {stop}) outside a buffer of "
+                             f"{records.shape[0] // size} records")
+        cdef i64 rows = min(self.a_state.shape[0], holder.shape[0])
+        with nogil:
+            for i in range(start, stop):
+                if self._decode(&records[i * size], holder, rows) < 0:
+                    bad = i
+                    break
+        return bad
+
+    cdef int _decode(self, const u8* src, i32[::1] holder, i64 rows) noexcept nogil:
+        cdef ActionHead h
+        memcpy(&h, src, sizeof(ActionHead))
+        cdef i64 a = h.row
+        if a < 0 or a >= rows:
+            return -1
+        self.a_state[a] = h.state
+        self.a_end[a] = h.end
+        self.a_charged[a] = h.charged
+        self.a_part[a] = h.part
+        self.a_queue[a] = h.queue
+        self.a_run[a] = h.run
+        self.a_env[a] = h.env
+        self.a_cluster[a] = h.cluster
+        holder[a] = h.holder
+        self.a_parent[a] = h.parent
+        self.a_attempt[a] = h.attempt
+        self.a_fit[a] = h.fit
+        self.a_gen[a] = h.gen
+        self.a_released_gen[a] = h.released_gen
+        self.a_delivered_gen[a] = h.delivered_gen
+        self.a_enqueued[a] = h.enqueued
+        self.a_deadline_due[a] = h.deadline_due
+        self.a_queued_due[a] = h.queued_due
+        self.a_retry_due[a] = h.retry_due
+        self.a_runtime_due[a] = h.runtime_due
+        self.a_name_hash[a] = h.name_hash
+        self.a_task[a] = h.task
+        self.a_backfilled[a] = h.backfilled
+        self.a_pred_end[a] = h.pred_end
+        self.a_group[a] = h.group
+        self.a_gidx[a] = h.gidx
+        self.a_lean[a] = h.lean
+        self.a_phase[a] = h.phase
+        self.a_start[a] = h.start
+        self.a_running[a] = h.running
+        self.a_done[a] = h.done
+        self.a_abort[a] = h.abort
+        self.a_seq[a] = h.seq
+        memcpy(&self.a_demand[a, 0], src + sizeof(ActionHead), 8 * self.n_res)
+        return 0
 
     cdef void _encode(self, i64 a, u8* dst) noexcept nogil:
         cdef ActionHead h

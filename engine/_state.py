@@ -179,14 +179,19 @@ def _alloc(fields, rows, n_res, preset_rows=0, preset=()):
             arr = np.empty(shape, dtype=dtype)
             arr[preset_rows:] = fill
         else:
-            arr = np.full(shape, fill, dtype=dtype)
+            arr = _filled(shape, fill, dtype)
         out[name] = arr
     return out
 
 
+def _filled(shape, fill, dtype):
+    # Zeros come from calloc: pages are mapped (and counted) when first written.
+    return np.zeros(shape, dtype=dtype) if fill == 0 else np.full(shape, fill, dtype=dtype)
+
+
 def grown(array, rows, fill):
     """A copy of ``array`` with ``rows`` rows, new rows set to ``fill``."""
-    out = np.full((rows,) + array.shape[1:], fill, dtype=array.dtype)
+    out = _filled((rows,) + array.shape[1:], fill, array.dtype)
     out[: array.shape[0]] = array
     return out
 

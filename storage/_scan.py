@@ -9,8 +9,8 @@ where every partition's records go; it creates two shared files (``/dev/shm``) s
 values and all keys and maps them. It scans one share of the partitions itself and starts
 ``processes - 1`` workers (``storage/_scan_worker.py``, a fresh interpreter each, started with
 ``subprocess``) for the others. Each opens its partitions read-only, checks schema and layout,
-and copies its records straight into the shared files at their offsets (chunked
-``b"".join`` of cursor values, so Python touches each record once). The parent then wraps the
+and copies its records straight into the shared files at their offsets (a compiled loop over
+the cursor's values, so Python touches each record once). The parent then wraps the
 shared memory as numpy arrays without copying (``np.frombuffer``).
 
 Why not ``multiprocessing`` with ``fork``: LMDB forbids using an environment handle in a
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import lmdb
 import msgpack
 
+import cext
 from storage import _scan_worker as worker
 from storage._lmdb import LmdbStore, partition_dir
 from storage._store import DBS, SCHEMA_VERSION, CorruptRecord, StoreError
@@ -67,6 +68,15 @@ class FixedScan:
 
     def __len__(self) -> int:
         return len(self.values)
+
+
+def _worker_env() -> dict:
+    """The worker's environment: this one, with the directory holding ``cext`` first on its
+    path (a script's own directory is all Python puts there)."""
+    env = dict(os.environ)
+    root = str(Path(cext.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _shared(size: int) -> tuple[str, mmap.mmap]:
@@ -235,7 +245,7 @@ def scan_parallel(source: LmdbStore | str | os.PathLike, db: str, *, record_size
                        "partitions": [[p, str(partition_dir(src.path, p)), counts[p],
                                        offsets[p]] for p in share]}
                 children.append(subprocess.Popen(
-                    [sys.executable, _WORKER, json.dumps(job)],
+                    [sys.executable, _WORKER, json.dumps(job)], env=_worker_env(),
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         try:
             for p in shares[0] if shares else ():

@@ -1,7 +1,7 @@
 """The worker half of :func:`storage.scan_parallel`.
 
-Deliberately standalone: it imports only the standard library, ``lmdb`` and ``msgpack`` (no
-numpy, nothing from this package), because :func:`storage.scan_parallel` runs it as a script
+Deliberately small: it imports only the standard library, ``lmdb``, ``msgpack`` and the
+compiled record copy (no numpy, nothing else of this package), because :func:`storage.scan_parallel` runs it as a script
 in a fresh interpreter (``python _scan_worker.py JOB``), where every import is start-up time.
 The in-process path (``processes=1``) imports it and calls :func:`scan_fixed` directly.
 
@@ -14,12 +14,11 @@ file, keys at ``offset * key_size`` of the key file, in key order. It prints one
 import json
 import mmap
 import sys
-from itertools import islice
 
 import lmdb
 import msgpack
 
-CHUNK = 65536
+from cext._records import copy_fixed
 
 
 class ScanProblem(Exception):
@@ -59,26 +58,19 @@ def check_meta(txn, meta, partition, expected_schema, expected_layout):
 def _copy(cur, want_keys, size, count, out, base, partition, db, txn, dbh):
     """Copy ``count`` fixed-size keys or values from ``cur`` into ``out[base:]``."""
     cur.first()
-    it = cur.iternext(keys=want_keys, values=not want_keys)
-    n = 0
-    what = "key" if want_keys else "value"
-    while True:
-        chunk = list(islice(it, CHUNK))
-        if not chunk:
-            break
-        if n + len(chunk) > count:
-            raise ScanProblem(partition, db, None,
-                              f"more than the {count} records counted: the partition changed "
-                              f"during the scan (is another process writing?)")
-        if set(map(len, chunk)) != {size}:
-            for key, value in txn.cursor(db=dbh):
-                item = key if want_keys else value
-                if len(item) != size:
-                    raise ScanProblem(partition, db, key,
-                                      f"{what} of {len(item)} bytes, expected {size}")
-        start = base + n * size
-        out[start:start + len(chunk) * size] = b"".join(chunk)
-        n += len(chunk)
+    n, bad = copy_fixed(cur.iternext(keys=want_keys, values=not want_keys), size, count,
+                        out, base)
+    if bad >= 0:
+        what = "key" if want_keys else "value"
+        for key, value in txn.cursor(db=dbh):
+            item = key if want_keys else value
+            if len(item) != size:
+                raise ScanProblem(partition, db, key,
+                                  f"{what} of {len(item)} bytes, expected {size}")
+    if n > count:
+        raise ScanProblem(partition, db, None,
+                          f"more than the {count} records counted: the partition changed "
+                          f"during the scan (is another process writing?)")
     if n != count:
         raise ScanProblem(partition, db, None,
                           f"{n} records, {count} counted: the partition changed during the "

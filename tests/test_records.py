@@ -59,3 +59,56 @@ def test_codec_refuses_rows_outside_the_table_and_short_buffers():
         codec.encode_actions(np.array([10**9], dtype=np.int64), bytearray(codec.action_size))
     with pytest.raises(ValueError):
         codec.encode_actions(np.array([0, 1], dtype=np.int64), bytearray(codec.action_size))
+
+
+def test_decode_puts_every_record_back_at_its_row():
+    eng, _ = make_engine(CONFIG)
+    eng.enqueue_many([ActionSpec(id=f"acme/p/d/r/a{i}", task="t",
+                                 resources={"cpu": 1 + i, "gpu:H100": i % 2})
+                      for i in range(5)])
+    eng.tick()
+    src = SimpleNamespace(n_res=3, **eng.inspect().arrays.copy())
+    src.a_deadline_due[:5] = np.arange(5) * 7 + 11
+    src.a_attempt[:5] = np.arange(5) + 3
+    enc = RecordCodec()
+    enc.bind(src)
+    rows = np.array([4, 0, 2, 3, 1], dtype=np.int64)
+    buf = bytearray(rows.size * enc.action_size)
+    enc.encode_actions(rows, buf)
+    # Decoded into a blank copy of the same layout, in two calls (the reload's halves).
+    blank = {name: np.zeros_like(arr) for name, arr in eng.inspect().arrays.copy().items()}
+    dst = SimpleNamespace(n_res=3, **blank)
+    dec = RecordCodec()
+    dec.bind(dst)
+    holder = np.full(5, -7, dtype=np.int32)
+    raw = np.frombuffer(bytes(buf), dtype=np.uint8)
+    assert dec.decode_actions(raw, 0, 2, holder) == -1
+    assert dec.decode_actions(raw, 2, 5, holder) == -1
+    for name in action_dtype(3).names:
+        if name in ("holder", "fast", "row", "pad"):
+            continue
+        np.testing.assert_array_equal(getattr(dst, "a_" + name)[:5],
+                                      getattr(src, "a_" + name)[:5], err_msg=name)
+    expect = np.where(src.a_worker[:5] >= 0, src.w_ident[np.maximum(src.a_worker[:5], 0)], -1)
+    np.testing.assert_array_equal(holder, expect)
+    # A record whose row is outside the holder array is named by its index, not written.
+    short = np.full(3, -7, dtype=np.int32)
+    dst.a_state[:] = 0
+    assert dec.decode_actions(raw, 0, 5, short) == 0       # record 0 is row 4
+    assert (dst.a_state == 0).all()
+
+
+def test_copy_fixed_copies_in_place_and_names_a_wrong_size():
+    import pytest
+
+    from cext._records import copy_fixed
+    out = bytearray(12)
+    assert copy_fixed(iter([b"abc", b"def", b"ghi"]), 3, 3, out, 2) == (3, -1)
+    assert out == b"\0\0abcdefghi\0"
+    # One more than counted is reported as count + 1; a wrong size by its index.
+    assert copy_fixed(iter([b"abc", b"def", b"xyz"]), 3, 2, out, 0)[0] == 3
+    assert copy_fixed(iter([b"abc", b"de", b"xyz"]), 3, 3, out, 0) == (1, 1)
+    assert copy_fixed(iter([b"abc", "def"]), 3, 2, out, 0) == (1, 1)
+    assert copy_fixed(iter([]), 3, 2, out, 0) == (0, -1)
+    with pytest.raises(ValueError):
+        copy_fixed(iter([]), 3, 5, out, 0)
