@@ -1,8 +1,9 @@
 """The worker half of :func:`storage.scan_parallel`.
 
 Deliberately small: it imports only the standard library, ``lmdb``, ``msgpack`` and the
-compiled record copy (no numpy, nothing else of this package), because :func:`storage.scan_parallel` runs it as a script
-in a fresh interpreter (``python _scan_worker.py JOB``), where every import is start-up time.
+compiled record copy (no numpy, nothing else of this package), because
+:func:`storage.scan_parallel` runs it as a script in a fresh interpreter
+(``python _scan_worker.py JOB``), where every import is start-up time.
 The in-process path (``processes=1``) imports it and calls :func:`scan_fixed` directly.
 
 A job scans the fixed-size records of one database in some partitions and copies them into
