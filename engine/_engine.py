@@ -16,14 +16,11 @@ from cext import RecordCodec, TickKernel
 from engine._admission import AdmissionMixin, AlreadyExists
 from engine._attempts import AttemptsMixin
 from engine._clock import SystemClock
-from engine._codes import (
-    WaitCode,
-)
+from engine._codes import LeaseKind, WaitCode
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._dispatch import Assignment, DispatchBatch
 from engine._errors import ConfigError, NotFound, SpecError
 from engine._explain import ExplainMixin, Explanation
-from engine._history import RuntimeHistory
 from engine._index import IndexMixin
 from engine._inspect import Inspection
 from engine._journal import Group, JournalMixin
@@ -40,7 +37,7 @@ from engine._rows import (
     ST_DONE,
     ST_FREE,
 )
-from engine._state import NEVER, State
+from engine._state import NEVER
 from engine._timers import TimersMixin
 from storage import (
     CorruptRecord,
@@ -127,68 +124,77 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
 
     # ------------------------------------------------------------------ durable state
 
-    def _reset(self, preset_rows=0, preset=()):
-        """Empty in-memory state (the arrays, the kernel and the Python edges). Reload sizes
-        the action table for ``preset_rows`` rows whose ``preset`` columns it writes."""
+    def _take_over(self, restored):
+        """Take over a :class:`~engine._reload.Restored` (what :func:`~engine._reload.load`
+        read from the store) as this engine's memory: the arrays, the kernel told of its
+        lanes and dispatch, the Python edges."""
         settings = self.config.engine
         self._queues = {q.name: q for q in self.config.queues}
-        self._state = st = State(
-            n_res=len(self._resources), n_clusters=len(self._clusters),
-            n_queues=len(self._queue_names),
-            initial_rows=settings.initial_capacity,
-            dispatch_capacity=settings.dispatch_capacity,
-            max_candidates=settings.max_candidates,
-            gate_on=settings.resource_gate == "enforce",
-            cpu_dim=self._resources.cpu_index, res_accel=self._resources.accelerator_mask,
-            bf_max_candidates=settings.backfill_max_candidates,
-            preset_rows=preset_rows, preset=preset,
-        )
-        # Backfill: runtime history per task name, its predictions in t_pred_rt (durable in
-        # the store's history database, partition 0, one record per task row).
-        self.history = RuntimeHistory()
-        self._tasks = {}                # task name -> task row
-        self._task_names = []           # task row -> task name
-        for i, cluster in enumerate(self.config.clusters):
-            if cluster.capacity is not None:
-                st.c_cap[i] = cluster.capacity
-        for q in self.config.queues:
-            self._apply_queue(q)
+        self._state = st = restored.state
+        self.history = restored.history
+        self._task_names = restored.task_names
+        self._tasks = {task: row for row, task in enumerate(self._task_names)}
         self._recs = {}             # row -> _Action: rows whose Python record is their truth
         self._hash_rows = {}        # name hash -> row (rows created or looked up since load)
         self._collided = {}         # ActionId -> row, for the rare hash taken by another id
         self._groups = {}           # group id -> EnqueueGroup (loaded on first use)
         self._abort_reasons = {}    # row an abort was called on -> its reason (lean rows)
-        self._next_gid = 0
+        self._next_gid = restored.next_gid
         self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
         self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows
         self._index_thread = None   # builds the index above after a load
-        self._runs = {}             # run key -> run row
-        self._run_keys = []         # run row -> run key
-        self._qruns = {}            # (queue row, run row) -> qrun row
-        self._envs = {}             # env key -> env row
-        self._workers = {}          # worker id -> its current session row
-        self._worker_names = []     # session row -> worker id
-        self._idents = {}           # worker id -> durable identity (index)
-        self._ident_names = []      # identity -> (worker id, cluster name)
-        self._adoptable = set()     # session rows restored at load, waiting for reconnect
+        self._run_keys = restored.run_keys      # run row -> run key
+        self._runs = {key: row for row, key in enumerate(self._run_keys)}
+        self._qruns = restored.qruns            # (queue row, run row) -> qrun row
+        self._envs = restored.envs              # env key -> env row
+        # Durable worker identities, each restored as a detached session (row = identity):
+        # disconnected, adopting nothing until the worker registers again.
+        self._ident_names = restored.workers    # identity -> (worker id, cluster name)
+        self._idents = {name: i for i, (name, _c) in enumerate(self._ident_names)}
+        self._worker_names = [name for name, _c in self._ident_names]   # session -> id
+        self._workers = dict(self._idents)      # worker id -> its current session row
+        self._adoptable = set(range(len(self._ident_names)))    # restored, not yet back
         self._fit_cache = {}        # pod matrix bytes -> cluster bitmask
-        self._next_row = 0          # high-water row: rows below it are actions or FREE
-        self._free_rows = np.zeros(0, dtype=np.int64)   # reclaimed rows, ascending
-        self._group_rows = {}       # group id -> its rows still in the table
-        self._next_seq = 0          # enqueue order of the next action (a_seq)
+        self._next_row = restored.rows  # high-water row: rows below it are actions or FREE
+        self._free_rows = restored.free_rows    # reclaimed rows, ascending
+        self._group_rows = restored.group_rows  # group id -> its rows still in the table
+        self._next_seq = restored.next_seq      # enqueue order of the next action (a_seq)
         self._next_retention_ns = 0  # next sweep of expired retained outcomes
-        self._n_finalize = 0
+        self._n_finalize = restored.finalize_rows
         self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
         # Sorted timer blocks [due, kind, row, ref, next position]: restored at load, or set
         # for many rows at once (_timer_block).
-        self._timer_blocks = []
+        self._timer_blocks = [[*restored.timers, 0]] if restored.timers[0].size else []
         self._next_sweep_ns = 0
         self._queue_changes = {}    # queue name -> live changes (persisted)
-        self._kernel = TickKernel()
+        for q in self.config.queues:
+            self._apply_queue(q)
+        for name, changes in restored.queue_changes.items():
+            self._queue_changes[name] = changes
+            self._apply_queue(self._update_queue_config(name, changes))
+        self._kernel = k = TickKernel()
         self._codec_records = RecordCodec()
         self._bind()
-        self._kernel.set_lease_ttl(settings.lease_ttl_ns)
+        k.set_lease_ttl(settings.lease_ttl_ns)
+        k.set_counts(st.n_workers, st.n_envs)
+        k.set_pools_live(restored.pools_live)
+        k.relink_live(restored.rows)        # backfill's per-cluster lists of live leases
+        for f in restored.fz_queued.tolist():
+            k.push_finalize(f)
+        queued = restored.queued
+        st.a_state[queued] = ST_DONE        # push() links a row and marks it QUEUED
+        k.push_many(queued)
+        for r in restored.redispatch.tolist():
+            k.push_dispatch(LeaseKind.RUN, r, int(st.a_gen[r]), int(st.a_cluster[r]),
+                            int(st.a_worker[r]))
+        for f in restored.fz_redispatch.tolist():
+            k.push_dispatch(LeaseKind.FINALIZE, f, int(st.fz_gen[f]), int(st.fz_cluster[f]),
+                            int(st.fz_worker[f]))
+        # The name index (sorted hashes) is not needed to tick: built on another core while
+        # the shard starts; the first lookup of a restored name waits for it.
+        if restored.name_rows.size:
+            self._start_name_index(restored.name_hashes, restored.name_rows)
         self._clear_dirty()
 
     def _bind(self):

@@ -258,7 +258,7 @@ class JournalMixin:
         self._clear_dirty()
 
     def _load(self):
-        load(self)
+        self._take_over(load(self._store, self.config, self.clock.now_ns()))
         self._committed_tail = self._kernel.d_tail   # restored decisions are durable
 
     def _encode(self):

@@ -1,5 +1,6 @@
-"""Rebuild a shard's memory from its store: the start-up reload and the restore after a
-failed commit (memory := disk). Called by :class:`engine.Engine` only.
+"""Rebuild a shard's memory from its store: :func:`load` reads it and returns a
+:class:`Restored`, which the engine adopts (start-up, and the restore after a failed commit:
+memory := disk). It reads through the :class:`storage.Store` interface only.
 
 Everything the decision path needs comes back as a bulk copy of fixed records into numpy,
 then vectorised derivations: (queue, run) pairs and lanes, in-flight counters recounted
@@ -11,10 +12,12 @@ are decoded on first use of a row.
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
+from cext import RecordCodec
 from engine._codes import (
     T_DEADLINE,
     T_FINALIZE,
@@ -22,15 +25,48 @@ from engine._codes import (
     T_RETRY,
     T_RUNTIME,
     LeaseEnd,
-    LeaseKind,
     RowState,
 )
 from engine._errors import ConfigError
-from engine._records import FINALIZE_DTYPE, action_columns, finalize_columns
-from engine._state import NEVER
+from engine._history import RuntimeHistory
+from engine._records import FINALIZE_DTYPE, action_columns, action_dtype, finalize_columns
+from engine._state import NEVER, State
 from storage import CorruptRecord
 
-__all__ = ["load", "link_children"]
+__all__ = ["Restored", "load"]
+
+
+@dataclass(eq=False)
+class Restored:
+    """A shard's memory as its store holds it (what :func:`load` returns).
+
+    ``state`` holds every table, counters recounted and lease holders as session rows: one
+    detached session per durable worker identity, session row = identity. The rest are the
+    Python edges and what the kernel is told when the engine adopts it (lanes, dispatch)."""
+
+    state: State
+    workers: list           # identity -> (worker id, cluster name)
+    run_keys: list          # run row -> run key
+    envs: dict              # environment key -> env row
+    history: RuntimeHistory
+    task_names: list        # task row -> task name
+    queue_changes: dict     # queue name -> its durable live changes (not applied)
+    rows: int               # action rows in use: actions or FREE below it
+    free_rows: np.ndarray   # reclaimed rows, ascending
+    next_gid: int           # next enqueue group id
+    next_seq: int           # next enqueue order
+    group_rows: dict        # group id -> its rows in the table
+    qruns: dict             # (queue row, run row) -> qrun row
+    name_hashes: np.ndarray  # name hash of each held row (for the name index) ...
+    name_rows: np.ndarray   # ... and the row
+    finalize_rows: int      # finalize rows in use
+    pools_live: int         # warm pools holding leases
+    queued: np.ndarray      # queued rows in enqueue order: into their lanes
+    redispatch: np.ndarray  # run leases decided but never handed out: dispatch again
+    fz_queued: np.ndarray   # finalize leases waiting for a worker
+    fz_redispatch: np.ndarray  # finalize leases decided but never handed out
+    timers: tuple           # (due, kind, row, ref), sorted by due
+
 
 def _unpack(part, db, key, raw):
     try:
@@ -81,93 +117,119 @@ _PRESET = frozenset({"a_" + f for f in action_columns(0)}
                     | {"a_worker", "a_qrun", "a_lane", "a_edges"})
 
 
-def load(eng):
-    """Reset ``eng``'s memory and rebuild it from ``eng._store``."""
-    store = eng._store
+class _Loading:
+    """The working set of one :func:`load` (what becomes its :class:`Restored`)."""
+
+    def __init__(self, config, state, now):
+        self.config = config
+        self.st = state
+        self.now = now
+        self.queue_names = [q.name for q in config.queues]
+        self.cluster_index = {c.name: i for i, c in enumerate(config.clusters)}
+        self.workers = []
+        self.run_keys = []
+        self.envs = {}
+        self.history = RuntimeHistory()
+        self.task_names = []
+        self.queue_changes = {}
+        self.n_fz = 0
+        self.holder = None          # restored holder identities (action rows)
+        self.fz_holder = self.fz_pref = None
+
+
+def load(store, config, now):
+    """Read the shard's memory from ``store`` (a :class:`storage.Store`) for ``config`` at
+    engine time ``now``: a :class:`Restored`. :class:`CorruptRecord` names a record that
+    cannot be part of it; ``ConfigError`` a stored record the config no longer allows."""
     progress = _Progress(7)
     progress.step("actions")
-    recs, rows, parts = _fixed(store, "actions", eng._action_dtype)
+    recs, rows, parts = _fixed(store, "actions", action_dtype(len(config.resources)))
     recs, rows, parts = _one_per_row(recs, rows, parts)
     n = _check_dense(rows, parts, "actions")
-    eng._reset(preset_rows=n, preset=_PRESET)
-    st = eng._state
-    now = eng.clock.now_ns()
-    n_res = len(eng._resources)
-
-    # Workers (identities) and runs, envs: small tables of msgpack records.
+    ld = _Loading(config, State.for_config(config, preset_rows=n, preset=_PRESET), now)
     progress.step("workers, runs, environments")
+    _load_small(ld, store)
+    progress.step("action columns")
+    edges = _fill_actions(ld, recs, rows, parts, n) if n else None
+    progress.step("finalize leases")
+    _load_finalize(ld, store, n)
+    progress.step("lanes and counters")
+    out = _rebuild(ld, n)
+    progress.step("timers")
+    timers = _timers(ld.st, n, ld.n_fz)
+    progress.step("ready")
+    progress.close()
+    empty = np.zeros(0, dtype=np.int64)
+    free_rows, next_gid, next_seq, group_rows, hashes, held = edges or (
+        empty, 0, 0, {}, np.zeros(0, dtype=np.uint64), empty)
+    return Restored(
+        state=ld.st, workers=ld.workers, run_keys=ld.run_keys, envs=ld.envs,
+        history=ld.history, task_names=ld.task_names, queue_changes=ld.queue_changes,
+        rows=n, free_rows=free_rows, next_gid=next_gid, next_seq=next_seq,
+        group_rows=group_rows, name_hashes=hashes, name_rows=held, finalize_rows=ld.n_fz,
+        timers=timers, **out)
+
+
+def _load_small(ld, store):
+    """Workers (identities), runs, environments, task histories and live queue changes:
+    small tables of msgpack records."""
+    st, config = ld.st, ld.config
+    n_res = len(config.resources)
     for p, key, raw in store.scan("workers"):
         name, cluster = _unpack(p, "workers", key, raw)
         ident = int.from_bytes(key, "big")
-        while len(eng._ident_names) <= ident:
-            eng._ident_names.append(None)
-        eng._ident_names[ident] = (name, cluster)
-        eng._idents[name] = ident
-    if None in eng._ident_names:
+        while len(ld.workers) <= ident:
+            ld.workers.append(None)
+        ld.workers[ident] = (name, cluster)
+    if None in ld.workers:
         raise CorruptRecord(0, "workers", None, "worker identities are not dense")
     for p, key, raw in store.scan("runs"):
         run_key, cap = _unpack(p, "runs", key, raw)
         row = int.from_bytes(key, "big")
         st.ensure("runs", row + 1)
-        while len(eng._run_keys) <= row:
-            eng._run_keys.append(None)
-        eng._run_keys[row] = run_key
-        eng._runs[run_key] = row
+        while len(ld.run_keys) <= row:
+            ld.run_keys.append(None)
+        ld.run_keys[row] = run_key
         st.u_cap[row] = cap
-    if None in eng._run_keys:
+    if None in ld.run_keys:
         raise CorruptRecord(None, "runs", None, "run rows are not dense")
+    queue_index = {name: i for i, name in enumerate(ld.queue_names)}
     n_envs = 0
     for p, key, raw in store.scan("envs"):
         env_key, qname, slots, ttl, footprint = _unpack(p, "envs", key, raw)
         row = int.from_bytes(key, "big")
-        if qname not in eng._queue_index:
-            raise ConfigError(f"{eng.config.source}: queue {qname!r} of a stored warm pool "
+        if qname not in queue_index:
+            raise ConfigError(f"{config.source}: queue {qname!r} of a stored warm pool "
                               f"is not configured")
         if len(footprint) != n_res:
             raise CorruptRecord(p, "envs", key, "footprint has the wrong resource count")
         st.ensure("envs", row + 1)
-        eng._envs[env_key] = row
-        st.e_queue[row] = eng._queue_index[qname]
+        ld.envs[env_key] = row
+        st.e_queue[row] = queue_index[qname]
         st.e_slots[row] = slots
         st.e_idle_ttl[row] = ttl
         st.e_footprint[row] = footprint
         n_envs = max(n_envs, row + 1)
     st.n_envs = n_envs
+    pct = config.engine.backfill_percentile
     for p, key, raw in store.scan("history"):
         task, data = _unpack(p, "history", key, raw)
         row = int.from_bytes(key, "big")
-        if row != len(eng._task_names):
+        if row != len(ld.task_names):
             raise CorruptRecord(p, "history", key, "task rows are not dense")
         if data is not None:
             try:
-                eng.history.load(task, data)
+                ld.history.load(task, data)
             except ValueError as exc:
                 raise CorruptRecord(p, "history", key, str(exc)) from None
         st.ensure("tasks", row + 1)
-        eng._tasks[task] = row
-        eng._task_names.append(task)
-        eng._refresh_prediction(task, row)
+        ld.task_names.append(task)
+        ns = ld.history.percentile_ns(task, pct)
+        st.t_pred_rt[row] = NEVER if ns is None else ns
     for p, key, raw in store.scan("queues"):
         qname = key.decode()
-        if qname in eng._queues:
-            changes = _unpack(p, "queues", key, raw)
-            eng._queue_changes[qname] = changes
-            eng._apply_queue(eng._update_queue_config(qname, changes))
-
-    # Actions: the bulk of it.
-    eng._bind()
-    eng._next_row = n
-    progress.step("action columns")
-    if n:
-        _fill_actions(eng, recs, rows, parts, n, now)
-    progress.step("finalize leases")
-    _load_finalize(eng, now)
-    progress.step("lanes and counters")
-    _rebuild(eng, n, now)
-    progress.step("timers")
-    _restore_timers(eng, n)
-    progress.step("ready")
-    progress.close()
+        if qname in queue_index:
+            ld.queue_changes[qname] = _unpack(p, "queues", key, raw)
 
 
 def _one_per_row(recs, rows, parts):
@@ -210,8 +272,10 @@ def _check_dense(rows, parts, db):
     return n
 
 
-def _fill_actions(eng, recs, rows, parts, n, now):
-    st = eng._state
+def _fill_actions(ld, recs, rows, parts, n):
+    """The action columns from their records; returns the table's edges: (free rows, next
+    group id, next enqueue order, rows per group, name hashes and rows of held rows)."""
+    st = ld.st
     if (recs["part"] != parts).any():
         bad = int(np.flatnonzero(recs["part"] != parts)[0])
         raise CorruptRecord(int(parts[bad]), "actions", int(rows[bad]).to_bytes(8, "big"),
@@ -219,40 +283,34 @@ def _fill_actions(eng, recs, rows, parts, n, now):
     # One pass over the records, in Cython with the GIL released: two halves on two cores.
     raw = np.ascontiguousarray(recs).view(np.uint8)
     holder = np.empty(n, dtype=np.int32)
-    codec = eng._codec_records
+    codec = RecordCodec()
+    codec.bind(st)
     halves = [(0, n // 2), (n // 2, n)] if n >= 100_000 and (os.cpu_count() or 1) > 1 \
         else [(0, n)]
-    bad = [codec.decode_actions(raw, start, stop, holder) for start, stop in halves] \
-        if len(halves) == 1 else _threads(
-            lambda part: codec.decode_actions(raw, part[0], part[1], holder), halves)
+    bad = _threads(lambda part: codec.decode_actions(raw, part[0], part[1], holder), halves)
     if any(b >= 0 for b in bad):     # (dense rows were checked: a codec/layout mismatch)
         i = min(b for b in bad if b >= 0)
         raise CorruptRecord(int(parts[i]), "actions", int(rows[i]).to_bytes(8, "big"),
                             "record's row is outside the table")
-    state = st.a_state[:n]
-    occupied = state != RowState.FREE
+    occupied = st.a_state[:n] != RowState.FREE
     free = ~occupied
     if free.any() and (st.a_released_gen[:n][free] != st.a_gen[:n][free]).any():
         raise CorruptRecord(None, "actions", None, "a FREE row has a lease in flight")
     queue = st.a_queue[:n][occupied]
-    if queue.size and (int(queue.max()) >= len(eng._queue_names) or int(queue.min()) < 0):
+    if queue.size and (int(queue.max()) >= len(ld.queue_names) or int(queue.min()) < 0):
         raise CorruptRecord(None, "actions", None, "queue index outside the layout")
-    if n and int(st.a_run[:n].max()) >= len(eng._run_keys):
+    if int(st.a_run[:n].max()) >= len(ld.run_keys):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
-    if n and int(st.a_task[:n].max()) >= len(eng._task_names):
+    if int(st.a_task[:n].max()) >= len(ld.task_names):
         raise CorruptRecord(None, "actions", None, "task row without a history record")
-    eng._free_rows = np.flatnonzero(free).astype(np.int64)
     link_children(st, n)
-    eng._next_gid = int(st.a_group[:n].max()) + 1 if n else 0
-    eng._next_seq = int(st.a_seq[:n].max()) + 1 if n else 0
-    eng._group_rows = _counts(st.a_group[:n][occupied])
     # A row with an attempts record has its Python record as truth (decoded on first use).
     st.a_edges[:n] = (st.a_lean[:n] == 0) & occupied
-    eng._restored_holder = holder      # identities, turned into session rows in _rebuild
-    # The name index (sorted hashes) is not needed to tick: built on another core while the
-    # shard starts; the first lookup of a restored name waits for it.
+    ld.holder = holder      # identities, turned into session rows in _rebuild
     held = np.flatnonzero(occupied)
-    eng._start_name_index(st.a_name_hash[held], held)
+    return (np.flatnonzero(free).astype(np.int64), int(st.a_group[:n].max()) + 1,
+            int(st.a_seq[:n].max()) + 1, _counts(st.a_group[:n][occupied]),
+            st.a_name_hash[held], held.astype(np.int64))
 
 
 def _counts(values):
@@ -292,20 +350,21 @@ def link_children(st, n):
 
 def _threads(fn, items):
     """``[fn(item) for item in items]``, one thread per item (``fn`` releases the GIL)."""
+    if len(items) == 1:
+        return [fn(items[0])]
     with ThreadPoolExecutor(len(items)) as pool:
         return list(pool.map(fn, items))
 
 
-def _load_finalize(eng, now):
-    st = eng._state
-    recs, rows, _parts = _fixed(eng._store, "finalize", FINALIZE_DTYPE)
+def _load_finalize(ld, store, n):
+    st = ld.st
+    recs, rows, _parts = _fixed(store, "finalize", FINALIZE_DTYPE)
     nf = _check_dense(rows, _parts, "finalize")
     order = np.argsort(rows)
     recs = recs[order]
     st.ensure("finalize", max(nf, 1))
-    eng._bind()
-    eng._n_finalize = nf
-    if nf and int(recs["action"].max()) >= eng._next_row:
+    ld.n_fz = nf
+    if nf and int(recs["action"].max()) >= n:
         raise CorruptRecord(None, "finalize", None, "finalize lease of an unknown action")
     for name in finalize_columns():
         getattr(st, "fz_" + name)[:nf] = recs[name]
@@ -314,45 +373,45 @@ def _load_finalize(eng, now):
     # (A finalize row of a reclaimed action points at none: act -1.)
     lean = (act >= 0) & (st.fz_attempt[:nf] == 1) & (st.a_lean[np.maximum(act, 0)] == 1)
     st.a_final[act[lean]] = np.flatnonzero(lean)
-    eng._restored_fz_holder = recs["holder"]
-    eng._restored_fz_pref = recs["pref"]
+    ld.fz_holder = recs["holder"]
+    ld.fz_pref = recs["pref"]
 
 
-def _rebuild(eng, n, now):
-    st, k = eng._state, eng._kernel
-    ttl = eng.config.engine.lease_ttl_ns
+def _rebuild(ld, n):
+    """Sessions, (queue, run) pairs, lanes and in-flight counters from the columns; returns
+    the :class:`Restored` fields for the kernel (lanes and dispatch)."""
+    st, now = ld.st, ld.now
+    ttl = ld.config.engine.lease_ttl_ns
     # Detached sessions: one per known worker identity, disconnected, adopting nothing
     # until the worker registers again (then its restored leases move to the new session).
-    for ident, (name, cluster) in enumerate(eng._ident_names):
-        row = len(eng._worker_names)
-        st.ensure("workers", row + 1)
-        eng._worker_names.append(name)
-        eng._workers[name] = row
-        eng._adoptable.add(row)
-        st.w_ident[row] = ident
-        st.w_cluster[row] = eng._cluster_index.get(cluster, -1)
-        st.w_slots[row] = 0
-        st.w_connected[row] = 0
-    st.n_workers = len(eng._worker_names)
-    ident_row = np.asarray(sorted(eng._adoptable), dtype=np.int64)   # identity i -> row i
+    n_idents = len(ld.workers)
+    st.ensure("workers", max(n_idents, 1))
+    for ident, (_name, cluster) in enumerate(ld.workers):
+        st.w_ident[ident] = ident           # session row = identity
+        st.w_cluster[ident] = ld.cluster_index.get(cluster, -1)
+        st.w_slots[ident] = 0
+        st.w_connected[ident] = 0
+    st.n_workers = n_idents
+    ident_row = np.arange(n_idents, dtype=np.int64)
 
     # (queue, run) pairs and lanes.
+    qruns = {}
     if n:
-        holder = eng._restored_holder
-        if (holder >= len(eng._ident_names)).any():
+        holder = ld.holder
+        if (holder >= n_idents).any():
             raise CorruptRecord(None, "actions", None, "lease holder is not a known worker")
         st.a_worker[:n] = np.where(holder >= 0, ident_row[np.maximum(holder, 0)]
                                    if ident_row.size else -1, -1)
         occ = np.flatnonzero(st.a_state[:n] != RowState.FREE)
-        uniq, inv = _pairs(st.a_queue[occ], st.a_run[occ], len(eng._queue_names),
-                           len(eng._run_keys))
+        uniq, inv = _pairs(st.a_queue[occ], st.a_run[occ], len(ld.queue_names),
+                           len(ld.run_keys))
         nq = uniq.size
         st.ensure("qruns", nq)
         st.qr_queue[:nq] = (uniq >> 32).astype(np.int32)
         st.qr_run[:nq] = (uniq & 0xFFFFFFFF).astype(np.int32)
         st.a_qrun[:n] = -1
         st.a_qrun[occ] = inv.astype(np.int32)
-        eng._qruns = dict(zip(zip(st.qr_queue[:nq].tolist(), st.qr_run[:nq].tolist(),
+        qruns = dict(zip(zip(st.qr_queue[:nq].tolist(), st.qr_run[:nq].tolist(),
                                   strict=True), range(nq), strict=True))
 
     # In-flight counters: a recount of the unreleased leases (released counters start at 0).
@@ -364,13 +423,13 @@ def _rebuild(eng, n, now):
         raise CorruptRecord(None, "actions", None, "an in-flight lease has no live holder")
     q, c = st.a_queue[live], st.a_cluster[live]
     qr, e = st.a_qrun[live], st.a_env[live]
-    nq_ = len(eng._queue_names)
+    nq_ = len(ld.queue_names)
     st.q_adm[:] = np.bincount(q, minlength=nq_).astype(np.uint64)
-    nqr = len(eng._qruns)
+    nqr = len(qruns)
     st.qr_adm[:nqr] = np.bincount(qr, minlength=nqr)[:nqr].astype(np.uint64)
     busy_pairs = np.flatnonzero(st.qr_adm[:nqr] > 0)
     st.q_runs_adm[:] = np.bincount(st.qr_queue[busy_pairs], minlength=nq_).astype(np.uint64)
-    nu = len(eng._run_keys)
+    nu = len(ld.run_keys)
     st.u_adm[:nu] = np.bincount(st.a_run[live], minlength=nu)[:nu].astype(np.uint64)
     if live.size == n and (st.a_charged[:n] == 1).all():     # all in flight: no gather
         _add_by(st.q_res_adm, st.a_queue[:n], st.a_demand[:n])
@@ -401,24 +460,16 @@ def _rebuild(eng, n, now):
     st.a_expiry[live] = now + ttl        # a fresh window: reconnecting workers validate
 
     # Finalize leases: holders, worker slots, pending list, fresh windows.
-    nf = eng._n_finalize
+    nf = ld.n_fz
     if nf:
-        for col, src in ((st.fz_worker, eng._restored_fz_holder),
-                         (st.fz_pref, eng._restored_fz_pref)):
-            if (src >= len(eng._ident_names)).any():
+        for col, src in ((st.fz_worker, ld.fz_holder), (st.fz_pref, ld.fz_pref)):
+            if (src >= n_idents).any():
                 raise CorruptRecord(None, "finalize", None, "holder is not a known worker")
             col[:nf] = np.where(src >= 0, ident_row[np.maximum(src, 0)]
                                 if ident_row.size else -1, -1)
         fl = np.flatnonzero((st.fz_gen[:nf] != 0) & (st.fz_released_gen[:nf] != st.fz_gen[:nf]))
         np.add.at(st.w_adm, st.fz_worker[fl], np.uint64(1))
         st.fz_expiry[fl] = now + ttl
-    eng._bind()
-    k.set_counts(st.n_workers, st.n_envs)
-    k.set_pools_live(pools)
-    k.relink_live(n)                     # backfill's per-cluster lists of live leases
-    for f in np.flatnonzero(st.fz_state[:nf] == RowState.QUEUED):
-        k.push_finalize(int(f))
-
     # Queued actions back into their lanes (fast lane while their pool lives), in row
     # order, which is first-enqueue order.
     if n:
@@ -430,23 +481,15 @@ def _rebuild(eng, n, now):
     seq = st.a_seq[queued]
     if seq.size > 1 and (seq[1:] < seq[:-1]).any():
         queued = queued[np.argsort(seq, kind="stable")]
-    st.a_state[queued] = RowState.DONE      # push() links a row and marks it QUEUED
-    k.push_many(queued)
-
     # Decided but never handed to the dispatcher: dispatch again (same lease, same holder).
     again = live[(st.a_state[live] == RowState.SENT)
                  & (st.a_delivered_gen[live] != st.a_gen[live])]
-    for r in again.tolist():
-        k.push_dispatch(LeaseKind.RUN, r, int(st.a_gen[r]), int(st.a_cluster[r]),
-                        int(st.a_worker[r]))
-    if nf:
-        fl = np.flatnonzero((st.fz_state[:nf] == RowState.SENT)
-                            & (st.fz_delivered_gen[:nf] != st.fz_gen[:nf]))
-        for f in fl.tolist():
-            k.push_dispatch(LeaseKind.FINALIZE, f, int(st.fz_gen[f]), int(st.fz_cluster[f]),
-                            int(st.fz_worker[f]))
-    eng._restored_holder = None
-    eng._restored_fz_holder = eng._restored_fz_pref = None
+    fz_again = np.flatnonzero((st.fz_state[:nf] == RowState.SENT)
+                              & (st.fz_delivered_gen[:nf] != st.fz_gen[:nf]))
+    return {"qruns": qruns, "pools_live": pools, "queued": queued,
+            "redispatch": again.astype(np.int64),
+            "fz_queued": np.flatnonzero(st.fz_state[:nf] == RowState.QUEUED),
+            "fz_redispatch": fz_again}
 
 
 def _add_by(out, index, values):
@@ -485,8 +528,8 @@ def _pairs(queue, run, n_queues, n_runs):
     return ordered[first], inv
 
 
-def _restore_timers(eng, n):
-    st = eng._state
+def _timers(st, n, nf):
+    """Every armed timer of the restored rows: (due, kind, row, ref), sorted by due."""
     state = st.a_state[:n]
     parts = []
     active = np.flatnonzero((state != RowState.DONE) & (st.a_deadline_due[:n] != NEVER))
@@ -499,7 +542,6 @@ def _restore_timers(eng, n):
     parts.append((st.a_retry_due[bo], T_RETRY, bo, st.a_attempt[bo].astype(np.int64)))
     rt = np.flatnonzero((state == RowState.RUNNING) & (st.a_runtime_due[:n] != NEVER))
     parts.append((st.a_runtime_due[rt], T_RUNTIME, rt, st.a_gen[rt].astype(np.int64)))
-    nf = eng._n_finalize
     fz = np.flatnonzero(st.fz_state[:nf] != RowState.DONE)
     parts.append((st.fz_give_up[fz], T_FINALIZE, fz, np.zeros(fz.size, np.int64)))
     due = np.concatenate([p[0] for p in parts]).astype(np.int64)
@@ -507,4 +549,4 @@ def _restore_timers(eng, n):
     row = np.concatenate([p[2] for p in parts]).astype(np.int64)
     ref = np.concatenate([p[3] for p in parts])
     order = np.argsort(due, kind="stable")
-    eng._timer_blocks.append([due[order], kind[order], row[order], ref[order], 0])
+    return due[order], kind[order], row[order], ref[order]

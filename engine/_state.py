@@ -199,6 +199,26 @@ def grown(array, rows, fill):
 class State:
     """All arrays of one shard. Attribute names are the kernel's field names."""
 
+    @classmethod
+    def for_config(cls, config, *, preset_rows=0, preset=()):
+        """The arrays of a shard of ``config`` (a :class:`~engine.Config`): its layout and
+        engine settings, cluster capacities set. ``preset_rows`` and ``preset`` as in
+        :func:`_alloc` (reload writes those columns of those rows itself)."""
+        settings = config.engine
+        res = config.resources
+        st = cls(n_res=len(res), n_clusters=len(config.clusters), n_queues=len(config.queues),
+                 initial_rows=settings.initial_capacity,
+                 dispatch_capacity=settings.dispatch_capacity,
+                 max_candidates=settings.max_candidates,
+                 gate_on=settings.resource_gate == "enforce",
+                 cpu_dim=res.cpu_index, res_accel=res.accelerator_mask,
+                 bf_max_candidates=settings.backfill_max_candidates,
+                 preset_rows=preset_rows, preset=preset)
+        for i, cluster in enumerate(config.clusters):
+            if cluster.capacity is not None:
+                st.c_cap[i] = cluster.capacity
+        return st
+
     def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
                  max_candidates, gate_on, cpu_dim, res_accel, bf_max_candidates=64, preset_rows=0,
                  preset=()):
