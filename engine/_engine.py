@@ -160,7 +160,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._group_rows = restored.group_rows  # group id -> its rows still in the table
         self._next_seq = restored.next_seq      # enqueue order of the next action (a_seq)
         self._next_retention_ns = 0  # next sweep of expired retained outcomes
-        self._n_finalize = restored.finalize_rows
+        self._n_finalize = restored.finalize_rows  # high-water finalize row
+        self._free_fz = restored.fz_free        # freed finalize rows, ascending
         self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
         # Sorted timer blocks [due, kind, row, ref, next position]: restored at load, or set

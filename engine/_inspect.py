@@ -118,8 +118,15 @@ class Inspection:
 
     @property
     def finalize_rows(self):
-        """Finalize lease rows in use."""
+        """Finalize rows below the high-water mark: leases, and the freed ones
+        (:attr:`free_finalize_rows`, state FREE)."""
         return self._engine._n_finalize
+
+    @property
+    def free_finalize_rows(self):
+        """Freed finalize rows (their action's row was reclaimed), ascending: new finalize
+        leases take them first."""
+        return self._engine._free_fz.copy()
 
     @property
     def worker_sessions(self):

@@ -648,10 +648,7 @@ class LeasingMixin:
 
     def _new_finalize(self, rec, att):
         st = self._state
-        f = self._n_finalize
-        if st.ensure("finalize", f + 1):
-            self._bind()
-        self._n_finalize += 1
+        f = int(self._alloc_finalize(1)[0])
         row = rec.row
         st.fz_action[f] = row
         st.fz_attempt[f] = att.number
@@ -669,12 +666,7 @@ class LeasingMixin:
         """Finalize leases for the attempts of lean ``rows`` (one each), in vector
         operations; their attempts read them from the finalize rows (a_final)."""
         st = self._state
-        m = rows.size
-        first = self._n_finalize
-        if st.ensure("finalize", first + m):
-            self._bind()
-        self._n_finalize += m
-        f = np.arange(first, first + m, dtype=np.int64)
+        f = self._alloc_finalize(rows.size)
         give_up = self.clock.now_ns() + int(self.config.engine.finalize_timeout * 1e9)
         st.fz_action[f] = rows
         st.fz_attempt[f] = 1

@@ -59,7 +59,8 @@ class Restored:
     qruns: dict             # (queue row, run row) -> qrun row
     name_hashes: np.ndarray  # name hash of each held row (for the name index) ...
     name_rows: np.ndarray   # ... and the row
-    finalize_rows: int      # finalize rows in use
+    finalize_rows: int      # finalize rows in use: leases or FREE below it
+    fz_free: np.ndarray     # freed finalize rows, ascending
     pools_live: int         # warm pools holding leases
     queued: np.ndarray      # queued rows in enqueue order: into their lanes
     redispatch: np.ndarray  # run leases decided but never handed out: dispatch again
@@ -133,6 +134,7 @@ class _Loading:
         self.task_names = []
         self.queue_changes = {}
         self.n_fz = 0
+        self.fz_free = np.zeros(0, dtype=np.int64)
         self.holder = None          # restored holder identities (action rows)
         self.fz_holder = self.fz_pref = None
 
@@ -144,7 +146,7 @@ def load(store, config, now):
     progress = _Progress(7)
     progress.step("actions")
     recs, rows, parts = _fixed(store, "actions", action_dtype(len(config.resources)))
-    recs, rows, parts = _one_per_row(recs, rows, parts)
+    recs, rows, parts = _one_per_row(recs, rows, parts, "actions")
     n = _check_dense(rows, parts, "actions")
     ld = _Loading(config, State.for_config(config, preset_rows=n, preset=_PRESET), now)
     progress.step("workers, runs, environments")
@@ -167,7 +169,7 @@ def load(store, config, now):
         history=ld.history, task_names=ld.task_names, queue_changes=ld.queue_changes,
         rows=n, free_rows=free_rows, next_gid=next_gid, next_seq=next_seq,
         group_rows=group_rows, name_hashes=hashes, name_rows=held, finalize_rows=ld.n_fz,
-        timers=timers, **out)
+        fz_free=ld.fz_free, timers=timers, **out)
 
 
 def _load_small(ld, store):
@@ -232,10 +234,11 @@ def _load_small(ld, store):
             ld.queue_changes[qname] = _unpack(p, "queues", key, raw)
 
 
-def _one_per_row(recs, rows, parts):
-    """One record per row. A reclaimed row reused by another partition's action leaves its
-    FREE record behind in the old partition: per row the occupied record wins, else the FREE
-    one with the highest generation. Two occupied records of one row are corrupt."""
+def _one_per_row(recs, rows, parts, db):
+    """One record per row (action or finalize rows). A freed row reused by another
+    partition's action leaves its FREE record behind in the old partition: per row the
+    occupied record wins, else the FREE one with the highest generation. Two occupied
+    records of one row are corrupt."""
     if not rows.size:
         return recs, rows, parts
     n = int(rows.max()) + 1
@@ -249,8 +252,8 @@ def _one_per_row(recs, rows, parts):
     if busy.size and busy.max() > 1:
         row = int(np.argmax(busy))
         bad = int(np.flatnonzero(occupied & (rows == row))[1])
-        raise CorruptRecord(int(parts[bad]), "actions", row.to_bytes(8, "big"),
-                            f"two actions hold row {row}")
+        raise CorruptRecord(int(parts[bad]), db, row.to_bytes(8, "big"),
+                            f"two records hold row {row}")
     keep = order[last]
     return recs[keep], rows[keep], parts[keep]
 
@@ -358,8 +361,9 @@ def _threads(fn, items):
 
 def _load_finalize(ld, store, n):
     st = ld.st
-    recs, rows, _parts = _fixed(store, "finalize", FINALIZE_DTYPE)
-    nf = _check_dense(rows, _parts, "finalize")
+    recs, rows, parts = _fixed(store, "finalize", FINALIZE_DTYPE)
+    recs, rows, parts = _one_per_row(recs, rows, parts, "finalize")
+    nf = _check_dense(rows, parts, "finalize")
     order = np.argsort(rows)
     recs = recs[order]
     st.ensure("finalize", max(nf, 1))
@@ -375,6 +379,7 @@ def _load_finalize(ld, store, n):
     st.a_final[act[lean]] = np.flatnonzero(lean)
     ld.fz_holder = recs["holder"]
     ld.fz_pref = recs["pref"]
+    ld.fz_free = np.flatnonzero(st.fz_state[:nf] == RowState.FREE).astype(np.int64)
 
 
 def _rebuild(ld, n):
@@ -542,7 +547,8 @@ def _timers(st, n, nf):
     parts.append((st.a_retry_due[bo], T_RETRY, bo, st.a_attempt[bo].astype(np.int64)))
     rt = np.flatnonzero((state == RowState.RUNNING) & (st.a_runtime_due[:n] != NEVER))
     parts.append((st.a_runtime_due[rt], T_RUNTIME, rt, st.a_gen[rt].astype(np.int64)))
-    fz = np.flatnonzero(st.fz_state[:nf] != RowState.DONE)
+    fz_state = st.fz_state[:nf]
+    fz = np.flatnonzero((fz_state != RowState.DONE) & (fz_state != RowState.FREE))
     parts.append((st.fz_give_up[fz], T_FINALIZE, fz, np.zeros(fz.size, np.int64)))
     due = np.concatenate([p[0] for p in parts]).astype(np.int64)
     kind = np.concatenate([np.full(p[2].size, p[1], np.int8) for p in parts])

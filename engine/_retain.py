@@ -44,7 +44,7 @@ from engine._records import (
     spec_content,
 )
 from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
-from engine._state import ACTION_FIELDS, NEVER
+from engine._state import ACTION_FIELDS, FINALIZE_FIELDS, NEVER
 from storage import CorruptRecord, Records
 
 __all__ = ["RetentionMixin", "Retained", "retained_key"]
@@ -55,6 +55,9 @@ __all__ = ["RetentionMixin", "Retained", "retained_key"]
 _KEEP = frozenset({"a_gen", "a_released_gen", "a_end", "a_part"})
 _RESET = tuple(name for name in ACTION_FIELDS
                if name.startswith("a_") and name not in _KEEP)
+# Columns a freed finalize row keeps, for the same reason (its partition is its action's).
+_FZ_KEEP = frozenset({"fz_gen", "fz_released_gen", "fz_end", "fz_delivered_gen"})
+_FZ_RESET = tuple(name for name in FINALIZE_FIELDS if name not in _FZ_KEEP)
 # Reclaim at most this many rows per call (a bounded group commit).
 RECLAIM_BATCH = 1 << 16
 
@@ -155,7 +158,7 @@ class RetentionMixin:
             if r in self._abort_reasons or int(st.a_abort[r]) == r:
                 self._op(part, "attempts", abort_key(r), None)
                 self._abort_reasons.pop(r, None)
-        self._orphan_finalize(rows)
+        self._free_finalize(rows)
         # Out of the children lists of parents still in the table.
         mark = np.zeros(self._next_row, dtype=np.uint8)
         mark[rows] = 1
@@ -235,9 +238,12 @@ class RetentionMixin:
                  [[att[k] for k in ATTEMPT_FIELDS]]], use_bin_type=True)))
         return out
 
-    def _orphan_finalize(self, rows):
-        # Ended finalize leases of reclaimed rows point at no action from now on (their row
-        # will hold another action); rewritten so that a reload does not link them.
+    def _free_finalize(self, rows):
+        # The finalize rows of reclaimed action rows (all ended: _reclaimable waits for them)
+        # go back to their free list, FREE, every column at its fill but the kept ones. Their
+        # FREE record is written here, in the old action's partition (a FREE finalize row is
+        # never dirty: it has no action to name a partition); a reuse by another partition's
+        # action leaves it behind, and reload keeps the newest record of the row.
         nf = self._n_finalize
         if not nf:
             return
@@ -246,7 +252,9 @@ class RetentionMixin:
         if not fz.size:
             return
         parts = st.a_part[st.fz_action[fz]]
-        st.fz_action[fz] = -1
+        for name in _FZ_RESET:
+            getattr(st, name)[fz] = FINALIZE_FIELDS[name][1]
+        st.fz_state[fz] = ST_FREE
         for part in np.unique(parts).tolist():
             idx = fz[parts == part]
             self._ops.setdefault(part, []).append(
@@ -254,6 +262,22 @@ class RetentionMixin:
                         FINALIZE_DTYPE.itemsize))
         if st.a_final.shape[0]:
             st.a_final[rows] = -1
+        self._free_fz = np.union1d(self._free_fz, fz)
+
+    def _alloc_finalize(self, m):
+        """``m`` finalize rows, ascending: freed rows first, then new ones (the table grows
+        by doubling only when none are free)."""
+        free = self._free_fz
+        take = free[:m]
+        self._free_fz = free[take.size:]
+        fresh = m - take.size
+        if fresh:
+            first = self._n_finalize
+            if self._state.ensure("finalize", first + fresh):
+                self._bind()
+            self._n_finalize += fresh
+            take = np.concatenate([take, np.arange(first, first + fresh, dtype=np.int64)])
+        return take
 
     def _alloc_rows(self, n, keep=()):
         """``n`` rows for new actions, ascending: reclaimed rows first, then new ones (the

@@ -86,7 +86,9 @@ class TimersMixin:
     def _fire(self, kind, row, ref, at):
         st = self._state
         if kind == T_FINALIZE:
-            self._finalize_give_up(row, ref)
+            # Only the bound its finalize row holds (the row may be free, or reused since).
+            if int(st.fz_give_up[row]) == at:
+                self._finalize_give_up(row, ref)
             return
         column = DUE_COLUMNS.get(kind)
         if column is not None and int(getattr(st, column)[row]) != at:

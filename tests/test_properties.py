@@ -369,7 +369,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.envs.append((f"env{i}", table, pod, ReusePolicy(replicas, conc, ttl)))
         self.actions = {}  # ActionId -> MAction
         self.by_row = {}
-        self.finals = []  # finalize row -> MFinalize
+        self.finals = []  # finalize row -> MFinalize (its current lease, or a freed one)
         self.pools = {}  # (queue, env name) -> MPool
         self.workers = {}  # worker id -> current session row
         self.rows = []  # worker session row -> [id, cluster, slots, connected]
@@ -517,10 +517,28 @@ class EngineMachine(RuleBasedStateMachine):
         event("retry (system)" if system else "retry (user)")
         a.attempt += 1
 
+    def _free_finals(self):
+        # Ended finalize leases whose action's row was reclaimed (when an enqueue needed
+        # rows): the engine freed their rows with it.
+        for f in self.finals:
+            if f.status == "done" and self.ins.find(f.aid) is None:
+                f.status = "free"
+
     def _new_finalize(self, a, now):
-        f = MFinalize(len(self.finals), a.aid, a.attempt, a.cluster, a.worker,
+        # Freed rows first, lowest first; a reused row counts on from its last generation
+        # and keeps how its last lease ended until the new one is placed.
+        self._free_finals()
+        free = [f.f for f in self.finals if f.status == "free"]
+        row = min(free) if free else len(self.finals)
+        f = MFinalize(row, a.aid, a.attempt, a.cluster, a.worker,
                       now + self.finalize_timeout_ns)
-        self.finals.append(f)
+        if free:
+            old = self.finals[row]
+            f.gen, f.end = old.gen, old.end
+            self.finals[row] = f
+            event("finalize row reused")
+        else:
+            self.finals.append(f)
 
     def _verdict(self, kind, key, gen, presenter, now):
         """What the engine must answer to a token (``presenter``: worker row, -1 = any)."""
@@ -777,7 +795,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.seq += 1
             a.link_seq = self.seq
         for f in self.finals:
-            if f.status != "done" and f.give_up <= now:
+            if f.status in ("pending", "sent") and f.give_up <= now:
                 f.status, f.end = "done", "aborted"
         if now < self.next_sweep_ns:
             return
@@ -1182,7 +1200,7 @@ class EngineMachine(RuleBasedStateMachine):
                     f.status, f.end = "done", "completed"
             self._check()
             pending = any(a.status in ("backoff", *LIVE) for a in self.actions.values())
-            pending = pending or any(f.status != "done" for f in self.finals)
+            pending = pending or any(f.status in ("pending", "sent") for f in self.finals)
             pending = pending or any(p.cluster is not None for p in self.pools.values())
             # Two quiet ticks in a row: the second saw fresh reports of the freed capacity.
             quiet = quiet + 1 if not (dispatched or failures or live or pending) else 0
@@ -1247,6 +1265,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _check(self):
         self.healthy = False
         eng, ins = self.eng, self.ins
+        self._free_finals()
         s, n = ins.arrays, ins.action_rows
         n_q, n_c = len(self.queue_names), len(self.cluster_names)
         n_e, n_w, n_f = ins.env_rows, ins.worker_sessions, ins.finalize_rows
@@ -1336,7 +1355,8 @@ class EngineMachine(RuleBasedStateMachine):
         on_pool = s.a_cluster[:n][env_rows] == s.e_cluster[:n_e][s.a_env[:n][env_rows]]
         assert on_pool.all(), "an action of a warm pool runs off the pool's cluster"
         for f in self.finals:
-            want = {"pending": RowState.QUEUED, "sent": RowState.SENT, "done": RowState.DONE}
+            want = {"pending": RowState.QUEUED, "sent": RowState.SENT, "done": RowState.DONE,
+                    "free": RowState.FREE}
             assert s.fz_state[f.f] == want[f.status], (f.__dict__, s.fz_state[f.f])
             assert int(s.fz_gen[f.f]) == f.gen, f.__dict__
             if f.status == "sent":

@@ -384,3 +384,91 @@ def test_a_reclaimed_blocked_head_is_not_named_as_its_queues_head_once_its_row_i
                                    resources={"cpu": 8}))
     assert eng.inspect().find(other) == row           # the head's old row, reused
     assert eng.queue_metrics("fifo")["head_blocked"] is None
+
+
+# ------------------------------------------------------------------ finalize rows
+
+
+def _run_with_cleanup(eng, clock):
+    """Every placed attempt succeeds asking for cleanup; every finalize lease then succeeds.
+    Returns the finalize tokens."""
+    done = []
+    for a in eng.tick():
+        assert eng.report(a.token, Phase.SUCCEEDED, cleanup=True) == Verdict.OK
+    clock.advance(1)
+    for a in eng.tick():
+        assert a.kind == LeaseKind.FINALIZE
+        assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+        done.append(a.token)
+    return done
+
+
+def test_finalize_rows_are_freed_with_their_actions_and_reused():
+    eng, clock = make_engine(config())
+    ids = eng.enqueue_fanout(template("r0"), ["a0", "a1", "a2"])
+    old = _run_with_cleanup(eng, clock)
+    assert len(old) == 3 and eng.inspect().finalize_rows == 3
+    assert all(t.finalize == "SUCCEEDED" for a in ids for t in eng.attempts(a))
+    assert eng.reclaim() == 3
+    view = eng.inspect()
+    assert view.free_finalize_rows.tolist() == [0, 1, 2]
+    assert (view.arrays.fz_state[:3] == RowState.FREE).all()
+    gens = view.arrays.fz_gen[:3].copy()
+    # The retained outcomes still say how cleanup went.
+    assert all(t.finalize == "SUCCEEDED" for a in ids for t in eng.attempts(a))
+    for r in range(1, 30):
+        eng.enqueue_fanout(template(f"r{r}"), ["a0", "a1", "a2"])
+        _run_with_cleanup(eng, clock)
+        assert eng.reclaim() == 3
+    view = eng.inspect()
+    assert view.finalize_rows == 3, "finalize rows grew with history"
+    assert (view.arrays.fz_gen[:3] > gens).all()    # generations count on
+    # The first round's finalize tokens are refused forever, never accepted.
+    for tok in old:
+        assert eng.report(tok, Phase.SUCCEEDED) != Verdict.OK
+        assert [r.verdict for r in eng.heartbeat("w-east", [tok])] != []
+
+
+def test_a_freed_finalize_rows_stale_give_up_timer_does_not_abandon_its_next_lease():
+    cfg = config()
+    cfg["engine"]["finalize_timeout"] = 10
+    eng, clock = make_engine(cfg)
+    eng.enqueue_fanout(template("r0"), ["a0"])
+    _run_with_cleanup(eng, clock)          # its give-up timer stays armed, due at ~11 s
+    assert eng.reclaim() == 1
+    clock.advance(5)
+    [a] = eng.enqueue_fanout(template("r1"), ["b0"])
+    for x in eng.tick():
+        eng.report(x.token, Phase.SUCCEEDED, cleanup=True)
+    [fz] = eng.tick()
+    assert fz.kind == LeaseKind.FINALIZE and eng.inspect().finalize_rows == 1
+    clock.advance(7)                       # the old bound passed, the new one has not
+    eng.tick()
+    assert eng.report(fz.token, Phase.SUCCEEDED) == Verdict.OK
+    assert [t.finalize for t in eng.attempts(a)] == ["SUCCEEDED"]
+
+
+def test_reload_keeps_freed_finalize_rows_reused_across_partitions(tmp_path):
+    cfg = parse_config(config(path=tmp_path / "s"), source="<t>")
+    clock = ManualClock()
+    eng = Engine(cfg, clock=clock)
+    eng.register_worker("w-east", "east", 100)
+    for tenant in ("acme", "zeta", "acme", "beta"):
+        eng.enqueue_fanout(template(f"r-{tenant}-{clock.now_ns()}", tenant=tenant),
+                           ["a", "b"])
+        _run_with_cleanup(eng, clock)
+        assert eng.reclaim() == 2
+        clock.advance(1)
+    view = eng.inspect()
+    gens = view.arrays.fz_gen[:2].copy()
+    assert view.finalize_rows == 2 and (gens == 4).all()
+    eng.close()
+    eng = Engine(cfg, clock=clock)
+    view = eng.inspect()
+    assert view.free_finalize_rows.tolist() == [0, 1]
+    np.testing.assert_array_equal(view.arrays.fz_gen[:2], gens)
+    eng.register_worker("w-east", "east", 100)
+    eng.enqueue_fanout(template("r-last", tenant="zeta"), ["a"])
+    _run_with_cleanup(eng, clock)
+    assert eng.inspect().finalize_rows == 2
+    eng.close()

@@ -129,7 +129,9 @@ def _pending_timers(eng):
     for t in ins.timers():          # set since the load and restored, not fired yet
         due, kind, row, ref = t.due_ns, t.kind, t.row, t.ref
         if kind == T_FINALIZE:
-            ok = st.fz_state[row] != RowState.DONE
+            # Only the bound its finalize row holds (a freed or reused row holds another).
+            ok = (st.fz_state[row] not in (RowState.DONE, RowState.FREE)
+                  and st.fz_give_up[row] == due)
         else:
             s = st.a_state[row]
             # A timer acts only while its row's due column still holds it (re-armed or
