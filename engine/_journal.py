@@ -52,6 +52,18 @@ class Group:
         return f"Group({self.seq}, {self.state}, placed={self.placed})"
 
 
+def _distinct_rows(parts, n):
+    """The distinct rows of the arrays ``parts`` (each row < ``n``), ascending. A bitmap of
+    the table when they are many (a large fan-out, an abort: O(n), no sort), else a sort."""
+    m = sum(p.size for p in parts)
+    if m * 16 >= n:
+        mark = np.zeros(n, dtype=bool)
+        for p in parts:
+            mark[p] = True
+        return np.flatnonzero(mark)
+    return np.unique(np.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
 class JournalMixin:
     """The journal of loop turns (a part of Engine)."""
 
@@ -270,7 +282,7 @@ class JournalMixin:
             if self._dirty_rows:
                 parts_.append(np.fromiter(self._dirty_rows, dtype=np.int64,
                                           count=len(self._dirty_rows)))
-            idx = np.unique(np.concatenate(parts_)) if len(parts_) > 1 else np.unique(parts_[0])
+            idx = _distinct_rows(parts_, self._next_row)
             # Rows whose Python record is their truth get an attempts record, and their
             # fixed record says so; a lean row's fixed record is its whole outcome.
             heavy = idx[st.a_edges[idx] == 1]
@@ -339,8 +351,10 @@ class JournalMixin:
         Cython codec into one buffer and handed to the store as is."""
         st = self._state
         part = st.a_part[idx]
-        idx = idx[np.lexsort((idx, part))].astype(np.int64, copy=False)
-        part = st.a_part[idx]
+        if part.size and (part != part[0]).any():       # idx ascending: by partition, stable
+            idx = idx[np.argsort(part, kind="stable")]
+            part = st.a_part[idx]
+        idx = idx.astype(np.int64, copy=False)
         size = self._codec_records.action_size
         buf = bytearray(idx.size * size)
         self._codec_records.encode_actions(idx, buf)
