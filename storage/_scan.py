@@ -47,6 +47,8 @@ __all__ = ["FixedScan", "scan_parallel"]
 
 #: Below this many records per process, extra processes cost more than they save.
 MIN_RECORDS_PER_PROCESS = 50_000
+#: About as many records as this process copies while a worker's interpreter starts.
+WORKER_START_RECORDS = 60_000
 _WORKER = str(Path(worker.__file__).resolve())
 
 
@@ -101,10 +103,11 @@ def _corrupt(err: dict) -> CorruptRecord:
 
 
 def _shares(counts: list[int], processes: int) -> list[list[int]]:
-    """Partitions split into ``processes`` shares of about equal record counts (greedy,
-    largest first); each share in partition order."""
+    """Partitions split into ``processes`` shares (the first is this process's) of about
+    equal time: record counts, a worker's counting :data:`WORKER_START_RECORDS` for its start
+    (greedy, largest first); each share in partition order."""
     shares: list[list[int]] = [[] for _ in range(processes)]
-    load = [0] * processes
+    load = [0] + [WORKER_START_RECORDS] * (processes - 1)
     for p in sorted(range(len(counts)), key=lambda p: -counts[p]):
         if counts[p] == 0:
             continue
