@@ -19,17 +19,22 @@ CONFIG = {
 }
 
 
-def test_codec_and_dtype_agree_on_every_field():
-    eng, clock = make_engine(CONFIG)
+def five_rows():
+    """An engine with five actions, two placed, and a copy of its arrays (inspection arrays
+    are read-only; the codec binds a State's columns) with distinct values in every field."""
+    eng, _ = make_engine(CONFIG)
     eng.enqueue_many([ActionSpec(id=f"acme/p/d/r/a{i}", task="t",
                                  resources={"cpu": 1 + i, "gpu:H100": i % 2})
                       for i in range(5)])
     eng.tick()
-    # The codec reads a State's columns: bind it to a copy of the engine's (inspection
-    # arrays are read-only), then make every field distinct.
     st = SimpleNamespace(n_res=3, **eng.inspect().arrays.copy())
-    st.a_deadline_due[:5] = np.arange(5) * 7 + 11          # distinct values in every field
+    st.a_deadline_due[:5] = np.arange(5) * 7 + 11
     st.a_attempt[:5] = np.arange(5) + 3
+    return eng, st
+
+
+def test_codec_and_dtype_agree_on_every_field():
+    _eng, st = five_rows()
     rows = np.array([4, 0, 2], dtype=np.int64)
     codec = RecordCodec()
     codec.bind(st)
@@ -62,14 +67,7 @@ def test_codec_refuses_rows_outside_the_table_and_short_buffers():
 
 
 def test_decode_puts_every_record_back_at_its_row():
-    eng, _ = make_engine(CONFIG)
-    eng.enqueue_many([ActionSpec(id=f"acme/p/d/r/a{i}", task="t",
-                                 resources={"cpu": 1 + i, "gpu:H100": i % 2})
-                      for i in range(5)])
-    eng.tick()
-    src = SimpleNamespace(n_res=3, **eng.inspect().arrays.copy())
-    src.a_deadline_due[:5] = np.arange(5) * 7 + 11
-    src.a_attempt[:5] = np.arange(5) + 3
+    eng, src = five_rows()
     enc = RecordCodec()
     enc.bind(src)
     rows = np.array([4, 0, 2, 3, 1], dtype=np.int64)

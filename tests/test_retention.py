@@ -231,16 +231,25 @@ def test_reload_keeps_free_rows_generations_retained_outcomes_and_fifo(tmp_path)
     twin.close()
 
 
-def test_a_reload_takes_the_newest_free_record_of_a_row_reused_across_partitions(tmp_path):
+def reused_across_partitions(tmp_path, names, finish):
+    """An engine on LMDB whose rows four runs took in turn, each of another tenant than the
+    one before (another partition), each run finished by ``finish(eng, clock)`` and its rows
+    reclaimed. Returns (config, clock, engine)."""
     cfg = parse_config(config(path=tmp_path / "s"), source="<t>")
     clock = ManualClock()
     eng = Engine(cfg, clock=clock)
-    eng.register_worker("w", "east", 100)
+    eng.register_worker("w-east", "east", 100)
     for tenant in ("acme", "zeta", "acme", "beta"):
-        eng.enqueue_fanout(template(f"r-{tenant}-{clock.now_ns()}", tenant=tenant), ["a"])
-        run_to_success(eng)
-        assert eng.reclaim() == 1
+        eng.enqueue_fanout(template(f"r-{tenant}-{clock.now_ns()}", tenant=tenant), names)
+        finish(eng, clock)
+        assert eng.reclaim() == len(names)
         clock.advance(1)
+    return cfg, clock, eng
+
+
+def test_a_reload_takes_the_newest_free_record_of_a_row_reused_across_partitions(tmp_path):
+    cfg, clock, eng = reused_across_partitions(tmp_path, ["a"],
+                                               lambda eng, _clock: run_to_success(eng))
     gen = int(eng.inspect().arrays.a_gen[0])
     assert gen == 4
     eng.close()
@@ -449,16 +458,7 @@ def test_a_freed_finalize_rows_stale_give_up_timer_does_not_abandon_its_next_lea
 
 
 def test_reload_keeps_freed_finalize_rows_reused_across_partitions(tmp_path):
-    cfg = parse_config(config(path=tmp_path / "s"), source="<t>")
-    clock = ManualClock()
-    eng = Engine(cfg, clock=clock)
-    eng.register_worker("w-east", "east", 100)
-    for tenant in ("acme", "zeta", "acme", "beta"):
-        eng.enqueue_fanout(template(f"r-{tenant}-{clock.now_ns()}", tenant=tenant),
-                           ["a", "b"])
-        _run_with_cleanup(eng, clock)
-        assert eng.reclaim() == 2
-        clock.advance(1)
+    cfg, clock, eng = reused_across_partitions(tmp_path, ["a", "b"], _run_with_cleanup)
     view = eng.inspect()
     gens = view.arrays.fz_gen[:2].copy()
     assert view.finalize_rows == 2 and (gens == 4).all()
