@@ -58,6 +58,10 @@ _RESET = tuple(name for name in ACTION_FIELDS
 # Columns a freed finalize row keeps, for the same reason (its partition is its action's).
 _FZ_KEEP = frozenset({"fz_gen", "fz_released_gen", "fz_end", "fz_delivered_gen"})
 _FZ_RESET = tuple(name for name in FINALIZE_FIELDS if name not in _FZ_KEEP)
+# A lean row's outcome record, by position (engine._records.encode_outcome's layout).
+_AT = {name: i for i, name in enumerate(ATTEMPT_FIELDS)}
+_PHASE_VALUES = tuple(p.value for p in PHASES)
+_SUCCEEDED, _ABORTED = PHASES.index(Phase.SUCCEEDED), PHASES.index(Phase.ABORTED)
 # Reclaim at most this many rows per call (a bounded group commit).
 RECLAIM_BATCH = 1 << 16
 
@@ -70,8 +74,11 @@ def retained_key(text):
     next one: random keys would make that memory as large as the batch times the tree's
     depth). The stored id is checked on every read."""
     run, _, name = text.rpartition("/")
-    return (blake2b(run.encode(), digest_size=8).digest()
-            + blake2b(name.encode(), digest_size=8).digest())
+    return _digest(run) + _digest(name)
+
+
+def _digest(text):
+    return blake2b(text.encode(), digest_size=8).digest()
 
 
 @dataclass
@@ -138,17 +145,19 @@ class RetentionMixin:
             g = self._group_of(r)
             content = contents.get(g.gid)
             if content is None:
-                content = contents[g.gid] = (spec_content(g.compiled.spec),
-                                             g.compiled.id.run_key + "/")
+                run_key = g.compiled.id.run_key
+                content = contents[g.gid] = (spec_content(g.compiled.spec), run_key + "/",
+                                             _digest(run_key))
             gidx = int(st.a_gidx[r])
-            text = content[1] + g.names[gidx]
+            name = g.names[gidx]
+            text = content[1] + name
             if q:
                 ended, outcome = outcomes.pop()
             else:
                 rec = self._rec(r)
                 ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
                 outcome = encode_outcome(rec)
-            key = retained_key(text)
+            key = content[2] + _digest(name)        # retained_key(text), the run's once
             self._op(part, "retained", key, msgpack.packb(
                 [text, content[0], g.input_ref(gidx), ended,
                  self._queue_names[int(st.a_queue[r])], outcome], use_bin_type=True))
@@ -211,31 +220,33 @@ class RetentionMixin:
         if not rows.size:
             return []
         clusters, workers = self._clusters, self._worker_names
-        cols = [c.tolist() for c in (
-            st.a_enqueued[rows], st.a_start[rows], st.a_running[rows], st.a_done[rows],
+        cols = [c.tolist()[::-1] for c in (
+            rows, st.a_enqueued[rows], st.a_start[rows], st.a_running[rows], st.a_done[rows],
             st.a_gen[rows], st.a_cluster[rows], st.a_worker[rows], st.a_phase[rows],
             st.a_final[rows])]
+        # One attempt list per row, filled by position (a reclaim encodes thousands a turn).
+        blank = [None] * len(ATTEMPT_FIELDS)
+        blank[_AT["number"]], blank[_AT["generation"]], blank[_AT["message"]] = 1, 0, ""
+        pack = msgpack.Packer(use_bin_type=True).pack
         out = []
-        for i in range(rows.size - 1, -1, -1):
-            enq, start, running, done, gen, c, w, code, f = (col[i] for col in cols)
-            phase = PHASES[code]
-            att = dict.fromkeys(ATTEMPT_FIELDS)
-            att.update(number=1, generation=0, enqueued_ns=enq, message="")
+        for row, enq, start, running, done, gen, c, w, code, f in zip(*cols, strict=True):
+            phase = _PHASE_VALUES[code]
+            att = blank.copy()
+            att[_AT["enqueued_ns"]] = enq
             if start != NEVER:
-                att.update(generation=gen, cluster=clusters[c], worker=workers[w],
-                           start_ns=start)
+                att[_AT["generation"]], att[_AT["start_ns"]] = gen, start
+                att[_AT["cluster"]], att[_AT["worker"]] = clusters[c], workers[w]
             if running != NEVER:
-                att["running_ns"] = running
+                att[_AT["running_ns"]] = running
             message = ""
-            if phase in (Phase.SUCCEEDED, Phase.ABORTED):
-                att.update(end_ns=done, phase=phase.value)
-            if phase == Phase.ABORTED:
-                message = att["message"] = self._abort_reason(int(rows[i]))
+            if code == _SUCCEEDED or code == _ABORTED:
+                att[_AT["end_ns"]], att[_AT["phase"]] = done, phase
+            if code == _ABORTED:
+                message = att[_AT["message"]] = self._abort_reason(row)
             if f >= 0:
-                att["finalize"] = self._finalize_status(f)
-            out.append((done if done != NEVER else 0, msgpack.packb(
-                [phase.value, message, None, None, 0, 0,
-                 [[att[k] for k in ATTEMPT_FIELDS]]], use_bin_type=True)))
+                att[_AT["finalize"]] = self._finalize_status(f)
+            out.append((done if done != NEVER else 0,
+                         pack([phase, message, None, None, 0, 0, [att]])))
         return out
 
     def _free_finalize(self, rows):

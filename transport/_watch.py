@@ -24,6 +24,15 @@ import time
 
 from engine._codes import TERMINAL_PHASES, Phase
 
+# A phase or its name -> the Phase: a dict lookup (Phase(x) costs an enum call, and every
+# recorded change of a watched run takes one).
+_PHASE_OF = {**{p.value: p for p in Phase}, **{p: p for p in Phase}}
+
+
+def _phase(phase):
+    found = _PHASE_OF.get(phase)
+    return found if found is not None else Phase(phase)    # else: ValueError naming it
+
 __all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE"]
 
 #: Events kept a run.
@@ -111,7 +120,7 @@ class WatchLog:
         whose changes this log did not see (it was enqueued or assigned before the run was
         first watched), without recording an event."""
         r = self._runs.get(run)
-        phase = Phase(phase)
+        phase = _phase(phase)
         if (r is not None and phase not in TERMINAL_PHASES and action not in r.live
                 and len(r.live) < self.max_live):
             r.live[action] = (phase, 0)
@@ -122,7 +131,7 @@ class WatchLog:
         r = self._runs.get(run)
         if r is None:
             return None
-        phase = Phase(phase)
+        phase = _phase(phase)
         last = r.live.get(action)
         if last is not None and last == (phase, attempt):
             return None
