@@ -81,6 +81,20 @@ def _digest(text):
     return blake2b(text.encode(), digest_size=8).digest()
 
 
+def _retained_keys(texts):
+    """``[retained_key(t) for t in texts]``, each run hashed once (a fan-out's ids share
+    theirs)."""
+    runs = {}
+    keys = []
+    for text in texts:
+        run, _, name = text.rpartition("/")
+        digest = runs.get(run)
+        if digest is None:
+            digest = runs[run] = _digest(run)
+        keys.append(digest + _digest(name))
+    return keys
+
+
 @dataclass
 class Retained:
     """A reclaimed action's retained outcome, as read back from the store."""
@@ -331,7 +345,7 @@ class RetentionMixin:
     def _retained_many(self, tenant, texts):
         """Retained outcomes of the ids ``texts`` (one tenant), None where there is none."""
         part = self._part_of(tenant)
-        keys = [retained_key(t) for t in texts]
+        keys = _retained_keys(texts)
         raws = self._store.get_many(part, "retained", keys)
         if self._retained_turn or self._pending:
             for i, key in enumerate(keys):
