@@ -825,18 +825,22 @@ class _Loop:
                 self.pushes.append((conn, p.encode(msg), int(part.size)))
         if len(self.watch):
             now = self.eng.clock.now_ns()
-            for i in range(len(batch)):
-                if batch.kind[i]:
-                    continue        # a finalize lease is no state change of the action
-                aid = str(batch.action(i))
-                run = aid.rsplit("/", 1)[0]
+            # Run leases only (a finalize lease is no state change of the action); ids as
+            # text from their groups (no ActionId per lease).
+            runs = np.flatnonzero(batch.kind == 0)
+            words = batch.tokens[runs, 0].tolist()
+            attempts = batch.attempt[runs].tolist()
+            for i, word, attempt in zip(runs.tolist(), words, attempts, strict=True):
+                g = batch.group_of(i)
+                run = g.compiled.id.run_key
                 if run in self.watch:
+                    aid = f"{run}/{g.names[int(batch.index[i])]}"
                     if len(self.leases) >= _MAX_LEASES:
                         # Expired leases are never reported: drop the oldest (a report
                         # on it is then re-read at the backstop instead).
                         self.leases.pop(next(iter(self.leases)))
-                    self.leases[int(batch.tokens[i, 0])] = (run, aid)
-                    self.record(run, aid, Phase.INITIALIZING, int(batch.attempt[i]), now)
+                    self.leases[word] = (run, aid)
+                    self.record(run, aid, Phase.INITIALIZING, attempt, now)
 
     def _leases(self, batch, idx):
         gids = batch.group[idx]
