@@ -491,6 +491,11 @@ class _Loop:
         # names a change that was undone).
         events = []
         for args in box.records:
+            if type(args) is _Queued:
+                hits, watchers = self.watch.record_many(args.run, args.ids, Phase.QUEUED, 0,
+                                                        args.now_ns)
+                events += [(e, args.run, watchers) for e in hits]
+                continue
             hit = self.watch.record(*args)
             if hit is not None:
                 events.append((hit[0], args[0], hit[1]))
@@ -640,7 +645,10 @@ class _Loop:
         self.want_tick = True
         run = msg.template["id"].rsplit("/", 1)[0]
         if run in self.watch:
-            self.record_queued([f"{run}/{name}" for name in msg.names])
+            ids = [f"{run}/{name}" for name in msg.names]
+            for a in ids:
+                self.attempts[a] = 0
+            self.records.append(_Queued(run, ids, self.eng.clock.now_ns()))
 
     def record_queued(self, ids):
         """QUEUED watch records of the enqueued ids (action id texts) of watched runs."""
@@ -948,6 +956,15 @@ class _Loop:
                         # Gone or too slow: it resumes with WATCH since=its last seq.
                         self.shard._count("events_unsent", len(msg.actions))
                         watchers.discard(conn)
+
+
+class _Queued:
+    """The QUEUED watch records of one fan-out (one run): one entry, not one per action."""
+
+    __slots__ = ("run", "ids", "now_ns")
+
+    def __init__(self, run, ids, now_ns):
+        self.run, self.ids, self.now_ns = run, ids, now_ns
 
 
 class _Outbox:

@@ -150,6 +150,33 @@ class WatchLog:
         r.ring.append(event)
         return event, r.watchers
 
+    def record_many(self, run, actions, phase, attempt, time_ns):
+        """:meth:`record` of each of ``actions`` (of one run) with the same non-terminal
+        phase, attempt and time, in order (a fan-out's QUEUED); returns ``(events,
+        watchers)``, events ``[]`` when none was new or the run is not watched."""
+        r = self._runs.get(run)
+        phase = _phase(phase)
+        if r is None:
+            return [], set()
+        if phase in TERMINAL_PHASES:
+            raise ValueError(f"record_many takes non-terminal phases, not {phase}")
+        live, ring, max_live = r.live, r.ring, self.max_live
+        now = (phase, attempt)
+        seq = r.seq
+        events = []
+        for action in actions:
+            last = live.get(action)
+            if last == now:
+                continue
+            if last is not None or len(live) < max_live:
+                live[action] = now
+            seq += 1
+            event = (seq, action, phase.value, attempt, time_ns, None)
+            ring.append(event)
+            events.append(event)
+        r.seq = seq
+        return events, r.watchers
+
     def live(self):
         """``(run, action, last phase, attempt)`` of every tracked non-terminal action."""
         for run, r in self._runs.items():

@@ -1,0 +1,43 @@
+"""The shard's watch log: a fan-out's batched QUEUED records are exactly the one-by-one
+records (same events, same sequence numbers, same live tracking), whatever came before."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import Phase
+from transport import WatchLog
+
+RUN = "acme/p/d/r"
+names = st.lists(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]), max_size=12)
+earlier = st.lists(st.tuples(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]),
+                             st.sampled_from([Phase.QUEUED, Phase.RUNNING, Phase.SUCCEEDED]),
+                             st.integers(0, 2)), max_size=10)
+
+
+def _log(max_live):
+    log = WatchLog(ring=64, max_live=max_live, epoch=1000)
+    log.watch(RUN, "conn", 0)
+    return log
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=earlier, batch=names, max_live=st.integers(1, 8))
+def test_record_many_is_record_one_by_one(before, batch, max_live):
+    one, many = _log(max_live), _log(max_live)
+    for log in (one, many):
+        for action, phase, attempt in before:
+            log.record(RUN, action, phase, attempt, 5)
+    want = [hit[0] for a in batch
+            if (hit := one.record(RUN, a, Phase.QUEUED, 0, 7)) is not None]
+    got, watchers = many.record_many(RUN, batch, Phase.QUEUED, 0, 7)
+    assert got == want and watchers == {"conn"}
+    assert sorted(one.live()) == sorted(many.live())
+    assert one.watch(RUN, "conn", 0) == many.watch(RUN, "conn", 0)
+
+
+def test_record_many_of_an_unwatched_run_records_nothing_and_refuses_terminal_phases():
+    log = _log(4)
+    assert log.record_many("acme/p/d/other", [f"{RUN}/a0"], Phase.QUEUED, 0, 1) == ([], set())
+    with pytest.raises(ValueError, match="non-terminal"):
+        log.record_many(RUN, [f"{RUN}/a0"], Phase.SUCCEEDED, 1, 1)
