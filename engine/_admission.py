@@ -24,7 +24,7 @@ from engine._groups import (
 )
 from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
 from engine._records import (
-    name_hash,
+    name_hashes,
     row_key,
     same_spec,
     spec_content,
@@ -116,8 +116,7 @@ class AdmissionMixin:
                     c0 = run[0][1]
                     content = run[0][0] if run[0][0] is not None else spec_content(c0.spec)
                     groups.append((c0, [c.id.action for _key, c in run], None,
-                                   np.fromiter((name_hash(str(c.id)) for _k, c in run),
-                                               dtype=np.uint64, count=len(run)), content))
+                                   name_hashes([str(c.id) for _k, c in run]), content))
                     start = k
             rows = self._insert_groups(groups, now)
             self._kernel.push_many(rows.astype(np.int32))
@@ -144,7 +143,7 @@ class AdmissionMixin:
                             f"parent")
         prefix = aid.run_key + "/"
         texts = [prefix + name for name in names]
-        hashes = np.fromiter((name_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
+        hashes = name_hashes(texts)
         rows = self._probe(hashes, texts)
         new = rows < 0
         if aid.run_key in self._runs and new.any():

@@ -110,3 +110,11 @@ def test_copy_fixed_copies_in_place_and_names_a_wrong_size():
     assert copy_fixed(iter([]), 3, 2, out, 0) == (0, -1)
     with pytest.raises(ValueError):
         copy_fixed(iter([]), 3, 5, out, 0)
+
+
+def test_name_hashes_are_the_name_hash_of_each_id():
+    from engine._records import name_hash, name_hashes
+    texts = ["acme/p/d/r/a", "acme/p/d/r/ü-名前", "", "x" * 500]
+    got = name_hashes(texts)
+    assert got.dtype == np.uint64 and got.tolist() == [name_hash(t) for t in texts]
+    assert name_hashes([]).size == 0
