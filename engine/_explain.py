@@ -44,7 +44,15 @@ class ExplainMixin:
     """Explain (a part of Engine)."""
 
     def phase(self, action):
-        """The action's phase."""
+        """The action's phase: what :meth:`explain` says, without its reason, queue position
+        or estimate (a queued action's position is a scan of the table; the shard's watch
+        re-check asks this of every live action it tracks)."""
+        row, ret = self._row_or_retained(action)
+        if ret is not None:
+            return ret.record.phase
+        if self._state.a_state[row] == ST_QUEUED:
+            return (Phase.WAITING_FOR_RESOURCES if self._wait_code(row)[0] in RESOURCE_WAITS
+                    else Phase.QUEUED)
         return self.explain(action).phase
 
     def live_actions(self, run, limit=10_000):
@@ -113,21 +121,29 @@ class ExplainMixin:
             f"{self._clusters[st.a_cluster[row]]}/{self._worker_names[st.a_worker[row]]} "
             f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
 
+    def _wait_code(self, row):
+        """The :class:`WaitCode` of queued ``row``, and where it comes from: its own stamp
+        from the last tick, its lane's (behind a capped run), or its queue's stop."""
+        st = self._state
+        if int(st.a_wait_tick[row]) == self._kernel.tick_no:
+            return WaitCode(int(st.a_wait_code[row])), "row"
+        lane = int(st.a_lane[row])
+        if int(st.ln_skip_tick[lane]) == self._kernel.tick_no:
+            return WaitCode(int(st.ln_skip_code[lane])), "lane"
+        return WaitCode(int(st.q_stop_code[int(st.a_queue[row])])), "queue"
+
     def _queued_wait(self, row):
         """``(code, reason, eta_ns)`` of queued ``row``: its explanation but for the position
         (a scan of the action table), from its columns alone."""
         st = self._state
         q = int(st.a_queue[row])
-        lane = int(st.a_lane[row])
-        if int(st.a_wait_tick[row]) == self._kernel.tick_no:
-            code = WaitCode(int(st.a_wait_code[row]))
+        code, source = self._wait_code(row)
+        if source == "row":
             reason = self._reason(row, code, int(st.a_wait_cluster[row]),
                                   int(st.a_wait_dim[row]), int(st.a_wait_blocker[row]))
-        elif int(st.ln_skip_tick[lane]) == self._kernel.tick_no:
-            code = WaitCode(int(st.ln_skip_code[lane]))   # behind a capped run
+        elif source == "lane":
             reason = self._reason(row, code, -1, -1, -1)
         else:
-            code = WaitCode(int(st.q_stop_code[q]))
             reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
         # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
         # every queued action its position in the queue (explain).

@@ -1371,6 +1371,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert s.a_state[a.row] == RowState.FREE or ins.record(a.row).action != a.aid
                 exp = eng.explain(a.aid)
                 assert exp.phase == a.phase and exp.phase in TERMINAL_PHASES, exp
+                assert eng.phase(a.aid) == exp.phase, a.aid
                 assert exp.reason.startswith("UNSCHEDULABLE") == a.unschedulable, exp
                 assert len(eng.attempts(a.aid)) == a.attempt, a.aid
                 continue
@@ -1381,6 +1382,8 @@ class EngineMachine(RuleBasedStateMachine):
             if a.status in LIVE:
                 assert int(s.a_expiry[a.row]) == a.expiry, (a.aid, s.a_expiry[a.row], a.expiry)
             exp = eng.explain(a.aid)
+            # phase() is explain's phase without the reason or the position (no table scan).
+            assert eng.phase(a.aid) == exp.phase, (a.aid, exp)
             if a.status == "queued":
                 assert exp.wait is not None and exp.reason, exp
                 assert exp.phase == (Phase.WAITING_FOR_RESOURCES if exp.wait in RESOURCE_WAITS

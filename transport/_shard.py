@@ -918,13 +918,15 @@ class _Loop:
         now = self.eng.clock.now_ns()
         for run, action in todo:
             try:
-                e = self.eng.explain(action)
+                # The phase alone (explain's reason and queue position are not needed, and a
+                # queued action's position is a scan of the table); the reason of an ending.
+                phase = self.eng.phase(action)
+                detail = (self.eng.explain(action).reason
+                          if phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) else None)
             except LeaseholdError:
                 continue
             att = self.attempt_of(run, action)
-            detail = e.reason if e.phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) \
-                else None
-            self.record(run, action, e.phase, att, now,
+            self.record(run, action, phase, att, now,
                         detail[:self.settings.max_text] if detail else None)
 
     def _batches(self, run, events):
