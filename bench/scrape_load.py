@@ -57,19 +57,10 @@ CONFIG = """
 resources = ["cpu", "memory"]
 [clusters.east]
 capacity = {{ cpu = 200, memory = "1Ti" }}
-[queues.fifo-a]
-scheduling = "STRICT_FIFO"
+""" + "".join(f"""[queues.{q}]
+scheduling = "{"STRICT_FIFO" if q.startswith("fifo") else "GREEDY_CAPACITY"}"
 depth = 1000000
-[queues.fifo-b]
-scheduling = "STRICT_FIFO"
-depth = 1000000
-[queues.greedy-a]
-scheduling = "GREEDY_CAPACITY"
-depth = 1000000
-[queues.greedy-b]
-scheduling = "GREEDY_CAPACITY"
-depth = 1000000
-[engine]
+""" for q in QUEUES) + """[engine]
 default_queue = "greedy-a"
 [storage]
 path = "{data}"

@@ -29,7 +29,6 @@ from engine._leasing import LeasingMixin, Refusal
 from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,
-    action_dtype,
 )
 from engine._retain import RetentionMixin
 from engine._rows import (
@@ -91,7 +90,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             for c in config.clusters
         ]
         self._sweep_period_ns = int(config.engine.heartbeat_interval * 1e9 / 4)
-        self._action_dtype = action_dtype(len(res))
         if store is None:
             sc = config.storage
             store = LmdbStore(sc.path, partitions=sc.partitions, map_size=sc.map_size,

@@ -26,6 +26,7 @@ __all__ = [
     "FINALIZE_RECORD_DERIVED",
     "FINALIZE_DTYPE",
     "row_key",
+    "digest8",
     "name_hash",
     "name_hashes",
     "encode_spec",
@@ -137,16 +138,20 @@ def row_key(row):
     return int(row).to_bytes(8, "big")
 
 
+def digest8(text):
+    """The 8-byte blake2b digest of ``text``: name hashes and retained-outcome keys."""
+    return blake2b(text.encode(), digest_size=8).digest()
+
+
 def name_hash(text):
     """64-bit hash of an action id's text (the reload index; verified on lookup)."""
-    return int.from_bytes(blake2b(text.encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(digest8(text), "little")
 
 
 def name_hashes(texts):
     """:func:`name_hash` of each of ``texts``, as a uint64 array: the digests joined and read
     as one little-endian array (no Python int per name; a fan-out hashes thousands)."""
-    digests = b"".join([blake2b(t.encode(), digest_size=8).digest() for t in texts])
-    return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+    return np.frombuffer(b"".join([digest8(t) for t in texts]), dtype="<u8").astype(np.uint64)
 
 
 def _default(value):

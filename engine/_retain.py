@@ -24,7 +24,6 @@ A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_en
 """
 
 from dataclasses import dataclass
-from hashlib import blake2b
 
 import msgpack
 import numpy as np
@@ -38,6 +37,7 @@ from engine._records import (
     FINALIZE_DTYPE,
     decode_content,
     decode_outcome,
+    digest8,
     encode_outcome,
     row_key,
     same_spec,
@@ -74,11 +74,7 @@ def retained_key(text):
     next one: random keys would make that memory as large as the batch times the tree's
     depth). The stored id is checked on every read."""
     run, _, name = text.rpartition("/")
-    return _digest(run) + _digest(name)
-
-
-def _digest(text):
-    return blake2b(text.encode(), digest_size=8).digest()
+    return digest8(run) + digest8(name)
 
 
 def _retained_keys(texts):
@@ -90,8 +86,8 @@ def _retained_keys(texts):
         run, _, name = text.rpartition("/")
         digest = runs.get(run)
         if digest is None:
-            digest = runs[run] = _digest(run)
-        keys.append(digest + _digest(name))
+            digest = runs[run] = digest8(run)
+        keys.append(digest + digest8(name))
     return keys
 
 
@@ -161,7 +157,7 @@ class RetentionMixin:
             if content is None:
                 run_key = g.compiled.id.run_key
                 content = contents[g.gid] = (spec_content(g.compiled.spec), run_key + "/",
-                                             _digest(run_key))
+                                             digest8(run_key))
             gidx = int(st.a_gidx[r])
             name = g.names[gidx]
             text = content[1] + name
@@ -171,7 +167,7 @@ class RetentionMixin:
                 rec = self._rec(r)
                 ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
                 outcome = encode_outcome(rec)
-            key = content[2] + _digest(name)        # retained_key(text), the run's once
+            key = content[2] + digest8(name)        # retained_key(text), the run's once
             self._op(part, "retained", key, msgpack.packb(
                 [text, content[0], g.input_ref(gidx), ended,
                  self._queue_names[int(st.a_queue[r])], outcome], use_bin_type=True))

@@ -521,6 +521,17 @@ def _families(text):
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+def _scrape(paths):
+    """One scrape of a StatusCollector over the status files ``paths``: its families."""
+    collector = StatusCollector(paths)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    try:
+        return _families(generate_latest(registry).decode())
+    finally:
+        collector.close()
+
+
 def _sample(fams, family, sample, **labels):
     for s in fams[family].samples:
         if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -537,13 +548,7 @@ def test_the_collector_exports_every_family_with_the_shards_figures(held_engine,
     writer.record_commit(800_000)
     writer.record_error("INTERNAL")
     writer.publish(eng)
-    collector = StatusCollector([writer.path, tmp_path / "run" / "shard-7.status"])
-    registry = CollectorRegistry()
-    registry.register(collector)
-    try:
-        fams = _families(generate_latest(registry).decode())
-    finally:
-        collector.close()
+    fams = _scrape([writer.path, tmp_path / "run" / "shard-7.status"])
     expected = {n.removesuffix("_total") for n in METRIC_NAMES}
     assert expected <= set(fams)
     for name, (kind, _labels, _doc) in METRIC_NAMES.items():
@@ -816,13 +821,7 @@ def test_the_queue_wait_is_published_and_exported_per_queue_and_reason(tmp_path)
         assert held["counts"] == list(s.queues["capped"].wait_by_reason["QUEUE_ACTIONS"].counts)
         assert held["counts"] and sum(held["counts"]) == want[("capped", "QUEUE_ACTIONS")][0]
 
-        collector = StatusCollector([w.path])
-        registry = CollectorRegistry()
-        registry.register(collector)
-        try:
-            fams = _families(generate_latest(registry).decode())
-        finally:
-            collector.close()
+        fams = _scrape([w.path])
         exported = {}
         for sample in fams["leasehold_queue_wait_seconds"].samples:
             key = (sample.labels["queue"], sample.labels["reason"])

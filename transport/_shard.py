@@ -645,20 +645,22 @@ class _Loop:
         self.want_tick = True
         run = msg.template["id"].rsplit("/", 1)[0]
         if run in self.watch:
-            ids = [f"{run}/{name}" for name in msg.names]
-            for a in ids:
-                self.attempts[a] = 0
-            self.records.append(_Queued(run, ids, self.eng.clock.now_ns()))
+            self.record_queued([f"{run}/{name}" for name in msg.names])
 
     def record_queued(self, ids):
         """QUEUED watch records of the enqueued ids (action id texts) of watched runs."""
         if not len(self.watch):
             return
-        now = self.eng.clock.now_ns()
+        by_run = {}
         for a in ids:
             run = a.rsplit("/", 1)[0]
             if run in self.watch:
-                self.record(run, a, Phase.QUEUED, 0, now)
+                by_run.setdefault(run, []).append(a)
+                self.attempts[a] = 0
+        # One entry a run (a fan-out's thousands of records in one record_many pass).
+        now = self.eng.clock.now_ns()
+        for run, run_ids in by_run.items():
+            self.records.append(_Queued(run, run_ids, now))
 
     def on_abort(self, conn, c, peer, msg):
         held = self.eng.live_leases(msg.action)
@@ -961,7 +963,8 @@ class _Loop:
 
 
 class _Queued:
-    """The QUEUED watch records of one fan-out (one run): one entry, not one per action."""
+    """The QUEUED watch records of one enqueue's actions of one run: one entry, not one an
+    action."""
 
     __slots__ = ("run", "ids", "now_ns")
 
