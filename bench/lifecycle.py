@@ -14,15 +14,18 @@
   table sized for them; ``table_bytes_per_row`` is the part of it that is the action table's
   columns.
 * ``rss_growth_pct``: process RSS after ``CHURN`` (5,000,000) actions went through the life
-  cycle with about ``LIVE_CHURN`` (10,000) live at any time, against RSS after the first
-  ``LIVE_CHURN * 10``; memory should be bounded by live work, not by history. RSS counts the
-  pages of LMDB's memory map the process has touched (page cache: the store holds every
-  outcome for ``storage.retention``, so it grows with history by design), so the same growth
-  is also given for anonymous memory alone (``anon_growth_pct``: RSS less file-backed pages,
-  /proc/self/smaps_rollup) and for the Python heap and numpy buffers
-  (``heap_growth_pct``, tracemalloc).
+  cycle with about ``LIVE_CHURN`` (10,000) live at any time, against RSS once warm (after
+  200,000: the store holds a full retention's outcomes by then); memory should be bounded by
+  live work, not by history. The churn's store keeps outcomes for ``CHURN_RETENTION`` (1 s)
+  of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a batch, so about 100,000 outcomes
+  are retained at any time and ``schedule()``'s sweep deletes the expired ones, as a shard
+  does. RSS counts the pages of LMDB's memory map the process has touched (page cache of
+  the retained outcomes), so the same growth is also given for anonymous memory alone
+  (``anon_growth_pct``: RSS less file-backed pages, /proc/self/smaps_rollup) and for the
+  Python heap and numpy buffers (``heap_growth_pct``, tracemalloc); ``churn_retained_end``
+  and ``churn_runs_end`` are the retained outcomes and the runs in memory at the end.
 
-Usage: ``python bench/lifecycle.py [--n N] [--churn N]``.
+Usage: ``python bench/lifecycle.py [--n N] [--churn N] [--only PART]``.
 """
 
 import argparse
@@ -51,9 +54,13 @@ N = 100_000
 LIVE = 100_000
 CHURN = 5_000_000
 LIVE_CHURN = 10_000
+# The churn's store keeps outcomes for CHURN_RETENTION seconds of its clock, which advances
+# CHURN_BATCH_S a batch: about 100 batches (100,000 outcomes) retained at any time.
+CHURN_RETENTION = 1.0
+CHURN_BATCH_S = 0.01
 
 
-def config(path, capacity=1 << 17):
+def config(path, capacity=1 << 17, retention="7d"):
     return {
         "resources": ["cpu", "memory"],
         "clusters": {"east": {}},          # unknown capacity: unlimited
@@ -62,7 +69,7 @@ def config(path, capacity=1 << 17):
                    "max_candidates": 1 << 16, "dispatch_capacity": 1 << 17,
                    "heartbeat_interval": 3600},
         "storage": {"path": str(path), "partitions": 16, "map_size": "1Gi",
-                    "max_map_size": "64Gi"},
+                    "max_map_size": "64Gi", "retention": retention},
     }
 
 
@@ -143,11 +150,15 @@ def _anon_bytes():
 
 def churn(path, total, live):
     tracemalloc.start()
-    eng = Engine(parse_config(config(path, capacity=1 << 14)), clock=ManualClock(time.time_ns()))
+    clock = ManualClock(time.time_ns())
+    eng = Engine(parse_config(config(path, capacity=1 << 14, retention=CHURN_RETENTION)),
+                 clock=clock)
     eng.register_worker("w", "east", live)
     proc = psutil.Process()
     names = [f"i{k}" for k in range(BATCH)]
     rss_warm = anon_warm = heap_warm = None
+    # Warm once the store holds a full retention's worth of outcomes (and at least 10x live).
+    warm = max(live * 10, 2 * round(CHURN_RETENTION / CHURN_BATCH_S) * BATCH)
     done = b = 0
     t0 = time.perf_counter()
     while done < total:
@@ -158,7 +169,8 @@ def churn(path, total, live):
             batch = eng.drain_columns()
         eng.report_many(batch.tokens, Phase.SUCCEEDED)
         done += len(batch)
-        if rss_warm is None and done >= live * 10:
+        clock.advance(CHURN_BATCH_S)
+        if rss_warm is None and done >= warm:
             gc.collect()
             rss_warm, anon_warm = proc.memory_info().rss, _anon_bytes()
             heap_warm = tracemalloc.get_traced_memory()[0]
@@ -168,14 +180,19 @@ def churn(path, total, live):
     heap_end = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     rows = eng.inspect().arrays.a_state.shape[0]
+    retained = sum(1 for _ in eng.store.scan("retained"))
+    runs = len(eng.inspect().runs())
     eng.close()
     return {"rss_growth_pct": round((rss_end - rss_warm) / rss_warm * 100, 1),
+            "churn_retained_end": retained,
+            "churn_runs_end": runs,
             "anon_growth_pct": round((anon_end - anon_warm) / anon_warm * 100, 1),
             "heap_growth_pct": round((heap_end - heap_warm) / heap_warm * 100, 1),
             "rss_warm_bytes": rss_warm, "rss_end_bytes": rss_end,
             "anon_warm_bytes": anon_warm, "anon_end_bytes": anon_end,
             "heap_warm_bytes": heap_warm, "heap_end_bytes": heap_end,
             "churn_table_rows": rows,
+            "churn_retention_s": CHURN_RETENTION, "churn_clock_per_batch_s": CHURN_BATCH_S,
             # Through the whole life cycle including reclaiming every row (traced: slower).
             "churn_per_s": round(done / elapsed)}
 
@@ -184,24 +201,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=N)
     ap.add_argument("--churn", type=int, default=CHURN)
+    ap.add_argument("--only", choices=("lifecycle", "abort", "memory", "churn"),
+                    help="measure one part only")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="leasehold-lifecycle-"))
+    out = {}
     try:
-        rates = [lifecycle(base / f"l{i}", args.n) for i in range(3)]
-        abort_ms = abort_run(base / "abort", 100_000)
-        per_action, per_row = memory_per_action(base / "mem", LIVE)
-        growth = churn(base / "churn", args.churn, LIVE_CHURN)
+        if args.only in (None, "lifecycle"):
+            rates = [lifecycle(base / f"l{i}", args.n) for i in range(3)]
+            out.update(lifecycle_per_s=round(float(np.median(rates))),
+                       lifecycle_runs_per_s=[round(r) for r in rates], actions=args.n)
+        if args.only in (None, "abort"):
+            out["abort_100k_ms"] = round(abort_run(base / "abort", 100_000), 1)
+        if args.only in (None, "memory"):
+            per_action, per_row = memory_per_action(base / "mem", LIVE)
+            out.update(bytes_per_live_action=round(per_action),
+                       table_bytes_per_row=round(per_row))
+        if args.only in (None, "churn"):
+            out.update(churn(base / "churn", args.churn, LIVE_CHURN),
+                       churn_actions=args.churn)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps({
-        "lifecycle_per_s": round(float(np.median(rates))),
-        "lifecycle_runs_per_s": [round(r) for r in rates],
-        "actions": args.n,
-        "abort_100k_ms": round(abort_ms, 1),
-        "bytes_per_live_action": round(per_action),
-        "table_bytes_per_row": round(per_row),
-        **growth,
-        "churn_actions": args.churn,
+        **out,
         "cpus": os.cpu_count(),
         "goal_lifecycle_per_s": 150_000,
         "goal_abort_100k_ms": 100,

@@ -146,8 +146,8 @@ class AdmissionMixin:
         hashes = name_hashes(texts)
         rows = self._probe(hashes, texts)
         new = rows < 0
-        if aid.run_key in self._runs and new.any():
-            # Names of a run the shard has seen may be retained outcomes (ended, reclaimed).
+        if new.any() and self._run_may_have_retained(aid):
+            # Names of the run may be retained outcomes (ended, reclaimed).
             fresh = np.flatnonzero(new).tolist()
             for i, ret in zip(fresh, self._retained_many(aid.tenant, [texts[i] for i in fresh]),
                               strict=True):
@@ -354,11 +354,15 @@ class AdmissionMixin:
         st = self._state
         row = self._runs.get(c.id.run_key)
         if row is None:
-            row = len(self._runs)
-            if st.ensure("runs", row + 1):
-                self._bind()
+            if self._free_runs:
+                row = self._free_runs.pop()
+                self._run_keys[row] = c.id.run_key
+            else:
+                row = len(self._run_keys)
+                if st.ensure("runs", row + 1):
+                    self._bind()
+                self._run_keys.append(c.id.run_key)
             self._runs[c.id.run_key] = row
-            self._run_keys.append(c.id.run_key)
             st.u_cap[row] = c.spec.run_max_action_concurrency
             self._op(part, "runs", row_key(row), msgpack.packb(
                 [c.id.run_key, c.spec.run_max_action_concurrency]))
@@ -368,9 +372,13 @@ class AdmissionMixin:
         st = self._state
         row = self._qruns.get((q, u))
         if row is None:
-            row = len(self._qruns)
-            if st.ensure("qruns", row + 1):
-                self._bind()
+            if self._free_qruns:
+                row = self._free_qruns.pop()
+            else:
+                row = self._n_qruns
+                if st.ensure("qruns", row + 1):
+                    self._bind()
+                self._n_qruns += 1
             self._qruns[(q, u)] = row
             st.qr_queue[row] = q
             st.qr_run[row] = u

@@ -30,7 +30,7 @@ from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,
 )
-from engine._retain import RetentionMixin
+from engine._retain import RETENTION_BATCH, RetentionMixin
 from engine._rows import (
     KIND_FINALIZE,
     ST_DONE,
@@ -141,9 +141,12 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
         self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows
         self._index_thread = None   # builds the index above after a load
-        self._run_keys = restored.run_keys      # run row -> run key
-        self._runs = {key: row for row, key in enumerate(self._run_keys)}
+        self._run_keys = restored.run_keys      # run row -> run key (None: a free row)
+        self._runs = {key: row for row, key in enumerate(self._run_keys) if key is not None}
+        self._free_runs = [row for row, key in enumerate(self._run_keys) if key is None]
         self._qruns = restored.qruns            # (queue row, run row) -> qrun row
+        self._n_qruns = len(self._qruns)        # high-water qrun row
+        self._free_qruns = []                   # freed qrun rows (their lanes too)
         self._envs = restored.envs              # env key -> env row
         # Durable worker identities, each restored as a detached session (row = identity):
         # disconnected, adopting nothing until the worker registers again.
@@ -371,8 +374,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
                 # Expired retained outcomes, a small batch about once a second (store reads:
                 # here, not in decide(), which a pipelined loop runs on its hot path and
                 # pairs with sweep_retention() when idle).
-                self._sweep_retention(now, 256)
-                self._next_retention_ns = now + 1_000_000_000
+                full = self._sweep_retention(now, RETENTION_BATCH)[1]
+                # Behind (a batch came back full): again next tick, until caught up, so the
+                # sweep keeps pace with reclaiming at any completion rate.
+                self._next_retention_ns = now if full else now + 1_000_000_000
             return placed
 
     def _decide_body(self):

@@ -259,11 +259,12 @@ class Inspection:
         return self._engine._worker_names[int(session)]
 
     def runs(self):
-        """Run key -> run row."""
+        """Run key -> run row, of the runs with actions in the table (a run whose actions
+        were all reclaimed leaves: engine/_retain.py)."""
         return dict(self._engine._runs)
 
     def run_keys(self):
-        """Run keys by run row."""
+        """Run keys by run row (the table's high water; None: a free run row)."""
         return list(self._engine._run_keys)
 
     def qruns(self):

@@ -46,7 +46,7 @@ class Restored:
 
     state: State
     workers: list           # identity -> (worker id, cluster name)
-    run_keys: list          # run row -> run key
+    run_keys: list          # run row -> run key (None: a free row)
     envs: dict              # environment key -> env row
     history: RuntimeHistory
     task_names: list        # task row -> task name
@@ -193,8 +193,6 @@ def _load_small(ld, store):
             ld.run_keys.append(None)
         ld.run_keys[row] = run_key
         st.u_cap[row] = cap
-    if None in ld.run_keys:
-        raise CorruptRecord(None, "runs", None, "run rows are not dense")
     queue_index = {name: i for i, name in enumerate(ld.queue_names)}
     n_envs = 0
     for p, key, raw in store.scan("envs"):
@@ -302,7 +300,11 @@ def _fill_actions(ld, recs, rows, parts, n):
     queue = st.a_queue[:n][occupied]
     if queue.size and (int(queue.max()) >= len(ld.queue_names) or int(queue.min()) < 0):
         raise CorruptRecord(None, "actions", None, "queue index outside the layout")
-    if int(st.a_run[:n].max()) >= len(ld.run_keys):
+    runs = st.a_run[:n][occupied]
+    known = np.fromiter((k is not None for k in ld.run_keys), dtype=bool,
+                        count=len(ld.run_keys))     # run rows may be free (engine/_retain.py)
+    if runs.size and (int(runs.max()) >= known.size or int(runs.min()) < 0
+                      or not known[runs].all()):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
     if int(st.a_task[:n].max()) >= len(ld.task_names):
         raise CorruptRecord(None, "actions", None, "task row without a history record")

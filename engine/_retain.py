@@ -18,7 +18,9 @@ counting too (a row reused by another partition's action leaves that FREE record
 reload takes, per row, the occupied record, else the FREE one with the highest generation).
 
 Nothing here keeps a Python object per retained action: the retained index is the store's
-B-tree, probed only for names of runs the shard has seen (runs are not reclaimed).
+B-tree, probed for a fan-out's names only when its run has rows here or retained keys there.
+A run whose last action is reclaimed leaves memory and the store in the same turn
+(:meth:`_retire_runs`).
 
 A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py.
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from cext import DEBUG
 from cext._tree import unlink_children
 from engine._codes import PHASES, TERMINAL_PHASES, Phase
 from engine._groups import abort_key, group_key
@@ -44,10 +47,10 @@ from engine._records import (
     spec_content,
 )
 from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
-from engine._state import ACTION_FIELDS, FINALIZE_FIELDS, NEVER
+from engine._state import ACTION_FIELDS, FINALIZE_FIELDS, NEVER, TABLES
 from storage import CorruptRecord, Records
 
-__all__ = ["RetentionMixin", "Retained", "retained_key"]
+__all__ = ["RETENTION_BATCH", "RetentionMixin", "Retained", "retained_key"]
 
 # Columns a reclaimed row keeps: its lease generation (released) and how that lease ended (a
 # token of it keeps its verdict until the row's next lease makes it STALE), and the partition
@@ -64,6 +67,9 @@ _PHASE_VALUES = tuple(p.value for p in PHASES)
 _SUCCEEDED, _ABORTED = PHASES.index(Phase.SUCCEEDED), PHASES.index(Phase.ABORTED)
 # Reclaim at most this many rows per call (a bounded group commit).
 RECLAIM_BATCH = 1 << 16
+# Expired retained outcomes deleted per partition in one sweep (a small batch: the sweep
+# runs inside a tick's group commit).
+RETENTION_BATCH = 256
 
 
 def retained_key(text):
@@ -145,6 +151,8 @@ class RetentionMixin:
         if not rows.size:
             return 0
         st = self._state
+        runs, first = np.unique(st.a_run[rows], return_index=True)
+        run_parts = st.a_part[rows[first]]
         now = self.clock.now_ns()
         expire = (now + int(self.config.storage.retention * 1e9)).to_bytes(8, "big")
         contents = {}
@@ -220,7 +228,44 @@ class RetentionMixin:
         # the row is reused in this turn by another partition's action.
         self._action_blocks(rows, self._ops)
         self._free_rows = np.union1d(self._free_rows, rows)
+        self._retire_runs(runs, run_parts)
         return int(rows.size)
+
+    def _retire_runs(self, runs, parts):
+        """Runs among ``runs`` (run rows of just reclaimed actions, their records in
+        ``parts``) with no action left in the table leave memory: the run row, its (queue,
+        run) pairs and their lanes go back to free lists, the run record is deleted. A later
+        action of the run starts it afresh (its ``max_action_concurrency`` with it); its
+        retained outcomes are found in the store (``_run_may_have_retained``)."""
+        st = self._state
+        held = st.a_run[:self._next_row]
+        alive = np.zeros(len(self._run_keys), dtype=bool)
+        alive[held[held >= 0]] = True
+        gone = ~alive[runs]
+        if not gone.any():
+            return
+        runs, parts = runs[gone], parts[gone]
+        pairs = np.flatnonzero(np.isin(st.qr_run[:self._n_qruns], runs))
+        lanes = np.concatenate([2 * pairs, 2 * pairs + 1])
+        if DEBUG and ((st.ln_head[lanes] >= 0).any() or st.ln_in_ring[lanes].any() or (
+                st.qr_adm[pairs] != st.qr_rel[pairs]).any() or (
+                st.u_adm[runs] != st.u_rel[runs]).any()):
+            raise AssertionError(f"runs {runs.tolist()} retired with work in their lanes")
+        for q, u in zip(st.qr_queue[pairs].tolist(), st.qr_run[pairs].tolist(), strict=True):
+            del self._qruns[(q, u)]
+        for table, index in (("qruns", pairs), ("lanes", lanes), ("runs", runs)):
+            for name, (_dtype, fill, _suffix) in TABLES[table].items():
+                getattr(st, name)[index] = fill
+        self._free_qruns.extend(pairs.tolist())
+        for u, part in zip(runs.tolist(), parts.tolist(), strict=True):
+            key = self._run_keys[u]
+            del self._runs[key]
+            self._run_keys[u] = None
+            self._op(part, "runs", row_key(u), None)
+            # Until this turn commits, the store may not hold the run's retained outcomes
+            # yet: a marker under its 8-byte digest (no outcome key is 8 bytes) says so.
+            self._retained_turn[(part, digest8(key))] = b""
+        self._free_runs.extend(runs.tolist())
 
     def _lean_outcomes(self, rows):
         """``(end ns, outcome record)`` of lean rows (their one attempt, from the columns:
@@ -329,14 +374,24 @@ class RetentionMixin:
 
     def _retained(self, aid):
         """The retained outcome of action ``aid`` (an ActionId), or None."""
-        if aid.run_key not in self._runs:
-            return None     # a run the shard never saw has no retained action
         text, part = str(aid), self._part_of(aid.tenant)
         key = retained_key(text)
         found, raw = self._unwritten_retained(part, key)
         if not found:
             raw = self._store.get(part, "retained", key)
         return None if raw is None else self._decode_retained(text, part, raw)
+
+    def _run_may_have_retained(self, aid):
+        """False when no action of ``aid``'s run can be a retained outcome: the run has no
+        row here, no retained key under its digest is written or waiting to be, and the
+        store has none (one B-tree probe instead of one per name)."""
+        if aid.run_key in self._runs:
+            return True
+        part, run = self._part_of(aid.tenant), digest8(aid.run_key)
+        if self._unwritten_retained(part, run)[0]:
+            return True     # its run row was freed in a turn not yet committed
+        # Retained keys are 16 bytes: every one under ``run`` sorts below ``run + ff * 9``.
+        return bool(self._store.scan_range(part, "retained", run, run + b"\xff" * 9, 1))
 
     def _retained_many(self, tenant, texts):
         """Retained outcomes of the ids ``texts`` (one tenant), None where there is none."""
@@ -387,21 +442,25 @@ class RetentionMixin:
             return False
         return same_spec(ret.spec(), spec)
 
-    def sweep_retention(self, limit=256):
+    def sweep_retention(self, limit=RETENTION_BATCH):
         """Delete up to ``limit`` retained outcomes per partition whose retention has
         passed (``storage.retention`` after their row was reclaimed), in one loop turn.
-        ``schedule()`` calls it about once a second (``decide()`` does not: a loop built on
-        it calls this when idle). Returns the number deleted."""
+        ``schedule()`` calls it about once a second, and every tick while a batch comes
+        back full (``decide()`` does not: a loop built on it calls this when idle).
+        Returns the number deleted."""
         with self._turn():
-            return self._sweep_retention(self.clock.now_ns(), limit)
+            return self._sweep_retention(self.clock.now_ns(), limit)[0]
 
     def _sweep_retention(self, now, limit):
+        # (deleted, whether some partition had more expired than ``limit``)
         stop = (now + 1).to_bytes(8, "big")
-        deleted = 0
+        deleted, full = 0, False
         for part in range(self._store.partitions):
-            for key, _value in self._store.scan_range(part, "expiry", b"", stop, limit):
+            expired = self._store.scan_range(part, "expiry", b"", stop, limit)
+            for key, _value in expired:
                 self._op(part, "expiry", key, None)
                 self._op(part, "retained", key[8:], None)
-                deleted += 1
-        return deleted
+            deleted += len(expired)
+            full = full or len(expired) == limit
+        return deleted, full
 

@@ -211,14 +211,9 @@ class MemoryStore(Store):
     def scan_range(self, partition: int, db: str, start: bytes = b"",
                    stop: bytes | None = None, limit: int | None = None) -> list:
         partition = self._check_read(partition, db)
-        out = []
-        for key, value in sorted(self.backing.data[partition][db].items()):
-            if key < start:
-                continue
-            if (stop is not None and key >= stop) or (limit is not None and len(out) >= limit):
-                break
-            out.append((key, value))
-        return out
+        data = self.backing.data[partition][db]
+        keys = sorted(k for k in data if k >= start and (stop is None or k < stop))
+        return [(k, data[k]) for k in keys[:limit]]
 
     def scan(self, db: str) -> Iterator[tuple[int, bytes, bytes]]:
         self._check_read(0, db)

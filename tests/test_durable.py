@@ -151,7 +151,8 @@ def decision_state(eng):
         "q": st.q_adm - st.q_rel, "q_res": st.q_res_adm - st.q_res_rel,
         "q_runs": st.q_runs_adm - st.q_runs_rel, "c": st.c_adm - st.c_rel,
         "pending": st.q_pending.copy(),
-        "u": (st.u_adm - st.u_rel)[:len(view.run_keys())],
+        # Runs with actions in the table (a retired run's row is free: engine/_retain.py).
+        "u": (st.u_adm - st.u_rel)[sorted(view.runs().values())],
     }
     qr = {key: int(st.qr_adm[r] - st.qr_rel[r]) for key, r in view.qruns().items()}
     recs = [view.record(r) for r in range(n) if st.a_state[r] != RowState.FREE]
@@ -161,6 +162,7 @@ def decision_state(eng):
           for f in range(view.finalize_rows)}
     phases["history"] = {t: eng.history.encode(t) for t in view.tasks()
                          if eng.history.count(t)}
+    phases["runs"] = view.runs()
     return rows, counters, qr, phases, fz
 
 

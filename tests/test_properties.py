@@ -1345,7 +1345,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert (w_used >= 0).all(), w_used
         assert np.array_equal(w_used, recount), (w_used, recount)
         assert np.array_equal(w_used, m_load), (w_used, m_load)
-        n_u = len(ins.runs())
+        n_u = len(ins.run_keys())
         u_used = (s.u_adm[:n_u] - s.u_rel[:n_u]).astype(np.int64)
         assert np.array_equal(u_used, np.bincount(s.a_run[:n][live], minlength=n_u)), u_used
         e_used = (s.e_adm[:n_e] - s.e_rel[:n_e]).astype(np.int64)

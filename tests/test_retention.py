@@ -6,6 +6,9 @@ idempotent against the retained outcome; a token of the row's old action is refu
 memory (the action table) is bounded by live work; a reload keeps all of it.
 """
 
+from dataclasses import replace
+
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +25,7 @@ from engine import (
     parse_config,
 )
 from engine._codes import LeaseKind, RowState, Verdict
+from engine._retain import RETENTION_BATCH
 from storage import MemoryStore
 from tests.conftest import make_engine
 
@@ -472,3 +476,68 @@ def test_reload_keeps_freed_finalize_rows_reused_across_partitions(tmp_path):
     _run_with_cleanup(eng, clock)
     assert eng.inspect().finalize_rows == 2
     eng.close()
+
+
+def test_runs_whose_actions_were_all_reclaimed_leave_memory_and_the_store():
+    """A run is a row, (queue, run) pairs and lanes in memory and a record in the store;
+    once every action of it is reclaimed they go, so they are bounded by live runs too."""
+    eng, clock = make_engine(config(capacity=64), workers={"w": ("east", 32)})
+    for b in range(50):
+        eng.enqueue_fanout(template(f"r{b}"), [f"a{i}" for i in range(20)])
+        for a in eng.tick():
+            eng.report(a.token, Phase.SUCCEEDED)
+    view = eng.inspect()
+    assert len(view.runs()) <= 4                # runs with actions still in the table
+    assert len(view.run_keys()) <= 5            # run rows are reused ...
+    assert len(view.qruns()) == len(view.runs())
+    assert sorted(view.runs()) == sorted(run for _p, _k, raw in eng.store.scan("runs")
+                                         for run in [msgpack.unpackb(raw)[0]])
+    # ... and an action of a retired run still answers from its retained outcome.
+    assert "acme/p/d/r0" not in view.runs()
+    assert eng.explain("acme/p/d/r0/a3").phase == Phase.SUCCEEDED
+
+
+def test_a_retired_run_keeps_reenqueue_idempotent_across_a_reload_and_starts_afresh(
+        tmp_path):
+    cfg = parse_config(config(path=tmp_path / "s"), source="<t>")
+    clock = ManualClock()
+    eng = Engine(cfg, clock=clock)
+    eng.register_worker("w", "east", 100)
+    spec = template("r1", run_max_action_concurrency=2)
+    ids = eng.enqueue_fanout(spec, ["a0", "a1", "a2"])
+    run_to_success(eng)
+    run_to_success(eng)                         # two at a time: the run's cap
+    assert eng.reclaim() == 3 and "acme/p/d/r1" not in eng.inspect().runs()
+    eng.close()
+
+    eng = Engine(cfg, clock=clock)
+    assert "acme/p/d/r1" not in eng.inspect().runs()
+    # Its ended actions are found in the store: the same spec is a no-op, another refused.
+    assert list(eng.enqueue_fanout(spec, ["a0", "a1", "a2"])) == list(ids)
+    assert eng.enqueue(replace(spec, id="acme/p/d/r1/a1")) == ids[1]
+    assert eng.inspect().free_rows.size == 3 and not eng.inspect().runs()
+    with pytest.raises(AlreadyExists, match="a2 exists with a different spec"):
+        eng.enqueue_fanout(replace(spec, resources={"cpu": 2}), ["a2"])
+    # A new action of the run starts it afresh, with the cap it declares now.
+    eng.enqueue_fanout(template("r1", run_max_action_concurrency=3), ["b0"])
+    assert eng.phase("acme/p/d/r1/a0") == Phase.SUCCEEDED     # still the retained one
+    assert eng.phase("acme/p/d/r1/b0") == Phase.QUEUED
+    assert eng.inspect().arrays.u_cap[eng.inspect().runs()["acme/p/d/r1"]] == 3
+    eng.close()
+
+
+def test_the_retention_sweep_keeps_pace_with_a_backlog():
+    """``schedule()`` sweeps about once a second, but again on every tick while a batch
+    came back full: expired outcomes never pile up behind a fast shard."""
+    eng, clock = make_engine(config(retention=1, capacity=1024))
+    n = RETENTION_BATCH * 2 + 10                # one tenant: one partition
+    ids = eng.enqueue_fanout(template("r1"), [f"a{i}" for i in range(n)])
+    run_to_success(eng)
+    assert eng.reclaim() == n
+    clock.advance(2)
+    for _ in range(3):                          # no clock advance between these ticks
+        eng.schedule()
+    for a in (ids[0], ids[n // 2], ids[-1]):
+        with pytest.raises(NotFound):
+            eng.explain(a)
+    assert not list(eng.store.scan("retained"))
