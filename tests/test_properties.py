@@ -364,6 +364,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.queues["default"] = MQueue("default", {}, self.cluster_names)
         self.queue_names = list(self.queues)
         self.run_mac = runs
+        self.live_runs, self.retired_runs = set(), set()   # run keys, as the engine has them
         self.envs = []  # (name, resources table, pod vector, ReusePolicy)
         for i, ((table, pod), replicas, conc, ttl) in enumerate(envs):
             self.envs.append((f"env{i}", table, pod, ReusePolicy(replicas, conc, ttl)))
@@ -644,7 +645,16 @@ class EngineMachine(RuleBasedStateMachine):
         max_action_concurrency changed, a parent that does not exist: refused, nothing
         stored."""
         self.healthy = False
-        a = self.actions[self._pick(sorted(self.actions), i)]
+        keys = sorted(self.actions)
+        if how == "mac":
+            # A run's cap holds while it has actions in the table; a run whose actions were
+            # all reclaimed left memory, and its next action starts it afresh.
+            live = self.ins.runs()
+            keys = [k for k in keys if self.actions[k].aid.run_key in live]
+            if not keys:
+                event("cap change of a retired run (not refused)")
+                return
+        a = self.actions[self._pick(keys, i)]
         before = _snapshot(self.eng)
         fresh = self._new_spec(a.run, None, "single", res=({"cpu": 1}, vec(1000)))[0]
         if how == "spec":
@@ -1346,6 +1356,13 @@ class EngineMachine(RuleBasedStateMachine):
         assert np.array_equal(w_used, recount), (w_used, recount)
         assert np.array_equal(w_used, m_load), (w_used, m_load)
         n_u = len(ins.run_keys())
+        runs = set(ins.runs())
+        if self.live_runs - runs:
+            event("run retired")
+        if runs & self.retired_runs:
+            event("retired run started afresh")
+        self.retired_runs = (self.retired_runs | (self.live_runs - runs)) - runs
+        self.live_runs = runs
         u_used = (s.u_adm[:n_u] - s.u_rel[:n_u]).astype(np.int64)
         assert np.array_equal(u_used, np.bincount(s.a_run[:n][live], minlength=n_u)), u_used
         e_used = (s.e_adm[:n_e] - s.e_rel[:n_e]).astype(np.int64)
