@@ -174,12 +174,18 @@ def test_schedule_sweeps_expired_outcomes_about_once_a_second():
         eng.explain(ids[0])
 
 
-def test_the_table_is_bounded_by_live_work_not_by_history():
-    eng, clock = make_engine(config(capacity=64), workers={"w": ("east", 32)})
+def fifty_runs_through():
+    """An engine after 50 runs of 20 actions each went through on a 64-row table."""
+    eng, _clock = make_engine(config(capacity=64), workers={"w": ("east", 32)})
     for b in range(50):
         eng.enqueue_fanout(template(f"r{b}"), [f"a{i}" for i in range(20)])
         for a in eng.tick():
             eng.report(a.token, Phase.SUCCEEDED)
+    return eng
+
+
+def test_the_table_is_bounded_by_live_work_not_by_history():
+    eng = fifty_runs_through()
     view = eng.inspect()
     assert view.arrays.a_state.shape[0] == 64     # never grew
     assert view.action_rows <= 64
@@ -481,11 +487,7 @@ def test_reload_keeps_freed_finalize_rows_reused_across_partitions(tmp_path):
 def test_runs_whose_actions_were_all_reclaimed_leave_memory_and_the_store():
     """A run is a row, (queue, run) pairs and lanes in memory and a record in the store;
     once every action of it is reclaimed they go, so they are bounded by live runs too."""
-    eng, clock = make_engine(config(capacity=64), workers={"w": ("east", 32)})
-    for b in range(50):
-        eng.enqueue_fanout(template(f"r{b}"), [f"a{i}" for i in range(20)])
-        for a in eng.tick():
-            eng.report(a.token, Phase.SUCCEEDED)
+    eng = fifty_runs_through()
     view = eng.inspect()
     assert len(view.runs()) <= 4                # runs with actions still in the table
     assert len(view.run_keys()) <= 5            # run rows are reused ...
