@@ -47,7 +47,7 @@ from engine._records import (
     spec_content,
 )
 from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
-from engine._state import ACTION_FIELDS, FINALIZE_FIELDS, NEVER, TABLES
+from engine._state import ACTION_FIELDS, FINALIZE_FIELDS, NEVER
 from storage import CorruptRecord, Records
 
 __all__ = ["RETENTION_BATCH", "RetentionMixin", "Retained", "retained_key"]
@@ -214,9 +214,7 @@ class RetentionMixin:
             self._op(part, "specs", group_key(gid), None)
         # The row: every column back to its fill but its generation (released), FREE.
         gen = st.a_gen[rows]
-        for name in _RESET:
-            fill = ACTION_FIELDS[name][1]
-            getattr(st, name)[rows] = fill
+        st.reset_rows("actions", rows, _RESET)
         st.a_released_gen[rows] = gen
         st.a_state[rows] = ST_FREE
         # A queue's blocked head is a row number the kernel keeps until its next scan of
@@ -253,9 +251,9 @@ class RetentionMixin:
             raise AssertionError(f"runs {runs.tolist()} retired with work in their lanes")
         for q, u in zip(st.qr_queue[pairs].tolist(), st.qr_run[pairs].tolist(), strict=True):
             del self._qruns[(q, u)]
-        for table, index in (("qruns", pairs), ("lanes", lanes), ("runs", runs)):
-            for name, (_dtype, fill, _suffix) in TABLES[table].items():
-                getattr(st, name)[index] = fill
+        st.reset_rows("qruns", pairs)
+        st.reset_rows("lanes", lanes)
+        st.reset_rows("runs", runs)
         self._free_qruns.extend(pairs.tolist())
         for u, part in zip(runs.tolist(), parts.tolist(), strict=True):
             key = self._run_keys[u]
@@ -318,8 +316,7 @@ class RetentionMixin:
         if not fz.size:
             return
         parts = st.a_part[st.fz_action[fz]]
-        for name in _FZ_RESET:
-            getattr(st, name)[fz] = FINALIZE_FIELDS[name][1]
+        st.reset_rows("finalize", fz, _FZ_RESET)
         st.fz_state[fz] = ST_FREE
         for part in np.unique(parts).tolist():
             idx = fz[parts == part]

@@ -307,6 +307,13 @@ class State:
             setattr(self, name, grown(getattr(self, name), rows, fill))
         self.rows[table] = rows
 
+    def reset_rows(self, table, rows, names=None):
+        """Set ``rows`` of ``table`` back to each column's fill (``names``: only those
+        columns), as a freed row reads before its next use."""
+        fields = TABLES[table]
+        for name in fields if names is None else names:
+            getattr(self, name)[rows] = fields[name][1]
+
     def ensure(self, table, needed):
         """Grow ``table`` by doubling until it has ``needed`` rows; True if it grew.
 
