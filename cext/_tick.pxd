@@ -24,6 +24,13 @@ cdef class TickKernel:
     cdef i64 bf_max_candidates         # actions tested for backfill per blocked head per tick
     cdef u64 bf_held                   # clusters held this tick by a backfill queue's head
     cdef u64 bf_contested              # ... that a head of another queue also wants
+    cdef u64 s_held                    # clusters held by blocked heads when the tick ended
+    cdef u64 s_avail                   # clusters with a free worker slot when it ended
+    cdef u64 s_prev_held               # s_held and s_avail of the tick before this one
+    cdef u64 s_prev_avail
+    # Examine every queued action each tick, as before queues held behind their blocked
+    # head were cut short (for tests and benches: decisions are the same either way).
+    cdef public bint examine_all
 
     cdef u8[::1] res_accel             # [R] 1 where the resource is an accelerator
 
@@ -89,6 +96,8 @@ cdef class TickKernel:
     cdef u64[:, ::1] q_res_adm         # [Q, R] resources charged
     cdef u64[:, ::1] q_res_rel         # [Q, R] resources released
     cdef i64[::1] q_pending            # queued actions (depth)
+    cdef i64[::1] q_env_pending        # ... of them with a reusable environment (fast lane)
+    cdef i64[::1] q_doomed             # ... of them the gate would fail (never fit the queue)
     cdef i32[:, ::1] q_ring            # [Q, 2] ring cursor lane per lane kind, -1 empty
     cdef u8[::1] q_stop_code           # why the last tick stopped scanning the queue
     cdef u8[::1] q_prev_stop           # q_stop_code as the tick before this one left it
@@ -167,6 +176,7 @@ cdef class TickKernel:
     cdef i64[::1] s_budget             # [R] queue budget left
     cdef i64[::1] s_free               # [R] cluster free vector (explain, cluster_free)
     cdef i64[:, ::1] s_cfree           # [C, R] each cluster's free vector, this tick
+    cdef i64[:, ::1] s_prev_cfree      # [C, R] ... as the tick before this one left them
     cdef i64[::1] s_slots              # [C] free worker slots
     cdef i32[::1] s_held_by            # [C] action holding the cluster (STRICT_FIFO head)
     cdef i32[::1] s_cursor             # [C] last worker picked (round robin)
@@ -197,6 +207,10 @@ cdef class TickKernel:
     cdef void _ring_remove(self, i32 lane) noexcept nogil
     cdef void _link(self, i32 a) noexcept nogil
     cdef void _unlink(self, i32 a) noexcept nogil
+    cdef void _count_pending(self, i32 a, i64 k) noexcept nogil
+    cdef bint _doomed(self, i32 q, i32 a) noexcept nogil
+    cdef bint _queue_held(self, i32 q, u64 held, u64 avail) noexcept nogil
+    cdef u8 _held_resolved(self, i32 a) noexcept nogil
     cdef bint _release(self, i32 a, i64 now) noexcept nogil
     cdef void _reap_pools(self, i64 now) noexcept nogil
     cdef u64 _count_slots(self) noexcept nogil

@@ -17,7 +17,7 @@ from cext._types cimport (
     UNLIMITED, W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
-    W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_PAUSED, W_QUEUE_RUNS, W_RUN_ACTIONS,
+    W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_HELD, W_QUEUE_PAUSED, W_QUEUE_RUNS, W_RUN_ACTIONS,
     W_UNSCHEDULABLE_CAP,
     W_UNSCHEDULABLE_SHAPE, check_index, i32, i64, u8, u64,
 )
@@ -84,6 +84,11 @@ cdef class TickKernel:
         self.bf_max_candidates = 64
         self.bf_held = 0
         self.bf_contested = 0
+        self.s_held = 0
+        self.s_avail = 0
+        self.s_prev_held = 0
+        self.s_prev_avail = 0
+        self.examine_all = False
 
     def bind(self, state):
         """(Re)bind every array from ``state``; called once and after every growth."""
@@ -155,6 +160,8 @@ cdef class TickKernel:
         self.q_res_adm = state.q_res_adm
         self.q_res_rel = state.q_res_rel
         self.q_pending = state.q_pending
+        self.q_env_pending = state.q_env_pending
+        self.q_doomed = state.q_doomed
         self.q_ring = state.q_ring
         self.q_stop_code = state.q_stop_code
         self.q_prev_stop = state.q_prev_stop
@@ -211,6 +218,7 @@ cdef class TickKernel:
         self.s_budget = state.s_budget
         self.s_free = state.s_free
         self.s_cfree = state.s_cfree
+        self.s_prev_cfree = state.s_prev_cfree
         self.s_slots = state.s_slots
         self.s_held_by = state.s_held_by
         self.s_cursor = state.s_cursor
@@ -358,7 +366,7 @@ cdef class TickKernel:
         # A lane scanned to its end this tick must see the newcomer next tick only.
         if not self.ln_in_ring[lane]:
             self._ring_insert(lane)
-        self.q_pending[self.a_queue[a]] += 1
+        self._count_pending(a, 1)
         self.a_state[a] = ST_QUEUED
         self.a_wait_code[a] = W_NONE
         self.a_wait_tick[a] = -1
@@ -382,7 +390,46 @@ cdef class TickKernel:
         self.a_prev[a] = -1
         if self.ln_head[lane] < 0 and self.ln_in_ring[lane]:
             self._ring_remove(lane)
-        self.q_pending[self.a_queue[a]] -= 1
+        self._count_pending(a, -1)
+
+    cdef void _count_pending(self, i32 a, i64 k) noexcept nogil:
+        # A queue's depth, and the two kinds of queued action that keep the tick examining
+        # every action of the queue (see _tick_queue): fast-lane candidates and doomed ones.
+        cdef i32 q = self.a_queue[a]
+        self.q_pending[q] += k
+        if self.a_env[a] >= 0:
+            self.q_env_pending[q] += k
+        if self._doomed(q, a):
+            self.q_doomed[q] += k
+
+    cdef bint _doomed(self, i32 q, i32 a) noexcept nogil:
+        # What the gate fails on sight (UNSCHEDULABLE): no cluster of the queue could ever
+        # hold it, or its demand exceeds the queue's hard cap. A function of the queue's
+        # settings and the action's fixed columns: recount_queue after a queue change.
+        return self.gate_on and (
+            (self.a_fit[a] & self.q_clusters[q]) == 0
+            or first_short_dim(&self.a_demand[a, 0], &self.q_max[q, 0], self.n_res) >= 0)
+
+    def recount_queue(self, i32 q):
+        """Recount queue ``q``'s doomed actions after its clusters or hard cap changed (or
+        the actions' fit masks did); call between ticks."""
+        cdef i32 lane, start, a
+        cdef int kind
+        cdef i64 n = 0
+        check_index(q, self.n_queues, "q", "a queue row")
+        for kind in range(2):
+            # Between ticks every lane with queued actions is in its queue's ring.
+            start = self.q_ring[q, kind]
+            lane = start
+            while lane >= 0:
+                a = self.ln_head[lane]
+                while a >= 0:
+                    n += self._doomed(q, a)
+                    a = self.a_next[a]
+                lane = self.ln_next[lane]
+                if lane == start:
+                    break
+        self.q_doomed[q] = n
 
     def push(self, i32 a):
         """Append queued action ``a`` to the tail of its lane (its row must be filled in)."""
@@ -506,7 +553,13 @@ cdef class TickKernel:
         # overwrites q_stop_code before it places anything of the queue.
         for i in range(self.n_queues):
             self.q_prev_stop[i] = self.q_stop_code[i]
+        # What the tick before left, for _held_code (an action it did not examine).
+        self.s_prev_cfree[:, :] = self.s_cfree
+        self.s_prev_held = self.s_held
+        self.s_prev_avail = self.s_avail
         self._snapshot_free()
+        self.s_held = 0
+        self.s_avail = avail
         if self.fz_head >= 0 and self._place_finalize(now, &avail):
             for j in range(self.n_queues):
                 q = self.q_order[j]
@@ -538,6 +591,9 @@ cdef class TickKernel:
                 if self.q_pending[q] > 0:
                     self.q_stop_code[q] = W_DISPATCH_FULL
                     self.q_stop_blocker[q] = -1
+        # What resolve_wait reads of this tick, with its free vectors (s_cfree, s_held_by).
+        self.s_held = held
+        self.s_avail = avail
         return self.d_tail - before
 
     cdef int _retry_heads(self, Py_ssize_t lo, Py_ssize_t hi, i64 now, u64* held,
@@ -711,6 +767,12 @@ cdef class TickKernel:
             if cand >= self.max_candidates:
                 stop = W_CANDIDATE_LIMIT
                 break
+            if head >= 0 and self._queue_held(q, held[0], avail[0]):
+                # Nothing more of this queue can be placed this tick, and examining the rest
+                # would change nothing but their wait stamps (most of a saturated tick's
+                # work): explain resolves those on demand (resolve_wait).
+                stop = W_QUEUE_HELD
+                break
             lane = self.q_ring[q, kind]
             if self.ln_scan_tick[lane] != self.tick_no:
                 self.ln_scan_tick[lane] = self.tick_no
@@ -776,6 +838,34 @@ cdef class TickKernel:
 
         self._end_queue(q, now, stop, stop_blocker, head, head_code)
         return stop_tick
+
+    cdef bint _queue_held(self, i32 q, u64 held, u64 avail) noexcept nogil:
+        # True when examining the rest of queue q's actions this tick (its head blocked)
+        # could neither place nor fail any of them, nor change anything another queue's
+        # decision reads: every cluster open to it is held by a blocked head or has no free
+        # worker; no backfill runs behind its own head; nothing queued could take the fast
+        # lane or fail on sight; and, STRICT_FIFO, its waiting actions would add no hold
+        # (every cluster it may use is held already) and would mark no backfill head's
+        # cluster contested that is not already.
+        cdef u64 mine, other
+        cdef int c
+        if (self.examine_all or not self.gate_on or self.q_env_pending[q] != 0
+                or self.q_doomed[q] != 0
+                or (self.q_clusters[q] & avail & ~held) != 0
+                or (self.q_backfill[q] and self.s_bf_head[q] >= 0)):
+            return False
+        if not self.q_strict[q]:
+            return True
+        mine = self.q_clusters[q]
+        if (mine & ~held) != 0:
+            return False
+        other = mine & self.bf_held & ~self.bf_contested
+        while other != 0:
+            c = lowest_bit(other)
+            other &= ~((<u64>1) << c)
+            if self.a_queue[self.s_held_by[c]] != q:
+                return False
+        return True
 
     cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
                          u8 head_code) noexcept nogil:
@@ -1223,6 +1313,48 @@ cdef class TickKernel:
             t = self._budget_shadow(self.a_queue[h], h, now)
         return None if t == NEVER else t
 
+    def resolve_wait(self, i32 a):
+        """``(code, cluster, dim, blocker)``: what queued ``a`` waits for, as the last tick
+        would have stamped it had it examined ``a`` (its queue stopped with W_QUEUE_HELD
+        before reaching it): the count caps, the queue budget, a free worker, then whether
+        a held cluster would have room (HEAD_OF_LINE, naming its holder) or none has
+        (CLUSTER_CAPACITY, naming the cluster and the resource short). Read from the state
+        the last tick left: its holds, free vectors and worker slots."""
+        cdef i32 q, qr, u
+        cdef u64 fit
+        cdef int c = -1, dim = -1
+        cdef u8 code
+        cdef const i64* demand
+        check_index(a, self.a_state.shape[0], "a", "an action row")
+        if self.a_state[a] != ST_QUEUED:
+            raise ValueError(f"action row a={a} is not queued")
+        with nogil:
+            q = self.a_queue[a]
+            qr = self.a_qrun[a]
+            u = self.a_run[a]
+            demand = &self.a_demand[a, 0]
+            if self.qr_adm[qr] == self.qr_rel[qr] and self._runs_left(q) <= 0:
+                code = W_QUEUE_RUNS
+            elif self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
+                code = W_RUN_ACTIONS
+            else:
+                self._queue_budget(q)
+                dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
+                fit = self.a_fit[a] & self.q_clusters[q] & self.s_avail
+                if dim >= 0:
+                    code = W_QUEUE_BUDGET
+                elif fit == 0:
+                    code = W_NO_WORKER
+                else:
+                    c = self._choose_cluster(a, fit & self.s_held)
+                    if c >= 0:
+                        code = W_HEAD_OF_LINE
+                    else:
+                        c = lowest_bit(fit)
+                        dim = first_short_dim(demand, &self.s_cfree[c, 0], self.n_res)
+                        code = W_CLUSTER_CAPACITY
+        return code, c, dim, self.s_held_by[c] if code == W_HEAD_OF_LINE else -1
+
     cdef inline int _gate(self, i32 a, u64 fit, u64 held, u64 avail, int* dim) noexcept nogil:
         # The resource gate, in order: (1) the demand within the queue's remaining budget
         # (s_budget); (2) a cluster with a free worker, not held by a head, whose capacity
@@ -1378,7 +1510,26 @@ cdef class TickKernel:
         lane = self.a_lane[a]
         if self.ln_skip_tick[lane] == prev:
             return self.ln_skip_code[lane]
+        if self.q_prev_stop[self.a_queue[a]] == W_QUEUE_HELD:
+            return self._held_resolved(a)
         return self.q_prev_stop[self.a_queue[a]]
+
+    cdef u8 _held_resolved(self, i32 a) noexcept nogil:
+        # resolve_wait as it answered between the previous tick and this one, for an action
+        # that tick did not examine and this one places: neither a count cap nor the budget
+        # held it then (it would not be placed now), so what remains is a free worker, then
+        # a held cluster with room (HEAD_OF_LINE) or none (CLUSTER_CAPACITY).
+        cdef u64 fit = self.a_fit[a] & self.q_clusters[self.a_queue[a]] & self.s_prev_avail
+        cdef u64 held = fit & self.s_prev_held
+        cdef int c
+        if fit == 0:
+            return W_NO_WORKER
+        while held != 0:
+            c = lowest_bit(held)
+            held &= ~((<u64>1) << c)
+            if covers(&self.a_demand[a, 0], &self.s_prev_cfree[c, 0], self.n_res):
+                return W_HEAD_OF_LINE
+        return W_CLUSTER_CAPACITY
 
     cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil:
         cdef i64 slot = self.d_tail % self.d_action.shape[0]

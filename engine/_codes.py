@@ -38,6 +38,10 @@ class WaitCode(enum.IntEnum):
     HEAD_BUDGET = 14
     POOL_ELSEWHERE = 15
     QUEUE_PAUSED = 16
+    # A queue's scan stopped after its blocked head because nothing more of it could be
+    # placed; the actions behind were not examined, and explain resolves what each waits for
+    # (TickKernel.resolve_wait). Never shown as such.
+    QUEUE_HELD = 17
 
 
 # Waits that are about resources (the phase is WAITING_FOR_RESOURCES, not QUEUED).

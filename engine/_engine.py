@@ -264,6 +264,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             for r in np.flatnonzero((state != ST_DONE) & (state != ST_FREE)).tolist():
                 st.a_fit[r] = self._fit_mask(self._compiled_of(r))
                 self._touch(r)
+            for q in range(len(self._queue_names)):
+                self._kernel.recount_queue(q)   # the gate may fail other actions on sight
             self._op(0, "meta", LAYOUT_KEY, msgpack.packb(self._refit_layout))
         self._refit_layout = None
 
@@ -311,6 +313,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             raise SpecError(f"queue {name}: change is not plain data: {exc}") from None
         with self._turn():
             self._apply_queue(new)
+            # Its clusters or hard cap may have changed what the gate would fail on sight.
+            self._kernel.recount_queue(self._queue_index[name])
             self._queue_changes[name] = merged
             self._op(0, "queues", name.encode(), raw)
         return new

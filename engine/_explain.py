@@ -122,29 +122,31 @@ class ExplainMixin:
             f"(generation {int(st.a_gen[row])}); waiting in the dispatch channel")
 
     def _wait_code(self, row):
-        """The :class:`WaitCode` of queued ``row``, and where it comes from: its own stamp
-        from the last tick, its lane's (behind a capped run), or its queue's stop."""
+        """``(code, cluster, dim, blocker)`` of queued ``row`` (-1 where none): its own stamp
+        from the last tick, its lane's (behind a capped run), its queue's stop, or, when
+        that stop left it unexamined behind a blocked head (QUEUE_HELD), resolved now by the
+        kernel as the tick would have stamped it."""
         st = self._state
         if int(st.a_wait_tick[row]) == self._kernel.tick_no:
-            return WaitCode(int(st.a_wait_code[row])), "row"
+            return (WaitCode(int(st.a_wait_code[row])), int(st.a_wait_cluster[row]),
+                    int(st.a_wait_dim[row]), int(st.a_wait_blocker[row]))
         lane = int(st.a_lane[row])
         if int(st.ln_skip_tick[lane]) == self._kernel.tick_no:
-            return WaitCode(int(st.ln_skip_code[lane])), "lane"
-        return WaitCode(int(st.q_stop_code[int(st.a_queue[row])])), "queue"
+            return WaitCode(int(st.ln_skip_code[lane])), -1, -1, -1
+        q = int(st.a_queue[row])
+        code = int(st.q_stop_code[q])
+        if code == WaitCode.QUEUE_HELD:
+            code, cluster, dim, blocker = self._kernel.resolve_wait(row)
+            return WaitCode(code), cluster, dim, blocker
+        return WaitCode(code), -1, -1, int(st.q_stop_blocker[q])
 
     def _queued_wait(self, row):
         """``(code, reason, eta_ns)`` of queued ``row``: its explanation but for the position
         (a scan of the action table), from its columns alone."""
         st = self._state
         q = int(st.a_queue[row])
-        code, source = self._wait_code(row)
-        if source == "row":
-            reason = self._reason(row, code, int(st.a_wait_cluster[row]),
-                                  int(st.a_wait_dim[row]), int(st.a_wait_blocker[row]))
-        elif source == "lane":
-            reason = self._reason(row, code, -1, -1, -1)
-        else:
-            reason = self._reason(row, code, -1, -1, int(st.q_stop_blocker[q]))
+        code, cluster, dim, blocker = self._wait_code(row)
+        reason = self._reason(row, code, cluster, dim, blocker)
         # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
         # every queued action its position in the queue (explain).
         eta = None

@@ -256,6 +256,11 @@ class State:
         self.q_res_adm = np.zeros((q, r), dtype=U64)
         self.q_res_rel = np.zeros((q, r), dtype=U64)
         self.q_pending = np.zeros(q, dtype=I64)
+        # Of the queued actions: those with a reusable environment, and those the gate would
+        # fail; while either is non-zero the tick examines every action of the queue (kept by
+        # the kernel's link and unlink; TickKernel.recount_queue after a queue change).
+        self.q_env_pending = np.zeros(q, dtype=I64)
+        self.q_doomed = np.zeros(q, dtype=I64)
         self.q_ring = np.full((q, 2), -1, dtype=I32)
         self.q_stop_code = np.zeros(q, dtype=U8)
         self.q_prev_stop = np.zeros(q, dtype=U8)    # tick scratch: q_stop_code before it
@@ -286,6 +291,7 @@ class State:
         self.s_budget = np.zeros(r, dtype=I64)
         self.s_free = np.zeros(r, dtype=I64)
         self.s_cfree = np.zeros((c, r), dtype=I64)
+        self.s_prev_cfree = np.zeros((c, r), dtype=I64)    # ... as the tick before ended
         self.s_slots = np.zeros(c, dtype=I64)
         self.s_held_by = np.full(c, -1, dtype=I32)
         self.s_cursor = np.full(c, -1, dtype=I32)
