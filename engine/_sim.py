@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from engine._clock import ManualClock
+from engine._codes import WaitCode
 from engine._config import GREEDY_CAPACITY, STRICT_FIFO
 from engine._engine import Engine
 from engine._errors import ResourceExhausted, SpecError
@@ -230,6 +231,10 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
     eng = _new_engine(cfg, clock)
     for c in cfg.clusters:
         eng.register_worker(f"sim-{c.name}", c.name, max(1, n))
+    # Re-ticking an instant: a queue cut short by its candidate budget examines at least this
+    # many new candidates a tick (a STRICT head retried first counts as one), so after
+    # depth / per_tick ticks in a row that placed nothing its rotation has come round.
+    per_tick = max(1, cfg.engine.max_candidates - 1)
 
     res = config.resources
     submit_ns = np.array([round(j.submit * 1e9) for j in jobs], dtype=np.int64)
@@ -267,19 +272,24 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
             nxt += 1
         if batch:
             queued += len(batch) - _enqueue(eng, specs, batch, rejected)
+        idle = 0
         while queued:
             placed = eng.tick()
             ticks += 1
-            started = 0
             for a in placed:
                 i = int(a.action.run[1:])
                 eng.mark_running(a.action, a.generation)
                 start_ns[i] = now
                 in_use += use[i]
                 heapq.heappush(running, (now + int(run_ns[i]), i, a.action, a.generation))
-                started += 1
-            queued -= started
-            if not started:
+            queued -= len(placed)
+            if placed:
+                idle = 0
+                continue
+            # Nothing placed: tick again only if a queue stopped at its candidate budget
+            # (work it did not reach may fit), until its rotation has come round.
+            idle += 1
+            if idle > -(-_cut_short(eng) // per_tick):
                 break
         if series:
             pts_t.append(now / 1e9)
@@ -290,6 +300,15 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
     return _result(policy, jobs, submit_ns, run_ns, start_ns, end_ns, rejected, use, capacity,
                    label, backfilled, ticks, time.perf_counter() - wall0,
                    {"t_s": pts_t, "queued": pts_q, "utilization": pts_u} if series else None)
+
+
+def _cut_short(eng):
+    """How many actions the deepest queue that stopped its last tick at the candidate budget
+    (``engine.max_candidates``) holds; 0 when no queue did. Read from the queues' stop codes
+    and depths through the engine's inspection view (docs/architecture.md, "Wait reasons")."""
+    arrays = eng.inspect().arrays
+    cut = arrays.q_stop_code == WaitCode.CANDIDATE_LIMIT
+    return int(arrays.q_pending[cut].max()) if cut.any() else 0
 
 
 def _enqueue(eng, specs, batch, rejected):
