@@ -274,6 +274,10 @@ def test_backfill_bench_prints_one_json_object(capsys):
                     f"bounded_slowdown_{policy}", f"gang_max_wait_{policy}_s"):
             assert isinstance(data[key], float), key
     assert isinstance(data["goal_mean_wait_cut_10x"], bool)
+    assert data["nodes"] is True and isinstance(data["pended_fifo"], int)
+    assert bench.main(["--days", "0.25", "--seed", "3", "--no-nodes"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert flat["nodes"] is False and flat["pended_fifo"] is None
     again = bench.generate(3, 0.5)
     assert [(j.submit, j.runtime, j.task) for j in again] == [
         (j.submit, j.runtime, j.task) for j in bench.generate(3, 0.5)]
