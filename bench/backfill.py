@@ -132,6 +132,7 @@ def main(argv=None):
         out[f"pended_{policy}"] = r.pended                    # None without nodes
         out[f"pend_mean_{policy}_s"] = _round(r.pend_mean_s, 1)
         out[f"pend_max_{policy}_s"] = _round(r.pend_max_s, 1)
+        out[f"pend_held_{policy}"] = _round(r.pend_held, 4)
         out[f"sim_wall_{policy}_s"] = _round(r.wall_s, 2)
     fifo, bf, greedy = results["fifo"], results["backfill"], results["greedy"]
     out["goal_mean_wait_cut_10x"] = bool(bf.mean_wait_s * 10 <= fifo.mean_wait_s)

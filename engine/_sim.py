@@ -231,6 +231,9 @@ class SimResult:
     pend_mean_s: float | None = None
     pend_p95_s: float | None = None
     pend_max_s: float | None = None
+    # Share of the primary resource's capacity charged to pending actions (admitted by the
+    # engine, not placed: held idle), over the utilisation window.
+    pend_held: float | None = None
     pending_at_end: int | None = None   # assigned, never placed when events ran out
     series: dict | None = None       # t_s, queued, pending, utilization: one point per event
 
@@ -362,7 +365,8 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
                   {"t_s": pts_t, "queued": pts_q, "pending": pts_p, "utilization": pts_u}
                   if series else None)
     if placers:
-        _pending_figures(out, list(placers), assign_ns, start_ns, pending)
+        _pending_figures(out, list(placers), assign_ns, start_ns, pending, use, submit_ns,
+                         capacity)
     return out
 
 
@@ -375,8 +379,9 @@ def _cut_short(eng):
     return int(arrays.q_pending[cut].max()) if cut.any() else 0
 
 
-def _pending_figures(out, clusters, assign_ns, start_ns, pending):
-    """The node model's figures on ``out``: over started jobs, assignment to start."""
+def _pending_figures(out, clusters, assign_ns, start_ns, pending, use, submit_ns, capacity):
+    """The node model's figures on ``out``: over started jobs, assignment to start; and the
+    primary resource charged to them meanwhile, over capacity x the utilisation window."""
     started = start_ns >= 0
     delay = (start_ns[started] - assign_ns[started]) / 1e9
     out.nodes = clusters
@@ -386,6 +391,11 @@ def _pending_figures(out, clusters, assign_ns, start_ns, pending):
         out.pend_mean_s = float(np.mean(delay))
         out.pend_p95_s = float(np.percentile(delay, 95))
         out.pend_max_s = float(np.max(delay))
+    if out.utilization is not None:
+        t0, t1 = int(submit_ns.min()), int(submit_ns.max())
+        a = np.clip(assign_ns[started], t0, t1)
+        s = np.clip(start_ns[started], t0, t1)
+        out.pend_held = float(np.sum(use[started] * (s - a))) / (capacity * (t1 - t0))
 
 
 def _enqueue(eng, specs, batch, rejected):

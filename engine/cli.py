@@ -139,7 +139,7 @@ def _duration(seconds):
 _COLUMNS = ("policy", "utilisation", "mean wait", "p95 wait", "bounded slowdown",
             "gang max wait", "backfilled", "jobs")
 # With the node model: the time assigned actions pended for nodes (assignment to start).
-_NODE_COLUMNS = ("pended", "pend mean", "pend p95", "pend max")
+_NODE_COLUMNS = ("pended", "pend mean", "pend p95", "pend max", "pend held")
 
 
 def _row(r, node_columns=False):
@@ -156,8 +156,9 @@ def _row(r, node_columns=False):
         pended = "-" if r.pended is None else str(r.pended)
         if r.pending_at_end:
             pended += f" ({r.pending_at_end} never placed)"
+        held = "-" if r.pend_held is None else f"{100 * r.pend_held:.1f}%"
         row += (pended, _duration(r.pend_mean_s), _duration(r.pend_p95_s),
-                _duration(r.pend_max_s))
+                _duration(r.pend_max_s), held)
     return (*row, jobs)
 
 
@@ -232,8 +233,9 @@ def _simulate(args):
               f"waits: submit to start")
         print(_node_model(cfg, nodes))
         if node_columns:
-            print("pended: started jobs that waited for nodes after assignment; pend mean, "
-                  "p95, max: assignment to start, over started jobs")
+            print(f"pended: started jobs that waited for nodes after assignment; pend mean, "
+                  f"p95, max: assignment to start, over started jobs; pend held: {resource} "
+                  f"charged to pending jobs (admitted, not placed) / capacity")
         print()
         print(_table([_row(r, node_columns) for r in results], node_columns))
         if results:

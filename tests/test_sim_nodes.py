@@ -63,12 +63,17 @@ def test_a_gang_pends_on_a_partly_used_node_until_it_frees():
 def test_a_gang_assigned_onto_fragmented_gpus_pends_until_a_node_frees():
     # Three nodes of 8 GPUs. Jobs 0 and 1 take 6 GPUs each, on nodes 0 and 1 (first fit):
     # 12 GPUs free in all (2 + 2 + 8), so a gang of two 6-GPU pods is admitted, but only one
-    # of its pods can be placed until job 1 ends (t=50) and frees node 1.
+    # of its pods can be placed until job 1 ends (t=50) and frees node 1. Job 3 (no GPU)
+    # only makes the utilisation window 100 s long.
     cfg = _config([_shape("h100", 3, cpu=32, gpu=8)])
     six = {"cpu": 1, "gpu:H100": 6}
-    jobs = [_job(0, 0, 100, (1, six)), _job(1, 0, 50, (1, six)), _job(2, 1, 10, (2, six))]
+    jobs = [_job(0, 0, 100, (1, six)), _job(1, 0, 50, (1, six)), _job(2, 1, 10, (2, six)),
+            _job(3, 100, 1, (1, {"cpu": 1}))]
     r = simulate(cfg, jobs, "greedy")
     assert r.gang_max_wait_s == 49.0 and r.pended == 1 and r.pend_max_s == 49.0
+    # Its 12 GPUs were charged to it and idle for 49 s: of 24 GPUs x 100 s.
+    assert r.pend_held == pytest.approx(12 * 49 / (24 * 100))
+    assert r.utilization == pytest.approx((6 * 100 + 6 * 50 + 12 * 10) / (24 * 100))
     assert simulate(cfg, jobs, "greedy", nodes=False).gang_max_wait_s == 0.0
 
 
@@ -143,10 +148,10 @@ def test_cli_reports_pending_in_the_table_and_the_json(tmp_path, capsys):
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("policy"))
-    assert re.split(r"\s{2,}", header)[-5:] == ["pended", "pend mean", "pend p95",
-                                                "pend max", "jobs"]
+    assert re.split(r"\s{2,}", header)[-6:] == ["pended", "pend mean", "pend p95",
+                                                "pend max", "pend held", "jobs"]
     fifo = next(line for line in lines if line.startswith("fifo")).split()
-    assert fifo[-5:] == ["1", "49.5s", "1m34s", "1m39s", "2/2"]
+    assert fifo[-6:] == ["1", "49.5s", "1m34s", "1m39s", "0.0%", "2/2"]
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     r = data["policies"]["fifo"]
