@@ -381,7 +381,8 @@ def _cut_short(eng):
 
 def _pending_figures(out, clusters, assign_ns, start_ns, pending, use, submit_ns, capacity):
     """The node model's figures on ``out``: over started jobs, assignment to start; and the
-    primary resource charged to them meanwhile, over capacity x the utilisation window."""
+    primary resource charged to assigned actions until they start (or the window ends), over
+    capacity x the utilisation window."""
     started = start_ns >= 0
     delay = (start_ns[started] - assign_ns[started]) / 1e9
     out.nodes = clusters
@@ -392,10 +393,12 @@ def _pending_figures(out, clusters, assign_ns, start_ns, pending, use, submit_ns
         out.pend_p95_s = float(np.percentile(delay, 95))
         out.pend_max_s = float(np.max(delay))
     if out.utilization is not None:
+        # Actions never placed hold their share to the end of the window.
         t0, t1 = int(submit_ns.min()), int(submit_ns.max())
-        a = np.clip(assign_ns[started], t0, t1)
-        s = np.clip(start_ns[started], t0, t1)
-        out.pend_held = float(np.sum(use[started] * (s - a))) / (capacity * (t1 - t0))
+        assigned = assign_ns >= 0
+        a = np.clip(assign_ns[assigned], t0, t1)
+        s = np.clip(np.where(started, start_ns, t1)[assigned], t0, t1)
+        out.pend_held = float(np.sum(use[assigned] * (s - a))) / (capacity * (t1 - t0))
 
 
 def _enqueue(eng, specs, batch, rejected):

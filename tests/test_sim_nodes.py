@@ -114,6 +114,16 @@ def test_a_gang_that_fits_no_empty_cluster_is_refused_unless_nodes_are_off():
     assert len(prepare(cfg, [job], nodes=False).jobs) == 1
 
 
+def test_an_action_that_can_never_be_placed_is_counted_and_holds_its_share():
+    # Checked without nodes, a gang of three 10-cpu pods passes (totals and shapes fit) but
+    # no node holds two of them: the engine assigns it, and it pends to the end.
+    cfg = _config([_shape("n", 2, cpu=16, gpu=8)])
+    jobs = [_job(0, 0, 10, (3, {"cpu": 10, "gpu:H100": 1})), _job(1, 100, 1, (1, {"cpu": 1}))]
+    r = simulate(cfg, jobs, "greedy", prepared=prepare(cfg, jobs, nodes=False))
+    assert r.pending_at_end == 1 and r.unfinished == 1 and r.completed == 1
+    assert r.pend_held == pytest.approx(3 * 100 / (16 * 100))   # 3 GPUs, the whole window
+
+
 def test_a_cluster_without_node_shapes_starts_work_at_assignment(tmp_path, capsys):
     cfg = _config(None, clusters={"open": {"capacity": {"cpu": 64}}})
     r = simulate(cfg, [_job(0, 0, 10, (2, {"cpu": 16}))], "fifo")
