@@ -32,8 +32,6 @@ def size_order(resources, pods):
     first = [names.index(n) for n in ("cpu", "memory") if n in names]
     keys += [pods[:, r] for r in first]
     keys += [pods[:, r] for r in range(len(names)) if not accel[r] and r not in first]
-    if not keys:
-        return np.arange(pods.shape[0])
     # np.lexsort sorts by the last key first and is stable; negated keys sort descending.
     return np.lexsort([-k for k in reversed(keys)])
 
