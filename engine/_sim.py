@@ -2,9 +2,15 @@
 
 :func:`simulate` is event-driven. The clock jumps to the next event (the next submission or
 the next completion); at each event it completes what finished (reported SUCCEEDED at
-start + runtime), enqueues what was submitted, ticks, and starts what was assigned (reported
-RUNNING at once). Nothing sleeps. Each cluster gets one worker with a slot per job, so worker
-slots never bind: only the config's resources, queues and the policy decide.
+start + runtime), enqueues what was submitted, ticks, and hands what was assigned to the
+cluster's scheduler. Nothing sleeps. Each cluster gets one worker with a slot per job, so
+worker slots never bind: only the config's resources, queues and the policy decide.
+
+The cluster's scheduler (:mod:`engine._nodes`): a cluster with node shapes is its nodes, and
+an assigned action starts (is reported RUNNING) only when every one of its pods is placed on
+a node, first fit decreasing; until then it pends, and is retried whenever capacity frees up.
+A cluster without node shapes, or every cluster with ``nodes=False``, starts an assigned
+action at once (the engine's view: totals and shapes only).
 
 Policies (:data:`POLICIES`) rewrite every queue of the config through :func:`policy_config`:
 ``fifo`` = STRICT_FIFO without backfill, ``backfill`` = STRICT_FIFO with the queue key
@@ -13,7 +19,8 @@ Policies (:data:`POLICIES`) rewrite every queue of the config through :func:`pol
 Metrics (``docs/simulator.md`` defines each): utilisation of the primary resource (all GPUs,
 else cpu) between the first and the last submission, mean and p95 wait (submit to start),
 mean bounded slowdown, the longest wait of a gang (a job of more than one pod), jobs
-completed, and the backfill count the engine reports per queue.
+completed, the backfill count the engine reports per queue, and the time assigned actions
+pended for nodes (assignment to start).
 """
 
 import heapq
@@ -23,10 +30,12 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from engine._clock import ManualClock
+from engine._codes import WaitCode
 from engine._config import GREEDY_CAPACITY, STRICT_FIFO
 from engine._engine import Engine
 from engine._errors import ResourceExhausted, SpecError
 from engine._model import ActionSpec, PodGroup, compile_spec, fit_problem
+from engine._nodes import Nodes, Placer
 from engine._trace import TraceError
 from engine._units import UNLIMITED, format_quantity
 from storage import MemoryStore
@@ -76,11 +85,13 @@ def _new_engine(config, clock):
 
 @dataclass
 class Prepared:
-    """Jobs checked against a config, with their specs; ``unfit`` were dropped (skip_unfit)."""
+    """Jobs checked against a config, with their specs and their pod groups (engine units:
+    ``(pods [P, R], counts [P])`` per job); ``unfit`` were dropped (skip_unfit)."""
 
     jobs: list
     specs: list
     unfit: list = field(default_factory=list)   # (job, reason)
+    pods: list = field(default_factory=list)
 
 
 def _spec(i, job):
@@ -93,14 +104,15 @@ def _spec(i, job):
                       **shape)
 
 
-def prepare(config, jobs, skip_unfit=False):
+def prepare(config, jobs, skip_unfit=False, nodes=True):
     """Check every job against ``config``: its queue and resources exist, and some cluster
-    its queue may use can ever hold it (capacity, node shapes, the queue's budget). A job that
-    cannot raises :class:`TraceError` naming it (its file and line), or with ``skip_unfit``
-    is dropped and listed in ``unfit``."""
+    its queue may use can ever hold it (capacity, node shapes, the queue's budget; with
+    ``nodes``, on a cluster with node shapes, its pods placed on the empty nodes as the
+    simulation places them). A job that cannot raises :class:`TraceError` naming it (its file
+    and line), or with ``skip_unfit`` is dropped and listed in ``unfit``."""
     res = config.resources
     queues = {q.name: q for q in config.queues}
-    kept, specs, unfit = [], [], []
+    kept, specs, pods, unfit = [], [], [], []
     for job in jobs:
         spec = _spec(len(specs), job)
         try:
@@ -108,7 +120,7 @@ def prepare(config, jobs, skip_unfit=False):
         except SpecError as exc:
             msg = str(exc).split(": ", 1)[-1]
             raise TraceError(f"{job.where}: job {job.id}: {msg}") from None
-        why = _never_fits(config, c)
+        why = _never_fits(config, c, nodes)
         if why is not None:
             if not skip_unfit:
                 raise TraceError(f"{job.where}: job {job.id} can never run: {why} "
@@ -117,10 +129,11 @@ def prepare(config, jobs, skip_unfit=False):
             continue
         kept.append(job)
         specs.append(spec)
-    return Prepared(jobs=kept, specs=specs, unfit=unfit)
+        pods.append((c.pods, c.pod_counts))
+    return Prepared(jobs=kept, specs=specs, unfit=unfit, pods=pods)
 
 
-def _never_fits(config, c):
+def _never_fits(config, c, nodes):
     res = config.resources
     q = config.queue(c.queue)
     over = np.nonzero(c.demand > q.max_resources)[0]
@@ -136,7 +149,15 @@ def _never_fits(config, c):
                   else None)
         problem = fit_problem(c, cl.capacity, shapes)
         if problem is None:
-            return None
+            if not nodes or not cl.node_shapes:
+                return None
+            if Nodes(cl, res).place(c.pods, c.pod_counts) is not None:
+                return None
+            # Every pod fits some shape and the totals fit, but not all pods at once.
+            reasons.append(f"its {int(c.pod_counts.sum())} pods cannot all be placed on the "
+                           f"nodes of cluster {name}, even empty (--no-nodes does not place "
+                           f"pods on nodes)")
+            continue
         kind, k = problem
         if kind == "capacity":
             rn = res.names[k]
@@ -185,7 +206,7 @@ def _capacity(config, dims):
 @dataclass
 class SimResult:
     """What one policy did with a trace. Times in seconds of virtual time; None when there is
-    nothing to measure (no gang, no capacity of the primary resource, ...)."""
+    nothing to measure (no gang, no capacity of the primary resource, no node model, ...)."""
 
     policy: str
     jobs: int                        # jobs given (after the fit check)
@@ -203,7 +224,18 @@ class SimResult:
     makespan_s: float | None         # first submission to last completion
     ticks: int
     wall_s: float
-    series: dict | None = None       # t_s, queued, utilization: one point per event
+    # The node model: clusters whose pods are placed on nodes ([] = none: starts at
+    # assignment); over started jobs, the time from assignment to start (pending for nodes).
+    nodes: list = field(default_factory=list)
+    pended: int | None = None        # started jobs that pended at all (> 0 s)
+    pend_mean_s: float | None = None
+    pend_p95_s: float | None = None
+    pend_max_s: float | None = None
+    # Share of the primary resource's capacity charged to pending actions (admitted by the
+    # engine, not placed: held idle), over the utilisation window.
+    pend_held: float | None = None
+    pending_at_end: int | None = None   # assigned, never placed when events ran out
+    series: dict | None = None       # t_s, queued, pending, utilization: one point per event
 
     def to_dict(self, with_series=False):
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "series"}
@@ -213,14 +245,16 @@ class SimResult:
 
 
 def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=False,
-             prepared=None):
+             prepared=None, nodes=True):
     """Run ``jobs`` (a list of :class:`~engine._trace.Job`) under ``policy`` through the real
     engine on a virtual clock; returns a :class:`SimResult`. ``prepared`` (from
-    :func:`prepare`) skips re-checking the jobs when several policies share one trace."""
+    :func:`prepare`) skips re-checking the jobs when several policies share one trace.
+    ``nodes``: place pods on the nodes of clusters with node shapes (``False``: every
+    assigned action starts at once, as before the node model)."""
     wall0 = time.perf_counter()
     cfg = policy_config(config, policy)
     if prepared is None:
-        prepared = prepare(config, jobs, skip_unfit=skip_unfit)
+        prepared = prepare(config, jobs, skip_unfit=skip_unfit, nodes=nodes)
     jobs, specs = prepared.jobs, prepared.specs
     n = len(jobs)
     label, dims = primary_resource(config, resource)
@@ -230,6 +264,12 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
     eng = _new_engine(cfg, clock)
     for c in cfg.clusters:
         eng.register_worker(f"sim-{c.name}", c.name, max(1, n))
+    placers = {c.name: Placer(Nodes(c, config.resources))
+               for c in cfg.clusters if nodes and c.node_shapes}
+    # Re-ticking an instant: a queue cut short by its candidate budget examines at least this
+    # many new candidates a tick (a STRICT head retried first counts as one), so after
+    # depth / per_tick ticks in a row that placed nothing its rotation has come round.
+    per_tick = max(1, cfg.engine.max_candidates - 1)
 
     res = config.resources
     submit_ns = np.array([round(j.submit * 1e9) for j in jobs], dtype=np.int64)
@@ -239,16 +279,27 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
         for count, r in job.pods:
             vec = res.vector(r)
             use[i] += count * float(sum(int(vec[d]) for d in dims))
+    assign_ns = np.full(n, -1, dtype=np.int64)
     start_ns = np.full(n, -1, dtype=np.int64)
     end_ns = np.full(n, -1, dtype=np.int64)
     rejected = np.zeros(n, dtype=bool)
 
-    running = []          # heap of (end_ns, index, action, generation)
+    running = []          # heap of (end_ns, index, action, generation, cluster)
+    leases = {}           # index -> (action, generation, cluster) of a pending action
     nxt = 0               # next job to submit
     queued = 0
+    pending = 0           # assigned, waiting for nodes
     in_use = 0.0
     ticks = 0
-    pts_t, pts_q, pts_u = [], [], []
+    pts_t, pts_q, pts_p, pts_u = [], [], [], []
+
+    def start(i, action, gen, cluster, now):
+        nonlocal in_use
+        eng.mark_running(action, gen)
+        start_ns[i] = now
+        in_use += use[i]
+        heapq.heappush(running, (now + int(run_ns[i]), i, action, gen, cluster))
+
     while True:
         t_sub = int(submit_ns[nxt]) if nxt < n else _NEVER
         t_end = running[0][0] if running else _NEVER
@@ -256,40 +307,98 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
         if now == _NEVER:
             break
         clock.set_ns(now)
+        freed = False
         while running and running[0][0] <= now:
-            _, i, action, gen = heapq.heappop(running)
+            _, i, action, gen, cluster = heapq.heappop(running)
             eng.complete(action, gen)
             end_ns[i] = now
             in_use -= use[i]
+            if cluster in placers:
+                placers[cluster].finish(i)
+                freed = True
         batch = []
         while nxt < n and submit_ns[nxt] <= now:
             batch.append(nxt)
             nxt += 1
         if batch:
             queued += len(batch) - _enqueue(eng, specs, batch, rejected)
+        idle = 0
+        admitted = False
         while queued:
             placed = eng.tick()
             ticks += 1
-            started = 0
             for a in placed:
                 i = int(a.action.run[1:])
-                eng.mark_running(a.action, a.generation)
-                start_ns[i] = now
-                in_use += use[i]
-                heapq.heappush(running, (now + int(run_ns[i]), i, a.action, a.generation))
-                started += 1
-            queued -= started
-            if not started:
+                assign_ns[i] = now
+                placer = placers.get(a.cluster)
+                if placer is None:
+                    start(i, a.action, a.generation, a.cluster, now)
+                else:
+                    pods, counts = prepared.pods[i]
+                    placer.admit(i, pods, counts)
+                    leases[i] = (a.action, a.generation, a.cluster)
+                    pending += 1
+                    admitted = True
+            queued -= len(placed)
+            if placed:
+                idle = 0
+                continue
+            # Nothing placed: tick again only if a queue stopped at its candidate budget
+            # (work it did not reach may fit), until its rotation has come round.
+            idle += 1
+            if idle > -(-_cut_short(eng) // per_tick):
                 break
+        if freed or admitted:      # else nothing that pends can fit now either
+            for placer in placers.values():
+                for i in placer.place_pending():
+                    start(i, *leases.pop(i), now)
+                    pending -= 1
         if series:
             pts_t.append(now / 1e9)
             pts_q.append(queued)
+            pts_p.append(pending)
             pts_u.append(float(in_use) / capacity if capacity else None)
 
     backfilled = sum(int(m.get("backfilled", 0)) for m in eng.queue_metrics().values())
-    return _result(policy, jobs, submit_ns, run_ns, start_ns, end_ns, rejected, use, capacity,
-                   label, backfilled, ticks, time.perf_counter() - wall0,
-                   {"t_s": pts_t, "queued": pts_q, "utilization": pts_u} if series else None)
+    out = _result(policy, jobs, submit_ns, run_ns, start_ns, end_ns, rejected, use, capacity,
+                  label, backfilled, ticks, time.perf_counter() - wall0,
+                  {"t_s": pts_t, "queued": pts_q, "pending": pts_p, "utilization": pts_u}
+                  if series else None)
+    if placers:
+        _pending_figures(out, list(placers), assign_ns, start_ns, pending, use, submit_ns,
+                         capacity)
+    return out
+
+
+def _cut_short(eng):
+    """How many actions the deepest queue that stopped its last tick at the candidate budget
+    (``engine.max_candidates``) holds; 0 when no queue did. Read from the queues' stop codes
+    and depths through the engine's inspection view (docs/architecture.md, "Wait reasons")."""
+    arrays = eng.inspect().arrays
+    cut = arrays.q_stop_code == WaitCode.CANDIDATE_LIMIT
+    return int(arrays.q_pending[cut].max()) if cut.any() else 0
+
+
+def _pending_figures(out, clusters, assign_ns, start_ns, pending, use, submit_ns, capacity):
+    """The node model's figures on ``out``: over started jobs, assignment to start; and the
+    primary resource charged to assigned actions until they start (or the window ends), over
+    capacity x the utilisation window."""
+    started = start_ns >= 0
+    delay = (start_ns[started] - assign_ns[started]) / 1e9
+    out.nodes = clusters
+    out.pended = int(np.count_nonzero(delay > 0))
+    out.pending_at_end = pending
+    if delay.size:
+        out.pend_mean_s = float(np.mean(delay))
+        out.pend_p95_s = float(np.percentile(delay, 95))
+        out.pend_max_s = float(np.max(delay))
+    if out.utilization is not None:
+        # Actions never placed hold their share to the end of the window.
+        t0, t1 = int(submit_ns.min()), int(submit_ns.max())
+        assigned = assign_ns >= 0
+        a = np.clip(assign_ns[assigned], t0, t1)
+        s = np.clip(np.where(started, start_ns, t1)[assigned], t0, t1)
+        out.pend_held = float(np.sum(use[assigned] * (s - a))) / (capacity * (t1 - t0))
 
 
 def _enqueue(eng, specs, batch, rejected):

@@ -138,9 +138,11 @@ def _duration(seconds):
 
 _COLUMNS = ("policy", "utilisation", "mean wait", "p95 wait", "bounded slowdown",
             "gang max wait", "backfilled", "jobs")
+# With the node model: the time assigned actions pended for nodes (assignment to start).
+_NODE_COLUMNS = ("pended", "pend mean", "pend p95", "pend max", "pend held")
 
 
-def _row(r):
+def _row(r, node_columns=False):
     util = "-" if r.utilization is None else f"{100 * r.utilization:.1f}%"
     slow = "-" if r.bounded_slowdown is None else f"{r.bounded_slowdown:.2f}"
     jobs = f"{r.completed}/{r.jobs}"
@@ -148,16 +150,42 @@ def _row(r):
         jobs += f" ({r.rejected} rejected)"
     if r.unfinished:
         jobs += f" ({r.unfinished} unfinished)"
-    return (r.policy, util, _duration(r.mean_wait_s), _duration(r.p95_wait_s), slow,
-            _duration(r.gang_max_wait_s), str(r.backfilled), jobs)
+    row = (r.policy, util, _duration(r.mean_wait_s), _duration(r.p95_wait_s), slow,
+           _duration(r.gang_max_wait_s), str(r.backfilled))
+    if node_columns:
+        pended = "-" if r.pended is None else str(r.pended)
+        if r.pending_at_end:
+            pended += f" ({r.pending_at_end} never placed)"
+        held = "-" if r.pend_held is None else f"{100 * r.pend_held:.1f}%"
+        row += (pended, _duration(r.pend_mean_s), _duration(r.pend_p95_s),
+                _duration(r.pend_max_s), held)
+    return (*row, jobs)
 
 
-def _table(rows):
-    widths = [max(len(str(row[k])) for row in [_COLUMNS, *rows]) for k in range(len(_COLUMNS))]
+def _table(rows, node_columns=False):
+    columns = _COLUMNS[:-1] + (_NODE_COLUMNS if node_columns else ()) + _COLUMNS[-1:]
+    widths = [max(len(str(row[k])) for row in [columns, *rows]) for k in range(len(columns))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-             for row in [_COLUMNS, *rows]]
+             for row in [columns, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _node_model(cfg, nodes):
+    """One line saying where pods are placed on nodes and where they are not."""
+    if not nodes:
+        return "nodes: not modelled (--no-nodes): an assigned action starts at once"
+    shaped = [c for c in cfg.clusters if c.node_shapes]
+    parts = [f"{c.name} ({', '.join(f'{s.count}x {s.name}' for s in c.node_shapes)})"
+             for c in shaped]
+    line = ("nodes: pods placed first fit decreasing on " + "; ".join(parts) +
+            "; an action starts when all its pods are placed (waits include pending)"
+            if shaped else "nodes: not modelled (no cluster has node shapes)")
+    bare = [c.name for c in cfg.clusters if not c.node_shapes]
+    if shaped and bare:
+        line += (f"; {', '.join(bare)} without node shapes: an assigned action starts "
+                 f"at once")
+    return line
 
 
 def _simulate(args):
@@ -173,9 +201,12 @@ def _simulate(args):
     swf = SwfMapping(resource=args.swf_resource, per_processor=_qty(args.swf_per_proc),
                      queue=args.swf_queue)
     trace = load_trace(args.trace, fmt=args.format, swf=swf)
-    prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit)
+    nodes = not args.no_nodes
+    prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit, nodes=nodes)
     results = [simulate(cfg, trace.jobs, policy, resource=args.resource,
-                        series=bool(args.plot), prepared=prepared) for policy in policies]
+                        series=bool(args.plot), prepared=prepared, nodes=nodes)
+               for policy in policies]
+    node_columns = any(r.nodes for r in results)
     jobs = prepared.jobs
     span = (max(j.submit for j in jobs) - min(j.submit for j in jobs)) if jobs else 0.0
     gangs = sum(j.n_pods > 1 for j in jobs)
@@ -184,6 +215,7 @@ def _simulate(args):
             "trace": trace.source, "config": cfg.source, "jobs": len(jobs), "gangs": gangs,
             "skipped": trace.skipped, "skipped_reasons": trace.skipped_reasons,
             "unfit": len(prepared.unfit), "submission_span_s": span,
+            "node_model": _node_model(cfg, nodes),
             "policies": {r.policy: r.to_dict() for r in results},
         }
         print(json.dumps(out, indent=2))
@@ -199,8 +231,13 @@ def _simulate(args):
                   f"(first: {prepared.unfit[0][0].where}: {prepared.unfit[0][1]})")
         print(f"utilisation: {resource} in use / capacity, first to last submission; "
               f"waits: submit to start")
+        print(_node_model(cfg, nodes))
+        if node_columns:
+            print(f"pended: started jobs that waited for nodes after assignment; pend mean, "
+                  f"p95, max: assignment to start, over started jobs; pend held: {resource} "
+                  f"charged to pending jobs (admitted, not placed) / capacity")
         print()
-        print(_table([_row(r) for r in results]))
+        print(_table([_row(r, node_columns) for r in results], node_columns))
         if results:
             ticks = ", ".join(f"{r.policy} {r.ticks} ticks in {r.wall_s:.2f}s" for r in results)
             print(f"\nreal engine tick on a virtual clock: {ticks}")
@@ -439,6 +476,9 @@ def main(argv=None):
     p.add_argument("--swf-queue", help="SWF: queue of every job (default: the default queue)")
     p.add_argument("--skip-unfit", action="store_true",
                    help="drop (and count) jobs no cluster of their queue can ever hold")
+    p.add_argument("--no-nodes", action="store_true",
+                   help="do not place pods on nodes: an assigned action starts at once "
+                   "(the engine's view, for comparison)")
     p.set_defaults(func=_simulate)
     p = sub.add_parser("flyte-decode", help="print the action a serialised Flyte 2 enqueue "
                        "message becomes (docs/flyte.md; needs leasehold[flyte])")

@@ -274,6 +274,31 @@ def test_backfill_bench_prints_one_json_object(capsys):
                     f"bounded_slowdown_{policy}", f"gang_max_wait_{policy}_s"):
             assert isinstance(data[key], float), key
     assert isinstance(data["goal_mean_wait_cut_10x"], bool)
+    assert data["nodes"] is True and isinstance(data["pended_fifo"], int)
+    assert bench.main(["--days", "0.25", "--seed", "3", "--no-nodes"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert flat["nodes"] is False and flat["pended_fifo"] is None
     again = bench.generate(3, 0.5)
     assert [(j.submit, j.runtime, j.task) for j in again] == [
         (j.submit, j.runtime, j.task) for j in bench.generate(3, 0.5)]
+
+
+def test_an_instant_cut_short_by_the_candidate_budget_is_ticked_again():
+    # Two candidates a tick. At t=1 the two GPU jobs examined first do not fit (job 0 holds
+    # every GPU until t=100) and the tick stops at its candidate budget having placed nothing;
+    # the CPU job it did not reach fits, and starts at t=1, not at the next event (t=100).
+    cfg = parse_config({
+        "resources": ["cpu", "gpu:H100"],
+        "engine": {"default_queue": "q", "max_candidates": 2},
+        "clusters": {"a": {"capacity": {"cpu": 16, "gpu:H100": 8}}},
+        "queues": {"q": {}},
+    }, source="<test>")
+    gpu = {"cpu": 1, "gpu:H100": 8}
+    jobs = [_job(0, 0, 100, (1, gpu), task="a"), _job(1, 1, 10, (1, gpu), task="b"),
+            _job(2, 1, 10, (1, gpu), task="c"), _job(3, 1, 10, (1, {"cpu": 1}), task="d")]
+    r = simulate(cfg, jobs, "greedy", series=True)
+    assert r.completed == 4
+    assert r.series["t_s"][:3] == [0.0, 1.0, 11.0]     # job 3 ran from 1 to 11
+    assert r.series["queued"][1] == 2                   # only the GPU jobs still queued at 1
+    # Waits: 0, 99 and 109 (the GPU jobs after job 0, one after the other), 0 (the CPU job).
+    assert r.mean_wait_s == pytest.approx((0 + 99 + 109 + 0) / 4)
