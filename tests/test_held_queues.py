@@ -50,7 +50,7 @@ def pair(batch_scheduling="GREEDY_CAPACITY"):
     """The same engine twice: cut short where held (the default) and examining everything."""
     out = []
     for examine_all in (False, True):
-        eng, clock = make_engine(config(batch_scheduling))
+        eng, _clock = make_engine(config(batch_scheduling))
         eng.inspect().kernel.examine_all = examine_all
         out.append(eng)
     return out
@@ -236,7 +236,7 @@ def test_cutting_held_queues_short_changes_no_decision(seed):
         k += len(specs)
         ends = [rng.randrange(1, 6) for _ in range(60)]
         outcomes = []
-        for eng, clock in engines:
+        for eng, _clock in engines:
             for spec in specs:
                 eng.enqueue(spec)
             placed = eng.tick()
