@@ -52,8 +52,9 @@ cpdef enum WaitCode:
     W_HEAD_BUDGET = 14         # STRICT_FIFO: behind a head blocked on the queue budget
     W_POOL_ELSEWHERE = 15      # its warm pool runs on a cluster the queue no longer allows
     W_QUEUE_PAUSED = 16        # the queue is paused (queues.NAME.paused): it places nothing
-    W_QUEUE_HELD = 17          # not examined: after its blocked head, every cluster open to
-                               # the queue was held or without a worker (explain resolves it)
+    # not examined: after its blocked head, every cluster open to the queue was held or
+    # without a worker (explain resolves what it waits for)
+    W_QUEUE_HELD = 17
 
 # How the current generation of a lease ended (a heartbeat for it is refused with this).
 cpdef enum LeaseEnd:
