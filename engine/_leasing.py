@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from cext._bulk import push_finalize_many, release_many
 from cext._lease import validate
 from engine._codes import (
     PHASE_CODE,
@@ -542,9 +543,7 @@ class LeasingMixin:
         st = self._state
         st.a_end[rows] = end
         st.a_expiry[rows] = NEVER
-        release = self._kernel.release
-        for r in rows.tolist():
-            release(r, now)
+        release_many(self._kernel, np.ascontiguousarray(rows, dtype=np.int64), now)
         set_state(st, rows, ST_DONE)
         st.a_done[rows] = now
         st.a_phase[rows] = phase
@@ -675,11 +674,9 @@ class LeasingMixin:
         st.fz_give_up[f] = give_up
         st.fz_outcome[f] = 0
         st.a_final[rows] = f
-        push = self._kernel.push_finalize
-        for x in f.tolist():
-            push(x)
+        push_finalize_many(self._kernel, np.ascontiguousarray(f, dtype=np.int64))
         self._timer_block(give_up, T_FINALIZE, f, 0)
-        self._dirty_fz.update(f.tolist())
+        self._touch_fz_many(f)
 
     def _end_finalize(self, f, end, outcome):
         st = self._state
