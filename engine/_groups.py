@@ -74,9 +74,9 @@ class ActionIds(Sequence):
     @classmethod
     def of_rows(cls, groups, gids, gidx):
         """The ids of rows given by their groups (``{gid: EnqueueGroup}``), group ids and
-        indexes (arrays, captured now: later changes of the rows do not show)."""
-        gids, gidx = gids.tolist(), gidx.tolist()
-        return cls(lambda i: groups[gids[i]].action_id(gidx[i]), len(gids))
+        indexes (arrays of the caller's own, not views of the columns: later changes of the
+        rows do not show). Kept as arrays: an abort of a large tree returns at once."""
+        return cls(lambda i: groups[int(gids[i])].action_id(int(gidx[i])), len(gids))
 
     def __len__(self):
         return self._n

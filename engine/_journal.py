@@ -368,7 +368,7 @@ class JournalMixin:
             part = st.a_part[idx]
         idx = idx.astype(np.int64, copy=False)
         size = self._codec_records.action_size
-        buf = bytearray(idx.size * size)
+        buf = np.empty(idx.size * size, dtype=np.uint8)     # every byte encoded: no zeroing
         self._codec_records.encode_actions(idx, buf)
         view = memoryview(buf)
         keys = idx.astype(">u8")                 # row_key of every row, in one pass
