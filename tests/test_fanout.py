@@ -168,6 +168,11 @@ def test_a_fan_out_again_is_a_no_op_and_only_new_names_are_added():
     ([], None, "at least one name"),
     (["ok", "bad/name"], None, r"names\[1\]"),
     (["ok", "-dash"], None, r"names\[1\]"),
+    # Names are checked joined by newlines: one holding a newline is still refused.
+    (["ok", "two\nparts"], None, r"names\[1\]"),
+    (["ok", "end\n"], None, r"names\[1\]"),
+    (["ok", ""], None, r"names\[1\]"),
+    (["ok", 7], None, r"names\[1\]"),
     (["a", "b", "a"], None, r"names\[2\]: 'a' appears twice"),
     (["a", "b"], ["x"], "inputs has 1 items for 2 names"),
     (["a"], [3], r"inputs\[0\]"),
