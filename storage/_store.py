@@ -310,16 +310,16 @@ class Records:
         raise IndexError(f"record {i} of a block of {self._n}")
 
     def pairs(self, start: int = 0, stop: int | None = None):
-        """``(key, value)`` 2-tuples of ``bytes`` for records ``start .. stop-1``, as
-        ``Cursor.putmulti`` takes them: a list made in one C loop
+        """An iterator of ``(key, value)`` 2-tuples of ``bytes`` for records ``start ..
+        stop-1``, as ``Cursor.putmulti`` takes them: made in one C loop
         (``cext._records.fixed_pairs``), no Python code per record."""
         stop = self._n if stop is None else min(stop, self._n)
         start = min(max(start, 0), stop)
-        return fixed_pairs(self._keys, self._values, self._key_size, self._value_size,
-                           start, stop)
+        return iter(fixed_pairs(self._keys, self._values, self._key_size, self._value_size,
+                                start, stop))
 
     def __iter__(self):
-        return iter(self.pairs())
+        return self.pairs()
 
     def ascending(self) -> bool:
         """Whether the keys are strictly ascending in unsigned byte order (sorted, no

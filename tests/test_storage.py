@@ -486,6 +486,7 @@ def test_records_api():
     assert list(r) == [(r.key(i), r.value(i)) for i in range(3)]
     assert list(r.pairs(1, 2)) == [(k(1), r.value(1))]
     assert list(r.pairs(2)) == [(k(2), r.value(2))] and list(r.pairs(2, 1)) == []
+    assert next(r.pairs()) == (k(3), r.value(0))        # an iterator, as it always was
     assert all(type(x) is bytes for pair in r.pairs() for x in pair)
     assert list(block("specs", [5, 6], key_size=3, value_size=0)) == [
         (bytes([0, 0, 5]), b""), (bytes([0, 0, 6]), b"")]
