@@ -6,12 +6,14 @@ column), this is ~50 ns per row.
 """
 
 cimport cython
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
+from cpython.bytes cimport (
+    PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE,
+)
 from libc.string cimport memcpy
 
 from cext._types cimport check_index, i32, i64, u8
 
-__all__ = ["RecordCodec", "ACTION_HEAD_SIZE", "copy_fixed"]
+__all__ = ["RecordCodec", "ACTION_HEAD_SIZE", "copy_fixed", "fixed_pairs"]
 
 ACTION_HEAD_SIZE = sizeof(ActionHead)
 
@@ -40,6 +42,31 @@ def copy_fixed(values, Py_ssize_t size, Py_ssize_t count, u8[::1] out not None,
         memcpy(dst + offset + i * size, PyBytes_AS_STRING(item), size)
         i += 1
     return i, -1
+
+
+def fixed_pairs(const u8[::1] keys not None, const u8[::1] values not None,
+                Py_ssize_t key_size, Py_ssize_t value_size, Py_ssize_t start,
+                Py_ssize_t stop):
+    """The ``(key, value)`` 2-tuples of ``bytes`` of fixed-size records ``start .. stop-1``
+    of two flat buffers, as a list (what ``Cursor.putmulti`` takes: storage.Records.pairs).
+    Made in one C loop: numpy's ``tolist`` of a void dtype and ``zip`` cost about twice as
+    much, and ``putmulti`` pulling them one by one from an iterator was slower than from a
+    list made beforehand (measured, 1,000 records of 212 bytes)."""
+    cdef Py_ssize_t i
+    if key_size < 1 or value_size < 0 or not 0 <= start <= stop:
+        raise ValueError(f"bad record sizes or range: {key_size}, {value_size}, "
+                         f"[{start}, {stop})")
+    if stop * key_size > keys.shape[0] or stop * value_size > values.shape[0]:
+        raise ValueError(f"records [{start}, {stop}) outside the buffers")
+    out = [None] * (stop - start)
+    for i in range(start, stop):
+        key = PyBytes_FromStringAndSize(<const char*>&keys[i * key_size], key_size)
+        if value_size:
+            out[i - start] = (key, PyBytes_FromStringAndSize(
+                <const char*>&values[i * value_size], value_size))
+        else:
+            out[i - start] = (key, b"")
+    return out
 
 
 @cython.final

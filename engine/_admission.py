@@ -338,7 +338,7 @@ class AdmissionMixin:
         rl = rows.tolist()
         n = len(hl)
         before = len(index)
-        taken = {h: index[h] for h in hl if h in index}
+        taken = {} if index.keys().isdisjoint(hl) else {h: index[h] for h in hl if h in index}
         index.update(zip(hl, rl, strict=True))
         if taken or len(index) - before != n:
             # A 64-bit hash shared with another id (astronomically rare): the first row keeps

@@ -7,6 +7,7 @@ A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_en
 import msgpack
 import numpy as np
 
+from cext._bulk import remove_many
 from cext._tree import descendants
 from engine._codes import (
     T_QUEUED,
@@ -91,9 +92,7 @@ class AttemptsMixin:
             quick = lean & (st.a_state[rows] == ST_QUEUED) & (phase == PH_QUEUED)
             q = rows[quick]
             if q.size:
-                remove = self._kernel.remove
-                for r in q.tolist():
-                    remove(r)
+                remove_many(self._kernel, np.ascontiguousarray(q, dtype=np.int64))
                 set_state(st, q, ST_DONE)
                 st.a_phase[q] = PH_ABORTED
                 st.a_done[q] = now

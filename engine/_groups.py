@@ -24,6 +24,8 @@ MAX_INPUT_REF = 4096
 
 # The action part of an id (engine/_model.py's segment rule).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# Many names joined by newlines (which no name may hold): one match for a whole fan-out.
+_NAMES = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(?:\n[A-Za-z0-9][A-Za-z0-9_.-]*)*")
 
 
 def group_key(gid):
@@ -74,9 +76,9 @@ class ActionIds(Sequence):
     @classmethod
     def of_rows(cls, groups, gids, gidx):
         """The ids of rows given by their groups (``{gid: EnqueueGroup}``), group ids and
-        indexes (arrays, captured now: later changes of the rows do not show)."""
-        gids, gidx = gids.tolist(), gidx.tolist()
-        return cls(lambda i: groups[gids[i]].action_id(gidx[i]), len(gids))
+        indexes (arrays of the caller's own, not views of the columns: later changes of the
+        rows do not show). Kept as arrays: an abort of a large tree returns at once."""
+        return cls(lambda i: groups[int(gids[i])].action_id(int(gidx[i])), len(gids))
 
     def __len__(self):
         return self._n
@@ -128,11 +130,17 @@ def check_names(names, inputs):
     names = list(names)
     if not names:
         raise SpecError("a fan-out needs at least one name")
-    match = _NAME.fullmatch
-    for i, name in enumerate(names):
-        if not isinstance(name, str) or match(name) is None:
-            raise SpecError(f"names[{i}]: {name!r} is not an action name (a letter or digit, "
-                            f"then letters, digits, '_', '.', '-')")
+    try:
+        joined = "\n".join(names)
+    except TypeError:
+        joined = None               # not all str: the loop below names the first
+    if joined is None or joined.count("\n") != len(names) - 1 or (
+            _NAMES.fullmatch(joined) is None):
+        match = _NAME.fullmatch
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or match(name) is None:
+                raise SpecError(f"names[{i}]: {name!r} is not an action name (a letter or "
+                                f"digit, then letters, digits, '_', '.', '-')")
     if len(set(names)) != len(names):
         seen = set()
         for i, name in enumerate(names):

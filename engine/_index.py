@@ -105,8 +105,10 @@ class IndexMixin:
     def _probe(self, hashes, texts):
         """Rows of the given names (-1 where new): one pass over the batch."""
         out = np.full(len(texts), -1, dtype=np.int64)
-        get = self._hash_rows.get
-        hits = [i for i, h in enumerate(hashes.tolist()) if get(h) is not None]
+        index, hl = self._hash_rows, hashes.tolist()
+        # New names are the common case: one C pass says none is indexed.
+        hits = [] if index.keys().isdisjoint(hl) else [
+            i for i, h in enumerate(hl) if h in index]
         if self._index_thread is not None:
             self._index_thread.join()
             self._index_thread = None

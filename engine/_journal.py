@@ -56,6 +56,8 @@ def _distinct_rows(parts, n):
     """The distinct rows of the arrays ``parts`` (each row < ``n``), ascending. A bitmap of
     the table when they are many (a large fan-out, an abort: O(n), no sort), else a sort."""
     m = sum(p.size for p in parts)
+    if len(parts) == 1 and (m < 2 or (parts[0][1:] > parts[0][:-1]).all()):
+        return parts[0]         # already distinct and ascending (one batch's rows, usually)
     if m * 16 >= n:
         mark = np.zeros(n, dtype=bool)
         for p in parts:
@@ -194,8 +196,9 @@ class JournalMixin:
                     self._restore()
 
     def _has_dirty(self):
-        return bool(self._dirty_rows or self._dirty_arrays or self._dirty_fz or self._ops
-                    or self._history_dirty or self._history_due())
+        return bool(self._dirty_rows or self._dirty_arrays or self._dirty_fz
+                    or self._dirty_fz_arrays or self._ops or self._history_dirty
+                    or self._history_due())
 
     def _touch(self, row):
         self._dirty_rows.append(row)
@@ -204,6 +207,11 @@ class JournalMixin:
         """Mark an array of action rows dirty (kept as the array: no Python int per row)."""
         if rows.size:
             self._dirty_arrays.append(rows)
+
+    def _touch_fz_many(self, rows):
+        """Mark an array of finalize rows dirty (kept as the array, like _touch_many)."""
+        if rows.size:
+            self._dirty_fz_arrays.append(rows)
 
     def _commit(self):
         if self._has_dirty():
@@ -294,13 +302,19 @@ class JournalMixin:
                 if rec is not None:   # else restored and untouched: its record stands
                     batch.setdefault(int(st.a_part[r]), []).append(
                         ("attempts", row_key(r), encode_outcome(rec)))
-        if self._dirty_fz:
-            idx = np.fromiter(self._dirty_fz, dtype=np.int64, count=len(self._dirty_fz))
-            # One block per partition (the partition of the action each cleans up).
+        if self._dirty_fz or self._dirty_fz_arrays:
+            parts_ = [a.astype(np.int64, copy=False) for a in self._dirty_fz_arrays]
+            if self._dirty_fz:
+                parts_.append(np.fromiter(self._dirty_fz, dtype=np.int64,
+                                          count=len(self._dirty_fz)))
+            idx = _distinct_rows(parts_, st.fz_state.shape[0])
+            # One block per partition (the partition of the action each cleans up), rows
+            # ascending within it (idx is ascending: a stable sort by partition keeps that).
             part = st.a_part[st.fz_action[idx]]
-            idx = idx[np.lexsort((idx, part))]
+            if part.size and (part != part[0]).any():
+                idx = idx[np.argsort(part, kind="stable")]
+                part = st.a_part[st.fz_action[idx]]
             recs = self._finalize_records(idx)
-            part = st.a_part[st.fz_action[idx]]
             keys = idx.astype(">u8")
             size = FINALIZE_DTYPE.itemsize
             bounds = np.flatnonzero(np.diff(part)) + 1
@@ -356,7 +370,7 @@ class JournalMixin:
             part = st.a_part[idx]
         idx = idx.astype(np.int64, copy=False)
         size = self._codec_records.action_size
-        buf = bytearray(idx.size * size)
+        buf = np.empty(idx.size * size, dtype=np.uint8)     # every byte encoded: no zeroing
         self._codec_records.encode_actions(idx, buf)
         view = memoryview(buf)
         keys = idx.astype(">u8")                 # row_key of every row, in one pass
@@ -386,7 +400,8 @@ class JournalMixin:
         # Python record is their truth): single rows and arrays of rows, merged at encode.
         self._dirty_rows = []
         self._dirty_arrays = []
-        self._dirty_fz = set()      # finalize rows
+        self._dirty_fz = set()      # finalize rows: single rows, and arrays of them
+        self._dirty_fz_arrays = []
         self._ops = {}              # partition -> [(db, key, value)] of the edges
         # (partition, key) -> retained outcome (None: deleted) this turn writes: what a
         # lookup must see before the store has it (engine/_retain.py, _unwritten_retained).

@@ -86,9 +86,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import repeat
 
 import msgpack
+
+from cext._records import fixed_pairs
 
 __all__ = [
     "DBS",
@@ -309,20 +310,13 @@ class Records:
         raise IndexError(f"record {i} of a block of {self._n}")
 
     def pairs(self, start: int = 0, stop: int | None = None):
-        """``(key, value)`` 2-tuples of ``bytes`` for records ``start .. stop-1``, made in C
-        (numpy ``tolist`` of a void dtype), as ``Cursor.putmulti`` takes them: one tuple and
-        two small ``bytes`` per record, no Python code per record."""
-        import numpy as np
-
+        """An iterator of ``(key, value)`` 2-tuples of ``bytes`` for records ``start ..
+        stop-1``, as ``Cursor.putmulti`` takes them: made in one C loop
+        (``cext._records.fixed_pairs``), no Python code per record."""
         stop = self._n if stop is None else min(stop, self._n)
-        m = max(stop - start, 0)
-        ks, vs = self._key_size, self._value_size
-        keys = np.frombuffer(self._keys, f"V{ks}", m, start * ks).tolist() if m else []
-        if vs and m:
-            values = np.frombuffer(self._values, f"V{vs}", m, start * vs).tolist()
-        else:
-            values = repeat(b"", m)
-        return zip(keys, values, strict=False)   # values: repeat(b"") when value_size is 0
+        start = min(max(start, 0), stop)
+        return iter(fixed_pairs(self._keys, self._values, self._key_size, self._value_size,
+                                start, stop))
 
     def __iter__(self):
         return self.pairs()

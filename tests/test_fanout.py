@@ -168,6 +168,11 @@ def test_a_fan_out_again_is_a_no_op_and_only_new_names_are_added():
     ([], None, "at least one name"),
     (["ok", "bad/name"], None, r"names\[1\]"),
     (["ok", "-dash"], None, r"names\[1\]"),
+    # Names are checked joined by newlines: one holding a newline is still refused.
+    (["ok", "two\nparts"], None, r"names\[1\]"),
+    (["ok", "end\n"], None, r"names\[1\]"),
+    (["ok", ""], None, r"names\[1\]"),
+    (["ok", 7], None, r"names\[1\]"),
     (["a", "b", "a"], None, r"names\[2\]: 'a' appears twice"),
     (["a", "b"], ["x"], "inputs has 1 items for 2 names"),
     (["a"], [3], r"inputs\[0\]"),
@@ -371,13 +376,23 @@ def test_report_many_checks_every_argument_before_applying_any():
         eng.report_many(tokens, ["SUCCEEDED"])
     with pytest.raises(SpecError, match="whole number"):
         eng.report_many(tokens[:-1], ["SUCCEEDED", "SUCCEEDED"])
+    # One phase for all (checked once): the same refusals, named at report 0.
+    with pytest.raises(SpecError, match="report 0: a worker cannot report QUEUED"):
+        eng.report_many(tokens, "QUEUED")
+    with pytest.raises(SpecError, match="report 0: FAILED needs error_kind"):
+        eng.report_many(tokens, Phase.FAILED)
+    with pytest.raises(SpecError, match="report 1: FAILED needs error_kind"):
+        eng.report_many(tokens, "FAILED", error_kinds=["USER", None])
     assert eng.store.commits == commits
     assert all(eng.phase(x.action) == Phase.INITIALIZING for x in out)
     # Checked against the worker named: another worker's reports are refused.
     eng.register_worker("v", "east", 10)
     refused = eng.report_many(tokens, ["SUCCEEDED", "SUCCEEDED"], worker="v")
     assert [r.verdict for r in refused] == [Verdict.UNKNOWN, Verdict.UNKNOWN]
-    assert eng.report_many(tokens, ["SUCCEEDED", "SUCCEEDED"], worker="w") == []
+    # The same lease twice in one message, side by side: the second is refused COMPLETED.
+    twice = out[0].token * 2 + out[1].token
+    refused = eng.report_many(twice, Phase.SUCCEEDED, worker="w")
+    assert [(r.token, r.verdict) for r in refused] == [(out[0].token, Verdict.COMPLETED)]
     assert all(eng.phase(x.action) == Phase.SUCCEEDED for x in out)
 
 

@@ -118,3 +118,21 @@ def test_name_hashes_are_the_name_hash_of_each_id():
     got = name_hashes(texts)
     assert got.dtype == np.uint64 and got.tolist() == [name_hash(t) for t in texts]
     assert name_hashes([]).size == 0
+
+
+def test_name_hashes_are_blake2b_across_block_boundaries():
+    # The C hash (cext._digest) must be hashlib's BLAKE2b-64 byte for byte: the hashes are
+    # durable. Lengths around each 128-byte block edge, multi-byte UTF-8 and every byte value.
+    from hashlib import blake2b
+
+    import pytest
+
+    from engine._records import name_hashes
+    texts = ["".join(chr(32 + (i * 7 + k) % 95) for k in range(n))
+             for i, n in enumerate([0, 1, 7, 8, 9, 63, 64, 127, 128, 129, 255, 256, 257, 1000])]
+    texts += ["é" * 64, "名" * 43, "🙂" * 32, "".join(chr(c) for c in range(1, 0x800, 3))]
+    want = [int.from_bytes(blake2b(t.encode(), digest_size=8).digest(), "little")
+            for t in texts]
+    assert name_hashes(texts).tolist() == want
+    with pytest.raises(TypeError):
+        name_hashes(["a", b"b"])

@@ -485,6 +485,11 @@ def test_records_api():
     assert r.key(0) == k(3) and r.value(1) == bytes([7, 8, 9, 10])
     assert list(r) == [(r.key(i), r.value(i)) for i in range(3)]
     assert list(r.pairs(1, 2)) == [(k(1), r.value(1))]
+    assert list(r.pairs(2)) == [(k(2), r.value(2))] and list(r.pairs(2, 1)) == []
+    assert next(r.pairs()) == (k(3), r.value(0))        # an iterator, as it always was
+    assert all(type(x) is bytes for pair in r.pairs() for x in pair)
+    assert list(block("specs", [5, 6], key_size=3, value_size=0)) == [
+        (bytes([0, 0, 5]), b""), (bytes([0, 0, 6]), b"")]
     assert not r.ascending() and block("actions", [1, 2, 3]).ascending()
     assert not block("actions", [1, 2, 2]).ascending()          # duplicates: not strictly
     assert block("actions", [0, 1, 255, 256, 2**40, 2**63 + 5]).ascending()
