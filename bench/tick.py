@@ -4,15 +4,14 @@
 
 What it measures (bench/README.md has the goals and how to read each number):
 
-* ``tick_ms`` / ``tick_ms_p90``: wall time of ``Engine.schedule()`` (due timers, the periodic
+* ``tick_ms`` / ``tick_ms_p90``: wall time of the tick's decision (due timers, the periodic
   lease-expiry sweep, the kernel tick, then the engine's handling of UNSCHEDULABLE failures) in
   the steady state of ``bench/workload.py``: 1,000 pending actions over 100 queues, 3 clusters,
   12 workers. Everything between two timed calls (drain, mark running, complete, heartbeats,
-  enqueue replacements, advancing the ManualClock) is untimed. Since the engine writes
-  through a store, ``schedule()`` ends with the turn's group commit; the workload runs on the
-  in-memory store, so ``tick_commit_ms`` is encoding the decided rows plus that store's
-  commit (an LMDB commit adds its fdatasync: ``sync_commit_ms`` of ``bench/reload.py``), and
-  ``tick_decide_ms`` the rest.
+  enqueue replacements, advancing the ManualClock) is untimed. ``tick_ms`` is
+  ``Engine.decide()``, whose turn ends by encoding the decided rows into its group;
+  ``tick_commit_ms`` is ``Engine.commit()`` of that group on the in-memory store (an LMDB
+  commit adds its fdatasync: ``sync_commit_ms`` of ``bench/reload.py``).
 * ``gate_ms_per_1000``: the resource gate's cost per 1,000 actions: the tick's own gate
   function timed in a C loop over the steady state's pending actions (see
   :func:`measure_gate`).
