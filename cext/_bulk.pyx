@@ -60,13 +60,5 @@ def push_finalize_many(TickKernel k not None, const i64[::1] rows not None):
 
 cdef void _push_finalize_many(TickKernel k, const i64[::1] rows) noexcept nogil:
     cdef Py_ssize_t i
-    cdef i32 f
     for i in range(rows.shape[0]):
-        f = <i32>rows[i]
-        k.fz_state[f] = ST_QUEUED
-        k.fz_next[f] = -1
-        if k.fz_tail >= 0:
-            k.fz_next[k.fz_tail] = f
-        else:
-            k.fz_head = f
-        k.fz_tail = f
+        k._push_finalize(<i32>rows[i])

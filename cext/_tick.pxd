@@ -212,6 +212,7 @@ cdef class TickKernel:
     cdef bint _queue_held(self, i32 q, u64 held, u64 avail) noexcept nogil
     cdef u8 _held_resolved(self, i32 a) noexcept nogil
     cdef bint _release(self, i32 a, i64 now) noexcept nogil
+    cdef void _push_finalize(self, i32 f) noexcept nogil
     cdef void _reap_pools(self, i64 now) noexcept nogil
     cdef u64 _count_slots(self) noexcept nogil
     cdef int _retry_heads(self, Py_ssize_t lo, Py_ssize_t hi, i64 now, u64* held,

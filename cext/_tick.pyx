@@ -682,6 +682,9 @@ cdef class TickKernel:
     def push_finalize(self, i32 f):
         """Queue finalize lease ``f`` (its row filled in) for placement first next tick."""
         check_index(f, self.fz_state.shape[0], "f", "a finalize row")
+        self._push_finalize(f)
+
+    cdef void _push_finalize(self, i32 f) noexcept nogil:
         self.fz_state[f] = ST_QUEUED
         self.fz_next[f] = -1
         if self.fz_tail >= 0:

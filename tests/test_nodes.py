@@ -3,23 +3,8 @@ node with room, gangs placed whole or not at all, pending actions retried oldest
 
 import numpy as np
 
-from engine._config import parse_config
 from engine._nodes import Nodes, Placer, size_order
-
-
-def _config(shapes):
-    return parse_config({
-        "resources": ["cpu", "memory", "gpu:H100"],
-        "engine": {"default_queue": "q"},
-        "clusters": {"a": {"node_shapes": shapes}},
-        "queues": {"q": {}},
-    }, source="<test>")
-
-
-def _shape(name, count, **allocatable):
-    if "gpu" in allocatable:
-        allocatable["gpu:H100"] = allocatable.pop("gpu")
-    return {"name": name, "count": count, "allocatable": allocatable}
+from tests.test_sim_nodes import node_config, node_shape
 
 
 def _vec(cfg, **res):
@@ -29,7 +14,7 @@ def _vec(cfg, **res):
 
 
 def test_pods_are_taken_largest_first_accelerators_then_cpu_then_memory():
-    cfg = _config([_shape("h100", 2, cpu=32, gpu=8)])
+    cfg = node_config([node_shape("h100", 2, cpu=32, gpu=8)])
     pods = np.array([_vec(cfg, cpu=8, memory="1Gi"),
                      _vec(cfg, cpu=32),
                      _vec(cfg, cpu=1, gpu=1),
@@ -43,7 +28,7 @@ def test_first_fit_decreasing_places_the_large_pod_before_the_small_one():
     # Nodes in config order: one of 8 GPUs, then one of 4. The gang lists its 4-GPU pod
     # first; placed in that order it would take the 8-GPU node and leave the 8-GPU pod
     # nowhere. Largest first, the 8-GPU pod takes node 0 and the 4-GPU pod node 1.
-    cfg = _config([_shape("big", 1, cpu=16, gpu=8), _shape("small", 1, cpu=16, gpu=4)])
+    cfg = node_config([node_shape("big", 1, cpu=16, gpu=8), node_shape("small", 1, cpu=16, gpu=4)])
     nodes = Nodes(cfg.cluster("a"), cfg.resources)
     assert nodes.names == ["big-0", "small-0"]
     pods = np.array([_vec(cfg, cpu=1, gpu=4), _vec(cfg, cpu=1, gpu=8)])
@@ -55,7 +40,7 @@ def test_first_fit_decreasing_places_the_large_pod_before_the_small_one():
 
 
 def test_identical_pods_fill_nodes_in_order_and_a_gang_is_placed_whole_or_not_at_all():
-    cfg = _config([_shape("n", 3, cpu=16, gpu=8)])
+    cfg = node_config([node_shape("n", 3, cpu=16, gpu=8)])
     nodes = Nodes(cfg.cluster("a"), cfg.resources)
     pod = np.array([_vec(cfg, cpu=4, gpu=2)])
     assert nodes.place(pod, np.array([5]))[0].tolist() == [0, 0, 0, 0, 1]

@@ -15,7 +15,7 @@ from engine.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(shapes, clusters=None):
+def node_config(shapes, clusters=None):
     return parse_config({
         "resources": ["cpu", "memory", "gpu:H100"],
         "engine": {"default_queue": "q"},
@@ -24,7 +24,7 @@ def _config(shapes, clusters=None):
     }, source="<test>")
 
 
-def _shape(name, count, **allocatable):
+def node_shape(name, count, **allocatable):
     if "gpu" in allocatable:
         allocatable["gpu:H100"] = allocatable.pop("gpu")
     return {"name": name, "count": count, "allocatable": allocatable}
@@ -35,7 +35,7 @@ def _job(i, submit, runtime, *pods, task=None):
                task=task or f"t{i}", queue=None, where=f"test:{i}")
 
 
-TWO_GPU_NODES = [_shape("h100", 2, cpu=32, gpu=8)]
+TWO_GPU_NODES = [node_shape("h100", 2, cpu=32, gpu=8)]
 
 
 def test_a_gang_pends_on_a_partly_used_node_until_it_frees():
@@ -43,7 +43,7 @@ def test_a_gang_pends_on_a_partly_used_node_until_it_frees():
     # two pods (8 GPUs, 16 cpu each) fits the cluster's totals (32 of 40 free cpu, all 16
     # GPUs), so the engine assigns it at t=1; but node 0 has 8 cpu left, so one pod cannot
     # be placed and the gang runs only when job 0 ends.
-    cfg = _config(TWO_GPU_NODES)
+    cfg = node_config(TWO_GPU_NODES)
     jobs = [_job(0, 0, 100, (1, {"cpu": 24})),
             _job(1, 1, 50, (2, {"cpu": 16, "gpu:H100": 8}))]
     r = simulate(cfg, jobs, "fifo", series=True)
@@ -65,7 +65,7 @@ def test_a_gang_assigned_onto_fragmented_gpus_pends_until_a_node_frees():
     # 12 GPUs free in all (2 + 2 + 8), so a gang of two 6-GPU pods is admitted, but only one
     # of its pods can be placed until job 1 ends (t=50) and frees node 1. Job 3 (no GPU)
     # only makes the utilisation window 100 s long.
-    cfg = _config([_shape("h100", 3, cpu=32, gpu=8)])
+    cfg = node_config([node_shape("h100", 3, cpu=32, gpu=8)])
     six = {"cpu": 1, "gpu:H100": 6}
     jobs = [_job(0, 0, 100, (1, six)), _job(1, 0, 50, (1, six)), _job(2, 1, 10, (2, six)),
             _job(3, 100, 1, (1, {"cpu": 1}))]
@@ -82,7 +82,7 @@ def test_pending_actions_are_retried_in_admission_order_without_blocking_each_ot
     # all, 8 per node. Job 3 (16 cpu) and job 4 (8 cpu) are assigned at t=1 in that order:
     # job 3 pends until t=100, job 4 is placed at once (a pending action does not hold back
     # a later one that fits).
-    cfg = _config([_shape("n", 3, cpu=32, gpu=8)])
+    cfg = node_config([node_shape("n", 3, cpu=32, gpu=8)])
     jobs = [_job(0, 0, 100, (1, {"cpu": 24})), _job(1, 0, 200, (1, {"cpu": 24})),
             _job(2, 0, 200, (1, {"cpu": 24})), _job(3, 1, 10, (1, {"cpu": 16})),
             _job(4, 1, 10, (1, {"cpu": 8}))]
@@ -96,7 +96,7 @@ def test_a_gang_placed_first_fit_decreasing_starts_at_once():
     # Nodes in config order: one of 8 GPUs, then one of 4. The gang lists its 4-GPU pod
     # first; placed in that order it would take the 8-GPU node and leave the other pod
     # nowhere (the gang would pend for ever). Largest first, both are placed at once.
-    cfg = _config([_shape("big", 1, cpu=16, gpu=8), _shape("small", 1, cpu=16, gpu=4)])
+    cfg = node_config([node_shape("big", 1, cpu=16, gpu=8), node_shape("small", 1, cpu=16, gpu=4)])
     r = simulate(cfg, [_job(0, 0, 10, (1, {"cpu": 1, "gpu:H100": 4}),
                             (1, {"cpu": 1, "gpu:H100": 8}))], "fifo")
     assert r.completed == 1 and r.gang_max_wait_s == 0.0 and r.pended == 0
@@ -105,7 +105,7 @@ def test_a_gang_placed_first_fit_decreasing_starts_at_once():
 def test_a_gang_that_fits_no_empty_cluster_is_refused_unless_nodes_are_off():
     # Three pods of 10 cpu: 30 of the 32 cpu in all and each fits a node, but a 16-cpu node
     # holds only one of them.
-    cfg = _config([_shape("n", 2, cpu=16, gpu=8)])
+    cfg = node_config([node_shape("n", 2, cpu=16, gpu=8)])
     job = _job(0, 0, 10, (3, {"cpu": 10}))
     with pytest.raises(TraceError, match=r"test:0: job 0 can never run: its 3 pods cannot all "
                                          r"be placed on the nodes of cluster a, even empty"):
@@ -117,7 +117,7 @@ def test_a_gang_that_fits_no_empty_cluster_is_refused_unless_nodes_are_off():
 def test_an_action_that_can_never_be_placed_is_counted_and_holds_its_share():
     # Checked without nodes, a gang of three 10-cpu pods passes (totals and shapes fit) but
     # no node holds two of them: the engine assigns it, and it pends to the end.
-    cfg = _config([_shape("n", 2, cpu=16, gpu=8)])
+    cfg = node_config([node_shape("n", 2, cpu=16, gpu=8)])
     jobs = [_job(0, 0, 10, (3, {"cpu": 10, "gpu:H100": 1})), _job(1, 100, 1, (1, {"cpu": 1}))]
     r = simulate(cfg, jobs, "greedy", prepared=prepare(cfg, jobs, nodes=False))
     assert r.pending_at_end == 1 and r.unfinished == 1 and r.completed == 1
@@ -125,7 +125,7 @@ def test_an_action_that_can_never_be_placed_is_counted_and_holds_its_share():
 
 
 def test_a_cluster_without_node_shapes_starts_work_at_assignment(tmp_path, capsys):
-    cfg = _config(None, clusters={"open": {"capacity": {"cpu": 64}}})
+    cfg = node_config(None, clusters={"open": {"capacity": {"cpu": 64}}})
     r = simulate(cfg, [_job(0, 0, 10, (2, {"cpu": 16}))], "fifo")
     assert r.nodes == [] and r.pended is None and r.gang_max_wait_s == 0.0
     path = tmp_path / "t.jsonl"
