@@ -405,8 +405,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             rows, kinds = st.d_action[slots], st.d_kind[slots]
             fin = kinds == KIND_FINALIZE
             self._touch_many(rows[~fin])
-            if fin.any():
-                self._dirty_fz.update(rows[fin].tolist())
+            self._touch_fz_many(rows[fin])
         for i in range(kernel.f_count):
             self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
         return placed, swept
