@@ -1,11 +1,26 @@
 """Kernel moves over many rows at once: ``TickKernel.remove``, ``release`` and
 ``push_finalize`` for an array of rows, the same moves in the same order, in one nogil loop
-(a Python call per row was a third of aborting 100,000 actions)."""
+(a Python call per row was a third of aborting 100,000 actions); and the drain of the
+dispatch ring into a batch's columns in one pass (``drain_dispatch``)."""
 
 from cext._tick cimport TickKernel
-from cext._types cimport ST_DONE, ST_QUEUED, check_index, i32, i64
+from cext._types cimport (
+    END_LIVE,
+    KIND_BIT,
+    KIND_FINALIZE,
+    NEVER,
+    ST_DONE,
+    ST_QUEUED,
+    ST_RUNNING,
+    ST_SENT,
+    check_index,
+    i32,
+    i64,
+    u8,
+    u64,
+)
 
-__all__ = ["remove_many", "release_many", "push_finalize_many"]
+__all__ = ["remove_many", "release_many", "push_finalize_many", "drain_dispatch"]
 
 
 def remove_many(TickKernel k not None, const i64[::1] rows not None):
@@ -62,3 +77,116 @@ cdef void _push_finalize_many(TickKernel k, const i64[::1] rows) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(rows.shape[0]):
         k._push_finalize(<i32>rows[i])
+
+
+def drain_dispatch(TickKernel k not None, i64 n, i64 now, u8 ph_init,
+                   i64[::1] a_start not None, u8[::1] a_phase not None,
+                   i64[::1] a_delivered_gen not None, const u8[::1] a_edges not None,
+                   const i64[::1] a_enqueued not None, const i32[::1] a_queue not None,
+                   const i64[::1] a_group not None, const i32[::1] a_gidx not None,
+                   const u8[::1] a_held_code not None, const i32[::1] fz_action not None,
+                   const i32[::1] fz_attempt not None, dict out not None):
+    """Consume the ``n`` oldest dispatch entries into the columns of ``out`` (arrays of at
+    least ``n`` entries, named as :class:`engine.DispatchBatch`'s columns, plus ``lean``,
+    uint8), in ring order, skipping entries whose lease ended before the drain; returns how
+    many were kept. A kept run lease of a lean row (no Python record) is handed out here:
+    its start stamped once, INITIALIZING (``ph_init``) while sent, its generation recorded
+    as delivered, attempt 1 (``lean`` = 1). Every other kept entry (``lean`` = 0) is left to
+    the caller, with its attempt filled for a finalize lease. ``tokens`` gets the lease id
+    and generation words (the caller mints the third)."""
+    cdef Py_ssize_t cap = k.d_action.shape[0]
+    if n < 0 or n > k.d_tail - k.d_head:
+        raise ValueError("cannot drain more than the ring holds")
+    cdef u8[::1] kind = out["kind"], wait_code = out["wait_code"], lean = out["lean"]
+    cdef i64[::1] lease_row = out["lease_row"], action_row = out["action_row"]
+    cdef i64[::1] generation = out["generation"], group = out["group"]
+    cdef i64[::1] first_enq = out["first_enqueued_ns"], att_enq = out["attempt_enqueued_ns"]
+    cdef i32[::1] cluster = out["cluster"], worker = out["worker"], attempt = out["attempt"]
+    cdef i32[::1] queue = out["queue"], index = out["index"]
+    cdef u64[:, ::1] tokens = out["tokens"]
+    if (kind.shape[0] < n or wait_code.shape[0] < n or lean.shape[0] < n
+            or lease_row.shape[0] < n or action_row.shape[0] < n
+            or generation.shape[0] < n or group.shape[0] < n or first_enq.shape[0] < n
+            or att_enq.shape[0] < n or cluster.shape[0] < n or worker.shape[0] < n
+            or attempt.shape[0] < n or queue.shape[0] < n or index.shape[0] < n
+            or tokens.shape[0] < n or tokens.shape[1] != 3):
+        raise ValueError(f"drain_dispatch: an output column is shorter than {n} entries")
+    cdef Py_ssize_t na = k.a_state.shape[0], nf = k.fz_state.shape[0]
+    if (a_start.shape[0] < na or a_phase.shape[0] < na or a_delivered_gen.shape[0] < na
+            or a_edges.shape[0] < na or a_enqueued.shape[0] < na or a_queue.shape[0] < na
+            or a_group.shape[0] < na or a_gidx.shape[0] < na or a_held_code.shape[0] < na
+            or fz_action.shape[0] < nf or fz_attempt.shape[0] < nf):
+        raise ValueError("drain_dispatch: a state column is shorter than the kernel's table")
+    cdef i64 m
+    with nogil:
+        m = _drain(k, n, now, ph_init, cap, a_start, a_phase, a_delivered_gen, a_edges,
+                   a_enqueued, a_queue, a_group, a_gidx, a_held_code, fz_action, fz_attempt,
+                   kind, lease_row, action_row, generation, cluster, worker, attempt, queue,
+                   group, index, first_enq, att_enq, wait_code, tokens, lean)
+    return m
+
+
+cdef i64 _drain(TickKernel k, i64 n, i64 now, u8 ph_init, Py_ssize_t cap,
+                i64[::1] a_start, u8[::1] a_phase, i64[::1] a_delivered_gen,
+                const u8[::1] a_edges, const i64[::1] a_enqueued, const i32[::1] a_queue,
+                const i64[::1] a_group, const i32[::1] a_gidx, const u8[::1] a_held_code,
+                const i32[::1] fz_action, const i32[::1] fz_attempt,
+                u8[::1] kind, i64[::1] lease_row, i64[::1] action_row, i64[::1] generation,
+                i32[::1] cluster, i32[::1] worker, i32[::1] attempt, i32[::1] queue,
+                i64[::1] group, i32[::1] index, i64[::1] first_enq, i64[::1] att_enq,
+                u8[::1] wait_code, u64[:, ::1] tokens, u8[::1] lean) noexcept nogil:
+    cdef i64 i, m = 0, gen
+    cdef Py_ssize_t slot
+    cdef i32 row, arow
+    cdef u8 knd, st
+    for i in range(n):
+        slot = <Py_ssize_t>((k.d_head + i) % cap)
+        row = k.d_action[slot]
+        gen = k.d_gen[slot]
+        knd = k.d_kind[slot]
+        if knd == KIND_FINALIZE:
+            # A finalize lease ended (expired, aborted) before the drain is not delivered.
+            if k.fz_gen[row] != gen or k.fz_end[row] != END_LIVE:
+                continue
+            arow = fz_action[row]
+            attempt[m] = fz_attempt[row]
+            att_enq[m] = 0
+            lean[m] = 0
+            wait_code[m] = 0
+        else:
+            st = k.a_state[row]
+            if (k.a_gen[row] != gen or k.a_end[row] != END_LIVE
+                    or (st != ST_SENT and st != ST_RUNNING)):
+                continue
+            arow = row
+            wait_code[m] = a_held_code[row]
+            if a_edges[row] == 0:
+                # The common path: stamped once, INITIALIZING while sent, delivered.
+                if a_start[row] == NEVER:
+                    a_start[row] = now
+                if st == ST_SENT:
+                    a_phase[row] = ph_init
+                a_delivered_gen[row] = gen
+                attempt[m] = 1
+                att_enq[m] = a_enqueued[row]
+                lean[m] = 1
+            else:
+                attempt[m] = 0
+                att_enq[m] = 0
+                lean[m] = 0
+        kind[m] = knd
+        lease_row[m] = row
+        action_row[m] = arow
+        generation[m] = gen
+        cluster[m] = k.d_cluster[slot]
+        worker[m] = k.d_worker[slot]
+        queue[m] = a_queue[arow]
+        group[m] = a_group[arow]
+        index[m] = a_gidx[arow]
+        first_enq[m] = a_enqueued[arow]
+        tokens[m, 0] = (KIND_BIT if knd == KIND_FINALIZE else 0) | <u64>row
+        tokens[m, 1] = <u64>gen
+        tokens[m, 2] = 0
+        m += 1
+    k.d_head += n
+    return m

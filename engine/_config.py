@@ -199,6 +199,9 @@ class TransportSettings:
     hwm: int = 1000  # ZeroMQ send/receive high-water mark per connection, in messages
     max_outstanding: int = 64  # requests a client may have unanswered (the shard loop refuses more)
     commit_pipeline: int = 2  # loop turns in commit at once (1: each turn waits for its commit)
+    # A turn decided while no message waits is committed on the decision thread itself
+    # (nothing to overlap its sync with; no hand-off to the committer and back).
+    idle_commit_inline: bool = True
     # The ZeroMQ endpoint each shard binds, by shard index (``leasehold shard --shard N``
     # binds ``endpoints[N]``; clients and workers dial the same strings).
     endpoints: tuple = ("tcp://127.0.0.1:7700",)
@@ -562,9 +565,12 @@ def _parse_transport(source, table):
     minimums = {"max_frames": 2, "max_frame_bytes": 1024, "max_header_bytes": 1024,
                 "max_tokens": 1, "max_batch": 1, "max_fanout": 1, "max_name": 64,
                 "max_text": 64, "hwm": 1, "max_outstanding": 1, "commit_pipeline": 1}
-    _check_keys(source, "transport", table, (*minimums, "endpoints"))
+    _check_keys(source, "transport", table, (*minimums, "endpoints", "idle_commit_inline"))
     values = {key: _int(source, f"transport.{key}", table[key], minimums[key])
               for key in minimums if key in table}
+    if "idle_commit_inline" in table:
+        values["idle_commit_inline"] = _parse_bool(source, "transport.idle_commit_inline",
+                                                   table["idle_commit_inline"])
     if values.get("commit_pipeline", 1) > MAX_COMMIT_PIPELINE:
         raise _invalid(source, "transport.commit_pipeline", table["commit_pipeline"],
                        f"an integer from 1 to {MAX_COMMIT_PIPELINE}")

@@ -11,6 +11,13 @@ from engine._codes import LeaseKind
 
 __all__ = ["DispatchBatch", "Assignment"]
 
+# A batch's columns of one entry each, and their dtypes (``tokens`` is n x 3 uint64).
+_COLUMNS = (("kind", np.uint8), ("lease_row", np.int64), ("action_row", np.int64),
+            ("generation", np.int64), ("cluster", np.int32), ("worker", np.int32),
+            ("attempt", np.int32), ("queue", np.int32), ("group", np.int64),
+            ("index", np.int32), ("first_enqueued_ns", np.int64),
+            ("attempt_enqueued_ns", np.int64), ("wait_code", np.uint8))
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -46,9 +53,7 @@ class DispatchBatch:
     ``tokens`` (n x 3 uint64, the 24-byte tokens back to back: ``tokens.tobytes()`` is the
     frame). Entries whose lease ended before the drain are not in it."""
 
-    __slots__ = ("kind", "lease_row", "action_row", "generation", "cluster", "worker",
-                 "attempt", "queue", "group", "index", "first_enqueued_ns",
-                 "attempt_enqueued_ns", "wait_code", "tokens", "_groups", "_clusters",
+    __slots__ = (*(name for name, _ in _COLUMNS), "tokens", "_groups", "_clusters",
                  "_workers", "_queues")
 
     def __init__(self, columns, groups, clusters, workers, queues):
@@ -106,9 +111,11 @@ class DispatchBatch:
     @staticmethod
     def empty_columns():
         """The columns of an empty batch."""
-        i64, i32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
-        return {"kind": np.zeros(0, np.uint8), "lease_row": i64, "action_row": i64,
-                "generation": i64, "cluster": i32, "worker": i32, "attempt": i32,
-                "queue": i32, "group": i64, "index": i32, "first_enqueued_ns": i64,
-                "attempt_enqueued_ns": i64, "wait_code": np.zeros(0, np.uint8),
-                "tokens": np.zeros((0, 3), np.uint64)}
+        return DispatchBatch.new_columns(0)
+
+    @staticmethod
+    def new_columns(n):
+        """Uninitialised columns for ``n`` entries (each its own array)."""
+        cols = {name: np.empty(n, dtype) for name, dtype in _COLUMNS}
+        cols["tokens"] = np.empty((n, 3), np.uint64)
+        return cols

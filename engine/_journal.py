@@ -365,7 +365,8 @@ class JournalMixin:
         Cython codec into one buffer and handed to the store as is."""
         st = self._state
         part = st.a_part[idx]
-        if part.size and (part != part[0]).any():       # idx ascending: by partition, stable
+        mixed = part.size > 1 and (part != part[0]).any()
+        if mixed:                                   # idx ascending: by partition, stable
             idx = idx[np.argsort(part, kind="stable")]
             part = st.a_part[idx]
         idx = idx.astype(np.int64, copy=False)
@@ -374,8 +375,8 @@ class JournalMixin:
         self._codec_records.encode_actions(idx, buf)
         view = memoryview(buf)
         keys = idx.astype(">u8")                 # row_key of every row, in one pass
-        bounds = np.flatnonzero(np.diff(part)) + 1
-        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), idx.size], strict=True):
+        bounds = (np.flatnonzero(np.diff(part)) + 1).tolist() if mixed else []
+        for lo, hi in zip([0, *bounds], [*bounds, idx.size], strict=True):
             batch.setdefault(int(part[lo]), []).append(
                 Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
 

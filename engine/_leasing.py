@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from cext._bulk import push_finalize_many, release_many
+from cext._bulk import drain_dispatch, push_finalize_many, release_many
 from cext._lease import validate
 from engine._codes import (
     PHASE_CODE,
@@ -187,41 +187,25 @@ class LeasingMixin:
         if n <= 0:
             return DispatchBatch(DispatchBatch.empty_columns(), {}, self._clusters,
                                  self._worker_names, self._queue_names)
-        slots = np.arange(k.d_head, k.d_head + n) % st.d_action.shape[0]
-        rows = st.d_action[slots].astype(np.int64)
-        gens = st.d_gen[slots].copy()
-        kinds = st.d_kind[slots].copy()
-        fin = kinds == KIND_FINALIZE
-        run = ~fin
-        keep = np.zeros(n, dtype=bool)
-        # Entries whose lease ended before the drain (expired, aborted) are never delivered.
-        r = rows[run]
-        keep[run] = ((st.a_gen[r] == gens[run]) & (st.a_end[r] == END_LIVE)
-                     & ((st.a_state[r] == ST_SENT) | (st.a_state[r] == ST_RUNNING)))
-        f = rows[fin]
-        keep[fin] = (st.fz_gen[f] == gens[fin]) & (st.fz_end[f] == END_LIVE)
-        k.consume_dispatch(n)
-        rows, gens, kinds, fin, slots = rows[keep], gens[keep], kinds[keep], fin[keep], \
-            slots[keep]
-        m = rows.size
-        arows = rows.copy()
-        attempt = np.empty(m, dtype=np.int32)
-        att_enq = np.empty(m, dtype=np.int64)
-        if fin.any():
-            arows[fin] = st.fz_action[rows[fin]]
-            attempt[fin] = st.fz_attempt[rows[fin]]
-        lean = ~fin & (st.a_edges[arows] == 0)
+        cols = DispatchBatch.new_columns(n)
+        lean = np.empty(n, dtype=np.uint8)
+        cols["lean"] = lean
+        # One compiled pass: entries whose lease ended before the drain (expired, aborted)
+        # are never delivered; lean run leases are handed out there (cext/_bulk.pyx).
+        m = drain_dispatch(k, n, self.clock.now_ns(), PH_INIT, st.a_start, st.a_phase,
+                           st.a_delivered_gen, st.a_edges, st.a_enqueued, st.a_queue,
+                           st.a_group, st.a_gidx, st.a_held_code, st.fz_action, st.fz_attempt,
+                           cols)
+        del cols["lean"]
+        if m < n:
+            cols = {name: col[:m] for name, col in cols.items()}
+        lean = lean[:m].view(bool)
+        rows, arows = cols["lease_row"], cols["action_row"]
+        attempt, att_enq = cols["attempt"], cols["attempt_enqueued_ns"]
         if lean.any():
-            # The common path in columns: stamped once, INITIALIZING while sent, delivered.
-            lr = rows[lean]
-            now = self.clock.now_ns()
-            st.a_start[lr] = np.where(st.a_start[lr] == NEVER, now, st.a_start[lr])
-            sent = lr[st.a_state[lr] == ST_SENT]
-            st.a_phase[sent] = PH_INIT
-            st.a_delivered_gen[lr] = gens[lean]
-            attempt[lean] = 1
-            att_enq[lean] = st.a_enqueued[lr]
-            self._touch_many(lr)
+            self._touch_many(rows[lean])
+        fin = cols["kind"] == KIND_FINALIZE
+        gens = cols["generation"]
         for i in np.flatnonzero(~lean).tolist():
             row, gen = int(rows[i]), int(gens[i])
             if fin[i]:
@@ -244,23 +228,17 @@ class LeasingMixin:
             self._touch(row)
             attempt[i] = att.number
             att_enq[i] = att.enqueued_ns
-        tokens = np.empty((m, 3), dtype=np.uint64)
-        tokens[:, 0] = (kinds.astype(np.uint64) << np.uint64(63)) | rows.astype(np.uint64)
-        tokens[:, 1] = gens.astype(np.uint64)
-        self._codec.mint_array(tokens)
-        group = st.a_group[arows].copy()
-        cols = {
-            "kind": kinds, "lease_row": rows, "action_row": arows, "generation": gens,
-            "cluster": st.d_cluster[slots].copy(), "worker": st.d_worker[slots].copy(),
-            "attempt": attempt, "queue": st.a_queue[arows].copy(), "group": group,
-            "index": st.a_gidx[arows].copy(), "first_enqueued_ns": st.a_enqueued[arows].copy(),
-            "attempt_enqueued_ns": att_enq, "wait_code": np.where(fin, 0, st.a_held_code[arows]
-                                                                ).astype(np.uint8),
-            "tokens": tokens,
-        }
-        groups = {gid: self._group_of(int(arows[i])) for gid, i in zip(
-            *np.unique(group, return_index=True), strict=True)}
-        return DispatchBatch(cols, {int(g): v for g, v in groups.items()}, self._clusters,
+        self._codec.mint_array(cols["tokens"])
+        group = cols["group"]
+        if m <= 16:     # a few leases (an idle round trip): no sort
+            groups = {}
+            for gid, arow in zip(group.tolist(), arows.tolist(), strict=True):
+                if gid not in groups:
+                    groups[gid] = self._group_of(arow)
+        else:
+            groups = {int(gid): self._group_of(int(arows[i])) for gid, i in zip(
+                *np.unique(group, return_index=True), strict=True)}
+        return DispatchBatch(cols, groups, self._clusters,
                              self._worker_names, self._queue_names)
 
     def _stamp_attempt(self, rec):

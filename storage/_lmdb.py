@@ -270,6 +270,7 @@ class LmdbStore(Store):
         self._jenv: lmdb.Environment | None = None
         self._jlog = None
         self._claim: Claim | None = None
+        self._claim_raw = None     # the claim record as this store last wrote it
         self._shard: str | None = None
         self._next_gid = 1
         self._journal_bytes = 0
@@ -433,6 +434,7 @@ class LmdbStore(Store):
         # LMDB keeps the larger of the configured and the used size
         self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))
         self._claim, self._shard = claim, shard
+        self._claim_raw = claim.encode()
         self._next_gid = last + 1
         self._journal_bytes = 0
         self._failed = self._lost = None
@@ -722,12 +724,15 @@ class LmdbStore(Store):
                 txns.append(txn)
                 meta = self._dbh[p]["meta"]
                 raw = txn.get(META_CLAIM, db=meta)
-                try:
-                    check_held(p, Claim.decode(raw, p) if raw is not None else None,
-                               self._claim, "commit")
-                except OwnershipError as e:
-                    self._lost = e
-                    raise
+                # The record this store last wrote holds our token: no decode needed (any
+                # other record is decoded and checked).
+                if raw != self._claim_raw:
+                    try:
+                        check_held(p, Claim.decode(raw, p) if raw is not None else None,
+                                   self._claim, "commit")
+                    except OwnershipError as e:
+                        self._lost = e
+                        raise
                 self._apply(p, txn, ops)
                 txn.put(META_APPLIED, gkey, db=meta)
             if self._fail_next is not None:
@@ -932,6 +937,7 @@ class LmdbStore(Store):
         except lmdb.Error as e:
             raise StoreError(f"store {self.path}: LMDB error after renewing claims: {e}") from e
         self._claim = claim
+        self._claim_raw = enc
         return expiry
 
     def resize(self, new_map_size: int) -> None:

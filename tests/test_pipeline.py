@@ -18,14 +18,16 @@ RUN = "acme/ml/prod/r1"
 WAITING = Phase.WAITING_FOR_RESOURCES   # no worker is connected: enqueued, never placed
 
 
-def config(tmp_path, pipeline=2):
+def config(tmp_path, pipeline=2, inline=False):
     return parse_config({
         "resources": ["cpu"],
         "clusters": {"east": {"capacity": {"cpu": 64}}},
         "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 1000}},
         "engine": {"default_queue": "q", "heartbeat_interval": 1.0},
         "storage": {"path": str(tmp_path / "data"), "partitions": 2},
-        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "commit_pipeline": pipeline},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "commit_pipeline": pipeline,
+                      # These tests hold a lone turn in the pipeline: not committed inline.
+                      "idle_commit_inline": inline},
         "security": {"insecure": True},
     })
 
@@ -100,8 +102,8 @@ class Raw:
 def rig(tmp_path):
     made = []
 
-    def make(store, pipeline=2):
-        shard = Shard(config(tmp_path, pipeline), store=store).start()
+    def make(store, pipeline=2, inline=False):
+        shard = Shard(config(tmp_path, pipeline, inline), store=store).start()
         raw = Raw(shard.endpoint)
         made.append((shard, raw))
         return shard, raw
@@ -148,6 +150,22 @@ def test_with_a_pipeline_of_one_the_next_turn_waits_for_the_commit(rig):
     raw.enqueue(2, "b")
     assert raw.answer(0.3) is None
     assert shard.counters["turns"] == turns       # b waits for a's commit to return
+    gate.open()
+    assert [raw.answer(10).rid, raw.answer(10).rid] == [1, 2]
+
+
+def test_a_turn_decided_with_nothing_waiting_is_committed_on_the_decision_thread(rig):
+    # idle_commit_inline (the default): a lone turn's commit runs on the decision thread,
+    # so the next message waits for it, as with a pipeline of one.
+    gate = Gate()
+    shard, raw = rig(GatedMemoryStore(gate), inline=True)
+    gate.held = True
+    raw.enqueue(1, "a")
+    assert gate.entered.wait(10)
+    turns = shard.counters["turns"]
+    raw.enqueue(2, "b")
+    assert raw.answer(0.3) is None
+    assert shard.counters["turns"] == turns       # b waits: the decision thread commits a
     gate.open()
     assert [raw.answer(10).rid, raw.answer(10).rid] == [1, 2]
 

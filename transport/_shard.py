@@ -66,6 +66,7 @@ log = logging.getLogger("leasehold.shard")
 
 #: Messages taken in one loop turn (one group commit); the rest wait for the next turn.
 BATCH = 512
+_POLLIN = int(zmq.POLLIN)
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
 _MAX_LEASES = 100_000       # leases of watched runs mapped to their action (for reports)
 
@@ -163,7 +164,9 @@ class Shard:
                               leases_unsent=0, events=0, events_unsent=0, turns=0,
                               failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
                               store_commits=0)
-        self._counts_lock = threading.Lock()
+        # Each counter has one writer at a time (the decision thread; store_commits also
+        # the committer thread, whose commits never overlap the decision thread's own), so
+        # an increment needs no lock; a snapshot is one dict copy under the GIL.
         self._status = None         # the shared-memory status (transport/_status.py)
 
     # ------------------------------------------------------------------ running
@@ -207,16 +210,14 @@ class Shard:
         leases pushed or unsent, events pushed or unsent, loop turns, store group commits
         (turns that changed nothing write nothing), failed turns, ticks,
         and the ZAP handshakes accepted and refused."""
-        with self._counts_lock:
-            out = dict(self._counters)
+        out = dict(self._counters)
         auth = getattr(self, "_auth", None)
         out["handshakes_accepted"] = auth.accepted if auth is not None else 0
         out["handshakes_refused"] = auth.refused if auth is not None else 0
         return out
 
     def _count(self, key, n=1):
-        with self._counts_lock:
-            self._counters[key] += n
+        self._counters[key] += n
 
     def _on_commit(self, ns, ok):
         # On the committer thread: the status's commit histogram is updated there too
@@ -323,7 +324,9 @@ class _Loop:
                 poller.poll(int(wait * 1000) + (0 if wait == 0 else 1))
                 self.settle_done()
                 msgs = []
-                while len(msgs) < BATCH:
+                # Asking the socket first (ZMQ_EVENTS) ends the batch without the zmq.Again
+                # exception a last non-blocking receive would raise every turn.
+                while len(msgs) < BATCH and self.waiting():
                     try:
                         msgs.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
@@ -349,6 +352,10 @@ class _Loop:
         finally:
             committer.close()
         self.publish_status()
+
+    def waiting(self):
+        """Whether a message waits at the socket (it can be received without blocking)."""
+        return self.sock.getsockopt(zmq.EVENTS) & _POLLIN
 
     def room(self):
         """Wait (settling what finished) until fewer than ``commit_pipeline`` turns are in
@@ -478,9 +485,11 @@ class _Loop:
         if group.state != "pending":        # the engine stopped (ownership lost)
             self.unavailable(box, "the shard stopped")
             return
-        if not self.inflight and (self.depth == 1 or not group.batch):
-            # Nothing before it in commit, and nothing to write or no pipeline: committed
-            # on this thread (no hand-off to the committer and back).
+        if not self.inflight and (self.depth == 1 or not group.batch or (
+                self.settings.idle_commit_inline and not self.waiting())):
+            # Nothing before it in commit, and nothing to write, no pipeline, or no message
+            # waiting to be decided while it syncs: committed on this thread, so an idle
+            # round trip pays no hand-off to the committer thread and back.
             self.conclude(box, eng.commit, group)
             return
         self.inflight.append(self.committer.submit(group, box))
