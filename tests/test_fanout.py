@@ -317,6 +317,32 @@ def test_drain_columns_is_drain_dispatch_in_columns():
     assert len(a.drain_columns()) == 0
 
 
+def test_the_drain_skips_ended_leases_and_hands_out_the_rest_in_ring_order():
+    # The compiled drain (cext._bulk.drain_dispatch) against what each entry must become:
+    # an entry whose lease ended before the drain is not delivered; a delivered lean run
+    # lease is stamped (start, INITIALIZING, attempt 1) and its columns name its action.
+    eng = engine()
+    ids = eng.enqueue_fanout(template(), [f"n{k}" for k in range(4)])
+    eng.clock.advance(1)
+    enq = eng.clock.now_ns()
+    eng.schedule()
+    eng.abort(ids[1])                   # ended in the ring, before the drain
+    eng.clock.advance(2)
+    batch = eng.drain_columns()
+    assert [batch.action(i) for i in range(len(batch))] == [ids[0], ids[2], ids[3]]
+    view = eng.inspect()
+    rows = batch.action_row.tolist()
+    assert batch.lease_row.tolist() == rows and batch.kind.tolist() == [0, 0, 0]
+    assert batch.attempt.tolist() == [1, 1, 1]
+    assert batch.attempt_enqueued_ns.tolist() == [enq - 1_000_000_000] * 3
+    assert batch.first_enqueued_ns.tolist() == [enq - 1_000_000_000] * 3
+    assert (view.arrays.a_start[rows] == eng.clock.now_ns()).all()
+    assert [eng.phase(a) for a in (ids[0], ids[2], ids[3])] == [Phase.INITIALIZING] * 3
+    assert eng.phase(ids[1]) == Phase.ABORTED
+    assert eng.heartbeat("w", batch.tokens.tobytes()) == []    # every token is valid
+    assert len(eng.drain_columns()) == 0
+
+
 def test_report_many_equals_the_same_reports_one_by_one():
     a, b = twin()
     for eng in (a, b):
