@@ -15,6 +15,8 @@ store in a temporary directory, ``sync = true``: every group commit is an fdatas
   anything of it leaves the shard.
 * ``commits_per_action``: store group commits during the RTT phase per action (the shard's
   counters, read with PING by the admin key).
+* ``rtt_cpu_ms_shard`` / ``_worker`` / ``_client``: CPU (user + system, every thread) each
+  process spent per action during the RTT phase: the round trip is mostly these in series.
 * ``fdatasync_p50_ms``: one fdatasync on this disk, and ``nosync_*``: the same runs with
   ``storage.sync = false`` (CURVE on): what is left of the round trip without the syncs is
   the wire, the three processes' Python and the engine.
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
 import zmq  # noqa: E402
 from _harness import free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
 
@@ -154,7 +157,13 @@ def worker_main(endpoint, tmp, secure):
             w.report([x.token for x in leases], "SUCCEEDED")
 
 
-def rtt(endpoint, tmp, secure, count):
+def cpu_s(proc):
+    """User + system CPU seconds of ``proc`` (a psutil.Process), every thread."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def rtt(endpoint, tmp, secure, count, shard_pid):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     worker = subprocess.Popen([sys.executable, __file__, "--worker", endpoint, str(tmp),
                                "1" if secure else "0"], env=env, stdout=subprocess.PIPE,
@@ -168,6 +177,8 @@ def rtt(endpoint, tmp, secure, count):
         c.subscribe(run)
         times = []
         before = admin.ping()["counters"]["store_commits"]
+        procs = [psutil.Process(shard_pid), psutil.Process(worker.pid), psutil.Process()]
+        cpu0 = [cpu_s(x) for x in procs]
         for i in range(count):
             aid = f"{run}/a{i}"
             t0 = time.perf_counter()
@@ -177,11 +188,12 @@ def rtt(endpoint, tmp, secure, count):
                 if e.action == aid and e.phase == "SUCCEEDED":
                     break
             times.append(time.perf_counter() - t0)
+        cpu = [(cpu_s(x) - c0) * 1e3 / count for x, c0 in zip(procs, cpu0, strict=True)]
         after = admin.ping()["counters"]["store_commits"]
         times.sort()
         return (times[len(times) // 2] * 1e3, times[min(len(times) - 1,
                                                          int(len(times) * 0.99))] * 1e3,
-                (after - before) / count)
+                (after - before) / count, *cpu)
     finally:
         c.close()
         admin.close()
@@ -197,8 +209,7 @@ def one_run(tmp, secure, batches, count, sync=True, pipeline=None):
     try:
         wait_for(endpoint, keys_of(tmp, secure, "app"))
         rate = enqueue_rate(endpoint, keys_of(tmp, secure, "app"), batches)
-        p50, p99, commits = rtt(endpoint, tmp, secure, count)
-        return rate, p50, p99, commits
+        return (rate, *rtt(endpoint, tmp, secure, count, proc.pid))
     finally:
         stop(proc)
 
@@ -249,6 +260,11 @@ def main():
     out["idle_rtt_p50_ms"] = round(med[True][1], 3)
     out["idle_rtt_p99_ms"] = round(med[True][2], 3)
     out["commits_per_action"] = round(med[True][3], 2)
+    # CPU (user + system, every thread) per action of the RTT phase, by process: the round
+    # trip is mostly these in series (the client's includes its ZeroMQ I/O thread: CURVE).
+    out["rtt_cpu_ms_shard"] = round(med[True][4], 3)
+    out["rtt_cpu_ms_worker"] = round(med[True][5], 3)
+    out["rtt_cpu_ms_client"] = round(med[True][6], 3)
     out["curve_cost_pct"] = round((med[True][1] / med[False][1] - 1) * 100, 1)
     out["curve_cost_enqueue_pct"] = round((med[False][0] / med[True][0] - 1) * 100, 1)
     out["plain_enqueue_wire_per_s"] = round(med[False][0])
