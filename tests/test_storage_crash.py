@@ -17,6 +17,7 @@ Run by pytest; the same file is the child (``python tests/test_storage_crash.py 
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -127,11 +128,27 @@ def run_child(path, start, kill_after_s=None, stage=None, nth=0):
         env.update(LH_CRASH_STAGE=stage, LH_CRASH_N=str(nth))
     proc = subprocess.Popen([sys.executable, __file__, "child", str(path), str(start)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = b""
     try:
-        out, err = proc.communicate(timeout=kill_after_s if kill_after_s else 30)
+        if kill_after_s:
+            # Killed a while after its first acknowledgement, not a fixed time after its
+            # spawn: a loaded machine may spend that long starting Python and opening the
+            # store, and a child killed before it commits tests nothing.
+            ready, _, _ = select.select([proc.stdout], [], [], 30)
+            assert ready, "the child acknowledged nothing within 30 s"
+            # A raw read (communicate reads the descriptor, not a buffered reader's copy).
+            first = os.read(proc.stdout.fileno(), 1 << 16)
+            time.sleep(kill_after_s)
+            proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    out = first + out
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, err.decode()[-2000:])
     acked = [int(line) for line in out.decode().split("\n")[:-1]]  # complete lines only
     assert acked == list(range(start, start + len(acked)))
