@@ -140,9 +140,15 @@ def test_the_next_turn_is_decided_while_a_commit_is_held_and_answers_wait_for_it
         assert c.status(f"{RUN}/b") == WAITING
 
 
-def test_with_a_pipeline_of_one_the_next_turn_waits_for_the_commit(rig):
+@pytest.mark.parametrize("pipeline, inline", [(1, False), (2, True)],
+                         ids=["pipeline-of-one", "idle-commit-inline"])
+def test_a_turn_committed_on_the_decision_thread_makes_the_next_one_wait(rig, pipeline,
+                                                                        inline):
+    # With a pipeline of one every turn is committed on the decision thread; with
+    # idle_commit_inline (the default) so is a turn decided while no message waited. Either
+    # way the next message waits for that commit to return.
     gate = Gate()
-    shard, raw = rig(GatedMemoryStore(gate), pipeline=1)
+    shard, raw = rig(GatedMemoryStore(gate), pipeline=pipeline, inline=inline)
     gate.held = True
     raw.enqueue(1, "a")
     assert gate.entered.wait(10)
@@ -150,22 +156,6 @@ def test_with_a_pipeline_of_one_the_next_turn_waits_for_the_commit(rig):
     raw.enqueue(2, "b")
     assert raw.answer(0.3) is None
     assert shard.counters["turns"] == turns       # b waits for a's commit to return
-    gate.open()
-    assert [raw.answer(10).rid, raw.answer(10).rid] == [1, 2]
-
-
-def test_a_turn_decided_with_nothing_waiting_is_committed_on_the_decision_thread(rig):
-    # idle_commit_inline (the default): a lone turn's commit runs on the decision thread,
-    # so the next message waits for it, as with a pipeline of one.
-    gate = Gate()
-    shard, raw = rig(GatedMemoryStore(gate), inline=True)
-    gate.held = True
-    raw.enqueue(1, "a")
-    assert gate.entered.wait(10)
-    turns = shard.counters["turns"]
-    raw.enqueue(2, "b")
-    assert raw.answer(0.3) is None
-    assert shard.counters["turns"] == turns       # b waits: the decision thread commits a
     gate.open()
     assert [raw.answer(10).rid, raw.answer(10).rid] == [1, 2]
 
