@@ -325,7 +325,7 @@ class JournalMixin:
         return batch
 
     def _encode_history(self, batch):
-        """Task history records (partition 0): new task rows always (action records name
+        """History key records (partition 0): new key rows always (action records name
         them); runtime samples when a flush is due or the group writes partition 0 anyway.
         Samples are predictions' input, not transitions: deferring them (at most
         HISTORY_FLUSH_NS) keeps a turn that only reports successes on its tenant's
@@ -334,17 +334,18 @@ class JournalMixin:
         if self._history_samples and (0 in batch or self._history_due()):
             tasks = tasks | self._history_samples
             self._history_samples = set()
-        for task in tasks:
-            data = self.history.encode(task) if self.history.count(task) else None
+        for key in tasks:
+            # [task, shape, record]: the key row's history (None before its first success).
+            data = self.history.encode(key) if self.history.count(key) else None
             batch.setdefault(0, []).append(
-                ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
+                ("history", row_key(self._tasks[key]), msgpack.packb([key[0], key[1], data])))
 
-    def _add_sample(self, task):
-        """``task`` has a runtime sample the store does not have yet: it is written within
-        HISTORY_FLUSH_NS of the oldest such sample."""
+    def _add_sample(self, key):
+        """History ``key`` has a runtime sample the store does not have yet: it is written
+        within HISTORY_FLUSH_NS of the oldest such sample."""
         if not self._history_samples:
             self._history_flush_ns = self.clock.now_ns() + HISTORY_FLUSH_NS
-        self._history_samples.add(task)
+        self._history_samples.add(key)
 
     def _history_due(self):
         return bool(self._history_samples) and self.clock.now_ns() >= self._history_flush_ns
@@ -395,7 +396,7 @@ class JournalMixin:
         return np.where(rows >= 0, self._state.w_ident[np.maximum(rows, 0)], -1)
 
     def _clear_dirty(self):
-        self._history_dirty = set()  # tasks whose history record to write
+        self._history_dirty = set()  # history keys whose record to write
         # Action rows to write (their fixed record, and their attempts record when their
         # Python record is their truth): single rows and arrays of rows, merged at encode.
         self._dirty_rows = []
