@@ -5,13 +5,13 @@ JSON object.
 The model (``generate``; everything drawn from one ``random.Random(seed)``):
 
 * **Clusters and queues**: ``bench/quality.toml``: ``east`` (8 nodes of 8 H100, 8 nodes of
-  96 cpu) and ``west`` (6 nodes of 8 H100, 12 nodes of 64 cpu), 112 GPUs; queues ``train``
-  (gangs, priority 300), ``gpu`` (single-pod GPU work, 200) and ``batch`` (CPU work, 100),
-  each open to both clusters.
+  96 cpu) and ``west`` (6 nodes of 8 H100, 12 nodes of 64 cpu), 112 GPUs; queues by team,
+  each open to both clusters: ``prod`` (priority 300), ``research`` (200), ``batch`` (100).
 * **Tasks**: ``TASKS`` (80) tasks of Zipf popularity (weight ``1 / rank^1.1``). Each has a
   class (10% gangs of 2-6 pods of one whole 8-GPU node, 30% one pod of 1-8 GPUs, 60% one pod
-  of 1-32 cpu), one or (30% of tasks) two resource shapes, the larger running 0.6x as long,
-  and its own lognormal runtime: median log-uniform per class (gangs 20 min-4 h, GPU
+  of 1-32 cpu), a queue (gangs: research; GPU work: prod or research; CPU work: prod,
+  research or batch, 30/30/40), one or (30% of tasks) two resource shapes, the larger
+  running 0.6x as long, and its own lognormal runtime: median log-uniform per class (gangs 20 min-4 h, GPU
   2 min-1 h, CPU 30 s-30 min), sigma uniform 0.2-1.2, capped at 12 h.
 * **Arrivals**: Poisson, at the rate that offers ``LOAD`` (0.85) of the GPUs; ``DAYS`` (2).
 * **Policies**: ``fifo`` (STRICT_FIFO), ``backfill`` (EASY, predictions learned from the
@@ -53,7 +53,9 @@ DAYS = 2.0
 CAP_S = 12 * 3600
 CLASSES = (("gang", 0.10), ("gpu", 0.30), ("cpu", 0.60))
 MEDIANS = {"gang": (1200, 4 * 3600), "gpu": (120, 3600), "cpu": (30, 1800)}
-QUEUES = {"gang": "train", "gpu": "gpu", "cpu": "batch"}
+# Each task's queue, by class: (queue, weight).
+QUEUES = {"gang": (("research", 1.0),), "gpu": (("prod", 0.5), ("research", 0.5)),
+          "cpu": (("prod", 0.3), ("research", 0.3), ("batch", 0.4))}
 
 
 def _shape(rng, kind):
@@ -68,7 +70,8 @@ def _shape(rng, kind):
 
 
 def tasks(rng):
-    """The task catalogue: ``[(name, kind, weight, [(pods, runtime factor)], median, sigma)]``."""
+    """The task catalogue: ``[(name, queue, weight, [(pods, runtime factor)], median,
+    sigma)]``."""
     out = []
     kinds, weights = [k for k, _ in CLASSES], [w for _, w in CLASSES]
     for rank in range(1, TASKS + 1):
@@ -83,7 +86,8 @@ def tasks(rng):
             if label2 != label:
                 big = _gpus(pods2) + _cpus(pods2) > _gpus(pods) + _cpus(pods)
                 shapes.append((pods2, 0.6 if big else 1 / 0.6))
-        out.append((f"{kind}-{rank}", kind, 1 / rank ** ZIPF, shapes, median, sigma))
+        queue = rng.choices([q for q, _ in QUEUES[kind]], [w for _, w in QUEUES[kind]])[0]
+        out.append((f"{kind}-{rank}", queue, 1 / rank ** ZIPF, shapes, median, sigma))
     return out
 
 
@@ -95,26 +99,33 @@ def _cpus(pods):
     return sum(n * r["cpu"] for n, r in pods)
 
 
+def _draw(rng, catalogue, weights):
+    """One job of the model: ``(task, queue, pods, runtime)``."""
+    name, queue, _w, shapes, median, sigma = rng.choices(catalogue, weights)[0]
+    pods, factor = rng.choice(shapes)
+    runtime = min(CAP_S, max(1.0, factor * rng.lognormvariate(math.log(median), sigma)))
+    return name, queue, pods, runtime
+
+
 def generate(seed, days):
     """The trace: a list of Jobs sorted by submission (no runtime estimates)."""
     rng = random.Random(seed)
     catalogue = tasks(rng)
     weights = [t[2] for t in catalogue]
-    total = sum(weights)
-    gpu_s = sum(w / total * sum(_gpus(p) * f for p, f in t[3]) / len(t[3])
-                * t[4] * math.exp(t[5] ** 2 / 2)     # the mean of a lognormal
-                for w, t in zip(weights, catalogue, strict=True))
-    rate = LOAD * GPUS / gpu_s                                   # jobs per second
+    # The offered load, measured on a sample of the model (the cap and the Zipf weights make
+    # a closed form awkward): jobs per second so that GPU-seconds arrive at LOAD x GPUS.
+    probe = random.Random(seed + 1)
+    gpu_s = sum(_gpus(p) * r for _, _, p, r in (_draw(probe, catalogue, weights)
+                                                for _ in range(20000))) / 20000
+    rate = LOAD * GPUS / gpu_s
     jobs, t = [], 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= days * 86400:
             break
-        name, kind, _w, shapes, median, sigma = rng.choices(catalogue, weights)[0]
-        pods, factor = rng.choice(shapes)
-        runtime = min(CAP_S, max(1.0, factor * rng.lognormvariate(math.log(median), sigma)))
+        name, queue, pods, runtime = _draw(rng, catalogue, weights)
         jobs.append(Job(id=str(len(jobs)), submit=round(t, 3), runtime=round(runtime, 3),
-                        pods=pods, task=name, queue=QUEUES[kind], where=f"quality:{len(jobs)}"))
+                        pods=pods, task=name, queue=queue, where=f"quality:{len(jobs)}"))
     return jobs
 
 
