@@ -11,8 +11,8 @@ The model (``generate``; everything drawn from one ``random.Random(seed)``):
   class (10% gangs of 2-6 pods of one whole 8-GPU node, 30% one pod of 1-8 GPUs, 60% one pod
   of 1-32 cpu), a queue (gangs: research; GPU work: prod or research; CPU work: prod,
   research or batch, 30/30/40), one or (30% of tasks) two resource shapes, the larger
-  running 0.6x as long, and its own lognormal runtime: median log-uniform per class (gangs 20 min-4 h, GPU
-  2 min-1 h, CPU 30 s-30 min), sigma uniform 0.2-1.2, capped at 12 h.
+  running 0.6x as long, and its own lognormal runtime: median log-uniform per class (gangs
+  20 min-4 h, GPU 2 min-1 h, CPU 30 s-30 min), sigma uniform 0.2-1.2, capped at 12 h.
 * **Arrivals**: Poisson, at the rate that offers ``LOAD`` (0.85) of the GPUs; ``DAYS`` (2).
 * **Policies**: ``fifo`` (STRICT_FIFO), ``backfill`` (EASY, predictions learned from the
   history of each task and shape: the engine is told nothing), ``greedy``

@@ -15,7 +15,6 @@ from engine._codes import (
     Phase,
 )
 from engine._errors import ResourceExhausted, SpecError
-from engine._history import shape_key
 from engine._groups import (
     ActionIds,
     EnqueueGroup,
@@ -23,6 +22,7 @@ from engine._groups import (
     encode_group,
     group_key,
 )
+from engine._history import shape_key
 from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
 from engine._records import (
     name_hashes,
