@@ -8,6 +8,8 @@ from datetime import timedelta
 import msgpack
 import pytest
 from conftest import make_engine
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_backfill import T10, T100, T500, act, config, gpus, runs, start, warm
 
 from engine import Engine
@@ -247,3 +249,25 @@ def test_the_simulator_passes_trace_estimates_into_the_action():
     # backfills into the gap only by its own estimate (rule (a)).
     assert with_estimate.backfilled == 1 and without.backfilled == 0
     assert with_estimate.mean_wait_s < without.mean_wait_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3600), st.one_of(st.none(), st.integers(1, 200_000)),
+       st.lists(st.integers(0, 400_000), min_size=1, max_size=12))
+def test_an_extended_end_never_falls_before_now_nor_moves_earlier(seconds, bound, times):
+    # The head waits for one lease predicted to run ``seconds`` (bounded by ``bound``): its
+    # ETA is that lease's end, which is known until the steps run out (no bound), never
+    # before now, never earlier than it said before, and within the backstop when bounded.
+    eng, clock = _blocked_behind(seconds, max_runtime=bound)
+    backstop = None if bound is None else int((bound + eng.config.engine.runtime_grace) * S)
+    last = 0
+    for t in sorted(times):
+        clock.set_ns(t * S)
+        eta = eng.explain("acme/ml/prod/g/a").eta_ns
+        if eta is None:
+            assert bound is None and t * S >= (seconds + 100 * 3600) * S
+            continue
+        assert eta >= clock.now_ns() and eta >= last
+        if backstop is not None:
+            assert eta <= max(backstop, clock.now_ns())
+        last = eta
