@@ -339,7 +339,16 @@ class AdmissionMixin:
 
     def _history_key(self, c):
         """The runtime history key of compiled action ``c``: (task name, resource shape)."""
-        return (c.spec.task, shape_key(self._resources.names, c.pods, c.pod_counts))
+        # Shapes repeat: their strings are cached by the pod matrix (bounded: cleared past
+        # _SHAPES_CACHED), so a batch of distinct specs does not format one per action.
+        raw = c.pods.tobytes() + c.pod_counts.tobytes()
+        cache = self._shape_names
+        shape = cache.get(raw)
+        if shape is None:
+            if len(cache) >= _SHAPES_CACHED:
+                cache.clear()
+            shape = cache[raw] = shape_key(self._resources.names, c.pods, c.pod_counts)
+        return (c.spec.task, shape)
 
     def _index_new(self, hashes, rows, groups):
         index = self._hash_rows
@@ -438,6 +447,9 @@ class AdmissionMixin:
         role = c.spec.pods[k].role if c.spec.pods else "pod"
         return (f"{role} ({res.describe(c.pods[k])}) fits no node shape of cluster "
                 f"{self._clusters[i]}")
+
+
+_SHAPES_CACHED = 4096
 
 
 def _ns(seconds):
