@@ -9,6 +9,7 @@ import contextlib
 import msgpack
 import numpy as np
 
+from engine._history import RECORD_SIZE
 from engine._records import (
     FINALIZE_DTYPE,
     encode_outcome,
@@ -29,6 +30,8 @@ __all__ = ["JournalMixin", "HISTORY_FLUSH_NS"]
 #: Runtime samples reach the store at most this long after they were taken (engine clock),
 #: unless a group writes partition 0 sooner (engine/_journal.py, _encode_history).
 HISTORY_FLUSH_NS = 1_000_000_000
+# msgpack's bin 8 header of one history record (engine._history.RECORD_SIZE bytes).
+_BIN_RECORD = b"\xc4" + bytes([RECORD_SIZE])
 
 
 class Group:
@@ -334,11 +337,23 @@ class JournalMixin:
         if self._history_samples and (0 in batch or self._history_due()):
             tasks = tasks | self._history_samples
             self._history_samples = set()
-        for key in tasks:
-            # [task, shape, record]: the key row's history (None before its first success).
-            data = self.history.encode(key) if self.history.count(key) else None
-            batch.setdefault(0, []).append(
-                ("history", row_key(self._tasks[key]), msgpack.packb([key[0], key[1], data])))
+        if not tasks:
+            return
+        # [task, shape, record] (msgpack) per key: the key row's history, None before its
+        # first success. Records in one pass; each key's packed [task, shape] prefix is kept
+        # (a flush after many keys' successes costs little per key).
+        keys = list(tasks)
+        learnt = [k for k in keys if self.history.count(k)]
+        records = dict(zip(learnt, self.history.encode_many(learnt), strict=True))
+        ops = batch.setdefault(0, [])
+        for key in keys:
+            prefix = self._history_prefix.get(key)
+            if prefix is None:
+                prefix = self._history_prefix[key] = b"\x93" + msgpack.packb(key[0]) + \
+                    msgpack.packb(key[1])
+            data = records.get(key)
+            value = prefix + (_BIN_RECORD + data if data is not None else b"\xc0")
+            ops.append(("history", row_key(self._tasks[key]), value))
 
     def _add_sample(self, key):
         """History ``key`` has a runtime sample the store does not have yet: it is written

@@ -115,3 +115,13 @@ def test_a_bad_record_is_refused_naming_the_key():
         h.load(other, v1)
     assert h.count(other) == 0          # nothing loaded
     assert h.count(K) == 1
+
+
+def test_encode_many_is_encode_of_each():
+    h = RuntimeHistory()
+    keys = [(f"t{i}", "") for i in range(5)]
+    for i, k in enumerate(keys):
+        for s in range(i + 1):
+            h.record(k, s + 0.5)
+    assert h.encode_many(keys) == [h.encode(k) for k in keys]
+    assert h.encode_many([]) == []
