@@ -194,9 +194,14 @@ def test_no_nodes_gives_the_figures_of_the_simulator_without_a_node_model(capsys
         got = (r["utilization"], r["mean_wait_s"], r["p95_wait_s"], r["bounded_slowdown"],
                r["gang_max_wait_s"], r["backfilled"], r["ticks"])
         assert got == pytest.approx(figures, rel=1e-9), policy
-    # With nodes (the default) some gangs pend and every policy waits longer.
+    # With nodes (the default) some gangs pend, and fifo and greedy wait longer. Backfill's
+    # mean wait is within a few percent either way (since issue 14's predictions it is 2%
+    # shorter with nodes here: pending reshuffles which work fills the gaps).
     assert main(["simulate", trace, "--json"]) == 0
     placed = json.loads(capsys.readouterr().out)["policies"]
     for policy in before:
         assert placed[policy]["pended"] > 0 and placed[policy]["completed"] == 629
-        assert placed[policy]["mean_wait_s"] > flat[policy]["mean_wait_s"]
+        if policy != "backfill":
+            assert placed[policy]["mean_wait_s"] > flat[policy]["mean_wait_s"]
+    assert placed["backfill"]["mean_wait_s"] == pytest.approx(
+        flat["backfill"]["mean_wait_s"], rel=0.05)
