@@ -18,7 +18,7 @@ cdef packed struct ActionHead:
     i32 parent              # parent action row, -1
     i32 attempt             # current attempt number
     i32 fast                # 1 when queued on its warm pool's fast lane
-    i32 task                # task row (runtime history per task name)
+    i32 task                # history key row (task name, shape)
     i32 backfilled          # 1 when the current generation was placed by backfill
     u64 fit                 # clusters it could ever fit (bitmask)
     i64 gen                 # lease generation
@@ -42,6 +42,8 @@ cdef packed struct ActionHead:
     i64 done                # lean: end of its attempt
     i64 abort               # lean ABORTED: the row whose abort ended it
     i64 seq                 # enqueue order (FIFO across reused rows)
+    i64 est_rt              # the spec's runtime_estimate (ns; NEVER none)
+    i64 max_rt              # the spec's max_runtime (ns; NEVER none)
 
 
 cdef class RecordCodec:
@@ -69,7 +71,7 @@ cdef class RecordCodec:
     cdef i64[::1] a_retry_due               # retry due
     cdef i64[::1] a_runtime_due             # runtime backstop due
     cdef u64[::1] a_name_hash               # name hash
-    cdef i32[::1] a_task                    # task row
+    cdef i32[::1] a_task                    # history key row
     cdef u8[::1] a_backfilled               # placed by backfill
     cdef i64[::1] a_pred_end                # predicted end
     cdef i64[::1] a_group                   # enqueue group
@@ -81,6 +83,8 @@ cdef class RecordCodec:
     cdef i64[::1] a_done                    # lean end time
     cdef i64[::1] a_abort                   # lean abort root
     cdef i64[::1] a_seq                     # enqueue order
+    cdef i64[::1] a_est_rt                  # runtime estimate
+    cdef i64[::1] a_max_rt                  # max_runtime
     cdef i64[:, ::1] a_demand               # demand vectors
     cdef i32[::1] w_ident                   # session row -> worker identity
 

@@ -115,6 +115,8 @@ cdef class RecordCodec:
         self.a_done = state.a_done
         self.a_abort = state.a_abort
         self.a_seq = state.a_seq
+        self.a_est_rt = state.a_est_rt
+        self.a_max_rt = state.a_max_rt
         self.a_demand = state.a_demand
         self.w_ident = state.w_ident
 
@@ -195,6 +197,8 @@ cdef class RecordCodec:
         self.a_done[a] = h.done
         self.a_abort[a] = h.abort
         self.a_seq[a] = h.seq
+        self.a_est_rt[a] = h.est_rt
+        self.a_max_rt[a] = h.max_rt
         memcpy(&self.a_demand[a, 0], src + sizeof(ActionHead), 8 * self.n_res)
         return 0
 
@@ -238,5 +242,7 @@ cdef class RecordCodec:
         h.done = self.a_done[a]
         h.abort = self.a_abort[a]
         h.seq = self.a_seq[a]
+        h.est_rt = self.a_est_rt[a]
+        h.max_rt = self.a_max_rt[a]
         memcpy(dst, &h, sizeof(ActionHead))
         memcpy(dst + sizeof(ActionHead), &self.a_demand[a, 0], 8 * self.n_res)

@@ -59,7 +59,10 @@ cdef class TickKernel:
     cdef u8[::1] a_held_code           # WaitCode that held it before the tick placing it
     cdef i64[::1] a_expiry             # run lease expiry (ns) while sent or running
     cdef u8[::1] a_end                 # LeaseEnd of the current generation
-    cdef i32[::1] a_task               # task row (runtime history is per task name)
+    cdef i32[::1] a_task               # history key row (task name, shape)
+    cdef i64[::1] a_est_rt             # its spec's runtime estimate (ns), NEVER = none
+    cdef i64[::1] a_max_rt             # its spec's max_runtime (ns), NEVER = none
+    cdef i64[::1] a_runtime_due        # engine backstop of max_runtime while running, NEVER
     cdef i64[::1] a_pred_end           # predicted end (ns) of the live lease, NEVER = unknown
     cdef u8[::1] a_backfilled          # 1 when the current generation was placed by backfill
     cdef i32[::1] a_lnext              # next live charged lease on its cluster, -1 at the end
@@ -126,7 +129,7 @@ cdef class TickKernel:
     cdef i32[::1] w_ident              # the worker's stable identity (rows are sessions)
     cdef u8[::1] w_paused              # non-zero: draining or suspect, place nothing new
 
-    # --- tasks ---
+    # --- history keys (task name, shape) ---
     cdef i64[::1] t_pred_rt            # predicted runtime (ns) from history, NEVER = none
 
     # --- runs ---
@@ -234,6 +237,8 @@ cdef class TickKernel:
     cdef void _live_unlink(self, i32 a) noexcept nogil
     cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil
     cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil
+    cdef i64 _pred_rt(self, i32 a) noexcept nogil
+    cdef i64 _live_end(self, i32 a, i64 now) noexcept nogil
     cdef Py_ssize_t _push_end(self, i32 a, Py_ssize_t n, i64 now, bint* overrun) noexcept nogil
     cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n,
                           i64 now) noexcept nogil

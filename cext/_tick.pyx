@@ -26,6 +26,15 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 cdef i64 NO_CAP = UNLIMITED   # an uncapped count
 
+# EASY++'s extension of a lease that overran its prediction (Tsafrir, Etsion, Feitelson,
+# IEEE TPDS 2007): its predicted end steps up by the first of these (ns) that puts it in the
+# future: 1, 5, 15, 30 minutes, 1, 2, 5, 10, 20, 50, 100 hours.
+DEF N_OVERRUN_STEPS = 11
+cdef i64[N_OVERRUN_STEPS] OVERRUN_STEPS = [
+    60_000_000_000, 300_000_000_000, 900_000_000_000, 1_800_000_000_000, 3_600_000_000_000,
+    7_200_000_000_000, 18_000_000_000_000, 36_000_000_000_000, 72_000_000_000_000,
+    180_000_000_000_000, 360_000_000_000_000]
+
 # Outcomes of one candidate.
 cdef enum:
     R_PLACED = 0        # reserved and dispatched
@@ -128,6 +137,9 @@ cdef class TickKernel:
         self.a_end = state.a_end
         self.a_task = state.a_task
         self.t_pred_rt = state.t_pred_rt
+        self.a_est_rt = state.a_est_rt
+        self.a_max_rt = state.a_max_rt
+        self.a_runtime_due = state.a_runtime_due
         self.a_pred_end = state.a_pred_end
         self.a_backfilled = state.a_backfilled
         self.a_lnext = state.a_lnext
@@ -946,7 +958,7 @@ cdef class TickKernel:
             self._fail(a, W_UNSCHEDULABLE_SHAPE)
             return R_FAILED
         # Budget backfill: behind a head that waits for its queue's budget, a later action
-        # may start only if its runtime history says it ends before the head's budget shadow
+        # may start only if its prediction says it ends before the head's budget shadow
         # time (rule (a) only: the head's need at that time is its whole demand, and what it
         # will need of the clusters then is not known here).
         h = self.s_bq_head[q]
@@ -1107,15 +1119,50 @@ cdef class TickKernel:
         self._sift_down(0, n)
         return n
 
+    cdef inline i64 _pred_rt(self, i32 a) noexcept nogil:
+        # What the predictor expects one attempt of a to run (ns; NEVER unknown), in the
+        # order of docs/predictions.md: its spec's runtime estimate (at most its max_runtime,
+        # checked at enqueue), else its history key's recent successes, each bounded by its
+        # max_runtime; the max_runtime alone when neither is known.
+        cdef i64 rt = self.a_est_rt[a]
+        if rt < NEVER:
+            return rt
+        if self.a_task[a] >= 0:
+            rt = self.t_pred_rt[self.a_task[a]]
+        if self.a_max_rt[a] < rt:
+            rt = self.a_max_rt[a]
+        return rt
+
+    cdef i64 _live_end(self, i32 a, i64 now) noexcept nogil:
+        # When live lease a is predicted to end. A lease past its predicted end is extended
+        # as EASY++ does, never assumed to end now: its end steps up by the first of
+        # OVERRUN_STEPS that puts it in the future, bounded by the engine's max_runtime
+        # backstop (a_runtime_due) when the attempt runs under one. Computed, not stored: the
+        # same end every time for the same now, and nothing to write or allocate.
+        cdef i64 end = self.a_pred_end[a]
+        cdef i64 cap = NEVER
+        cdef Py_ssize_t i
+        if self.a_state[a] == ST_RUNNING:
+            cap = self.a_runtime_due[a]     # armed at RUNNING (a sent lease's is stale)
+        if end >= now:
+            return end
+        if cap <= now:
+            return now          # past the backstop: the engine ends it at this tick's timers
+        for i in range(N_OVERRUN_STEPS):
+            if end + OVERRUN_STEPS[i] > now:
+                end += OVERRUN_STEPS[i]
+                return end if end < cap else cap
+        return cap              # NEVER when no bound is declared: no longer predictable
+
     cdef inline Py_ssize_t _push_end(self, i32 a, Py_ssize_t n, i64 now,
                                      bint* overrun) noexcept nogil:
-        # Live lease a into the scratch heap at slot n, keyed by its predicted end (a lease
-        # past it releases no earlier than now: if it was backfilled, that is an overrun).
+        # Live lease a into the scratch heap at slot n, keyed by its predicted end, extended
+        # when it overran (a backfilled lease past its first prediction is an overrun).
         cdef i64 key = self.a_pred_end[a]
         if key < now:
             if self.a_backfilled[a]:
                 overrun[0] = True
-            key = now
+            key = self._live_end(a, now)
         self.s_bf_key[n] = key
         self.s_bf_row[n] = a
         return n + 1
@@ -1198,8 +1245,8 @@ cdef class TickKernel:
         self.s_bq_tested[q] += 1
         if self.s_bq_shadow[q] < 0:
             self.s_bq_shadow[q] = self._budget_shadow(q, h, now)
-        if self.a_env[a] < 0 and self.a_task[a] >= 0:
-            rt = self.t_pred_rt[self.a_task[a]]
+        if self.a_env[a] < 0:
+            rt = self._pred_rt(a)
         return (self.s_bq_gap[q] and rt < NEVER and self.s_bq_shadow[q] < NEVER
                 and rt <= self.s_bq_shadow[q] - now)
 
@@ -1236,8 +1283,8 @@ cdef class TickKernel:
         # A warm pool's footprint outlives the action that starts it (until idle_ttl), so
         # starting a pool is never proven to end in time: rule (b) only.
         cdef i64 rt = NEVER
-        if self.a_env[a] < 0 and self.a_task[a] >= 0:
-            rt = self.t_pred_rt[self.a_task[a]]
+        if self.a_env[a] < 0:
+            rt = self._pred_rt(a)
         cdef u64 by_gap = 0, by_extra = 0, bit
         cdef int c
         cands &= ~self.bf_contested
@@ -1484,11 +1531,11 @@ cdef class TickKernel:
         self.a_cluster[a] = c
         self.a_worker[a] = w
         # Backfill reads what charged leases will release, and when: a per-cluster list of
-        # them, and the end their task's history predicts (NEVER when it has none).
+        # them, and the end the predictor gives (NEVER when it knows nothing, _pred_rt).
         self.a_backfilled[a] = 0
         if mode == M_REGULAR:
             self._live_link(a, c)
-        d = self.t_pred_rt[self.a_task[a]] if self.a_task[a] >= 0 else NEVER
+        d = self._pred_rt(a)
         if d < NEVER - now:
             self.a_pred_end[a] = now + d
         else:

@@ -22,6 +22,7 @@ from engine._groups import (
     encode_group,
     group_key,
 )
+from engine._history import shape_key
 from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
 from engine._records import (
     name_hashes,
@@ -246,7 +247,8 @@ class AdmissionMixin:
                     keep.add(prow)
         rows = self._alloc_rows(n, keep)
         cols = {k: np.empty(len(groups), dtype=np.int64) for k in (
-            "queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent")}
+            "queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent",
+            "est_rt", "max_rt")}
         fits = np.empty(len(groups), dtype=np.uint64)
         demand = np.empty((len(groups), st.n_res), dtype=np.int64)
         deadlines, queued = [], []
@@ -280,8 +282,10 @@ class AdmissionMixin:
                     parent = -1     # ended and reclaimed (its outcome retained)
             for key, value in (("queue", q), ("run", u), ("qrun", qr),
                                ("lane", 2 * qr + int(fast)), ("env", env), ("part", part),
-                               ("task", self._task_row(c.spec.task)), ("group", gid),
-                               ("parent", parent)):
+                               ("task", self._task_row(self._history_key(c))),
+                               ("group", gid), ("parent", parent),
+                               ("est_rt", _ns(c.spec.runtime_estimate)),
+                               ("max_rt", _ns(c.spec.timeouts.max_runtime))):
                 cols[key][k] = value
             fits[k] = self._fit_mask(c)
             demand[k] = c.demand
@@ -304,7 +308,8 @@ class AdmissionMixin:
                 queued.append((mine, now + int(t.max_queued_time * 1e9)))
         contiguous = n and int(rows[-1]) - int(rows[0]) == n - 1
         sl = slice(int(rows[0]), int(rows[0]) + n) if contiguous else rows
-        for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent"):
+        for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent",
+                    "est_rt", "max_rt"):
             getattr(st, "a_" + key)[sl] = np.repeat(cols[key], counts)
         st.a_fit[sl] = np.repeat(fits, counts)
         st.a_demand[sl] = np.repeat(demand, counts, axis=0)
@@ -331,6 +336,19 @@ class AdmissionMixin:
             self._timer_block(due, T_QUEUED, mine, 1)
         self._touch_many(rows)
         return rows
+
+    def _history_key(self, c):
+        """The runtime history key of compiled action ``c``: (task name, resource shape)."""
+        # Shapes repeat: their strings are cached by the pod matrix (bounded: cleared past
+        # _SHAPES_CACHED), so a batch of distinct specs does not format one per action.
+        raw = c.pods.tobytes() + c.pod_counts.tobytes()
+        cache = self._shape_names
+        shape = cache.get(raw)
+        if shape is None:
+            if len(cache) >= _SHAPES_CACHED:
+                cache.clear()
+            shape = cache[raw] = shape_key(self._resources.names, c.pods, c.pod_counts)
+        return (c.spec.task, shape)
 
     def _index_new(self, hashes, rows, groups):
         index = self._hash_rows
@@ -429,3 +447,15 @@ class AdmissionMixin:
         role = c.spec.pods[k].role if c.spec.pods else "pod"
         return (f"{role} ({res.describe(c.pods[k])}) fits no node shape of cluster "
                 f"{self._clusters[i]}")
+
+
+_SHAPES_CACHED = 4096
+
+
+def _ns(seconds):
+    """A spec duration (seconds; None) as the int64 ns a column holds (NEVER: none, or too
+    long to matter)."""
+    if seconds is None:
+        return NEVER
+    ns = int(seconds * 1e9)
+    return ns if ns < NEVER else NEVER

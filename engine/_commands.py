@@ -196,6 +196,8 @@ def register(sub):
     g.add_argument("--max-runtime", type=_seconds, metavar="S")
     g.add_argument("--max-queued-time", type=_seconds, metavar="S")
     g.add_argument("--deadline", type=_seconds, metavar="S")
+    g.add_argument("--runtime-estimate", type=_seconds, metavar="S",
+                   help="how long one attempt runs, when known (backfill predicts from it)")
     g.add_argument("--plugin", choices=("sim", "process", "python"),
                    help="what the worker runs it with")
     g.add_argument("--duration", type=_seconds, metavar="S", help="sim: seconds it holds")

@@ -74,7 +74,6 @@ _ENGINE_KEYS = (
     "system_retries",
     "runtime_grace",
     "finalize_timeout",
-    "backfill_percentile",
     "backfill_max_candidates",
     "pause_on_expiry",
 )
@@ -154,7 +153,6 @@ class EngineSettings:
     system_retries: int = 3  # retries of system errors (EXPIRED, OOM, ...) per action (>= 0)
     runtime_grace: float = 60.0  # engine backstop: seconds past max_runtime before expiry
     finalize_timeout: float = 3600.0  # a finalize lease's own bound, in seconds (> 0)
-    backfill_percentile: float = 0.9  # runtime percentile that predicts a task's end (0 < p <= 1)
     backfill_max_candidates: int = 64  # actions tested for backfill per blocked head per tick
     # A worker that lets a lease expire gets nothing new until its next heartbeat proves it
     # alive (a killed worker is not handed the work that just expired on it).
@@ -431,6 +429,12 @@ def _parse_resources(source, data):
 
 
 def _parse_engine(source, table):
+    if "backfill_percentile" in table:
+        # Issue 14: predictions are no longer one percentile per task (docs/predictions.md).
+        raise ConfigError(f"{source}: engine.backfill_percentile was removed: backfill "
+                          f"predicts from runtime estimates, max_runtime and the last two "
+                          f"successes of each task and shape (docs/predictions.md); "
+                          f"delete the key")
     _check_keys(source, "engine", table, _ENGINE_KEYS)
     values = {}
     if "default_queue" in table:
@@ -452,12 +456,6 @@ def _parse_engine(source, table):
                           ("runtime_grace", False), ("finalize_timeout", True)):
         if key in table:
             values[key] = _seconds(source, f"engine.{key}", table[key], positive)
-    if "backfill_percentile" in table:
-        p = table["backfill_percentile"]
-        if (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
-                or not 0 < p <= 1):
-            raise _invalid(source, "engine.backfill_percentile", p, "a number 0 < p <= 1")
-        values["backfill_percentile"] = float(p)
     if "pause_on_expiry" in table:
         values["pause_on_expiry"] = _parse_bool(source, "engine.pause_on_expiry",
                                                 table["pause_on_expiry"])

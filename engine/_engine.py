@@ -21,11 +21,13 @@ from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._dispatch import Assignment, DispatchBatch
 from engine._errors import ConfigError, NotFound, SpecError
 from engine._explain import ExplainMixin, Explanation
+from engine._history import shape_key
 from engine._index import IndexMixin
 from engine._inspect import Inspection
 from engine._journal import Group, JournalMixin
 from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
+from engine._model import compile_spec
 from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,
@@ -103,7 +105,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._pending = collections.deque()   # deferred groups not committed yet, in order
         self._pending_batch = None  # the batch a deferred turn just encoded
         self._pending_retained = None   # ... and the retained outcomes it writes
-        self._history_samples = set()   # tasks with runtime samples not yet in the store
+        self._history_samples = set()   # history keys with samples not yet in the store
+        self._shape_names = {}          # pod matrix bytes -> its shape_key (a cache)
+        self._history_prefix = {}       # history key -> its packed record's prefix
         self._history_flush_ns = 0      # engine clock: when they are written at the latest
         self._group_seq = itertools.count(1)
         self._committed_tail = 0    # dispatch ring position up to which decisions are durable
@@ -432,47 +436,77 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
     # ------------------------------------------------------------------ finalize leases
 
     # ------------------------------------------------------------------ backfill (issue 5)
-    # Runtime history per task name feeds EASY backfill: each task row of t_pred_rt holds
-    # the backfill percentile of its successful runtimes (NEVER without history); the tick
-    # predicts a lease's end from it at assignment (a_pred_end).
+    # Predictions feed EASY backfill (docs/predictions.md). Runtime history is per history
+    # key, (task name, resource shape): each key row of t_pred_rt holds the mean of its last
+    # two successful runtimes (NEVER without history); the tick combines it with the
+    # action's own runtime estimate and max_runtime (a_est_rt, a_max_rt) at assignment
+    # (a_pred_end) and for every backfill candidate.
 
-    def _task_row(self, task):
-        row = self._tasks.get(task)
+    def _task_row(self, key):
+        row = self._tasks.get(key)
         if row is None:
             st = self._state
             row = len(self._tasks)
             if st.ensure("tasks", row + 1):
                 self._bind()
-            self._tasks[task] = row
-            self._task_names.append(task)
-            self._refresh_prediction(task, row)
-            self._history_dirty.add(task)       # the task row itself is durable
+            self._tasks[key] = row
+            self._task_names.append(key)
+            self._refresh_prediction(key, row)
+            self._history_dirty.add(key)        # the key row itself is durable
         return row
 
-    def _refresh_prediction(self, task, row):
-        ns = self.history.percentile_ns(task, self.config.engine.backfill_percentile)
-        self._state.t_pred_rt[row] = NEVER if ns is None else ns
+    def _refresh_prediction(self, key, row):
+        ns = self.history.predict_ns(key)
+        self._state.t_pred_rt[row] = NEVER if ns is None else min(ns, NEVER - 1)
 
-    def _record_runtime(self, task, ns):
-        self.history.record_ns(task, max(0, int(ns)))
-        self._add_sample(task)
-        if task in self._tasks:
-            self._refresh_prediction(task, self._tasks[task])
+    def _record_runtime(self, key, ns):
+        self.history.record_ns(key, max(0, int(ns)))
+        self._add_sample(key)
+        if key in self._tasks:
+            self._refresh_prediction(key, self._tasks[key])
 
-    def load_history(self, task, data):
-        """Load ``task``'s runtime history from a record made by ``history.encode(task)``
-        (e.g. seeded from another shard); queued and later actions of the task predict from
-        it at once. Durable like every transition. A malformed record raises ``ValueError``
-        naming the task; nothing changes."""
+    def history_key(self, spec):
+        """The runtime history key of an action spec (an :class:`ActionSpec` or its dict):
+        ``(task name, shape)``, the shape from :func:`engine._history.shape_key` in this
+        shard's resources. Raises ``SpecError`` for a bad spec."""
+        c = compile_spec(spec, self._resources, self._queues, self.config.engine.default_queue)
+        return (c.spec.task, shape_key(self._resources.names, c.pods, c.pod_counts))
+
+    def load_history(self, key, data):
+        """Load the runtime history of ``key`` (``(task, shape)``, see :meth:`history_key`)
+        from a record made by ``history.encode(key)`` (e.g. seeded from another shard);
+        queued and later actions of the key predict from it at once. Durable like every
+        transition. A malformed record or key raises ``ValueError`` naming the key; nothing
+        changes."""
         with self._turn():
-            self.history.load(task, data)
-            self._task_row(task)
-            self._history_dirty.add(task)
-            self._refresh_prediction(task, self._tasks[task])
+            self.history.load(key, data)
+            self._task_row(key)
+            self._history_dirty.add(key)
+            self._refresh_prediction(key, self._tasks[key])
 
-    def predicted_runtime(self, task):
-        """What the task's history predicts (seconds, at ``backfill_percentile``), or None."""
-        return self.history.percentile(task, self.config.engine.backfill_percentile)
+    def predicted_runtime(self, key):
+        """What the history of ``key`` (``(task, shape)``) predicts one attempt runs, in
+        seconds (the mean of its last two successes), or None without history. An action's
+        own prediction also weighs its spec's ``runtime_estimate`` and ``max_runtime``:
+        :meth:`predicted_runtime_of`."""
+        return self.history.predict(key)
+
+    def predicted_runtime_of(self, action):
+        """The runtime (seconds) the tick predicts for one attempt of ``action`` (an id in
+        the table), in the order of ``docs/predictions.md``: its ``runtime_estimate``, else
+        its history key's recent successes, each at most its ``max_runtime``; its
+        ``max_runtime`` alone when neither is known; None when nothing is known."""
+        row = self._row_of(action)
+        ns = int(self._predicted_rt(np.array([row], dtype=np.int64))[0])
+        return None if ns == NEVER else ns / 1e9
+
+    def _predicted_rt(self, rows):
+        """The kernel's ``_pred_rt`` for many rows (ns; NEVER unknown), in numpy."""
+        st = self._state
+        task = st.a_task[rows]
+        hist = np.where(task >= 0, st.t_pred_rt[np.maximum(task, 0)], NEVER)
+        return np.where(st.a_est_rt[rows] != NEVER, st.a_est_rt[rows],
+                        np.minimum(hist, st.a_max_rt[rows]))
 
     # ------------------------------------------------------------------ queries
 

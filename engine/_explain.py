@@ -71,7 +71,8 @@ class ExplainMixin:
     def explain(self, action):
         """The action's phase and, while it waits, the reason (code and message), its
         position in its queue (by enqueue time) and, for a blocked head, its estimated start
-        (``eta_ns``: its shadow time from the runtime history of what runs; None unknown)."""
+        (``eta_ns``: its shadow time from the predicted ends of what runs, docs/predictions.md;
+        None unknown)."""
         row, ret = self._row_or_retained(action)
         if ret is not None:
             return Explanation(ActionId.parse(ret.id), ret.record.phase, None,
@@ -160,7 +161,7 @@ class ExplainMixin:
                 eta = self._head_eta(row)
             if eta is not None:
                 wait_s = max(0.0, (eta - self.clock.now_ns()) / 1e9)
-                reason += f"; estimated start in {wait_s:.1f}s (runtime history)"
+                reason += f"; estimated start in {wait_s:.1f}s (predicted ends)"
         return code, reason, eta
 
     def attempts(self, action):

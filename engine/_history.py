@@ -1,192 +1,209 @@
-"""Runtime history per task name: a fixed log-spaced histogram per task, rolled up to
-percentiles for EASY backfill.
+"""Runtime history per history key (task name and resource shape): the most recent
+successful runtimes, from which EASY backfill predicts as EASY++ does (Tsafrir, Etsion and
+Feitelson, "Backfilling using system-generated predictions rather than user runtime
+estimates", IEEE TPDS 2007): the mean of the last two successes of the key.
 
-Task names are stable across runs (``ActionSpec.task``), so the history of a task outlives
-any one run. Each task costs one row of :data:`N_BUCKETS` ``uint64`` counts (768 bytes)
-whatever the number of samples: memory is bounded per task, and the storage layer persists a
-task's row as one fixed-size record (:meth:`RuntimeHistory.encode` / :meth:`load`).
-
-Buckets are log-spaced between :data:`LO_NS` (10 ms) and :data:`HI_NS` (60 days): bucket 0
-holds ``[0, LO]``, bucket ``i`` (1..94) holds ``(edge[i-1], edge[i]]``, the last bucket
-everything above ``HI``. Adjacent edges differ by a factor of about 1.24, so a percentile is
-known to within one bucket (about 24%). A percentile is reported as the *upper* edge of its
-bucket: a prediction errs long, never short, which is the safe side for backfill (a job
-predicted to end by the shadow time really has). Edges are integer nanoseconds, so a sample
-equal to an edge lands in the bucket whose upper edge it is, and predicts itself exactly.
+A key is ``(task, shape)``: the task name (``ActionSpec.task``, stable across runs) and the
+action's resource shape (:func:`shape_key`: its pods and their vectors), so a task run at
+two sizes learns two histories. Each key costs one row of :data:`RECENT` ``int64`` samples
+and one ``uint64`` count whatever the number of samples: memory is bounded per key, and the
+storage layer persists a key's row as one fixed-size record (:meth:`RuntimeHistory.encode`
+/ :meth:`load`). The predictor and its failure modes: ``docs/predictions.md``.
 """
 
 import struct
 
 import numpy as np
 
-__all__ = ["RuntimeHistory", "N_BUCKETS", "LO_NS", "HI_NS", "bucket_edges_ns"]
+__all__ = ["RuntimeHistory", "RECENT", "RECORD_SIZE", "shape_key"]
 
-N_BUCKETS = 96
-LO_NS = 10_000_000                      # 10 ms: everything shorter is one bucket
-HI_NS = 60 * 86400 * 1_000_000_000      # 60 days: everything longer is one bucket
-# Upper edges of buckets 0..94 (the last bucket has none): log-spaced, integer ns.
-_EDGES = np.unique(np.round(np.geomspace(LO_NS, HI_NS, N_BUCKETS - 1)).astype(np.int64))
-assert _EDGES.shape[0] == N_BUCKETS - 1 and _EDGES[0] == LO_NS and _EDGES[-1] == HI_NS
+#: Successful runtimes kept per key (newest first): what the predictor averages.
+RECENT = 2
 
-# Record layout: magic, version, bucket count, then N_BUCKETS little-endian uint64 counts.
+# Record layout: magic, version, samples kept, then the count of samples ever recorded
+# (uint64) and RECENT int64 runtimes (ns, newest first; -1 where fewer were recorded).
+# Version 1 was a 96-bucket histogram (a percentile per task name); it is not read.
 _MAGIC = b"LHRH"
-_VERSION = 1
+_VERSION = 2
 _HEADER = struct.Struct("<4sHH")
-RECORD_SIZE = _HEADER.size + 8 * N_BUCKETS
+_BODY = struct.Struct("<Q" + "q" * RECENT)
+RECORD_SIZE = _HEADER.size + _BODY.size
+# The same layout as a numpy dtype, for encoding many records in one pass.
+_RECORD_DTYPE = np.dtype([("magic", "S4"), ("version", "<u2"), ("n", "<u2"),
+                          ("count", "<u8"), ("recent", "<i8", (RECENT,))])
+assert _RECORD_DTYPE.itemsize == RECORD_SIZE
 
 
-def bucket_edges_ns():
-    """The upper edge (ns) of each bucket but the last, as a read-only array."""
-    out = _EDGES.copy()
-    out.flags.writeable = False
-    return out
+def shape_key(names, pods, counts):
+    """The resource shape of an action as a stable string: each pod group as
+    ``<replicas>x(<resource>=<amount>,...)`` (non-zero amounts, the config's resource
+    ``names`` and units), groups joined by ``+``. Two actions with the same pods share it."""
+    groups = []
+    for row, n in zip(pods.tolist(), counts.tolist(), strict=True):
+        parts = ",".join(f"{name}={v}" for name, v in zip(names, row, strict=True) if v)
+        groups.append(f"{n}x({parts})")
+    return "+".join(groups)
+
+
+def _check_key(key):
+    if (not isinstance(key, tuple) or len(key) != 2 or not isinstance(key[0], str)
+            or not key[0] or not isinstance(key[1], str)):
+        raise ValueError(f"a history key is (task name, shape), not {key!r}")
 
 
 class RuntimeHistory:
-    """Histograms of successful runtimes, one row per task, in one growing 2-D array.
+    """The last :data:`RECENT` successful runtimes of each key, in one growing 2-D array.
 
-    ``record`` adds a sample; ``percentile`` answers from the counts (None without history);
-    ``encode``/``load`` move one task's row in and out as bytes; ``merge`` adds another
-    history's counts. Not thread-safe (the shard is single-threaded).
+    ``record_ns`` adds a sample; ``predict_ns`` is the mean of the last two (None without
+    history); ``encode``/``load`` move one key's row in and out as bytes. Not thread-safe
+    (the shard is single-threaded).
     """
 
-    def __init__(self, initial_tasks=16):
-        self._rows = {}                                          # task -> row
-        self._counts = np.zeros((max(1, initial_tasks), N_BUCKETS), dtype=np.uint64)
-        self._cache = {}                                         # (task, p) -> ns
+    def __init__(self, initial_keys=16):
+        self._rows = {}                                              # key -> row
+        n = max(1, initial_keys)
+        self._recent = np.full((n, RECENT), -1, dtype=np.int64)      # newest first
+        self._count = np.zeros(n, dtype=np.uint64)
 
     # ------------------------------------------------------------------ rows
 
-    def _row(self, task, create):
-        row = self._rows.get(task)
+    def _row(self, key, create):
+        row = self._rows.get(key)
         if row is None and create:
-            if not isinstance(task, str) or not task:
-                raise ValueError(f"a task name is a non-empty string, not {task!r}")
+            _check_key(key)
             row = len(self._rows)
-            if row >= self._counts.shape[0]:
-                grown = np.zeros((2 * self._counts.shape[0], N_BUCKETS), dtype=np.uint64)
-                grown[:row] = self._counts
-                self._counts = grown
-            self._rows[task] = row
+            if row >= self._count.shape[0]:
+                m = 2 * self._count.shape[0]
+                recent = np.full((m, RECENT), -1, dtype=np.int64)
+                recent[:row] = self._recent
+                count = np.zeros(m, dtype=np.uint64)
+                count[:row] = self._count
+                self._recent, self._count = recent, count
+            self._rows[key] = row
         return row
-
-    def _forget(self, task):
-        for key in [k for k in self._cache if k[0] == task]:
-            del self._cache[key]
 
     # ------------------------------------------------------------------ samples
 
-    def record(self, task, seconds):
-        """Add one runtime of ``task``, in seconds (>= 0)."""
+    def record(self, key, seconds):
+        """Add one successful runtime of ``key``, in seconds (>= 0)."""
         if not seconds >= 0:
-            raise ValueError(f"task {task!r}: a runtime is >= 0 seconds, not {seconds!r}")
-        self.record_ns(task, int(round(seconds * 1e9)))
+            raise ValueError(f"history {key!r}: a runtime is >= 0 seconds, not {seconds!r}")
+        self.record_ns(key, int(round(seconds * 1e9)))
 
-    def record_ns(self, task, ns):
-        """Add one runtime of ``task`` in integer nanoseconds (>= 0)."""
+    def record_ns(self, key, ns):
+        """Add one successful runtime of ``key`` in integer nanoseconds (>= 0)."""
         if ns < 0:
-            raise ValueError(f"task {task!r}: a runtime is >= 0 ns, not {ns!r}")
-        row = self._row(task, True)
-        b = int(np.searchsorted(_EDGES, ns, side="left"))
-        self._counts[row, b] += np.uint64(1)
-        self._forget(task)
+            raise ValueError(f"history {key!r}: a runtime is >= 0 ns, not {ns!r}")
+        self.record_many_ns(key, np.array([ns], dtype=np.int64))
 
-    def record_many_ns(self, task, ns):
-        """Record many runtimes (ns, an integer array) of ``task`` in one pass."""
-        ns = np.asarray(ns, dtype=np.int64)
+    def record_many_ns(self, key, ns):
+        """Record many runtimes (ns, an integer array, oldest first) of ``key``."""
+        ns = np.maximum(np.asarray(ns, dtype=np.int64), 0)
         if not ns.size:
             return
-        row = self._row(task, True)
-        buckets = np.searchsorted(_EDGES, np.maximum(ns, 0), side="left")
-        self._counts[row] += np.bincount(buckets, minlength=N_BUCKETS).astype(np.uint64)
-        self._forget(task)
+        row = self._row(key, True)
+        last = ns[::-1][:RECENT]                    # the newest of them, newest first
+        keep = RECENT - last.size
+        recent = self._recent[row]
+        recent[last.size:] = recent[:keep].copy()
+        recent[:last.size] = last
+        self._count[row] += np.uint64(ns.size)
 
-    def count(self, task):
-        """Samples recorded for ``task`` (0 when none)."""
-        row = self._rows.get(task)
-        return 0 if row is None else int(self._counts[row].sum())
+    def count(self, key):
+        """Samples ever recorded for ``key`` (0 when none)."""
+        row = self._rows.get(key)
+        return 0 if row is None else int(self._count[row])
 
-    def percentile_ns(self, task, p):
-        """The ``p`` quantile (0 < p <= 1) of ``task``'s runtimes in ns, as the upper edge of
-        its bucket (an over-estimate by less than one bucket); None without history. A
-        quantile in the last bucket reports 60 days (it is at least that)."""
-        if not 0 < p <= 1:
-            raise ValueError(f"a percentile is in (0, 1], not {p!r}")
-        key = (task, p)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        row = self._rows.get(task)
+    def recent_ns(self, key):
+        """The last successful runtimes of ``key`` (ns), newest first (at most RECENT)."""
+        row = self._rows.get(key)
         if row is None:
-            return None
-        cum = np.cumsum(self._counts[row])
-        n = int(cum[-1])
-        if n == 0:
-            return None
-        rank = max(1, int(np.ceil(p * n)))
-        b = int(np.searchsorted(cum, rank, side="left"))
-        ns = int(_EDGES[min(b, N_BUCKETS - 2)])
-        self._cache[key] = ns
-        return ns
+            return []
+        return [int(v) for v in self._recent[row] if v >= 0]
 
-    def percentile(self, task, p):
-        """The ``p`` quantile (0 < p <= 1) of ``task``'s runtimes in seconds; None when the
-        task has no history. See :meth:`percentile_ns`."""
-        ns = self.percentile_ns(task, p)
+    def predict_ns(self, key):
+        """EASY++'s prediction for ``key`` in ns: the mean of its last two successful
+        runtimes (the one runtime after one success, rounded up); None without history."""
+        last = self.recent_ns(key)
+        if not last:
+            return None
+        return -(-sum(last) // len(last))
+
+    def predict(self, key):
+        """:meth:`predict_ns` in seconds; None without history."""
+        ns = self.predict_ns(key)
         return None if ns is None else ns / 1e9
 
-    def tasks(self):
-        """Task names with a row, in the order they were first seen."""
+    def keys(self):
+        """Keys with a row, in the order they were first seen."""
         return list(self._rows)
 
-    def __contains__(self, task):
-        return self.count(task) > 0
+    def __contains__(self, key):
+        return self.count(key) > 0
 
     def __len__(self):
         return len(self._rows)
 
     @property
     def nbytes(self):
-        """Bytes held by the count table (bounded: one fixed row per task, doubling)."""
-        return int(self._counts.nbytes)
+        """Bytes held by the sample table (bounded: one fixed row per key, doubling)."""
+        return int(self._recent.nbytes + self._count.nbytes)
 
     # ------------------------------------------------------------------ moving rows
 
-    def merge(self, other):
-        """Add every count of ``other`` (a RuntimeHistory) into this one."""
-        for task, row in other._rows.items():
-            mine = self._row(task, True)
-            self._counts[mine] += other._counts[row]
-            self._forget(task)
-
-    def encode(self, task):
-        """``task``'s row as one fixed-size record (:data:`RECORD_SIZE` bytes); ``KeyError``
-        when the task has no row."""
-        row = self._rows.get(task)
+    def encode(self, key):
+        """``key``'s row as one fixed-size record (:data:`RECORD_SIZE` bytes); ``KeyError``
+        when the key has no row."""
+        row = self._rows.get(key)
         if row is None:
-            raise KeyError(f"no runtime history for task {task!r}")
-        return (_HEADER.pack(_MAGIC, _VERSION, N_BUCKETS)
-                + self._counts[row].astype("<u8").tobytes())
+            raise KeyError(f"no runtime history for {key!r}")
+        return (_HEADER.pack(_MAGIC, _VERSION, RECENT)
+                + _BODY.pack(int(self._count[row]), *self._recent[row].tolist()))
+
+    def encode_many(self, keys):
+        """:meth:`encode` of each key of ``keys`` (each with a row), in one numpy pass: a
+        flush of many keys' samples costs one gather, not a struct pack per key."""
+        rows = np.fromiter((self._rows[k] for k in keys), dtype=np.int64, count=len(keys))
+        out = np.empty(rows.size, dtype=_RECORD_DTYPE)
+        out["magic"], out["version"], out["n"] = _MAGIC, _VERSION, RECENT
+        out["count"] = self._count[rows]
+        out["recent"] = self._recent[rows]
+        raw = out.tobytes()
+        return [raw[i:i + RECORD_SIZE] for i in range(0, len(raw), RECORD_SIZE)]
 
     @staticmethod
-    def decode(task, data):
-        """The counts in a record made by :meth:`encode`; ``ValueError`` naming ``task`` when
-        the record is malformed (wrong length, magic, version or bucket count)."""
+    def decode(key, data):
+        """``(count, recent)`` of a record made by :meth:`encode`; ``ValueError`` naming
+        ``key`` when the record is malformed (wrong length, magic, version or sample count).
+        A version 1 record (a histogram, before predictions were per task and shape) is
+        refused by name."""
         data = bytes(data)
+        if len(data) >= _HEADER.size:
+            magic, version, n = _HEADER.unpack_from(data)
+            if magic == _MAGIC and version == 1:
+                raise ValueError(f"runtime history {key!r}: a version 1 record (a percentile "
+                                 f"histogram per task name); this code reads version "
+                                 f"{_VERSION} (recent successes per task and shape)")
         if len(data) != RECORD_SIZE:
-            raise ValueError(f"runtime history for task {task!r}: record is {len(data)} bytes; "
+            raise ValueError(f"runtime history {key!r}: record is {len(data)} bytes; "
                              f"expected {RECORD_SIZE}")
-        magic, version, nb = _HEADER.unpack_from(data)
-        if magic != _MAGIC or version != _VERSION or nb != N_BUCKETS:
-            raise ValueError(f"runtime history for task {task!r}: bad record header "
-                             f"(magic {magic!r}, version {version}, {nb} buckets); expected "
-                             f"{_MAGIC!r}, version {_VERSION}, {N_BUCKETS} buckets")
-        return np.frombuffer(data, dtype="<u8", offset=_HEADER.size).astype(np.uint64)
+        magic, version, n = _HEADER.unpack_from(data)
+        if magic != _MAGIC or version != _VERSION or n != RECENT:
+            raise ValueError(f"runtime history {key!r}: bad record header (magic {magic!r}, "
+                             f"version {version}, {n} samples); expected {_MAGIC!r}, "
+                             f"version {_VERSION}, {RECENT} samples")
+        count, *recent = _BODY.unpack_from(data, _HEADER.size)
+        kept = [v for v in recent if v >= 0]
+        if (any(v < -1 for v in recent) or recent[:len(kept)] != kept
+                or len(kept) != min(count, RECENT)):
+            raise ValueError(f"runtime history {key!r}: samples {recent} do not match the "
+                             f"count {count}")
+        return count, np.array(recent, dtype=np.int64)
 
-    def load(self, task, data):
-        """Replace ``task``'s row with a record made by :meth:`encode` (reload from the
+    def load(self, key, data):
+        """Replace ``key``'s row with a record made by :meth:`encode` (reload from the
         store). Nothing changes when the record is malformed (``ValueError``)."""
-        counts = self.decode(task, data)
-        row = self._row(task, True)
-        self._counts[row] = counts
-        self._forget(task)
+        count, recent = self.decode(key, data)
+        row = self._row(key, True)
+        self._recent[row] = recent
+        self._count[row] = np.uint64(count)

@@ -272,7 +272,8 @@ class Inspection:
         return dict(self._engine._qruns)
 
     def tasks(self):
-        """Task names by task row (runtime history is per task)."""
+        """History keys ``(task name, shape)`` by row of the task table (``a_task``,
+        ``t_pred_rt``): runtime history is per task and shape (docs/predictions.md)."""
         return list(self._engine._task_names)
 
     def queue_names(self):

@@ -9,6 +9,7 @@ import contextlib
 import msgpack
 import numpy as np
 
+from engine._history import RECORD_SIZE
 from engine._records import (
     FINALIZE_DTYPE,
     encode_outcome,
@@ -29,6 +30,8 @@ __all__ = ["JournalMixin", "HISTORY_FLUSH_NS"]
 #: Runtime samples reach the store at most this long after they were taken (engine clock),
 #: unless a group writes partition 0 sooner (engine/_journal.py, _encode_history).
 HISTORY_FLUSH_NS = 1_000_000_000
+# msgpack's bin 8 header of one history record (engine._history.RECORD_SIZE bytes).
+_BIN_RECORD = b"\xc4" + bytes([RECORD_SIZE])
 
 
 class Group:
@@ -325,7 +328,7 @@ class JournalMixin:
         return batch
 
     def _encode_history(self, batch):
-        """Task history records (partition 0): new task rows always (action records name
+        """History key records (partition 0): new key rows always (action records name
         them); runtime samples when a flush is due or the group writes partition 0 anyway.
         Samples are predictions' input, not transitions: deferring them (at most
         HISTORY_FLUSH_NS) keeps a turn that only reports successes on its tenant's
@@ -334,17 +337,30 @@ class JournalMixin:
         if self._history_samples and (0 in batch or self._history_due()):
             tasks = tasks | self._history_samples
             self._history_samples = set()
-        for task in tasks:
-            data = self.history.encode(task) if self.history.count(task) else None
-            batch.setdefault(0, []).append(
-                ("history", row_key(self._tasks[task]), msgpack.packb([task, data])))
+        if not tasks:
+            return
+        # [task, shape, record] (msgpack) per key: the key row's history, None before its
+        # first success. Records in one pass; each key's packed [task, shape] prefix is kept
+        # (a flush after many keys' successes costs little per key).
+        keys = list(tasks)
+        learnt = [k for k in keys if self.history.count(k)]
+        records = dict(zip(learnt, self.history.encode_many(learnt), strict=True))
+        ops = batch.setdefault(0, [])
+        for key in keys:
+            prefix = self._history_prefix.get(key)
+            if prefix is None:
+                prefix = self._history_prefix[key] = b"\x93" + msgpack.packb(key[0]) + \
+                    msgpack.packb(key[1])
+            data = records.get(key)
+            value = prefix + (_BIN_RECORD + data if data is not None else b"\xc0")
+            ops.append(("history", row_key(self._tasks[key]), value))
 
-    def _add_sample(self, task):
-        """``task`` has a runtime sample the store does not have yet: it is written within
-        HISTORY_FLUSH_NS of the oldest such sample."""
+    def _add_sample(self, key):
+        """History ``key`` has a runtime sample the store does not have yet: it is written
+        within HISTORY_FLUSH_NS of the oldest such sample."""
         if not self._history_samples:
             self._history_flush_ns = self.clock.now_ns() + HISTORY_FLUSH_NS
-        self._history_samples.add(task)
+        self._history_samples.add(key)
 
     def _history_due(self):
         return bool(self._history_samples) and self.clock.now_ns() >= self._history_flush_ns
@@ -396,7 +412,7 @@ class JournalMixin:
         return np.where(rows >= 0, self._state.w_ident[np.maximum(rows, 0)], -1)
 
     def _clear_dirty(self):
-        self._history_dirty = set()  # tasks whose history record to write
+        self._history_dirty = set()  # history keys whose record to write
         # Action rows to write (their fixed record, and their attempts record when their
         # Python record is their truth): single rows and arrays of rows, merged at encode.
         self._dirty_rows = []

@@ -507,7 +507,8 @@ class LeasingMixin:
             set_state(st, run, ST_RUNNING)      # stops the queued-time clock
             st.a_running[run] = now
             st.a_phase[run] = PH_RUNNING
-            pred = st.t_pred_rt[st.a_task[run]]
+            # Predictions count from RUNNING, as history measures (docs/predictions.md).
+            pred = self._predicted_rt(run)
             later = (pred != NEVER) & (now + np.minimum(pred, NEVER - now) > st.a_pred_end[run])
             st.a_pred_end[run[later]] = now + pred[later]
             grace = self.config.engine.runtime_grace
@@ -522,10 +523,10 @@ class LeasingMixin:
             began = np.where(st.a_running[done] != NEVER, st.a_running[done], st.a_start[done])
             tasks = st.a_task[done]
             for t in np.unique(tasks).tolist():
-                name = self._task_names[t]
-                self.history.record_many_ns(name, np.maximum(0, now - began[tasks == t]))
-                self._add_sample(name)
-                self._refresh_prediction(name, t)
+                key = self._task_names[t]
+                self.history.record_many_ns(key, np.maximum(0, now - began[tasks == t]))
+                self._add_sample(key)
+                self._refresh_prediction(key, t)
             self._end_leases_lean(done, END_COMPLETED, PH_SUCCEEDED, now)
 
     def _end_leases_lean(self, rows, end, phase, now):
@@ -566,8 +567,8 @@ class LeasingMixin:
                 att.running_ns = now
                 rec.phase = Phase.RUNNING
                 # Backfill (issue 5): history measures from RUNNING, so the prediction does.
-                pred = int(st.t_pred_rt[st.a_task[row]])
-                if pred != NEVER and now + pred > st.a_pred_end[row]:
+                pred = int(self._predicted_rt(np.array([row]))[0])
+                if pred != NEVER and pred < NEVER - now and now + pred > st.a_pred_end[row]:
                     st.a_pred_end[row] = now + pred
                 t = rec.compiled.spec.timeouts
                 if t.max_runtime is not None:
@@ -576,10 +577,10 @@ class LeasingMixin:
                                 int(st.a_gen[row]))
             return verdict
         if phase == Phase.SUCCEEDED:
-            # Backfill (issue 5): a success teaches the task's history (failures do not).
+            # Backfill (issue 5): a success teaches its history key (failures do not).
             began = att.running_ns if att.running_ns is not None else att.start_ns
             if began is not None:
-                self._record_runtime(rec.compiled.spec.task, now - began)
+                self._record_runtime(self._task_names[int(st.a_task[row])], now - began)
             self._end_lease(row, END_COMPLETED)
             self._end_attempt(rec, Phase.SUCCEEDED, message=message, cleanup=cleanup)
             self._finish(rec, Phase.SUCCEEDED, message)

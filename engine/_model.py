@@ -183,6 +183,9 @@ class ActionSpec:
     run_queue: str | None = None
     run_max_action_concurrency: int = 0
     execute: Execution | None = None
+    # How long one attempt is expected to run (seconds), when the client knows better than
+    # the task's history: EASY backfill predicts from it (docs/predictions.md).
+    runtime_estimate: float | None = None
 
     @classmethod
     def from_dict(cls, data):
@@ -334,6 +337,13 @@ def _compile(spec, aid, resources, queue_names, default_queue):
             backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap", allow_zero=True)))
     if spec.reuse is not None and isinstance(spec.reuse.idle_ttl, timedelta):
         spec = replace(spec, reuse=replace(spec.reuse, idle_ttl=float(idle)))
+    estimate = _seconds(spec.runtime_estimate, "runtime_estimate")
+    if estimate is not None:
+        if bounds["max_runtime"] is not None and estimate > bounds["max_runtime"]:
+            raise SpecError(f"runtime_estimate {estimate:g}s exceeds timeouts.max_runtime "
+                            f"{bounds['max_runtime']:g}s (the attempt is stopped there)")
+        if isinstance(spec.runtime_estimate, timedelta):
+            spec = replace(spec, runtime_estimate=estimate)
 
     if spec.execute is not None:
         check_execution(spec.execute, gang=int(pod_counts.sum()) > 1)

@@ -68,7 +68,7 @@ def action_dtype(n_res):
         ("parent", "<i4"),        # parent action row, -1
         ("attempt", "<i4"),       # current attempt number (from 1)
         ("fast", "<i4"),          # 1 when it was queued on its warm pool's fast lane
-        ("task", "<i4"),          # task row (runtime history per task name)
+        ("task", "<i4"),          # history key row (task name, shape)
         ("backfilled", "<i4"),    # 1 when the current generation was placed by backfill
         ("fit", "<u8"),           # clusters it could ever fit (bitmask)
         ("gen", "<i8"),           # lease generation (monotonic)
@@ -91,6 +91,8 @@ def action_dtype(n_res):
         ("done", "<i8"),          # lean: end of its attempt
         ("abort", "<i8"),         # lean ABORTED: the row whose abort ended it (its reason)
         ("seq", "<i8"),           # enqueue order: FIFO at reload (rows are reused)
+        ("est_rt", "<i8"),        # the spec's runtime_estimate (ns; NEVER none)
+        ("max_rt", "<i8"),        # the spec's max_runtime (ns; NEVER none)
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
     ])
 

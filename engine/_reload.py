@@ -49,7 +49,7 @@ class Restored:
     run_keys: list          # run row -> run key (None: a free row)
     envs: dict              # environment key -> env row
     history: RuntimeHistory
-    task_names: list        # task row -> task name
+    task_names: list        # history key row -> (task name, shape)
     queue_changes: dict     # queue name -> its durable live changes (not applied)
     rows: int               # action rows in use: actions or FREE below it
     free_rows: np.ndarray   # reclaimed rows, ascending
@@ -211,21 +211,26 @@ def _load_small(ld, store):
         st.e_footprint[row] = footprint
         n_envs = max(n_envs, row + 1)
     st.n_envs = n_envs
-    pct = config.engine.backfill_percentile
     for p, key, raw in store.scan("history"):
-        task, data = _unpack(p, "history", key, raw)
+        # [task, shape, record or None] per history key row (schema 2; docs/predictions.md).
+        value = _unpack(p, "history", key, raw)
+        if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
+                or not isinstance(value[1], str)):
+            raise CorruptRecord(p, "history", key, f"expected [task, shape, record], not "
+                                                   f"{str(value)[:80]}")
+        hkey, data = (value[0], value[1]), value[2]
         row = int.from_bytes(key, "big")
         if row != len(ld.task_names):
-            raise CorruptRecord(p, "history", key, "task rows are not dense")
+            raise CorruptRecord(p, "history", key, "history key rows are not dense")
         if data is not None:
             try:
-                ld.history.load(task, data)
+                ld.history.load(hkey, data)
             except ValueError as exc:
                 raise CorruptRecord(p, "history", key, str(exc)) from None
         st.ensure("tasks", row + 1)
-        ld.task_names.append(task)
-        ns = ld.history.percentile_ns(task, pct)
-        st.t_pred_rt[row] = NEVER if ns is None else ns
+        ld.task_names.append(hkey)
+        ns = ld.history.predict_ns(hkey)
+        st.t_pred_rt[row] = NEVER if ns is None else min(ns, NEVER - 1)
     for p, key, raw in store.scan("queues"):
         qname = key.decode()
         if qname in queue_index:
@@ -307,7 +312,7 @@ def _fill_actions(ld, recs, rows, parts, n):
                       or not known[runs].all()):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
     if int(st.a_task[:n].max()) >= len(ld.task_names):
-        raise CorruptRecord(None, "actions", None, "task row without a history record")
+        raise CorruptRecord(None, "actions", None, "history key row without a history record")
     link_children(st, n)
     # A row with an attempts record has its Python record as truth (decoded on first use).
     st.a_edges[:n] = (st.a_lean[:n] == 0) & occupied

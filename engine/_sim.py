@@ -100,8 +100,9 @@ def _spec(i, job):
     else:
         shape = {"pods": tuple(PodGroup(f"g{k}", count, res)
                                for k, (count, res) in enumerate(job.pods))}
+    # The trace's runtime estimate, when it has one, is the action's (docs/predictions.md).
     return ActionSpec(id=f"sim/trace/prod/r{i}/job", task=job.task, run_queue=job.queue,
-                      **shape)
+                      runtime_estimate=job.estimate, **shape)
 
 
 def prepare(config, jobs, skip_unfit=False, nodes=True):

@@ -79,7 +79,9 @@ ACTION_FIELDS = {
     # In memory only: 1 when the row's Python record (spec, outcome, attempts) is its truth.
     "a_edges": (U8, 0, ()),
     # --- backfill (see docs/architecture.md, "Backfill") ---
-    "a_task": (I32, -1, ()),            # task row (runtime history is per task name)
+    "a_task": (I32, -1, ()),            # history key row: (task name, shape)
+    "a_est_rt": (I64, NEVER, ()),       # its spec's runtime_estimate (ns; NEVER = none)
+    "a_max_rt": (I64, NEVER, ()),       # its spec's max_runtime (ns; NEVER = none)
     "a_pred_end": (I64, NEVER, ()),     # predicted end (ns) of the live lease; NEVER = unknown
     "a_backfilled": (U8, 0, ()),        # 1 when the current generation was placed by backfill
     "a_lnext": (I32, -1, ()),           # next live charged lease on its cluster
@@ -108,9 +110,10 @@ LANE_FIELDS = {
     "ln_skip_code": (U8, 0, ()),
     "ln_skip_tick": (I64, -1, ()),
 }
-# One row per task name: what its runtime history predicts (set by the engine).
+# One row per history key (task name, resource shape): what its runtime history predicts
+# (set by the engine; docs/predictions.md).
 TASK_FIELDS = {
-    "t_pred_rt": (I64, NEVER, ()),      # predicted runtime (ns) at the backfill percentile
+    "t_pred_rt": (I64, NEVER, ()),      # mean of the key's last two successes (ns); NEVER none
 }
 RUN_FIELDS = {
     "u_cap": (I64, 0, ()),

@@ -117,7 +117,9 @@ DBS: tuple[str, ...] = (
 )
 #: On-disk format version, written as ``meta/schema`` in every partition at creation. A store
 #: with another version is refused (:class:`CorruptRecord`), never converted in place.
-SCHEMA_VERSION = 1
+#: Version 2 (issue 14, predictions): action records carry the spec's runtime estimate and
+#: max_runtime, and runtime history records are per (task, shape) with recent successes.
+SCHEMA_VERSION = 2
 #: LMDB's default key size limit, enforced by every store so that a batch accepted by
 #: ``MemoryStore`` is also accepted by ``LmdbStore``.
 MAX_KEY_SIZE = 511
@@ -603,6 +605,11 @@ def check_schema(partition, raw: bytes | None) -> None:
     except Exception as e:  # noqa: BLE001 - any decode failure means a corrupt record
         raise CorruptRecord(partition, "meta", META_SCHEMA,
                             f"undecodable schema record {raw[:32]!r} ({e})") from None
+    if isinstance(schema, int) and 0 < schema < SCHEMA_VERSION:
+        raise CorruptRecord(partition, "meta", META_SCHEMA,
+                            f"schema {schema}: a store written by older code; this code reads "
+                            f"schema {SCHEMA_VERSION} and never converts a store in place "
+                            f"(drain it with the older code, or start on an empty store)")
     if schema != SCHEMA_VERSION:
         raise CorruptRecord(partition, "meta", META_SCHEMA,
                             f"schema {schema!r}, this code reads schema {SCHEMA_VERSION} "

@@ -8,17 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import ActionSpec, Engine, PodGroup, WaitCode
-from engine._history import RuntimeHistory, bucket_edges_ns
+from engine._history import RuntimeHistory
 from storage import MemoryStore, partition_of
 from tests.conftest import make_engine
 
 NODE = {"cpu": 96, "memory": "1Ti", "gpu:H100": 8}
 S = 1_000_000_000
-# Runtimes equal to a bucket edge are predicted exactly by their history.
-EDGES = [int(e) for e in bucket_edges_ns()]
-T10 = EDGES[50]     # ~ 4.4 s
-T100 = EDGES[62]    # ~ 56 s
-T500 = EDGES[70]    # ~ 311 s
+# A history of equal runtimes predicts them exactly (the mean of the last two).
+EDGES = [int(1e9 * 1.24 ** i) for i in range(75)]     # 1 s to ~ 2.6 h, 24% apart
+T10 = 4_400_000_000     # 4.4 s
+T100 = 56_000_000_000   # 56 s
+T500 = 311_000_000_000  # 311 s
 
 
 def config(backfill=True, nodes=1, bf_max_candidates=64, **queue):
@@ -54,13 +54,19 @@ def gang(run, task="train", pods=3, per_pod=2):
     return act(run, task, pods=(PodGroup("worker", pods, {"cpu": 4, "gpu": per_pod}),))
 
 
-def warm(eng, **runtimes_ns):
-    """Give tasks a history of exact runtimes by loading records (as storage would)."""
+def warm(eng, *specs, **runtimes_ns):
+    """Give tasks a history of exact runtimes by loading records (as storage would). History
+    is per task and shape: each task is taught at the shapes of ``gpus(run, task, 1 or 2)``
+    and ``cpu_job(run, task)``, and at the shape of each spec of ``specs`` (its task's
+    runtime)."""
     h = RuntimeHistory()
-    for task, ns in runtimes_ns.items():
+    shapes = [spec for task in runtimes_ns
+              for spec in (gpus("w", task, 1), gpus("w", task, 2), cpu_job("w", task))]
+    for spec in (*shapes, *specs):
+        key = eng.history_key(spec)
         for _ in range(5):
-            h.record_ns(task, ns)
-        eng.load_history(task, h.encode(task))
+            h.record_ns(key, runtimes_ns[spec.task])
+        eng.load_history(key, h.encode(key))
 
 
 def start(eng, clock, specs):
@@ -91,8 +97,8 @@ def _seed_example(backfill):
         [a] = start(eng, clock, [spec])
         clock.advance(ns / 1e9)
         eng.complete(a.action, a.generation)
-    assert eng.history.count("small") == 1
-    assert eng.predicted_runtime("etl") == T10 / 1e9
+    assert eng.history.count(eng.history_key(gpus("x", "small", 2))) == 1
+    assert eng.predicted_runtime(eng.history_key(cpu_job("x", "etl"))) == T10 / 1e9
     t0 = clock.now_ns()
     smalls = start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(4)])
     assert len(smalls) == 4
@@ -297,15 +303,15 @@ def test_history_records_successes_only():
     [b] = start(eng, clock, [cpu_job("bad", "etl")])
     clock.advance(100)
     eng.complete(b.action, b.generation, "FAILED", recoverable=False)
-    assert eng.history.count("etl") == 1
-    assert 3 <= eng.predicted_runtime("etl") < 3 * 1.25
+    key = eng.history_key(cpu_job("x", "etl"))
+    assert eng.history.count(key) == 1
+    assert eng.predicted_runtime(key) == 3
     # The history is durable: a restart on the same store predicts the same.
-    predicted = eng.predicted_runtime("etl")
     store = eng.store
     eng.close()
     again = Engine(eng.config, clock=clock,
                    store=MemoryStore(store.partitions, backing=store.backing))
-    assert again.history.count("etl") == 1 and again.predicted_runtime("etl") == predicted
+    assert again.history.count(key) == 1 and again.predicted_runtime(key) == 3
 
 
 class RecordingStore(MemoryStore):
@@ -334,7 +340,8 @@ def test_runtime_samples_leave_a_success_on_its_partition_and_reach_the_store_wi
     clock.advance(3)
     eng.complete(a.action, a.generation)
     assert store.groups[-1] == [part]   # the success alone: no partition 0, no journal
-    assert eng.predicted_runtime("etl") is not None
+    key = eng.history_key(cpu_job("r1", "etl"))
+    assert eng.predicted_runtime(key) is not None
     assert stored_samples(store, "etl") == 0    # not in the store yet (a crash loses it)
     clock.advance(1)
     eng.enqueue(cpu_job("r2", "etl"))   # any group after the flush is due carries it
@@ -346,17 +353,17 @@ def test_runtime_samples_leave_a_success_on_its_partition_and_reach_the_store_wi
     eng.complete(b.action, b.generation)
     eng.close()                         # close writes what is left
     twin = Engine(eng.config, clock=clock, store=MemoryStore(16, backing=store.backing))
-    assert twin.history.count("etl") == 2
+    assert twin.history.count(key) == 2
 
 
 def stored_samples(store, task):
     """How many runtime samples of ``task`` the store's history record holds."""
     for _p, _key, raw in store.scan("history"):
-        name, data = msgpack.unpackb(raw)
+        name, shape, data = msgpack.unpackb(raw)
         if name == task and data is not None:
             h = RuntimeHistory()
-            h.load(task, data)
-            return h.count(task)
+            h.load((name, shape), data)
+            return h.count((name, shape))
     return 0
 
 
@@ -388,7 +395,6 @@ def simulate(jobs, runtimes, backfill, budget=None):
     :func:`two_clusters`. Tasks run exactly ``runtimes[task]`` ns, which their warm history
     predicts. Returns (first blocked head, {run: start_ns})."""
     eng, clock = make_engine(two_clusters(backfill, budget))
-    warm(eng, **runtimes)
     events = []          # (time, kind, seq, payload): completions (0) before submissions (1)
     for i, (t, task, g, c, pods) in enumerate(jobs):
         heapq.heappush(events, (t, 1, i, (task, g, c, pods)))
@@ -404,10 +410,12 @@ def simulate(jobs, runtimes, backfill, budget=None):
             task, g, c, pods = payload
             if pods > 1:
                 group = PodGroup("worker", pods, {"cpu": c, "gpu": max(g, 1)})
-                eng.enqueue(act(f"j{i}", task, pods=(group,)))
+                spec = act(f"j{i}", task, pods=(group,))
             else:
-                eng.enqueue(act(f"j{i}", task,
-                                resources={"cpu": c, "gpu": g} if g else {"cpu": c}))
+                spec = act(f"j{i}", task, resources={"cpu": c, "gpu": g} if g else {"cpu": c})
+            if eng.history.count(eng.history_key(spec)) == 0:
+                warm(eng, spec, **{task: runtimes[task]})   # history per task and shape
+            eng.enqueue(spec)
         for a in eng.tick():
             eng.mark_running(a.action, a.generation)
             starts[a.action.run] = now
@@ -473,7 +481,7 @@ def test_cluster_backfill_spends_only_the_budget_beyond_the_heads_demand():
     shadow time is 96 cpu and 10 GPUs, but none of the budget: GPU work may not backfill by
     either rule; cpu-only work still may."""
     eng, clock = make_engine(config(nodes=2, max_resources={"gpu:H100": 8}))
-    warm(eng, small=T100, quick=T10)
+    warm(eng, gpus("s", "small", 1, cpu=49), small=T100, quick=T10)
     start(eng, clock, [gpus(f"s{i}", "small", 1, cpu=49) for i in range(2)])
     eng.enqueue(act("g", "train", resources={"cpu": 96, "gpu": 6}))
     eng.enqueue(gpus("x", "unknown", 6, cpu=10))     # rule (b) by capacity: the head's budget
@@ -525,7 +533,7 @@ def test_backfill_head_reserves_its_budget_against_work_on_other_clusters():
     started = {}
     for backfill in (False, True):
         eng, clock = make_engine(two_clusters(backfill, budget=12))
-        warm(eng, small=T100)
+        warm(eng, gpus("s0", "small", 1, cpu=90), small=T100)
         assert [a.cluster for a in start(eng, clock, [gpus("s0", "small", 1, cpu=90)])] == [
             "east"]
         eng.enqueue(act("g", "train", pods=(PodGroup("worker", 3, {"cpu": 35, "gpu": 3}),)))
@@ -600,7 +608,7 @@ def test_backfill_state_survives_a_restart():
     view = again.inspect()
     for name, values in before.items():
         assert (getattr(view.arrays, name)[:view.action_rows] == values).all(), name
-    assert again.predicted_runtime("quick") == T10 / S
+    assert again.predicted_runtime(again.history_key(gpus("x", "quick", 2))) == T10 / S
     again.register_worker("w-east", "east", 1000)
     assert again.tick() == []
     assert again.explain("acme/ml/prod/g/a").eta_ns == eta

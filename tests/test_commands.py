@@ -255,13 +255,15 @@ def test_submit_a_fanout_and_wait_for_the_outcomes(env, tmp_path):
     assert sorted(got["phases"].values()) == ["FAILED", "SUCCEEDED", "SUCCEEDED"]
     # Flags, a sim execute, a wait that runs out of time.
     out = env.cli("submit", "--id", f"{RUN}/s/one", "--cpu", "1", "--memory", "1Gi",
-                  "--plugin", "sim", "--duration", "5", "--wait", "--timeout", "0.5")
+                  "--plugin", "sim", "--duration", "5", "--runtime-estimate", "5",
+                  "--wait", "--timeout", "0.5")
     assert out.returncode == 1
     assert out.stdout.strip() == ""
     one_error_line(out, "DEADLINE_EXCEEDED")
     (lease,) = env.leases(1)
     assert lease.spec["execute"] == {"plugin": "sim", "duration": 5.0}
     assert lease.spec["resources"] == {"cpu": 1, "memory": "1Gi"}
+    assert lease.spec["runtime_estimate"] == 5.0     # over the wire to the worker too
 
 
 def test_submit_refuses_bad_input_naming_it(env, tmp_path):
@@ -278,6 +280,10 @@ def test_submit_refuses_bad_input_naming_it(env, tmp_path):
     assert "resources" in one_error_line(out, "INVALID_ARGUMENT")
     out = env.cli("submit", "--id", f"{RUN}/b/c", "--cpu", "1", "--duration", "3")
     assert "--duration is for --plugin sim" in one_error_line(out, "INVALID_ARGUMENT")
+    out = env.cli("submit", "--id", f"{RUN}/b/c", "--cpu", "1", "--max-runtime", "5",
+                  "--runtime-estimate", "9")
+    assert "runtime_estimate 9s exceeds timeouts.max_runtime 5s" in one_error_line(
+        out, "INVALID_ARGUMENT")
     out = env.cli("submit", "--id", f"{RUN}/b/c", "--cpu", "1", "--queue", "nope")
     assert out.returncode == 2
     assert "run_queue 'nope' does not exist" in one_error_line(out, "INVALID_ARGUMENT")

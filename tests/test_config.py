@@ -664,17 +664,14 @@ def test_storage_retention_takes_seconds_or_a_duration(value, seconds):
 
 def test_backfill_defaults_and_values():
     config = parse(BASE)
-    assert config.engine.backfill_percentile == 0.9
     assert config.engine.backfill_max_candidates == 64
     assert all(q.backfill is False for q in config.queues)
     config = parse(BASE + """
 [engine]
-backfill_percentile = 0.5
 backfill_max_candidates = 8
 [queues.gpu]
 backfill = true
 """)
-    assert config.engine.backfill_percentile == 0.5
     assert config.engine.backfill_max_candidates == 8
     assert config.queue("gpu").backfill is True
     assert config.queue("gpu").scheduling == STRICT_FIFO
@@ -696,12 +693,13 @@ backfill = 1
 """, "queues.gpu.backfill", "true or false")
 
 
-@pytest.mark.parametrize("value", ["0", "-0.5", "1.01", "true", '"0.9"', "nan"])
-def test_backfill_percentile_range(value):
+@pytest.mark.parametrize("value", ["0.9", "0.5"])
+def test_backfill_percentile_was_removed_and_says_what_replaced_it(value):
+    # Issue 14: predictions are no longer one percentile per task (docs/predictions.md).
     config_error(BASE + f"""
 [engine]
 backfill_percentile = {value}
-""", "engine.backfill_percentile", "0 < p <= 1")
+""", "engine.backfill_percentile was removed", "last two successes", "delete the key")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "true"])

@@ -79,7 +79,7 @@ def test_a_fan_out_shares_one_group_and_runs_the_common_path_in_columns():
     assert eng.phase(ids[0]) == Phase.SUCCEEDED
     assert history(eng, ids[0]) == [(1, a0.generation, "east", "w", 10**9, 3 * 10**9,
                                      6 * 10**9, "SUCCEEDED")]
-    assert eng.history.count("square") == 5
+    assert eng.history.count(eng.history_key(template())) == 5
     # A finished lease refuses its token.
     assert eng.report(a0.token, Phase.RUNNING) == Verdict.COMPLETED
 
@@ -287,8 +287,9 @@ def state(eng):
     arrays.update({k: v.copy() for k, v in view.arrays.copy().items()
                    if k[:2] in ("q_", "c_", "w_")})
     recs = [(eng.phase(view.action_at(r)), history(eng, view.action_at(r))) for r in range(n)]
-    return arrays, recs, view.timers(), (eng.history.encode("square")
-                                         if eng.history.count("square") else None)
+    key = eng.history_key(template())
+    return arrays, recs, view.timers(), (eng.history.encode(key)
+                                         if eng.history.count(key) else None)
 
 
 def assert_same_state(a, b):

@@ -270,8 +270,9 @@ def _fuzz_step(eng, clock, rng, acked, live, counter):
         eng.update_queue("cpu", action_concurrency=rng.choice([5, 20]))
     elif op < 0.82:
         h = RuntimeHistory()
-        h.record_ns("t0", rng.choice([1, 5, 50]) * 10**9)
-        eng.load_history("t0", h.encode("t0"))
+        key = eng.history_key(spec(rng.choice([0, 2, 4])))     # task t0 at 1, 3 or 2 cpu
+        h.record_ns(key, rng.choice([1, 5, 50]) * 10**9)
+        eng.load_history(key, h.encode(key))
     else:
         clock.advance(rng.choice([1, 5, 15, 40, 70]))
         for w in WORKER_CLUSTERS:

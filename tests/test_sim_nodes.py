@@ -174,12 +174,14 @@ def test_cli_reports_pending_in_the_table_and_the_json(tmp_path, capsys):
 
 
 def test_no_nodes_gives_the_figures_of_the_simulator_without_a_node_model(capsys):
-    # The bundled trace as the simulator measured it before pods were placed on nodes.
+    # The bundled trace as the simulator measured it before pods were placed on nodes; the
+    # backfill figures since predictions per task and shape (issue 14: they were 0.697,
+    # 924 s, 4954 s, 3.10, 26312 s, 446, 1525 with one percentile per task name).
     before = {
         "fifo": (0.6751523298441389, 8141.169327503975, 21517.848, 82.64263292810834,
                  24366.39, 0, 1150),
-        "backfill": (0.6973443105504603, 923.9667965023847, 4954.2634000000035,
-                     3.095105788510359, 26311.779, 446, 1525),
+        "backfill": (0.7212055492007855, 600.619734499205, 3181.5418000000022,
+                     1.6612364339603511, 25479.186, 416, 1475),
         "greedy": (0.7307150249774479, 362.8315103338633, 930.0840000000004,
                    1.1809200768543182, 30253.0, 0, 1595),
     }
@@ -192,9 +194,14 @@ def test_no_nodes_gives_the_figures_of_the_simulator_without_a_node_model(capsys
         got = (r["utilization"], r["mean_wait_s"], r["p95_wait_s"], r["bounded_slowdown"],
                r["gang_max_wait_s"], r["backfilled"], r["ticks"])
         assert got == pytest.approx(figures, rel=1e-9), policy
-    # With nodes (the default) some gangs pend and every policy waits longer.
+    # With nodes (the default) some gangs pend, and fifo and greedy wait longer. Backfill's
+    # mean wait is within a few percent either way (since issue 14's predictions it is 2%
+    # shorter with nodes here: pending reshuffles which work fills the gaps).
     assert main(["simulate", trace, "--json"]) == 0
     placed = json.loads(capsys.readouterr().out)["policies"]
     for policy in before:
         assert placed[policy]["pended"] > 0 and placed[policy]["completed"] == 629
-        assert placed[policy]["mean_wait_s"] > flat[policy]["mean_wait_s"]
+        if policy != "backfill":
+            assert placed[policy]["mean_wait_s"] > flat[policy]["mean_wait_s"]
+    assert placed["backfill"]["mean_wait_s"] == pytest.approx(
+        flat["backfill"]["mean_wait_s"], rel=0.05)

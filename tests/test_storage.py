@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import storage._lmdb as lmdb_store
 from storage import (
     DBS,
+    SCHEMA_VERSION,
     Claim,
     CorruptRecord,
     InvalidBatch,
@@ -1053,7 +1054,7 @@ def test_scan_parallel_checks_the_schema(hl):
     s.open("a", T0)
     _fill(s, 100, P)
     s.close()
-    hl.tamper(1, "meta", b"schema", msgpack.packb(2))
+    hl.tamper(1, "meta", b"schema", msgpack.packb(SCHEMA_VERSION + 1))
     with pytest.raises(CorruptRecord, match="partition 1.*b'schema'"):
         scan_parallel(hl.path, "actions", record_size=REC.itemsize, processes=2)
 

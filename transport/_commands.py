@@ -242,7 +242,8 @@ def _wait_ended(client, cfg, ids, timeout):
 # ------------------------------------------------------------------------------ submit
 
 _FLAG_DESTS = ("id", "task", "cpu", "memory", "gpu", "queue", "parent", "image", "retries",
-               "max_runtime", "max_queued_time", "deadline", "plugin", "duration", "fail",
+               "max_runtime", "max_queued_time", "deadline", "runtime_estimate", "plugin",
+               "duration", "fail",
                "fail_attempts", "command", "function")
 
 
@@ -310,6 +311,8 @@ def _spec_from_flags(args):
                                   ("deadline", args.deadline)) if v is not None}
     if timeouts:
         spec["timeouts"] = timeouts
+    if args.runtime_estimate is not None:
+        spec["runtime_estimate"] = args.runtime_estimate
     spec_execute = _execute_from_flags(args)
     if spec_execute is not None:
         spec["execute"] = spec_execute

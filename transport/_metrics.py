@@ -69,7 +69,7 @@ METRIC_NAMES = {
     "leasehold_queue_head_blocked_seconds": ("gauge", ("queue", "reason"), "How long the "
                                              "waiting head has been the head"),
     "leasehold_queue_head_eta_seconds": ("gauge", ("queue",), "Estimated seconds until the "
-                                         "waiting STRICT_FIFO head starts (runtime history); "
+                                         "waiting STRICT_FIFO head starts (predicted ends); "
                                          "absent when unknown"),
     "leasehold_queue_backfilled": ("counter", ("queue",), "Placements made by EASY backfill"),
     "leasehold_cluster_capacity": ("gauge", ("cluster", "resource"), "Configured capacity "

@@ -10,10 +10,11 @@ so the same picture comes out on any machine:
    higher-priority queue first.
 2. **a gang held under STRICT_FIFO, backfill in the gap** (queue ``train``, backfill on): a
    4u ``etl`` blocker runs; a gang of 2 pods x 4u (the whole cluster) is the head and waits,
-   holding the cluster, with an estimated start from the blocker's runtime history; behind it
-   one more ``etl`` (1u) may not pass it (its predicted runtime ends after the head's
-   estimated start: head of line), while 6 ``lookup`` actions (1u), predicted to end before,
-   are backfilled into the idle capacity.
+   holding the cluster, with an estimated start from the blocker's declared
+   ``runtime_estimate``; behind it one more ``etl`` (1u, a size of the task with no history
+   yet: nothing proves it ends in time) may not pass it (head of line), while 6 ``lookup``
+   actions (1u), predicted by their history (step 1) to end before, are backfilled into the
+   idle capacity.
 3. **a warm pool reused**: 6 ``python`` actions of one reusable environment (1 replica, 2 calls
    at once) run ``devbox_tasks:score``: the first starts the pool process, the follow-ons
    run in it (each call writes its pid).
@@ -258,8 +259,10 @@ class ExampleWorkload:
 
     def _gang(self):
         step = "2 gang + backfill"
+        # It declares how long it runs: the head's estimated start comes from it (its task
+        # has no history at this size: history is per task and shape).
         blocker = self._spec("train", "blocker", "etl", "train",
-                             {"plugin": "sim", "duration": 1.2}, 4)
+                             {"plugin": "sim", "duration": 1.2}, 4, runtime_estimate=1.2)
         gang = {"id": f"{RUN}/train/gang", "task": "train", "task_queue": "train",
                 "pods": [{"role": "worker", "replicas": 2,
                           "resources": {"cpu": f"{4 * self.u}m", "memory": "128Mi"}}],

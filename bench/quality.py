@@ -1,0 +1,183 @@
+"""Decision quality (issue 14): how close backfill on learned predictions comes to backfill
+with exact runtimes, on a seeded trace model in which runtimes depend on the task. Prints ONE
+JSON object.
+
+The model (``generate``; everything drawn from one ``random.Random(seed)``):
+
+* **Clusters and queues**: ``bench/quality.toml``: ``east`` (8 nodes of 8 H100, 8 nodes of
+  96 cpu) and ``west`` (6 nodes of 8 H100, 12 nodes of 64 cpu), 112 GPUs; queues by team,
+  each open to both clusters: ``prod`` (priority 300), ``research`` (200), ``batch`` (100).
+* **Tasks**: ``TASKS`` (80) tasks of Zipf popularity (weight ``1 / rank^1.1``). Each has a
+  class (10% gangs of 2-6 pods of one whole 8-GPU node, 30% one pod of 1-8 GPUs, 60% one pod
+  of 1-32 cpu), a queue (gangs: research; GPU work: prod or research; CPU work: prod,
+  research or batch, 30/30/40), one or (30% of tasks) two resource shapes, the larger
+  running 0.6x as long, and its own lognormal runtime: median log-uniform per class (gangs
+  20 min-4 h, GPU 2 min-1 h, CPU 30 s-30 min), sigma uniform 0.2-1.2, capped at 12 h.
+* **Arrivals**: Poisson, at the rate that offers ``LOAD`` (0.85) of the GPUs; ``DAYS`` (2).
+* **Policies**: ``fifo`` (STRICT_FIFO), ``backfill`` (EASY, predictions learned from the
+  history of each task and shape: the engine is told nothing), ``greedy``
+  (GREEDY_CAPACITY), and ``backfill_exact`` (EASY with every job's exact runtime given as its
+  ``runtime_estimate``). Pods are placed on the nodes (the simulator's node model).
+* **Metrics** per policy (``docs/simulator.md``): mean and p95 wait, mean bounded slowdown
+  (10 s bound), longest gang wait, GPU utilisation, jobs completed; and the issue's ratios:
+  ``backfill_learned_vs_exact_mean_wait`` (goal <= 1.15), ``backfill_vs_greedy_mean_wait``
+  (goal <= 1.5), ``backfill_vs_fifo_gang_max_wait`` (goal <= 1.05), each with a ``goal_*``
+  flag. Printed as measured, met or not.
+
+    .venv/bin/python bench/quality.py [--seed N] [--days D]
+"""
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine._config import load_config  # noqa: E402
+from engine._sim import prepare, simulate  # noqa: E402
+from engine._trace import Job  # noqa: E402
+
+CONFIG_PATH = ROOT / "bench" / "quality.toml"
+TASKS = 80
+ZIPF = 1.1
+LOAD = 0.85
+GPUS = 112
+DAYS = 2.0
+CAP_S = 12 * 3600
+CLASSES = (("gang", 0.10), ("gpu", 0.30), ("cpu", 0.60))
+MEDIANS = {"gang": (1200, 4 * 3600), "gpu": (120, 3600), "cpu": (30, 1800)}
+# Each task's queue, by class: (queue, weight).
+QUEUES = {"gang": (("research", 1.0),), "gpu": (("prod", 0.5), ("research", 0.5)),
+          "cpu": (("prod", 0.3), ("research", 0.3), ("batch", 0.4))}
+
+
+def _shape(rng, kind):
+    if kind == "gang":
+        n = rng.choice((2, 2, 3, 4, 4, 6))
+        return f"{n}x8", ((n, {"cpu": 64, "memory": "512Gi", "gpu:H100": 8}),)
+    if kind == "gpu":
+        g = rng.choice((1, 1, 2, 4, 8))
+        return f"{g}gpu", ((1, {"cpu": 8 * g, "memory": f"{64 * g}Gi", "gpu:H100": g}),)
+    c = rng.choice((1, 2, 4, 8, 16, 32))
+    return f"{c}cpu", ((1, {"cpu": c, "memory": f"{4 * c}Gi"}),)
+
+
+def tasks(rng):
+    """The task catalogue: ``[(name, queue, weight, [(pods, runtime factor)], median,
+    sigma)]``."""
+    out = []
+    kinds, weights = [k for k, _ in CLASSES], [w for _, w in CLASSES]
+    for rank in range(1, TASKS + 1):
+        kind = rng.choices(kinds, weights)[0]
+        lo, hi = MEDIANS[kind]
+        median = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+        sigma = rng.uniform(0.2, 1.2)
+        label, pods = _shape(rng, kind)
+        shapes = [(pods, 1.0)]
+        if rng.random() < 0.3:
+            label2, pods2 = _shape(rng, kind)
+            if label2 != label:
+                big = _gpus(pods2) + _cpus(pods2) > _gpus(pods) + _cpus(pods)
+                shapes.append((pods2, 0.6 if big else 1 / 0.6))
+        queue = rng.choices([q for q, _ in QUEUES[kind]], [w for _, w in QUEUES[kind]])[0]
+        out.append((f"{kind}-{rank}", queue, 1 / rank ** ZIPF, shapes, median, sigma))
+    return out
+
+
+def _gpus(pods):
+    return sum(n * r.get("gpu:H100", 0) for n, r in pods)
+
+
+def _cpus(pods):
+    return sum(n * r["cpu"] for n, r in pods)
+
+
+def _draw(rng, catalogue, weights):
+    """One job of the model: ``(task, queue, pods, runtime)``."""
+    name, queue, _w, shapes, median, sigma = rng.choices(catalogue, weights)[0]
+    pods, factor = rng.choice(shapes)
+    runtime = min(CAP_S, max(1.0, factor * rng.lognormvariate(math.log(median), sigma)))
+    return name, queue, pods, runtime
+
+
+def generate(seed, days):
+    """The trace: a list of Jobs sorted by submission (no runtime estimates)."""
+    rng = random.Random(seed)
+    catalogue = tasks(rng)
+    weights = [t[2] for t in catalogue]
+    # The offered load, measured on a sample of the model (the cap and the Zipf weights make
+    # a closed form awkward): jobs per second so that GPU-seconds arrive at LOAD x GPUS.
+    probe = random.Random(seed + 1)
+    gpu_s = sum(_gpus(p) * r for _, _, p, r in (_draw(probe, catalogue, weights)
+                                                for _ in range(20000))) / 20000
+    rate = LOAD * GPUS / gpu_s
+    jobs, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= days * 86400:
+            break
+        name, queue, pods, runtime = _draw(rng, catalogue, weights)
+        jobs.append(Job(id=str(len(jobs)), submit=round(t, 3), runtime=round(runtime, 3),
+                        pods=pods, task=name, queue=queue, where=f"quality:{len(jobs)}"))
+    return jobs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--days", type=float, default=DAYS)
+    args = parser.parse_args(argv)
+    wall0 = time.perf_counter()
+    cfg = load_config(CONFIG_PATH)
+    jobs = generate(args.seed, args.days)
+    exact = [replace(j, estimate=j.runtime) for j in jobs]
+    out = {"bench": "quality", "seed": args.seed, "days": args.days, "jobs": len(jobs),
+           "tasks": len({j.task for j in jobs}), "gangs": sum(j.n_pods > 1 for j in jobs),
+           "target_gpu_load": LOAD, "nodes": True}
+    results = {}
+    for policy, trace in (("fifo", jobs), ("backfill", jobs), ("greedy", jobs),
+                          ("backfill_exact", exact)):
+        prepared = prepare(cfg, trace)
+        engine_policy = "backfill" if policy == "backfill_exact" else policy
+        r = results[policy] = simulate(cfg, trace, engine_policy, prepared=prepared)
+        out[f"mean_wait_{policy}_s"] = _round(r.mean_wait_s, 1)
+        out[f"p95_wait_{policy}_s"] = _round(r.p95_wait_s, 1)
+        out[f"bounded_slowdown_{policy}"] = _round(r.bounded_slowdown, 2)
+        out[f"gang_max_wait_{policy}_s"] = _round(r.gang_max_wait_s, 1)
+        out[f"utilization_{policy}"] = _round(r.utilization, 4)
+        out[f"completed_{policy}"] = r.completed
+        out[f"backfilled_{policy}"] = r.backfilled
+    learned, ex = results["backfill"], results["backfill_exact"]
+    fifo, greedy = results["fifo"], results["greedy"]
+    ratios = {
+        "backfill_learned_vs_exact_mean_wait": (learned.mean_wait_s, ex.mean_wait_s, 1.15),
+        "backfill_vs_greedy_mean_wait": (learned.mean_wait_s, greedy.mean_wait_s, 1.5),
+        "backfill_vs_fifo_gang_max_wait": (learned.gang_max_wait_s, fifo.gang_max_wait_s, 1.05),
+    }
+    for name, (num, den, goal) in ratios.items():
+        if num is None or den is None:
+            value = None
+        elif den == 0:
+            value = 1.0 if num == 0 else None
+        else:
+            value = num / den
+        out[name] = _round(value, 3)
+        out[f"goal_{name}"] = value is not None and value <= goal
+    out["wall_s"] = round(time.perf_counter() - wall0, 2)
+    print(json.dumps(out))
+    return 0
+
+
+def _round(value, digits):
+    return None if value is None else round(value, digits)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
