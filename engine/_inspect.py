@@ -271,6 +271,11 @@ class Inspection:
         """(queue index, run row) -> (queue, run) pair row."""
         return dict(self._engine._qruns)
 
+    def tenants(self):
+        """Tenant name -> tenant row (the ``tn_*`` columns; a run row's tenant is
+        ``u_tenant``): every tenant seen since the engine (re)loaded, a copy."""
+        return dict(self._engine._tenants)
+
     def tasks(self):
         """Task names by task row (runtime history is per task)."""
         return list(self._engine._task_names)
