@@ -14,8 +14,16 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine import ActionSpec, Engine, ManualClock, PodGroup, RetryPolicy, ReusePolicy, WaitCode
-from engine import parse_config
+from engine import (
+    ActionSpec,
+    Engine,
+    ManualClock,
+    PodGroup,
+    RetryPolicy,
+    ReusePolicy,
+    WaitCode,
+    parse_config,
+)
 from storage import MemoryStore, StoreError
 from tests.conftest import make_engine
 
