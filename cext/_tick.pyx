@@ -923,7 +923,7 @@ cdef class TickKernel:
         cdef bint gap = False
         cdef bint bq = False
         cdef u8 tcode
-        cdef i32 h
+        cdef i32 h, t
         cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
@@ -937,10 +937,13 @@ cdef class TickKernel:
         # The tenant's caps, as the run's: the lane (one run, so one tenant) is skipped, and
         # the action neither becomes its queue's head nor holds anything, so other tenants'
         # work behind it goes on (and a STRICT_FIFO queue is not blocked by it).
-        tcode = self._tenant_capped(u)
-        if tcode != W_NONE:
-            self._wait(a, tcode, -1, -1, -1)
-            return R_SKIP_LANE
+        t = self.u_tenant[u]
+        if (self.tn_run_cap[t] | self.tn_action_cap[t]) != 0:
+            # (Most tenants have no cap: one test, no call, on their path.)
+            tcode = self._tenant_capped(u)
+            if tcode != W_NONE:
+                self._wait(a, tcode, -1, -1, -1)
+                return R_SKIP_LANE
         if self.d_tail - self.d_head >= self.d_action.shape[0]:
             # Checked before reserving, so a full channel never leaves a reservation behind.
             self._wait(a, W_DISPATCH_FULL, -1, -1, -1)
