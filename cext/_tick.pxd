@@ -136,6 +136,15 @@ cdef class TickKernel:
     cdef i64[::1] u_cap                # max_action_concurrency, 0 = unlimited
     cdef u64[::1] u_adm                # actions admitted
     cdef u64[::1] u_rel                # actions released
+    cdef i32[::1] u_tenant             # tenant row
+
+    # --- tenants (first segment of the action id; caps over every queue) ---
+    cdef i64[::1] tn_action_cap        # action_concurrency, 0 = unlimited
+    cdef i64[::1] tn_run_cap           # run_concurrency, 0 = unlimited
+    cdef u64[::1] tn_adm               # actions admitted
+    cdef u64[::1] tn_rel               # actions released
+    cdef u64[::1] tn_runs_adm          # runs that went from 0 to >0 in flight
+    cdef u64[::1] tn_runs_rel          # runs that went back to 0
 
     # --- environments (warm pools) ---
     cdef i32[::1] e_queue              # queue the pool is charged to
@@ -204,6 +213,7 @@ cdef class TickKernel:
     cdef void _queue_budget(self, i32 q) noexcept nogil
     cdef i64 _actions_left(self, i32 q) noexcept nogil
     cdef i64 _runs_left(self, i32 q) noexcept nogil
+    cdef u8 _tenant_capped(self, i32 u) noexcept nogil
     cdef int _place_finalize(self, i64 now, u64* avail) noexcept nogil
     cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil
     cdef void _ring_insert(self, i32 lane) noexcept nogil

@@ -18,7 +18,7 @@ from cext._types cimport (
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_HELD, W_QUEUE_PAUSED, W_QUEUE_RUNS, W_RUN_ACTIONS,
-    W_UNSCHEDULABLE_CAP,
+    W_TENANT_ACTIONS, W_TENANT_RUNS, W_UNSCHEDULABLE_CAP,
     W_UNSCHEDULABLE_SHAPE, check_index, i32, i64, u8, u64,
 )
 
@@ -210,6 +210,13 @@ cdef class TickKernel:
         self.u_cap = state.u_cap
         self.u_adm = state.u_adm
         self.u_rel = state.u_rel
+        self.u_tenant = state.u_tenant
+        self.tn_action_cap = state.tn_action_cap
+        self.tn_run_cap = state.tn_run_cap
+        self.tn_adm = state.tn_adm
+        self.tn_rel = state.tn_rel
+        self.tn_runs_adm = state.tn_runs_adm
+        self.tn_runs_rel = state.tn_runs_rel
         self.e_queue = state.e_queue
         self.e_cluster = state.e_cluster
         self.e_slots = state.e_slots
@@ -312,6 +319,19 @@ cdef class TickKernel:
         if self.q_run_cap[q] <= 0:
             return NO_CAP
         return self.q_run_cap[q] - <i64>(self.q_runs_adm[q] - self.q_runs_rel[q])
+
+    cdef inline u8 _tenant_capped(self, i32 u) noexcept nogil:
+        # Which cap of run u's tenant stops it now (W_NONE: neither): run_concurrency when
+        # the run has nothing in flight (starting would make one run more), else
+        # action_concurrency. Counted over every queue, so neither depends on this one.
+        cdef i32 t = self.u_tenant[u]
+        if (self.tn_run_cap[t] > 0 and self.u_adm[u] == self.u_rel[u]
+                and <i64>(self.tn_runs_adm[t] - self.tn_runs_rel[t]) >= self.tn_run_cap[t]):
+            return W_TENANT_RUNS
+        if (self.tn_action_cap[t] > 0
+                and <i64>(self.tn_adm[t] - self.tn_rel[t]) >= self.tn_action_cap[t]):
+            return W_TENANT_ACTIONS
+        return W_NONE
 
     cdef void _queue_budget(self, i32 q) noexcept nogil:
         # The queue's remaining budget: max_resources minus its in-flight resources.
@@ -492,7 +512,12 @@ cdef class TickKernel:
         self.qr_rel[qr] += 1
         if self.qr_adm[qr] == self.qr_rel[qr]:
             self.q_runs_rel[q] += 1
-        self.u_rel[self.a_run[a]] += 1
+        cdef i32 u = self.a_run[a]
+        cdef i32 t = self.u_tenant[u]
+        self.u_rel[u] += 1
+        self.tn_rel[t] += 1
+        if self.u_adm[u] == self.u_rel[u]:
+            self.tn_runs_rel[t] += 1
         self.w_rel[self.a_worker[a]] += 1
         if e >= 0:
             self.e_rel[e] += 1
@@ -909,7 +934,8 @@ cdef class TickKernel:
         cdef u64 mine, shared
         cdef bint gap = False
         cdef bint bq = False
-        cdef i32 h
+        cdef u8 tcode
+        cdef i32 h, t
         cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
@@ -920,6 +946,16 @@ cdef class TickKernel:
         if self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
             self._wait(a, W_RUN_ACTIONS, -1, -1, -1)
             return R_SKIP_LANE
+        # The tenant's caps, as the run's: the lane (one run, so one tenant) is skipped, and
+        # the action neither becomes its queue's head nor holds anything, so other tenants'
+        # work behind it goes on (and a STRICT_FIFO queue is not blocked by it).
+        t = self.u_tenant[u]
+        if (self.tn_run_cap[t] | self.tn_action_cap[t]) != 0:
+            # (Most tenants have no cap: one test, no call, on their path.)
+            tcode = self._tenant_capped(u)
+            if tcode != W_NONE:
+                self._wait(a, tcode, -1, -1, -1)
+                return R_SKIP_LANE
         if self.d_tail - self.d_head >= self.d_action.shape[0]:
             # Checked before reserving, so a full channel never leaves a reservation behind.
             self._wait(a, W_DISPATCH_FULL, -1, -1, -1)
@@ -1366,7 +1402,8 @@ cdef class TickKernel:
     def resolve_wait(self, i32 a):
         """``(code, cluster, dim, blocker)``: what queued ``a`` waits for, as the last tick
         would have stamped it had it examined ``a`` (its queue stopped with W_QUEUE_HELD
-        before reaching it): the count caps, the queue budget, a free worker, then whether
+        before reaching it): the count caps (the queue's runs, the run's, its tenant's), the
+        queue budget, a free worker, then whether
         a held cluster would have room (HEAD_OF_LINE, naming its holder) or none has
         (CLUSTER_CAPACITY, naming the cluster and the resource short). Read from the state
         the last tick left: its holds, free vectors and worker slots."""
@@ -1387,6 +1424,8 @@ cdef class TickKernel:
                 code = W_QUEUE_RUNS
             elif self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
                 code = W_RUN_ACTIONS
+            elif self._tenant_capped(u) != W_NONE:
+                code = self._tenant_capped(u)
             else:
                 self._queue_budget(q)
                 dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
@@ -1497,6 +1536,7 @@ cdef class TickKernel:
         cdef i32 qr = self.a_qrun[a]
         cdef i32 e = self.a_env[a]
         cdef i32 w = self._pick_worker(c)
+        cdef i32 u, t
         cdef Py_ssize_t r
         cdef i64 d
         self.a_gen[a] += 1
@@ -1518,7 +1558,12 @@ cdef class TickKernel:
             runs_left[0] -= 1
         self.qr_adm[qr] += 1
         self.q_adm[q] += 1
-        self.u_adm[self.a_run[a]] += 1
+        u = self.a_run[a]
+        t = self.u_tenant[u]
+        if self.u_adm[u] == self.u_rel[u]:
+            self.tn_runs_adm[t] += 1
+        self.u_adm[u] += 1
+        self.tn_adm[t] += 1
         self.w_adm[w] += 1
         if e >= 0:
             self.e_adm[e] += 1

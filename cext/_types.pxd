@@ -55,6 +55,8 @@ cpdef enum WaitCode:
     # not examined: after its blocked head, every cluster open to the queue was held or
     # without a worker (explain resolves what it waits for)
     W_QUEUE_HELD = 17
+    W_TENANT_ACTIONS = 18      # its tenant's action_concurrency reached ([tenants.NAME])
+    W_TENANT_RUNS = 19         # its tenant's run_concurrency reached (run has nothing in flight)
 
 # How the current generation of a lease ended (a heartbeat for it is refused with this).
 cpdef enum LeaseEnd:

@@ -2,7 +2,7 @@
 
 from engine._clock import ManualClock, SystemClock
 from engine._codes import Phase, WaitCode
-from engine._config import Config, QueueConfig, load_config, parse_config
+from engine._config import Config, QueueConfig, TenantConfig, load_config, parse_config
 from engine._dispatch import DispatchBatch
 from engine._engine import AlreadyExists, Assignment, Engine, Explanation, Group, Refusal
 from engine._errors import ConfigError, LeaseholdError, NotFound, ResourceExhausted, SpecError
@@ -40,6 +40,7 @@ __all__ = [
     "ReusePolicy",
     "SpecError",
     "SystemClock",
+    "TenantConfig",
     "Timeouts",
     "WaitCode",
     "load_config",

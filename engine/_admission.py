@@ -382,6 +382,10 @@ class AdmissionMixin:
                 self._run_keys.append(c.id.run_key)
             self._runs[c.id.run_key] = row
             st.u_cap[row] = c.spec.run_max_action_concurrency
+            tenant, grown = st.tenant_row(self._tenants, self.config, c.id.tenant)
+            if grown:
+                self._bind()
+            st.u_tenant[row] = tenant
             self._op(part, "runs", row_key(row), msgpack.packb(
                 [c.id.run_key, c.spec.run_max_action_concurrency]))
         return row

@@ -42,6 +42,9 @@ class WaitCode(enum.IntEnum):
     # placed; the actions behind were not examined, and explain resolves what each waits for
     # (TickKernel.resolve_wait). Never shown as such.
     QUEUE_HELD = 17
+    # The tenant's caps ([tenants.NAME] / [tenant_defaults]), counted over every queue.
+    TENANT_ACTIONS = 18
+    TENANT_RUNS = 19
 
 
 # Waits that are about resources (the phase is WAITING_FOR_RESOURCES, not QUEUED).

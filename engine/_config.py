@@ -26,6 +26,7 @@ __all__ = [
     "ClusterConfig",
     "NodeShape",
     "QueueConfig",
+    "TenantConfig",
     "EngineSettings",
     "StorageSettings",
     "TransportSettings",
@@ -57,8 +58,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
-_TOP_KEYS = ("resources", "engine", "clusters", "queues", "storage", "transport", "security",
-             "worker", "status", "supervisor")
+_TOP_KEYS = ("resources", "engine", "clusters", "queues", "tenants", "tenant_defaults",
+             "storage", "transport", "security", "worker", "status", "supervisor")
 _STORAGE_KEYS = ("path", "shard", "partitions", "map_size", "max_map_size", "sync", "claim_ttl",
                  "retention")
 MAX_PARTITIONS = 256
@@ -93,6 +94,9 @@ _QUEUE_KEYS = (
     "draining",
 )
 _DEFAULT_DEPTH = 10000
+_TENANT_KEYS = ("run_concurrency", "action_concurrency")
+# A tenant is the first segment of an action id (engine/_model.py's segment rule).
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +140,16 @@ class QueueConfig:
     # Live operations (``leasehold queue update|drain``), also settable in the file:
     paused: bool = False  # the tick places nothing from it; what it holds runs on
     draining: bool = False  # it takes no new actions (enqueue refused); what it has runs on
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """Concurrency caps of one tenant (``[tenants.NAME]``), or of every tenant not named
+    (``[tenant_defaults]``, ``name`` None). Counted over all queues of the shard."""
+
+    name: str | None = None
+    run_concurrency: int = 0  # max runs of the tenant with work in flight; 0 = unlimited
+    action_concurrency: int = 0  # max actions of the tenant in flight; 0 = unlimited
 
 
 @dataclass(frozen=True)
@@ -284,13 +298,22 @@ class Config:
     worker: WorkerSettings = WorkerSettings()
     status: StatusSettings = StatusSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
+    tenants: tuple = ()  # tuple[TenantConfig] of the named tenants, in file order
+    tenant_defaults: TenantConfig = TenantConfig()  # caps of every tenant not named
 
     def __post_init__(self):
         by_name = {
             "cluster": {c.name: c for c in self.clusters},
             "queue": {q.name: q for q in self.queues},
+            "tenant": {t.name: t for t in self.tenants},
         }
         object.__setattr__(self, "_by_name", by_name)
+
+    def tenant(self, name):
+        """The caps of tenant ``name``: its ``[tenants.NAME]`` table, else the defaults
+        (returned with ``name`` filled in)."""
+        named = self._by_name["tenant"].get(name)
+        return named if named is not None else replace(self.tenant_defaults, name=name)
 
     def queue(self, name):
         """The queue called ``name``; ``KeyError`` if there is none."""
@@ -360,6 +383,13 @@ def parse_config(data, source="<config>"):
         _build_queue(source, resources, cluster_names, _check_name(source, "queues", name), table)
         for name, table in queues_table.items()
     ]
+    tenant_defaults = _parse_tenant(
+        source, "tenant_defaults", None,
+        _table(source, "tenant_defaults", data.get("tenant_defaults", {})), TenantConfig())
+    tenants_table = _table(source, "tenants", data.get("tenants", {}))
+    tenants = tuple(
+        _parse_tenant(source, f"tenants.{name}", name, table, tenant_defaults)
+        for name, table in tenants_table.items())
     if engine.default_queue not in queues_table:
         if engine.default_queue != "default":
             raise _invalid(
@@ -382,6 +412,8 @@ def parse_config(data, source="<config>"):
         worker=worker,
         status=status,
         supervisor=supervisor,
+        tenants=tenants,
+        tenant_defaults=tenant_defaults,
     )
 
 
@@ -819,6 +851,20 @@ def _build_queue(source, resources, cluster_names, name, table, existing=None):
     base = existing.max_resources if existing is not None else None
     budget = _parse_budget(source, path, resources, table, base=base)
     return QueueConfig(name=name, max_resources=budget, **values)
+
+
+def _parse_tenant(source, path, name, table, defaults):
+    """One tenant's caps (``name`` None: the defaults); a key not given takes ``defaults``'
+    value."""
+    if name is not None and (not isinstance(name, str) or not _TENANT_NAME.match(name)):
+        raise _invalid(source, path, name,
+                       "a tenant name (the first segment of an action id: letters, digits, "
+                       "'_', '.', '-', starting with a letter or digit)")
+    table = _table(source, path, table)
+    _check_keys(source, path, table, _TENANT_KEYS)
+    values = {key: _int(source, f"{path}.{key}", table[key], 0) if key in table
+              else getattr(defaults, key) for key in _TENANT_KEYS}
+    return TenantConfig(name=name, **values)
 
 
 def _parse_bool(source, path, value):

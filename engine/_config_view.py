@@ -23,7 +23,7 @@ from engine._units import DEVICE, UNLIMITED, format_quantity
 __all__ = ["effective_config", "render_toml"]
 
 _KNOWN = ("source", "resources", "engine", "storage", "transport", "security", "worker",
-          "status", "supervisor", "clusters", "queues")
+          "status", "supervisor", "clusters", "queues", "tenants", "tenant_defaults")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -118,6 +118,12 @@ def effective_config(cfg):
             "draining": q.draining,
         }
     out["queues"] = queues
+    d = cfg.tenant_defaults
+    out["tenant_defaults"] = {"run_concurrency": d.run_concurrency,
+                              "action_concurrency": d.action_concurrency}
+    out["tenants"] = {t.name: {"run_concurrency": t.run_concurrency,
+                               "action_concurrency": t.action_concurrency}
+                      for t in cfg.tenants}
     for f in dataclasses.fields(cfg):
         if f.name not in _KNOWN:
             out[f.name] = _plain(getattr(cfg, f.name))
@@ -159,6 +165,10 @@ _UNSET = {
 _NOTES = {
     ("queues", "run_concurrency", "0"): "unlimited",
     ("queues", "action_concurrency", "0"): "unlimited",
+    ("tenant_defaults", "run_concurrency", "0"): "unlimited",
+    ("tenant_defaults", "action_concurrency", "0"): "unlimited",
+    ("tenants", "run_concurrency", "0"): "unlimited",
+    ("tenants", "action_concurrency", "0"): "unlimited",
     ("queues", "max_resources", "{}"): "no limit",
     ("queues", "max_accelerators", "{}"): "no limit",
     ("worker", "slots", "0"): "the machine's CPU count",
@@ -227,6 +237,12 @@ def render_toml(cfg):
     for name, q in eff["queues"].items():
         out += ["", f"[queues.{_key(name)}]"]
         _lines("queues", q, out)
+    # Every tenant not named below has these caps.
+    out += ["", "[tenant_defaults]"]
+    _lines("tenant_defaults", eff["tenant_defaults"], out)
+    for name, t in eff["tenants"].items():
+        out += ["", f"[tenants.{_key(name)}]"]
+        _lines("tenants", t, out)
     for name, value in eff.items():
         if name in _KNOWN:
             continue

@@ -148,6 +148,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._run_keys = restored.run_keys      # run row -> run key (None: a free row)
         self._runs = {key: row for row, key in enumerate(self._run_keys) if key is not None}
         self._free_runs = [row for row, key in enumerate(self._run_keys) if key is None]
+        # Tenant name -> tenant row (caps and in-flight counts; rows are kept while the
+        # engine lives: one per tenant seen, rebuilt from the live runs at reload).
+        self._tenants = restored.tenants
         self._qruns = restored.qruns            # (queue row, run row) -> qrun row
         self._n_qruns = len(self._qruns)        # high-water qrun row
         self._free_qruns = []                   # freed qrun rows (their lanes too)

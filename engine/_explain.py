@@ -191,6 +191,8 @@ class ExplainMixin:
             u = int(st.a_run[row])
             return (f"run {self._run_keys[u]}: max_action_concurrency "
                     f"{int(st.u_cap[u])} reached")
+        if code in (WaitCode.TENANT_ACTIONS, WaitCode.TENANT_RUNS):
+            return self._tenant_reason(row, code)
         if code == WaitCode.QUEUE_BUDGET:
             name = res.names[dim]
             used = int(st.q_res_adm[q, dim] - st.q_res_rel[q, dim])
@@ -236,6 +238,20 @@ class ExplainMixin:
         if code == WaitCode.PLACED:
             return f"queue {qname}: placed"
         return f"queue {qname}: {code.name}"
+
+    def _tenant_reason(self, row, code):
+        st = self._state
+        u = int(st.a_run[row])
+        t = int(st.u_tenant[u])
+        tenant = self._run_keys[u].split("/", 1)[0]
+        # Where the cap comes from: the tenant's own table, or the defaults.
+        where = (f"[tenants.{tenant}]" if any(c.name == tenant for c in self.config.tenants)
+                 else "[tenant_defaults]")
+        if code == WaitCode.TENANT_RUNS:
+            return (f"tenant {tenant}: run_concurrency {int(st.tn_run_cap[t])} reached "
+                    f"({int(st.tn_runs_adm[t] - st.tn_runs_rel[t])} runs in flight; {where})")
+        return (f"tenant {tenant}: action_concurrency {int(st.tn_action_cap[t])} reached "
+                f"({int(st.tn_adm[t] - st.tn_rel[t])} actions in flight; {where})")
 
     def _short_dim(self, row, cluster):
         free = np.array(self._kernel.cluster_free(cluster), dtype=np.int64)

@@ -271,6 +271,11 @@ class Inspection:
         """(queue index, run row) -> (queue, run) pair row."""
         return dict(self._engine._qruns)
 
+    def tenants(self):
+        """Tenant name -> tenant row (the ``tn_*`` columns; a run row's tenant is
+        ``u_tenant``): every tenant seen since the engine (re)loaded, a copy."""
+        return dict(self._engine._tenants)
+
     def tasks(self):
         """History keys ``(task name, shape)`` by row of the task table (``a_task``,
         ``t_pred_rt``): runtime history is per task and shape (docs/predictions.md)."""

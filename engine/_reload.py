@@ -47,6 +47,7 @@ class Restored:
     state: State
     workers: list           # identity -> (worker id, cluster name)
     run_keys: list          # run row -> run key (None: a free row)
+    tenants: dict           # tenant name -> tenant row (the tenants of the stored runs)
     envs: dict              # environment key -> env row
     history: RuntimeHistory
     task_names: list        # history key row -> (task name, shape)
@@ -129,6 +130,7 @@ class _Loading:
         self.cluster_index = {c.name: i for i, c in enumerate(config.clusters)}
         self.workers = []
         self.run_keys = []
+        self.tenants = {}
         self.envs = {}
         self.history = RuntimeHistory()
         self.task_names = []
@@ -165,7 +167,8 @@ def load(store, config, now):
     free_rows, next_gid, next_seq, group_rows, hashes, held = edges or (
         empty, 0, 0, {}, np.zeros(0, dtype=np.uint64), empty)
     return Restored(
-        state=ld.st, workers=ld.workers, run_keys=ld.run_keys, envs=ld.envs,
+        state=ld.st, workers=ld.workers, run_keys=ld.run_keys, tenants=ld.tenants,
+        envs=ld.envs,
         history=ld.history, task_names=ld.task_names, queue_changes=ld.queue_changes,
         rows=n, free_rows=free_rows, next_gid=next_gid, next_seq=next_seq,
         group_rows=group_rows, name_hashes=hashes, name_rows=held, finalize_rows=ld.n_fz,
@@ -193,6 +196,7 @@ def _load_small(ld, store):
             ld.run_keys.append(None)
         ld.run_keys[row] = run_key
         st.u_cap[row] = cap
+        st.u_tenant[row] = st.tenant_row(ld.tenants, config, run_key.split("/", 1)[0])[0]
     queue_index = {name: i for i, name in enumerate(ld.queue_names)}
     n_envs = 0
     for p, key, raw in store.scan("envs"):
@@ -443,6 +447,13 @@ def _rebuild(ld, n):
     st.q_runs_adm[:] = np.bincount(st.qr_queue[busy_pairs], minlength=nq_).astype(np.uint64)
     nu = len(ld.run_keys)
     st.u_adm[:nu] = np.bincount(st.a_run[live], minlength=nu)[:nu].astype(np.uint64)
+    # A tenant's actions and runs in flight: its runs' (every live run row has a tenant).
+    nt = len(ld.tenants)
+    st.tn_adm[:nt] = np.bincount(st.u_tenant[st.a_run[live]], minlength=nt)[:nt].astype(
+        np.uint64)
+    busy_runs = np.flatnonzero(st.u_adm[:nu] > 0)
+    st.tn_runs_adm[:nt] = np.bincount(st.u_tenant[busy_runs], minlength=nt)[:nt].astype(
+        np.uint64)
     if live.size == n and (st.a_charged[:n] == 1).all():     # all in flight: no gather
         _add_by(st.q_res_adm, st.a_queue[:n], st.a_demand[:n])
         _add_by(st.c_adm, st.a_cluster[:n], st.a_demand[:n])

@@ -119,6 +119,17 @@ RUN_FIELDS = {
     "u_cap": (I64, 0, ()),
     "u_adm": (U64, 0, ()),
     "u_rel": (U64, 0, ()),
+    "u_tenant": (I32, -1, ()),          # tenant row (the first segment of the run key)
+}
+# One row per tenant seen (in memory only: derived from the run keys at reload; caps from
+# the config's [tenants.NAME] or [tenant_defaults]). In flight = adm - rel, as everywhere.
+TENANT_FIELDS = {
+    "tn_action_cap": (I64, 0, ()),      # action_concurrency, 0 = unlimited
+    "tn_run_cap": (I64, 0, ()),         # run_concurrency, 0 = unlimited
+    "tn_adm": (U64, 0, ()),             # actions admitted
+    "tn_rel": (U64, 0, ()),             # actions released
+    "tn_runs_adm": (U64, 0, ()),        # runs that went from 0 to >0 actions in flight
+    "tn_runs_rel": (U64, 0, ()),        # runs that went back to 0
 }
 WORKER_FIELDS = {
     "w_cluster": (I32, -1, ()),
@@ -170,6 +181,7 @@ TABLES = {
     "envs": ENV_FIELDS,
     "finalize": FINALIZE_FIELDS,
     "tasks": TASK_FIELDS,
+    "tenants": TENANT_FIELDS,
 }
 
 
@@ -237,7 +249,8 @@ class State:
         self.res_accel = np.asarray(res_accel, dtype=U8)
         small = max(16, initial_rows // 4)
         sizes = {"actions": max(initial_rows, preset_rows), "qruns": small, "lanes": 2 * small,
-                 "runs": small, "workers": 16, "envs": small, "finalize": small, "tasks": small}
+                 "runs": small, "workers": 16, "envs": small, "finalize": small, "tasks": small,
+                 "tenants": 16}
         self.rows = {}
         for table, fields in TABLES.items():
             self.rows[table] = sizes[table]
@@ -310,6 +323,21 @@ class State:
         self.s_shadow = np.full(c, NEVER, dtype=I64)
         self.s_extra = np.zeros((c, r), dtype=I64)
         self.s_bf_gap = np.zeros(c, dtype=U8)
+
+    def tenant_row(self, tenants, config, tenant):
+        """``(row, grown)``: the row of tenant ``tenant`` in ``tenants`` (name -> row, in row
+        order), a new row with its caps from ``config`` (``Config.tenant``) when it has none.
+        ``grown``: the tenant table was replaced (the caller rebinds the kernel)."""
+        row = tenants.get(tenant)
+        if row is not None:
+            return row, False
+        row = len(tenants)
+        grown_ = self.ensure("tenants", row + 1)
+        caps = config.tenant(tenant)
+        self.tn_action_cap[row] = caps.action_concurrency
+        self.tn_run_cap[row] = caps.run_concurrency
+        tenants[tenant] = row
+        return row, grown_
 
     def _resize(self, table, rows):
         for name, (_dtype, fill, _suffix) in TABLES[table].items():

@@ -531,7 +531,8 @@ def test_config_check_prints_the_effective_config_with_every_default(tmp_path):
                  "[queues.default]", 'scheduling = "STRICT_FIFO"', "depth = 10000",
                  "action_concurrency = 0   # unlimited", "paused = false", "draining = false",
                  "insecure = false", 'dir = "leasehold-data/run"', "[worker]",
-                 "# capacity: not set: measured", "max_outstanding = 64"):
+                 "# capacity: not set: measured", "max_outstanding = 64",
+                 "[tenant_defaults]", "run_concurrency = 0   # unlimited"):
         assert line in text, line
     # The text is a config file that means the same.
     again = parse_config(tomllib.loads(text), "<printed>")
@@ -539,7 +540,10 @@ def test_config_check_prints_the_effective_config_with_every_default(tmp_path):
     js = _json_of(cli("config", "check", f, "--json"))
     assert js["ok"] is True
     assert set(js["config"]) == {"resources", "engine", "storage", "transport", "security",
-                                 "worker", "status", "supervisor", "clusters", "queues"}
+                                 "worker", "status", "supervisor", "clusters", "queues",
+                                 "tenants", "tenant_defaults"}
+    assert js["config"]["tenant_defaults"] == {"run_concurrency": 0, "action_concurrency": 0}
+    assert js["config"]["tenants"] == {}
     assert js["config"]["queues"]["default"]["max_resources"] == {}
     assert js["config"]["engine"]["system_retries"] == 3
     # The example config round-trips too (node shapes, budgets, several clusters).
@@ -563,6 +567,9 @@ def test_config_check_prints_the_effective_config_with_every_default(tmp_path):
     ('[queues.q]\nclusters = ["mars"]', ["queues.q.clusters", "'mars'", "east"]),
     ("[status]\ninterval = -1", ["status.interval", "-1", ">= 0"]),
     ("[engine]\nheartbeat_interval = true", ["engine.heartbeat_interval", "True"]),
+    ("[tenants.acme]\naction_concurrency = -1",
+     ["tenants.acme.action_concurrency", "-1", "integer >= 0"]),
+    ("[tenant_defaults]\nruns = 3", ["tenant_defaults.runs", "unknown key 'runs'"]),
 ])
 def test_config_check_names_each_kind_of_bad_value(tmp_path, extra, names):
     f = tmp_path / "bad.toml"
@@ -573,6 +580,25 @@ def test_config_check_names_each_kind_of_bad_value(tmp_path, extra, names):
     assert str(f) in line
     for n in names:
         assert n in line, (n, line)
+
+
+def test_config_check_shows_each_tenants_effective_caps(tmp_path):
+    f = tmp_path / "tenants.toml"
+    f.write_text(MINIMAL + "[tenant_defaults]\nrun_concurrency = 4\n"
+                 "[tenants.acme]\naction_concurrency = 100\n"
+                 "[tenants.\"big.co\"]\nrun_concurrency = 0\n")
+    out = cli("config", "check", f)
+    assert out.returncode == 0, out.stderr
+    # A key a tenant's table does not give is the default's, shown as such.
+    assert "[tenants.acme]\nrun_concurrency = 4\naction_concurrency = 100\n" in out.stdout
+    assert ('[tenants."big.co"]\nrun_concurrency = 0   # unlimited\n'
+            "action_concurrency = 0   # unlimited\n") in out.stdout
+    js = _json_of(cli("config", "check", f, "--json"))["config"]
+    assert js["tenant_defaults"] == {"run_concurrency": 4, "action_concurrency": 0}
+    assert js["tenants"] == {"acme": {"run_concurrency": 4, "action_concurrency": 100},
+                             "big.co": {"run_concurrency": 0, "action_concurrency": 0}}
+    assert effective_config(parse_config(tomllib.loads(out.stdout))) == \
+        effective_config(load_config(f))
 
 
 def test_config_check_of_a_missing_or_broken_file(tmp_path):

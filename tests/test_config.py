@@ -763,3 +763,50 @@ def test_worker_errors_name_the_key(table, fragments):
 def test_pause_on_expiry_must_be_a_boolean():
     config_error(BASE + '[engine]\npause_on_expiry = "no"\n', "engine.pause_on_expiry",
                  "true or false")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tenant caps ([tenants.NAME], [tenant_defaults])
+
+
+def test_tenant_caps_default_to_unlimited():
+    config = parse(BASE)
+    assert config.tenants == ()
+    caps = config.tenant("anyone")
+    assert (caps.name, caps.run_concurrency, caps.action_concurrency) == ("anyone", 0, 0)
+
+
+def test_a_named_tenant_overrides_the_defaults_key_by_key():
+    config = parse(BASE + "[tenant_defaults]\nrun_concurrency = 2\naction_concurrency = 10\n"
+                   "[tenants.acme]\naction_concurrency = 500\n"
+                   "[tenants.free-tier]\nrun_concurrency = 1\naction_concurrency = 1\n"
+                   "[tenants.vip]\nrun_concurrency = 0\naction_concurrency = 0\n")
+    assert [t.name for t in config.tenants] == ["acme", "free-tier", "vip"]
+    got = {n: (config.tenant(n).run_concurrency, config.tenant(n).action_concurrency)
+           for n in ("acme", "free-tier", "vip", "someone")}
+    assert got == {"acme": (2, 500), "free-tier": (1, 1), "vip": (0, 0), "someone": (2, 10)}
+    assert config.tenant("someone").name == "someone"
+
+
+@pytest.mark.parametrize("snippet, fragments", [
+    ("[tenants.acme]\naction_concurrency = -1",
+     ["tenants.acme.action_concurrency", "-1", "an integer >= 0"]),
+    ('[tenants.acme]\nrun_concurrency = "3"', ["tenants.acme.run_concurrency", "'3'"]),
+    ("[tenants.acme]\nrun_concurrency = 2.0", ["tenants.acme.run_concurrency", "2.0"]),
+    ("[tenants.acme]\nrun_concurrency = true", ["tenants.acme.run_concurrency", "True"]),
+    ("[tenants.acme]\nmax_actions = 3",
+     ["tenants.acme.max_actions", "unknown key 'max_actions'", "run_concurrency",
+      "action_concurrency"]),
+    ("[tenant_defaults]\naction_concurrency = -5",
+     ["tenant_defaults.action_concurrency", "-5"]),
+    ("[tenant_defaults]\nqueue = 1", ["tenant_defaults.queue", "unknown key 'queue'"]),
+    ('tenant_defaults = 3', ["tenant_defaults", "3", "a table"]),
+    ('tenants = "acme"', ["tenants", "'acme'", "a table"]),
+    ("[tenants]\nacme = 3", ["tenants.acme", "3", "a table"]),
+    ('[tenants."acme/ml"]\nrun_concurrency = 1', ["tenants.acme/ml", "a tenant name"]),
+    ('[tenants."_x"]\nrun_concurrency = 1', ["tenants._x", "first segment of an action id"]),
+])
+def test_tenant_errors_name_the_key(snippet, fragments):
+    # A top-level key goes before the tables (after them it would be [clusters.west]'s).
+    text = BASE + snippet + "\n" if snippet.startswith("[") else snippet + "\n" + BASE
+    config_error(text, *fragments)

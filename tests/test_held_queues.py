@@ -197,6 +197,9 @@ def _random_config(rng):
             "cpu": {"node_shapes": [{"name": "c32", "count": 2, "allocatable": CPU_NODE}]},
         },
         "queues": queues,
+        # Every action is tenant acme's: its caps bind over all queues, held or not.
+        "tenant_defaults": {"action_concurrency": rng.choice([0, 0, 4, 8]),
+                            "run_concurrency": rng.choice([0, 0, 2, 3])},
         "engine": {"default_queue": "q0", "heartbeat_interval": 1e7},
     }
 
