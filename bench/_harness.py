@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["free_port", "stop", "until", "wait_up"]
+__all__ = ["free_port", "round_or_none", "stop", "until", "wait_up"]
 
 
 def free_port():
@@ -48,3 +48,8 @@ def until(cond, timeout, what, step=0.005):
             return got
         time.sleep(step)
     raise SystemExit(f"{sys.argv[0]}: timed out after {timeout}s waiting for {what}")
+
+
+def round_or_none(value, digits):
+    """``round(value, digits)``, or None for a figure that does not exist (None)."""
+    return None if value is None else round(value, digits)

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _harness import round_or_none  # noqa: E402  (bench/ is sys.path[0])
+
 from engine._config import load_config  # noqa: E402
 from engine._sim import prepare, simulate  # noqa: E402
 from engine._trace import Job  # noqa: E402
@@ -122,18 +124,18 @@ def main(argv=None):
     results = {}
     for policy in POLICIES:
         r = results[policy] = simulate(cfg, jobs, policy, prepared=prepared, nodes=nodes)
-        out[f"utilization_{policy}"] = _round(r.utilization, 4)
-        out[f"mean_wait_{policy}_s"] = _round(r.mean_wait_s, 1)
-        out[f"p95_wait_{policy}_s"] = _round(r.p95_wait_s, 1)
-        out[f"bounded_slowdown_{policy}"] = _round(r.bounded_slowdown, 2)
-        out[f"gang_max_wait_{policy}_s"] = _round(r.gang_max_wait_s, 1)
+        out[f"utilization_{policy}"] = round_or_none(r.utilization, 4)
+        out[f"mean_wait_{policy}_s"] = round_or_none(r.mean_wait_s, 1)
+        out[f"p95_wait_{policy}_s"] = round_or_none(r.p95_wait_s, 1)
+        out[f"bounded_slowdown_{policy}"] = round_or_none(r.bounded_slowdown, 2)
+        out[f"gang_max_wait_{policy}_s"] = round_or_none(r.gang_max_wait_s, 1)
         out[f"completed_{policy}"] = r.completed
         out[f"backfilled_{policy}"] = r.backfilled
         out[f"pended_{policy}"] = r.pended                    # None without nodes
-        out[f"pend_mean_{policy}_s"] = _round(r.pend_mean_s, 1)
-        out[f"pend_max_{policy}_s"] = _round(r.pend_max_s, 1)
-        out[f"pend_held_{policy}"] = _round(r.pend_held, 4)
-        out[f"sim_wall_{policy}_s"] = _round(r.wall_s, 2)
+        out[f"pend_mean_{policy}_s"] = round_or_none(r.pend_mean_s, 1)
+        out[f"pend_max_{policy}_s"] = round_or_none(r.pend_max_s, 1)
+        out[f"pend_held_{policy}"] = round_or_none(r.pend_held, 4)
+        out[f"sim_wall_{policy}_s"] = round_or_none(r.wall_s, 2)
     fifo, bf, greedy = results["fifo"], results["backfill"], results["greedy"]
     out["goal_mean_wait_cut_10x"] = bool(bf.mean_wait_s * 10 <= fifo.mean_wait_s)
     out["goal_utilization_not_lower"] = bool(bf.utilization >= fifo.utilization)
@@ -144,10 +146,6 @@ def main(argv=None):
     out["wall_s"] = round(time.perf_counter() - wall0, 2)
     print(json.dumps(out))
     return 0
-
-
-def _round(value, digits):
-    return None if value is None else round(value, digits)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _harness import round_or_none  # noqa: E402  (bench/ is sys.path[0])
+
 from engine._config import load_config  # noqa: E402
 from engine._sim import prepare, simulate  # noqa: E402
 from engine._trace import Job  # noqa: E402
@@ -147,11 +149,11 @@ def main(argv=None):
         prepared = prepare(cfg, trace)
         engine_policy = "backfill" if policy == "backfill_exact" else policy
         r = results[policy] = simulate(cfg, trace, engine_policy, prepared=prepared)
-        out[f"mean_wait_{policy}_s"] = _round(r.mean_wait_s, 1)
-        out[f"p95_wait_{policy}_s"] = _round(r.p95_wait_s, 1)
-        out[f"bounded_slowdown_{policy}"] = _round(r.bounded_slowdown, 2)
-        out[f"gang_max_wait_{policy}_s"] = _round(r.gang_max_wait_s, 1)
-        out[f"utilization_{policy}"] = _round(r.utilization, 4)
+        out[f"mean_wait_{policy}_s"] = round_or_none(r.mean_wait_s, 1)
+        out[f"p95_wait_{policy}_s"] = round_or_none(r.p95_wait_s, 1)
+        out[f"bounded_slowdown_{policy}"] = round_or_none(r.bounded_slowdown, 2)
+        out[f"gang_max_wait_{policy}_s"] = round_or_none(r.gang_max_wait_s, 1)
+        out[f"utilization_{policy}"] = round_or_none(r.utilization, 4)
         out[f"completed_{policy}"] = r.completed
         out[f"backfilled_{policy}"] = r.backfilled
     learned, ex = results["backfill"], results["backfill_exact"]
@@ -168,15 +170,11 @@ def main(argv=None):
             value = 1.0 if num == 0 else None
         else:
             value = num / den
-        out[name] = _round(value, 3)
+        out[name] = round_or_none(value, 3)
         out[f"goal_{name}"] = value is not None and value <= goal
     out["wall_s"] = round(time.perf_counter() - wall0, 2)
     print(json.dumps(out))
     return 0
-
-
-def _round(value, digits):
-    return None if value is None else round(value, digits)
 
 
 if __name__ == "__main__":
