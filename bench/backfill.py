@@ -36,10 +36,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "bench"):       # bench/ too when imported as a module (tests)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from _harness import round_or_none  # noqa: E402  (bench/ is sys.path[0])
+from _harness import round_or_none  # noqa: E402
 
 from engine._config import load_config  # noqa: E402
 from engine._sim import prepare, simulate  # noqa: E402
