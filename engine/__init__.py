@@ -1,7 +1,7 @@
 """Leasehold: a resource-aware, lease-based scheduling engine (in-process core)."""
 
 from engine._clock import ManualClock, SystemClock
-from engine._codes import Phase, WaitCode
+from engine._codes import Phase, Verdict, WaitCode
 from engine._config import Config, QueueConfig, TenantConfig, load_config, parse_config
 from engine._dispatch import DispatchBatch
 from engine._engine import AlreadyExists, Assignment, Engine, Explanation, Group, Refusal
@@ -42,6 +42,7 @@ __all__ = [
     "SystemClock",
     "TenantConfig",
     "Timeouts",
+    "Verdict",
     "WaitCode",
     "load_config",
     "parse_config",

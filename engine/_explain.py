@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine._codes import (
+    PHASE_CODE,
     PHASES,
     RESOURCE_WAITS,
     Phase,
@@ -15,6 +16,7 @@ from engine._codes import (
 )
 from engine._errors import NotFound
 from engine._model import ActionId
+from engine._records import name_hashes
 from engine._rows import (
     LIVE_STATES,
     ST_BACKOFF,
@@ -25,6 +27,8 @@ from engine._rows import (
 from engine._units import format_quantity
 
 __all__ = ["ExplainMixin"]
+
+_RESOURCE_WAIT_CODES = np.array(sorted(int(c) for c in RESOURCE_WAITS), np.int64)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,60 @@ class ExplainMixin:
             return (Phase.WAITING_FOR_RESOURCES if self._wait_code(row)[0] in RESOURCE_WAITS
                     else Phase.QUEUED)
         return self.explain(action).phase
+
+    def phases(self, actions):
+        """:meth:`phase` of each of ``actions`` (ids or id texts), in order, with None for an
+        action this engine does not know. The rows the name index holds and whose columns
+        are their whole state (lean rows) are read in one numpy pass; the others take
+        :meth:`phase`'s path one by one. The shard's watch re-check asks this of every live
+        action it follows."""
+        texts = [str(a) for a in actions]
+        out = [None] * len(texts)
+        if not texts:
+            return out
+        get, recs = self._hash_rows.get, self._recs
+        hashes = name_hashes(texts)
+        rows = np.fromiter((get(h, -1) for h in hashes.tolist()), np.int64, len(texts))
+        miss = np.flatnonzero(rows < 0)
+        restored = self._restored_index() if miss.size else ()
+        if len(restored):           # rows restored at load that no lookup has touched yet
+            pos = np.minimum(np.searchsorted(restored, hashes[miss]), restored.size - 1)
+            found = restored[pos] == hashes[miss]
+            rows[miss[found]] = self._idx_row[pos[found]]
+        st = self._state
+        ok = rows >= 0
+        r = np.maximum(rows, 0)
+        ok &= (st.a_state[r] != ST_FREE) & (st.a_lean[r] != 0) & (st.a_edges[r] == 0)
+        ok &= st.a_state[r] != ST_BACKOFF
+        idx = np.flatnonzero(ok)
+        # The index maps a 64-bit name hash to a row: the row's own name confirms it (a
+        # hash may collide; such a name takes the path one by one).
+        seen = {}                   # group id -> (its actions' id prefix, their names)
+        hit = rows[idx]
+        for i, row, gid, k in zip(idx.tolist(), hit.tolist(), st.a_group[hit].tolist(),
+                                  st.a_gidx[hit].tolist(), strict=True):
+            names = seen.get(gid)
+            if names is None:
+                g = self._group_of(row)
+                names = seen[gid] = ("/".join(g.parts) + "/", g.names)
+            if row in recs or texts[i] != names[0] + names[1][k]:
+                ok[i] = False
+        idx = np.flatnonzero(ok)
+        r = rows[idx]
+        codes = st.a_phase[r].astype(np.intp)
+        queued = st.a_state[r] == ST_QUEUED
+        if queued.any():
+            waiting = np.isin(self._wait_codes(r[queued]), _RESOURCE_WAIT_CODES)
+            codes[np.flatnonzero(queued)] = np.where(
+                waiting, PHASE_CODE[Phase.WAITING_FOR_RESOURCES], PHASE_CODE[Phase.QUEUED])
+        for i, c in zip(idx.tolist(), codes.tolist(), strict=True):
+            out[i] = PHASES[c]
+        for i in np.flatnonzero(~ok).tolist():
+            try:
+                out[i] = self.phase(texts[i])
+            except NotFound:
+                pass
+        return out
 
     def live_actions(self, run, limit=10_000):
         """Ids of the actions of run key ``run`` that have not ended (queued, waiting,
@@ -140,6 +198,21 @@ class ExplainMixin:
             code, cluster, dim, blocker = self._kernel.resolve_wait(row)
             return WaitCode(code), cluster, dim, blocker
         return WaitCode(code), -1, -1, int(st.q_stop_blocker[q])
+
+    def _wait_codes(self, rows):
+        """:meth:`_wait_code`'s code of each of queued ``rows`` (an int array), read from
+        the columns in one pass; only rows left QUEUE_HELD ask the kernel one by one."""
+        st = self._state
+        tick = self._kernel.tick_no
+        code = st.q_stop_code[st.a_queue[rows]].astype(np.int64)
+        lane = st.a_lane[rows]
+        by_lane = st.ln_skip_tick[lane] == tick
+        code = np.where(by_lane, st.ln_skip_code[lane], code)
+        own = st.a_wait_tick[rows] == tick
+        code = np.where(own, st.a_wait_code[rows], code)
+        for i in np.flatnonzero(~own & ~by_lane & (code == WaitCode.QUEUE_HELD)).tolist():
+            code[i] = self._kernel.resolve_wait(int(rows[i]))[0]
+        return code
 
     def _queued_wait(self, row):
         """``(code, reason, eta_ns)`` of queued ``row``: its explanation but for the position

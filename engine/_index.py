@@ -83,10 +83,7 @@ class IndexMixin:
             row = self._collided.get(aid if aid is not None else ActionId.parse(text))
             if row is not None:
                 return row
-        if self._index_thread is not None:
-            self._index_thread.join()
-            self._index_thread = None
-        if not self._idx_hash.size:
+        if not self._restored_index().size:
             return None
         i = int(np.searchsorted(self._idx_hash, np.uint64(h)))
         while i < self._idx_hash.size and self._idx_hash[i] == h:
@@ -97,6 +94,14 @@ class IndexMixin:
                 return r
             i += 1
         return None
+
+    def _restored_index(self):
+        """The sorted name hashes of the rows restored at load (``_idx_hash``, their rows
+        in ``_idx_row``), once the thread that sorts them has finished."""
+        if self._index_thread is not None:
+            self._index_thread.join()
+            self._index_thread = None
+        return self._idx_hash
 
     def _index_row(self, h, row, aid):
         if self._hash_rows.setdefault(h, row) != row:
@@ -109,10 +114,7 @@ class IndexMixin:
         # New names are the common case: one C pass says none is indexed.
         hits = [] if index.keys().isdisjoint(hl) else [
             i for i, h in enumerate(hl) if h in index]
-        if self._index_thread is not None:
-            self._index_thread.join()
-            self._index_thread = None
-        if self._idx_hash.size:
+        if self._restored_index().size:
             pos = np.searchsorted(self._idx_hash, hashes)
             pos = np.minimum(pos, self._idx_hash.size - 1)
             hits += np.flatnonzero(self._idx_hash[pos] == hashes).tolist()
