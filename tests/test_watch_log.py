@@ -41,3 +41,45 @@ def test_record_many_of_an_unwatched_run_records_nothing_and_refuses_terminal_ph
     assert log.record_many("acme/p/d/other", [f"{RUN}/a0"], Phase.QUEUED, 0, 1) == ([], set())
     with pytest.raises(ValueError, match="non-terminal"):
         log.record_many(RUN, [f"{RUN}/a0"], Phase.SUCCEEDED, 1, 1)
+
+
+changes = st.lists(st.tuples(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]),
+                             st.sampled_from([Phase.QUEUED, Phase.RUNNING, Phase.SUCCEEDED,
+                                              Phase.FAILED]),
+                             st.integers(0, 2)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=changes, cut=st.integers(0, 30), max_live=st.integers(1, 8))
+def test_record_changes_in_batches_is_record_one_by_one(seq, cut, max_live):
+    one, batched = _log(max_live), _log(max_live)
+    want = [hit[0] for a, ph, att in seq
+            if (hit := one.record(RUN, a, ph, att, 9, f"d{att}")) is not None]
+    got = []
+    for part in (seq[:cut], seq[cut:]):       # the state carries across batches
+        events, watchers = batched.record_changes(
+            RUN, [c[0] for c in part], [c[1] for c in part], [c[2] for c in part], 9,
+            [f"d{c[2]}" for c in part])
+        got += events
+        assert watchers == {"conn"}
+    assert got == want
+    assert sorted(one.live()) == sorted(batched.live())
+    # Sequence numbers are gap-free from the epoch, whatever was suppressed.
+    assert [e[0] for e in got] == list(range(1001, 1001 + len(got)))
+
+
+def test_record_changes_suppresses_repeats_and_bounds_live_tracking():
+    log = _log(2)
+    a, b, c = (f"{RUN}/{n}" for n in "abc")
+    events, _ = log.record_changes(
+        RUN, [a, a, b, c, a, a, b],
+        [Phase.QUEUED, Phase.QUEUED, Phase.RUNNING, Phase.QUEUED, Phase.SUCCEEDED,
+         "SUCCEEDED", Phase.RUNNING], [0, 0, 1, 0, 1, 1, 1], 5)
+    # a's second QUEUED, its second SUCCEEDED (given by name) and b's repeat add nothing;
+    # c is recorded but not tracked (two live actions at most).
+    assert [(e[1], e[2]) for e in events] == [(a, "QUEUED"), (b, "RUNNING"), (c, "QUEUED"),
+                                             (a, "SUCCEEDED")]
+    assert sorted(x[1] for x in log.live()) == [b]
+    assert log.record_changes("acme/p/d/other", [a], [Phase.RUNNING], [1], 5) == ([], set())
+    with pytest.raises(ValueError):
+        log.record_changes(RUN, [a], ["NOT_A_PHASE"], [1], 5)

@@ -505,6 +505,11 @@ class _Loop:
                                                         args.now_ns)
                 events += [(e, args.run, watchers) for e in hits]
                 continue
+            if type(args) is _Changes:
+                hits, watchers = self.watch.record_changes(args.run, args.actions, args.phases,
+                                                           args.attempts, args.now_ns)
+                events += [(e, args.run, watchers) for e in hits]
+                continue
             hit = self.watch.record(*args)
             if hit is not None:
                 events.append((hit[0], args[0], hit[1]))
@@ -795,22 +800,25 @@ class _Loop:
         if self.leases:
             bad = {r.token for r in refused}
             words = msg.tokens[:, 0].tolist()
-            now = None
+            by_run = {}
             for i, w in enumerate(words):
                 hit = self.leases.get(w)
-                if hit is None or msg.tokens[i].astype("<u8").tobytes() in bad:
+                if hit is None or (bad and msg.tokens[i].astype("<u8").tobytes() in bad):
                     continue
                 ph = phases[i]
                 if ph in _AS_REPORTED:
                     # An accepted report of these is the phase the action is now in: no
                     # need to ask the engine (which would give a lean row its record).
                     run, aid = hit
-                    now = self.eng.clock.now_ns() if now is None else now
-                    self.record(run, aid, ph, self.attempt_of(run, aid), now)
+                    changes = by_run.get(run)
+                    if changes is None:
+                        changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
+                    changes.add(aid, ph, self.attempt_of(run, aid))
                 else:
                     self.check.add(hit)     # a failure may be a retry: ask after the turn
                 if ph in TERMINAL_PHASES:
                     del self.leases[w]
+            self.records.extend(by_run.values())
 
     def on_bye(self, conn, c, peer, msg):
         if msg.drain:
@@ -847,19 +855,32 @@ class _Loop:
             # Run leases only (a finalize lease is no state change of the action); ids as
             # text from their groups (no ActionId per lease).
             runs = np.flatnonzero(batch.kind == 0)
-            words = batch.tokens[runs, 0].tolist()
-            attempts = batch.attempt[runs].tolist()
-            for i, word, attempt in zip(runs.tolist(), words, attempts, strict=True):
-                g = batch.group_of(i)
-                run = g.compiled.id.run_key
-                if run in self.watch:
-                    aid = f"{run}/{g.names[int(batch.index[i])]}"
-                    if len(self.leases) >= _MAX_LEASES:
-                        # Expired leases are never reported: drop the oldest (a report
-                        # on it is then re-read at the backstop instead).
-                        self.leases.pop(next(iter(self.leases)))
-                    self.leases[word] = (run, aid)
-                    self.record(run, aid, Phase.INITIALIZING, attempt, now)
+            watched = {}            # group id -> (run key, names), None for an unwatched run
+            by_run = {}
+            for i, gid, k, word, attempt in zip(
+                    runs.tolist(), batch.group[runs].tolist(), batch.index[runs].tolist(),
+                    batch.tokens[runs, 0].tolist(), batch.attempt[runs].tolist(),
+                    strict=True):
+                hit = watched.get(gid, False)
+                if hit is False:
+                    g = batch.group_of(i)
+                    run = g.compiled.id.run_key
+                    hit = watched[gid] = (run, g.names) if run in self.watch else None
+                if hit is None:
+                    continue
+                run, names = hit
+                aid = f"{run}/{names[k]}"
+                if len(self.leases) >= _MAX_LEASES:
+                    # Expired leases are never reported: drop the oldest (a report on it is
+                    # then re-read at the backstop instead).
+                    self.leases.pop(next(iter(self.leases)))
+                self.leases[word] = (run, aid)
+                self.attempts[aid] = attempt
+                changes = by_run.get(run)
+                if changes is None:
+                    changes = by_run[run] = _Changes(run, now)
+                changes.add(aid, Phase.INITIALIZING, attempt)
+            self.records.extend(by_run.values())
 
     def _leases(self, batch, idx):
         gids = batch.group[idx]
@@ -923,15 +944,28 @@ class _Loop:
             return
         todo = set(self.check)
         if self.check_all:
-            todo.update((run, a) for run, a, _ph, _at in self.watch.live())
+            # Not those whose end this turn recorded (the log learns it after the commit):
+            # an ended action does not change, and a reclaimed row's outcome is a store read.
+            ended = {r[1] for r in self.records
+                     if type(r) is tuple and r[2] in TERMINAL_PHASES}
+            ended.update(a for r in self.records if type(r) is _Changes
+                         for a, ph in zip(r.actions, r.phases, strict=True)
+                         if ph in TERMINAL_PHASES)
+            todo.update((run, a) for run, a, _ph, _at in self.watch.live() if a not in ended)
         if not todo:
             return
         now = self.eng.clock.now_ns()
-        for run, action in todo:
+        todo = list(todo)
+        # The phases alone, in one pass (explain's reason and queue position are not needed,
+        # and a queued action's position is a scan of the table); the reason of an ending.
+        try:
+            phases = self.eng.phases([action for _run, action in todo])
+        except LeaseholdError:      # one unreadable record: ask one by one, skip it
+            phases = [self._phase_or_none(action) for _run, action in todo]
+        for (run, action), phase in zip(todo, phases, strict=True):
+            if phase is None:
+                continue
             try:
-                # The phase alone (explain's reason and queue position are not needed, and a
-                # queued action's position is a scan of the table); the reason of an ending.
-                phase = self.eng.phase(action)
                 detail = (self.eng.explain(action).reason
                           if phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) else None)
             except LeaseholdError:
@@ -939,6 +973,12 @@ class _Loop:
             att = self.attempt_of(run, action)
             self.record(run, action, phase, att, now,
                         detail[:self.settings.max_text] if detail else None)
+
+    def _phase_or_none(self, action):
+        try:
+            return self.eng.phase(action)
+        except LeaseholdError:
+            return None
 
     def _batches(self, run, events):
         """EVENTS messages of consecutive events of ``run`` (at most max_batch each)."""
@@ -969,6 +1009,22 @@ class _Loop:
                         # Gone or too slow: it resumes with WATCH since=its last seq.
                         self.shard._count("events_unsent", len(msg.actions))
                         watchers.discard(conn)
+
+
+class _Changes:
+    """The watch records of one report message's actions of one run (their phases as
+    reported), applied to the log in one :meth:`WatchLog.record_changes` pass."""
+
+    __slots__ = ("run", "now_ns", "actions", "phases", "attempts")
+
+    def __init__(self, run, now_ns):
+        self.run, self.now_ns = run, now_ns
+        self.actions, self.phases, self.attempts = [], [], []
+
+    def add(self, action, phase, attempt):
+        self.actions.append(action)
+        self.phases.append(phase)
+        self.attempts.append(attempt)
 
 
 class _Queued:

@@ -20,6 +20,7 @@ instead of being handed new events it would drop as already seen.
 """
 
 import collections
+import itertools
 import time
 
 from engine._codes import TERMINAL_PHASES, Phase
@@ -128,50 +129,51 @@ class WatchLog:
     def record(self, run, action, phase, attempt, time_ns, detail=None):
         """Append a change of ``action`` (in a watched run) unless it repeats the last one
         seen for it; returns ``(event tuple, watchers)`` or None."""
-        r = self._runs.get(run)
-        if r is None:
-            return None
-        phase = _phase(phase)
-        last = r.live.get(action)
-        if last is not None and last == (phase, attempt):
-            return None
-        if phase in TERMINAL_PHASES:
-            if last is None and r.ended.get(action) == phase:
-                return None     # already told (a second report, a re-check)
-            r.live.pop(action, None)
-            r.ended[action] = phase
-            r.ended.move_to_end(action)
-            if len(r.ended) > self.ring:
-                r.ended.popitem(last=False)
-        elif action in r.live or len(r.live) < self.max_live:
-            r.live[action] = (phase, attempt)
-        r.seq += 1
-        event = (r.seq, action, phase.value, attempt, time_ns, detail)
-        r.ring.append(event)
-        return event, r.watchers
+        events, watchers = self.record_changes(run, (action,), (phase,), (attempt,), time_ns,
+                                               (detail,))
+        return (events[0], watchers) if events else None
 
     def record_many(self, run, actions, phase, attempt, time_ns):
         """:meth:`record` of each of ``actions`` (of one run) with the same non-terminal
         phase, attempt and time, in order (a fan-out's QUEUED); returns ``(events,
         watchers)``, events ``[]`` when none was new or the run is not watched."""
+        if _phase(phase) in TERMINAL_PHASES:
+            raise ValueError(f"record_many takes non-terminal phases, not {phase}")
+        n = len(actions)
+        return self.record_changes(run, actions, itertools.repeat(phase, n),
+                                   itertools.repeat(attempt, n), time_ns)
+
+    def record_changes(self, run, actions, phases, attempts, time_ns, details=None):
+        """:meth:`record` of each ``(actions[i], phases[i], attempts[i], details[i])`` of
+        one run, in order, at one time (a worker's report batch in one loop); returns
+        ``(events, watchers)``, events ``[]`` when none was new or the run is not
+        watched."""
         r = self._runs.get(run)
-        phase = _phase(phase)
         if r is None:
             return [], set()
-        if phase in TERMINAL_PHASES:
-            raise ValueError(f"record_many takes non-terminal phases, not {phase}")
-        live, ring, max_live = r.live, r.ring, self.max_live
-        now = (phase, attempt)
+        live, ended, ring, max_live, kept = r.live, r.ended, r.ring, self.max_live, self.ring
+        if details is None:
+            details = itertools.repeat(None, len(actions))
         seq = r.seq
         events = []
-        for action in actions:
+        for action, phase, attempt, detail in zip(actions, phases, attempts, details,
+                                                  strict=True):
+            phase = _PHASE_OF.get(phase) or _phase(phase)
             last = live.get(action)
-            if last == now:
+            if last is not None and last == (phase, attempt):
                 continue
-            if last is not None or len(live) < max_live:
-                live[action] = now
+            if phase in TERMINAL_PHASES:
+                if last is None and ended.get(action) == phase:
+                    continue        # already told (a second report, a re-check)
+                live.pop(action, None)
+                ended[action] = phase
+                ended.move_to_end(action)
+                if len(ended) > kept:
+                    ended.popitem(last=False)
+            elif last is not None or len(live) < max_live:
+                live[action] = (phase, attempt)
             seq += 1
-            event = (seq, action, phase.value, attempt, time_ns, None)
+            event = (seq, action, phase.value, attempt, time_ns, detail)
             ring.append(event)
             events.append(event)
         r.seq = seq
