@@ -16,6 +16,9 @@ duration, and the ``python`` plugin for the warm pool), driven by clients in thi
 * ``small_run_p50_ms`` / ``small_run_p99_ms``: while the fan-out drains, a client of another
   tenant enqueues a 10-action run and waits for all 10 to succeed (watch), one run after the
   other; ``small_runs`` how many fit in the drain.
+* ``fanout_cpu_us_shard`` / ``_worker`` / ``_client``: CPU time (user + system) each process
+  spent per action during the fan-out (this process is the client: the enqueuers, the
+  watcher and the small runs). Unlike the rates, these hold up on a busy machine.
 * ``idle_rtt_p50_ms``: afterwards, one action at a time: enqueue to SUCCEEDED seen.
 * ``warm_pool_rtt_p50_ms``: one ``python``-plugin action at a time in a reusable environment
   whose pool is already warm (the first action, which starts it, is not counted).
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
 from _harness import free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
 
 from transport import Client, generate_keypair, load_client_keys  # noqa: E402
@@ -135,6 +139,11 @@ def start_processes(tmp, config):
 
 
 
+def _cpu_s(proc):
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q))]
@@ -202,6 +211,9 @@ def one_run(actions, rtt_count, pipeline=None):
 
             threads = [threading.Thread(target=enqueuer, args=(k,)) for k in range(WINDOW)]
             side = threading.Thread(target=small_runs)
+            procs = {"shard": psutil.Process(shard.pid), "worker": psutil.Process(worker.pid)}
+            cpu0 = {k: _cpu_s(p) for k, p in procs.items()}
+            cpu0["client"] = time.process_time()
             for t in threads:
                 t.start()
             side.start()
@@ -214,6 +226,8 @@ def one_run(actions, rtt_count, pipeline=None):
                     t_last = time.time_ns()
                 elif e.phase in ("FAILED", "ABORTED", "TIMED_OUT"):
                     raise RuntimeError(f"{e.action} ended {e.phase}: {e.detail}")
+            cpu1 = {k: _cpu_s(p) for k, p in procs.items()}
+            cpu1["client"] = time.process_time()
             draining.clear()
             for t in threads:
                 t.join()
@@ -267,6 +281,7 @@ def one_run(actions, rtt_count, pipeline=None):
             "small_run_p50_ms": pct(small, 0.5) if small else None,
             "small_run_p99_ms": pct(small, 0.99) if small else None,
             "small_runs": len(small),
+            **{f"fanout_cpu_us_{k}": (cpu1[k] - cpu0[k]) / done * 1e6 for k in cpu0},
             "idle_rtt_p50_ms": pct(idle, 0.5),
             "warm_pool_rtt_p50_ms": pct(warm, 0.5),
         }
