@@ -70,18 +70,22 @@ class Lease:
 
 def leases_of(msg):
     """The :class:`Lease` entries of a decoded LEASES message."""
-    out = []
-    inputs = msg.inputs
-    for i in range(msg.tokens.shape[0]):
-        g = msg.groups[int(msg.group[i])]
-        d, q = int(msg.deadline_ns[i]), int(msg.queued_deadline_ns[i])
-        out.append(Lease(action=f"{g['run']}/{msg.names[i]}",
-                         token=msg.tokens[i].astype("<u8").tobytes(),
-                         kind=LeaseKind(int(msg.kind[i])), attempt=int(msg.attempt[i]),
-                         spec=g["spec"], input_ref=inputs[i] if inputs else None,
-                         deadline_ns=d if d >= 0 else None,
-                         queued_deadline_ns=q if q >= 0 else None, env=g.get("env")))
-    return out
+    n = msg.tokens.shape[0]
+    raw = msg.tokens.astype("<u8", copy=False).tobytes()
+    inputs = msg.inputs or itertools.repeat(None, n)
+    # Columns to Python lists in one call each (an element of an array read one at a
+    # time costs a numpy scalar, and the kind an enum call).
+    return [Lease(action=f"{g['run']}/{name}", token=raw[24 * i:24 * i + 24],
+                  kind=_LEASE_KINDS[kind], attempt=attempt, spec=g["spec"], input_ref=ref,
+                  deadline_ns=d if d >= 0 else None, queued_deadline_ns=q if q >= 0 else None,
+                  env=g.get("env"))
+            for i, g, name, kind, attempt, d, q, ref in zip(
+                range(n), [msg.groups[k] for k in msg.group.tolist()], msg.names,
+                msg.kind.tolist(), msg.attempt.tolist(), msg.deadline_ns.tolist(),
+                msg.queued_deadline_ns.tolist(), inputs, strict=True)]
+
+
+_LEASE_KINDS = {int(k): k for k in LeaseKind}
 
 
 class WorkerConnection:
