@@ -42,6 +42,7 @@ from engine._records import (
     decode_outcome,
     digest8,
     encode_outcome,
+    name_hashes,
     row_key,
     same_spec,
     spec_content,
@@ -85,16 +86,28 @@ def retained_key(text):
 
 def _retained_keys(texts):
     """``[retained_key(t) for t in texts]``, each run hashed once (a fan-out's ids share
-    theirs)."""
-    runs = {}
-    keys = []
+    theirs) and the names in one C pass."""
+    runs, names, digests = {}, [], []
     for text in texts:
         run, _, name = text.rpartition("/")
         digest = runs.get(run)
         if digest is None:
             digest = runs[run] = digest8(run)
-        keys.append(digest + digest8(name))
-    return keys
+        digests.append(digest)
+        names.append(name)
+    return _keys_of(np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 8), names)
+
+
+def _keys_of(run_digests, names):
+    """Retained keys (16 bytes: the run's digest, then the name's) of ``names``, their
+    runs' digests given as an (n, 8) uint8 array: the names hashed in one C pass (a
+    name's ``digest8`` is its ``name_hash``, little-endian)."""
+    n = len(names)
+    keys = np.empty((n, 16), np.uint8)
+    keys[:, :8] = run_digests
+    keys[:, 8:] = name_hashes(names).astype("<u8").view(np.uint8).reshape(n, 8)
+    buf = keys.tobytes()
+    return [buf[i:i + 16] for i in range(0, 16 * n, 16)]
 
 
 @dataclass
@@ -155,36 +168,7 @@ class RetentionMixin:
         run_parts = st.a_part[rows[first]]
         now = self.clock.now_ns()
         expire = (now + int(self.config.storage.retention * 1e9)).to_bytes(8, "big")
-        contents = {}
-        part_of = st.a_part[rows].tolist()
-        quick = (st.a_edges[rows] == 0) & (st.a_lean[rows] == 1)
-        outcomes = self._lean_outcomes(rows[quick])
-        for r, part, q in zip(rows.tolist(), part_of, quick.tolist(), strict=True):
-            g = self._group_of(r)
-            content = contents.get(g.gid)
-            if content is None:
-                run_key = g.compiled.id.run_key
-                content = contents[g.gid] = (spec_content(g.compiled.spec), run_key + "/",
-                                             digest8(run_key))
-            gidx = int(st.a_gidx[r])
-            name = g.names[gidx]
-            text = content[1] + name
-            if q:
-                ended, outcome = outcomes.pop()
-            else:
-                rec = self._rec(r)
-                ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
-                outcome = encode_outcome(rec)
-            key = content[2] + digest8(name)        # retained_key(text), the run's once
-            self._op(part, "retained", key, msgpack.packb(
-                [text, content[0], g.input_ref(gidx), ended,
-                 self._queue_names[int(st.a_queue[r])], outcome], use_bin_type=True))
-            self._op(part, "expiry", expire + key, b"")
-            if not st.a_lean[r]:
-                self._op(part, "attempts", row_key(r), None)
-            if r in self._abort_reasons or int(st.a_abort[r]) == r:
-                self._op(part, "attempts", abort_key(r), None)
-                self._abort_reasons.pop(r, None)
+        self._retain_outcomes(rows, expire, now)
         self._free_finalize(rows)
         # Out of the children lists of parents still in the table.
         mark = np.zeros(self._next_row, dtype=np.uint8)
@@ -229,6 +213,52 @@ class RetentionMixin:
         self._retire_runs(runs, run_parts)
         return int(rows.size)
 
+    def _retain_outcomes(self, rows, expire, now):
+        """The retained outcome and expiry entry of each of ``rows`` (being reclaimed), and
+        the deletes of their attempts and abort records; made column by column, a Python
+        record read only for rows whose columns are not their whole outcome."""
+        st = self._state
+        info = {}       # group id -> (the group, its content, its ids' prefix, run digest)
+        groups = []
+        for r, gid in zip(rows.tolist(), st.a_group[rows].tolist(), strict=True):
+            entry = info.get(gid)
+            if entry is None:
+                g = self._group_of(r)
+                run_key = g.compiled.id.run_key
+                entry = info[gid] = (g, spec_content(g.compiled.spec), run_key + "/",
+                                     digest8(run_key))
+            groups.append(entry)
+        gidx = st.a_gidx[rows].tolist()
+        names = [entry[0].names[k] for entry, k in zip(groups, gidx, strict=True)]
+        keys = _keys_of(np.frombuffer(b"".join(e[3] for e in groups), np.uint8)
+                        .reshape(-1, 8), names)
+        lean = st.a_lean[rows] == 1
+        quick = (st.a_edges[rows] == 0) & lean
+        outcomes = iter(self._lean_outcomes(rows[quick]))
+        queues = self._queue_names
+        pack = msgpack.Packer(use_bin_type=True).pack
+        ops, turn = self._ops, self._retained_turn
+        for r, part, entry, k, name, key, q, is_lean, qi in zip(
+                rows.tolist(), st.a_part[rows].tolist(), groups, gidx, names, keys,
+                quick.tolist(), lean.tolist(), st.a_queue[rows].tolist(), strict=True):
+            if q:
+                ended, outcome = next(outcomes)
+            else:
+                rec = self._rec(r)
+                ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
+                outcome = encode_outcome(rec)
+            if not is_lean:
+                ops.setdefault(part, []).append(("attempts", row_key(r), None))
+            value = pack([entry[2] + name, entry[1], entry[0].input_ref(k), ended, queues[qi],
+                          outcome])
+            ops.setdefault(part, []).extend(
+                (("retained", key, value), ("expiry", expire + key, b"")))
+            turn[(part, key)] = value
+        aborted = rows[st.a_abort[rows] == rows].tolist()
+        for r in set(aborted).union(self._abort_reasons.keys() & set(rows.tolist())):
+            self._op(int(st.a_part[r]), "attempts", abort_key(r), None)
+            self._abort_reasons.pop(r, None)
+
     def _retire_runs(self, runs, parts):
         """Runs among ``runs`` (run rows of just reclaimed actions, their records in
         ``parts``) with no action left in the table leave memory: the run row, its (queue,
@@ -266,14 +296,13 @@ class RetentionMixin:
         self._free_runs.extend(runs.tolist())
 
     def _lean_outcomes(self, rows):
-        """``(end ns, outcome record)`` of lean rows (their one attempt, from the columns:
-        what ``encode_outcome`` of their materialised record gives), last row first (for
-        ``pop``)."""
+        """``(end ns, outcome record)`` of lean rows, in order (their one attempt, from the
+        columns: what ``encode_outcome`` of their materialised record gives)."""
         st = self._state
         if not rows.size:
             return []
         clusters, workers = self._clusters, self._worker_names
-        cols = [c.tolist()[::-1] for c in (
+        cols = [c.tolist() for c in (
             rows, st.a_enqueued[rows], st.a_start[rows], st.a_running[rows], st.a_done[rows],
             st.a_gen[rows], st.a_cluster[rows], st.a_worker[rows], st.a_phase[rows],
             st.a_final[rows])]
