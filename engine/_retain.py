@@ -31,6 +31,7 @@ import msgpack
 import numpy as np
 
 from cext import DEBUG
+from cext._retained import ATTEMPT_LAYOUT, pack_lean_retained
 from cext._tree import unlink_children
 from engine._codes import PHASES, TERMINAL_PHASES, Phase
 from engine._groups import abort_key, group_key
@@ -48,7 +49,7 @@ from engine._records import (
     spec_content,
 )
 from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
-from engine._state import ACTION_FIELDS, FINALIZE_FIELDS, NEVER
+from engine._state import ACTION_FIELDS, FINALIZE_FIELDS
 from storage import CorruptRecord, Records
 
 __all__ = ["RETENTION_BATCH", "RetentionMixin", "Retained", "retained_key"]
@@ -62,8 +63,10 @@ _RESET = tuple(name for name in ACTION_FIELDS
 # Columns a freed finalize row keeps, for the same reason (its partition is its action's).
 _FZ_KEEP = frozenset({"fz_gen", "fz_released_gen", "fz_end", "fz_delivered_gen"})
 _FZ_RESET = tuple(name for name in FINALIZE_FIELDS if name not in _FZ_KEEP)
-# A lean row's outcome record, by position (engine._records.encode_outcome's layout).
-_AT = {name: i for i, name in enumerate(ATTEMPT_FIELDS)}
+# A lean row's outcome is packed by cext._retained in encode_outcome's attempt layout.
+if ATTEMPT_LAYOUT != ATTEMPT_FIELDS:
+    raise ImportError(f"cext._retained packs attempts as {ATTEMPT_LAYOUT}, the record has "
+                      f"{ATTEMPT_FIELDS}: rebuild the extensions")
 _PHASE_VALUES = tuple(p.value for p in PHASES)
 _SUCCEEDED, _ABORTED = PHASES.index(Phase.SUCCEEDED), PHASES.index(Phase.ABORTED)
 # Reclaim at most this many rows per call (a bounded group commit).
@@ -234,7 +237,10 @@ class RetentionMixin:
                         .reshape(-1, 8), names)
         lean = st.a_lean[rows] == 1
         quick = (st.a_edges[rows] == 0) & lean
-        outcomes = iter(self._lean_outcomes(rows[quick]))
+        values = iter(self._lean_retained(rows[quick], [e for e, q in zip(
+            groups, quick.tolist(), strict=True) if q], [k for k, q in zip(
+                gidx, quick.tolist(), strict=True) if q], [n for n, q in zip(
+                    names, quick.tolist(), strict=True) if q]))
         queues = self._queue_names
         pack = msgpack.Packer(use_bin_type=True).pack
         ops, turn = self._ops, self._retained_turn
@@ -242,15 +248,14 @@ class RetentionMixin:
                 rows.tolist(), st.a_part[rows].tolist(), groups, gidx, names, keys,
                 quick.tolist(), lean.tolist(), st.a_queue[rows].tolist(), strict=True):
             if q:
-                ended, outcome = next(outcomes)
+                value = next(values)
             else:
                 rec = self._rec(r)
                 ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
-                outcome = encode_outcome(rec)
+                value = pack([entry[2] + name, entry[1], entry[0].input_ref(k), ended,
+                              queues[qi], encode_outcome(rec)])
             if not is_lean:
                 ops.setdefault(part, []).append(("attempts", row_key(r), None))
-            value = pack([entry[2] + name, entry[1], entry[0].input_ref(k), ended, queues[qi],
-                          outcome])
             ops.setdefault(part, []).extend(
                 (("retained", key, value), ("expiry", expire + key, b"")))
             turn[(part, key)] = value
@@ -295,41 +300,29 @@ class RetentionMixin:
             self._retained_turn[(part, digest8(key))] = b""
         self._free_runs.extend(runs.tolist())
 
-    def _lean_outcomes(self, rows):
-        """``(end ns, outcome record)`` of lean rows, in order (their one attempt, from the
-        columns: what ``encode_outcome`` of their materialised record gives)."""
+    def _lean_retained(self, rows, groups, gidx, names):
+        """The retained values of lean ``rows`` (their ``groups`` entries, indexes in them
+        and names given): packed from the columns in one compiled pass, the outcome being
+        what ``encode_outcome`` of their materialised record gives (their one attempt)."""
         st = self._state
-        if not rows.size:
+        n = rows.size
+        if not n:
             return []
-        clusters, workers = self._clusters, self._worker_names
-        cols = [c.tolist() for c in (
-            rows, st.a_enqueued[rows], st.a_start[rows], st.a_running[rows], st.a_done[rows],
-            st.a_gen[rows], st.a_cluster[rows], st.a_worker[rows], st.a_phase[rows],
-            st.a_final[rows])]
-        # One attempt list per row, filled by position (a reclaim encodes thousands a turn).
-        blank = [None] * len(ATTEMPT_FIELDS)
-        blank[_AT["number"]], blank[_AT["generation"]], blank[_AT["message"]] = 1, 0, ""
-        pack = msgpack.Packer(use_bin_type=True).pack
-        out = []
-        for row, enq, start, running, done, gen, c, w, code, f in zip(*cols, strict=True):
-            phase = _PHASE_VALUES[code]
-            att = blank.copy()
-            att[_AT["enqueued_ns"]] = enq
-            if start != NEVER:
-                att[_AT["generation"]], att[_AT["start_ns"]] = gen, start
-                att[_AT["cluster"]], att[_AT["worker"]] = clusters[c], workers[w]
-            if running != NEVER:
-                att[_AT["running_ns"]] = running
-            message = ""
-            if code == _SUCCEEDED or code == _ABORTED:
-                att[_AT["end_ns"]], att[_AT["phase"]] = done, phase
-            if code == _ABORTED:
-                message = att[_AT["message"]] = self._abort_reason(row)
-            if f >= 0:
-                att[_AT["finalize"]] = self._finalize_status(f)
-            out.append((done if done != NEVER else 0,
-                         pack([phase, message, None, None, 0, 0, [att]])))
-        return out
+        phase = st.a_phase[rows]
+        messages = [""] * n
+        for i in np.flatnonzero(phase == _ABORTED).tolist():
+            messages[i] = self._abort_reason(int(rows[i]))
+        finalizes = [None] * n
+        fz = st.a_final[rows]
+        for i in np.flatnonzero(fz >= 0).tolist():
+            finalizes[i] = self._finalize_status(int(fz[i]))
+        return pack_lean_retained(
+            [e[2] for e in groups], names, [e[1] for e in groups],
+            [e[0].input_ref(k) for e, k in zip(groups, gidx, strict=True)],
+            st.a_queue[rows], tuple(self._queue_names), phase, _PHASE_VALUES,
+            st.a_enqueued[rows], st.a_gen[rows], st.a_start[rows], st.a_running[rows],
+            st.a_done[rows], st.a_cluster[rows], tuple(self._clusters), st.a_worker[rows],
+            tuple(self._worker_names), messages, finalizes, _SUCCEEDED, _ABORTED)
 
     def _free_finalize(self, rows):
         # The finalize rows of reclaimed action rows (all ended: _reclaimable waits for them)

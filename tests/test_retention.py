@@ -24,7 +24,7 @@ from engine import (
     Timeouts,
     parse_config,
 )
-from engine._codes import LeaseKind, RowState, Verdict
+from engine._codes import PHASES, LeaseKind, RowState, Verdict
 from engine._retain import RETENTION_BATCH
 from storage import MemoryStore
 from tests.conftest import make_engine
@@ -543,3 +543,71 @@ def test_the_retention_sweep_keeps_pace_with_a_backlog():
         with pytest.raises(NotFound):
             eng.explain(a)
     assert not list(eng.store.scan("retained"))
+
+
+NEVER_NS = np.iinfo(np.int64).max
+PHASE_NAMES = tuple(p.value for p in PHASES)
+ints = st.one_of(st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
+                                  2**62, 2**63 - 2]), st.integers(0, 2**63 - 2))
+texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)
+lean_rows = st.lists(st.fixed_dictionaries({
+    "prefix": st.sampled_from(["acme/p/d/r/", "t" * 40 + "/p/d/" + "r" * 200 + "/"]),
+    "name": st.text("abc_.-0123456789", min_size=1, max_size=40),
+    "content": st.binary(max_size=70_000).filter(lambda b: len(b) < 300 or len(b) > 65_000),
+    "input": st.none() | texts,
+    "queue": st.integers(0, 1),
+    "phase": st.sampled_from([Phase.SUCCEEDED, Phase.ABORTED, Phase.QUEUED]),
+    "enqueued": ints, "gen": ints, "start": ints | st.just(NEVER_NS),
+    "running": ints | st.just(NEVER_NS), "done": ints | st.just(NEVER_NS),
+    "cluster": st.integers(0, 1), "worker": st.integers(0, 1),
+    "message": texts, "finalize": st.none() | st.sampled_from(["SUCCEEDED", "PENDING"]),
+}), min_size=0, max_size=6)
+
+
+def reference_value(r, queues, clusters, workers):
+    """A lean row's retained value as the record path makes it (encode_outcome of its
+    one attempt), with msgpack.packb."""
+    from engine._index import ActionEdges
+    from engine._leases import Attempt
+    from engine._records import ATTEMPT_FIELDS, encode_outcome
+
+    phase = r["phase"]
+    ends = phase in (Phase.SUCCEEDED, Phase.ABORTED)
+    message = r["message"] if phase == Phase.ABORTED else ""
+    att = Attempt(number=1, enqueued_ns=r["enqueued"])
+    if r["start"] != NEVER_NS:
+        att.generation, att.start_ns = r["gen"], r["start"]
+        att.cluster, att.worker = clusters[r["cluster"]], workers[r["worker"]]
+    if r["running"] != NEVER_NS:
+        att.running_ns = r["running"]
+    if ends:
+        att.end_ns, att.phase = r["done"], phase.value
+    att.message = message
+    att.finalize = r["finalize"]
+    assert len(ATTEMPT_FIELDS) == 14
+    rec = ActionEdges(compiled=None, row=0, phase=phase, message=message, attempts=[att])
+    ended = r["done"] if r["done"] != NEVER_NS else 0
+    return msgpack.packb([r["prefix"] + r["name"], r["content"], r["input"], ended,
+                          queues[r["queue"]], encode_outcome(rec)], use_bin_type=True)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=lean_rows)
+def test_lean_retained_values_are_msgpack_of_the_record(rows):
+    """cext._retained packs a lean row's retained value byte for byte as msgpack.packb of
+    its record would (every integer width, str and bin header, nil)."""
+    from cext._retained import pack_lean_retained
+
+    queues, clusters, workers = ("main", "q" * 40), ("east", "c" * 300), ("w", "ü" * 20)
+    col = {k: [r[k] for r in rows] for k in (
+        "prefix", "name", "content", "input", "queue", "phase", "enqueued", "gen", "start",
+        "running", "done", "cluster", "worker", "message", "finalize")}
+    i32 = lambda k: np.array(col[k], np.int32)      # noqa: E731
+    i64 = lambda k: np.array(col[k], np.int64)      # noqa: E731
+    got = pack_lean_retained(
+        col["prefix"], col["name"], col["content"], col["input"], i32("queue"), queues,
+        np.array([PHASES.index(p) for p in col["phase"]], np.uint8), PHASE_NAMES,
+        i64("enqueued"), i64("gen"), i64("start"), i64("running"), i64("done"),
+        i32("cluster"), clusters, i32("worker"), workers, col["message"], col["finalize"],
+        PHASES.index(Phase.SUCCEEDED), PHASES.index(Phase.ABORTED))
+    assert got == [reference_value(r, queues, clusters, workers) for r in rows]
