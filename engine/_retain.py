@@ -101,16 +101,18 @@ def _retained_keys(texts):
     return _keys_of(np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 8), names)
 
 
-def _keys_of(run_digests, names):
+def _keys_of(run_digests, names, with_array=False):
     """Retained keys (16 bytes: the run's digest, then the name's) of ``names``, their
     runs' digests given as an (n, 8) uint8 array: the names hashed in one C pass (a
-    name's ``digest8`` is its ``name_hash``, little-endian)."""
+    name's ``digest8`` is its ``name_hash``, little-endian). With ``with_array``, also the
+    keys as an (n, 16) uint8 array."""
     n = len(names)
     keys = np.empty((n, 16), np.uint8)
     keys[:, :8] = run_digests
     keys[:, 8:] = name_hashes(names).astype("<u8").view(np.uint8).reshape(n, 8)
     buf = keys.tobytes()
-    return [buf[i:i + 16] for i in range(0, 16 * n, 16)]
+    out = [buf[i:i + 16] for i in range(0, 16 * n, 16)]
+    return (out, keys) if with_array else out
 
 
 @dataclass
@@ -233,8 +235,8 @@ class RetentionMixin:
             groups.append(entry)
         gidx = st.a_gidx[rows].tolist()
         names = [entry[0].names[k] for entry, k in zip(groups, gidx, strict=True)]
-        keys = _keys_of(np.frombuffer(b"".join(e[3] for e in groups), np.uint8)
-                        .reshape(-1, 8), names)
+        keys, key_array = _keys_of(np.frombuffer(b"".join(e[3] for e in groups), np.uint8)
+                                   .reshape(-1, 8), names, with_array=True)
         lean = st.a_lean[rows] == 1
         quick = (st.a_edges[rows] == 0) & lean
         values = iter(self._lean_retained(rows[quick], [e for e, q in zip(
@@ -256,9 +258,16 @@ class RetentionMixin:
                               queues[qi], encode_outcome(rec)])
             if not is_lean:
                 ops.setdefault(part, []).append(("attempts", row_key(r), None))
-            ops.setdefault(part, []).extend(
-                (("retained", key, value), ("expiry", expire + key, b"")))
+            ops.setdefault(part, []).append(("retained", key, value))
             turn[(part, key)] = value
+        # The expiry entries (retention end, then the key; no value): a block a partition.
+        parts = st.a_part[rows]
+        entries = np.empty((rows.size, 24), np.uint8)
+        entries[:, :8] = np.frombuffer(expire, np.uint8)
+        entries[:, 8:] = key_array
+        for part in np.unique(parts).tolist():
+            block = entries[parts == part]
+            ops.setdefault(part, []).append(Records("expiry", block.reshape(-1), b"", 24, 0))
         aborted = rows[st.a_abort[rows] == rows].tolist()
         for r in set(aborted).union(self._abort_reasons.keys() & set(rows.tolist())):
             self._op(int(st.a_part[r]), "attempts", abort_key(r), None)
