@@ -836,13 +836,10 @@ class _Loop:
     def push_leases(self, batch):
         """LEASES messages, one a worker (at most max_batch rows each), sent after commit."""
         workers = batch.worker
-        names_all = None
         for w in np.unique(workers).tolist():
             idx = np.flatnonzero(workers == w)
             wid = batch.worker_id(int(idx[0]))
             conn = self.worker_conn.get(wid)
-            if names_all is None:
-                names_all = {}
             for lo in range(0, idx.size, self.settings.max_batch):
                 part = idx[lo:lo + self.settings.max_batch]
                 msg = self._leases(batch, part)
@@ -887,9 +884,11 @@ class _Loop:
         uniq, inverse = np.unique(gids, return_inverse=True)
         groups, deadline, queued = [], np.full(idx.size, -1, np.int64), \
             np.full(idx.size, -1, np.int64)
+        objs = []           # the EnqueueGroup of each of uniq
         for k, gid in enumerate(uniq.tolist()):
             first = int(idx[np.flatnonzero(gids == gid)[0]])
             g = batch.group_of(first)
+            objs.append(g)
             entry = self.specs.get(gid)
             if entry is None or entry[2] is not g:
                 aid = batch.action(first)
@@ -912,18 +911,18 @@ class _Loop:
         fin = batch.kind[idx] != 0
         deadline[fin] = -1
         queued[fin] = -1
-        names, inputs, any_input = [], [], False
-        for i in idx.tolist():
-            g = batch.group_of(i)
-            gi = int(batch.index[i])
-            names.append(g.names[gi])
-            ref = g.input_ref(gi)
-            any_input |= ref is not None
-            inputs.append(ref)
+        # Names (and input references) by group and index: lists, no numpy scalar a lease.
+        at = list(zip(inverse.tolist(), batch.index[idx].tolist(), strict=True))
+        names = [objs[k].names[j] for k, j in at]
+        inputs = None
+        if any(g.inputs is not None for g in objs):
+            inputs = [objs[k].input_ref(j) for k, j in at]
+            if all(ref is None for ref in inputs):
+                inputs = None
         return p.Leases(tokens=batch.tokens[idx], kind=batch.kind[idx],
                         attempt=batch.attempt[idx], group=inverse.astype(np.int32),
                         deadline_ns=deadline, queued_deadline_ns=queued, groups=groups,
-                        names=names, inputs=inputs if any_input else None)
+                        names=names, inputs=inputs)
 
     # ------------------------------------------------------------------ watches
 
