@@ -930,7 +930,6 @@ cdef class TickKernel:
         cdef bint bq = False
         cdef u8 tcode
         cdef i32 h, t
-        cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
         # Caps first: they are about counts, not resources.
