@@ -24,7 +24,7 @@ The model (everything drawn from one ``random.Random(seed)``):
 
 Goals (informational fields ``goal_*``): backfill cuts fifo's mean wait at least 10x, does not
 lower utilisation, keeps the longest gang wait within 5% of fifo's and far below greedy's.
-    .venv/bin/python bench/backfill.py [--seed N] [--days D] [--no-nodes]
+    .venv/bin/python bench/backfill.py [--seed N] [--days D] [--load L] [--no-nodes]
 """
 
 import argparse
@@ -88,10 +88,10 @@ def _mean_gpu_seconds(rng, samples=20000):
     return total / samples
 
 
-def generate(seed, days):
+def generate(seed, days, load=LOAD):
     """The trace: a list of Jobs, sorted by submission."""
     rng = random.Random(seed)
-    mean_rate = LOAD * GPUS / _mean_gpu_seconds(random.Random(seed + 1))   # jobs per second
+    mean_rate = load * GPUS / _mean_gpu_seconds(random.Random(seed + 1))   # jobs per second
     peak = mean_rate * (1 + AMPLITUDE)
     jobs, t = [], 0.0
     kinds, weights = [k for k, _ in CLASSES], [w for _, w in CLASSES]
@@ -112,16 +112,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--days", type=float, default=7.0)
+    parser.add_argument("--load", type=float, default=LOAD,
+                        help="offered GPU load (default 0.85; near 1 the queue runs deep)")
     parser.add_argument("--no-nodes", action="store_true",
                         help="start assigned work at once (no pods placed on nodes)")
     args = parser.parse_args(argv)
     nodes = not args.no_nodes
     wall0 = time.perf_counter()
     cfg = load_config(CONFIG_PATH)
-    jobs = generate(args.seed, args.days)
+    jobs = generate(args.seed, args.days, args.load)
     prepared = prepare(cfg, jobs, nodes=nodes)
     out = {"bench": "backfill", "seed": args.seed, "days": args.days, "jobs": len(jobs),
-           "gangs": sum(j.n_pods > 1 for j in jobs), "target_gpu_load": LOAD, "nodes": nodes}
+           "gangs": sum(j.n_pods > 1 for j in jobs), "target_gpu_load": args.load,
+           "nodes": nodes}
     results = {}
     for policy in POLICIES:
         r = results[policy] = simulate(cfg, jobs, policy, prepared=prepared, nodes=nodes)

@@ -21,9 +21,8 @@ cdef class TickKernel:
     cdef bint gate_on                  # resource gate: enforce (1) or count caps only (0)
     cdef int cpu_dim                   # index of cpu in vectors, -1 if not configured
     cdef readonly i64 lease_ttl        # ns a lease lives without a heartbeat
-    cdef i64 bf_max_candidates         # actions tested for backfill per blocked head per tick
-    cdef u64 bf_held                   # clusters held this tick by a backfill queue's head
-    cdef u64 bf_contested              # ... that a head of another queue also wants
+    cdef u64 bf_held                   # clusters with a reservation this tick (s_rv_*)
+    cdef u64 bf_contested              # held clusters closed to backfill for the rest of it
     cdef u64 s_held                    # clusters held by blocked heads when the tick ended
     cdef u64 s_avail                   # clusters with a free worker slot when it ended
     cdef u64 s_prev_held               # s_held and s_avail of the tick before this one
@@ -195,15 +194,18 @@ cdef class TickKernel:
     cdef i32[::1] s_first              # [Q] STRICT head retried before its level, -1 none
     cdef u8[::1] s_first_res           # [Q] the outcome of that retry
     cdef i32[::1] s_bf_head            # [Q] backfill: the head blocked this tick, -1 none
-    cdef i64[::1] s_bf_tested          # [Q] backfill: actions tested behind it this tick
     cdef i32[::1] s_bq_head            # [Q] budget backfill: the head blocked on the budget
-    cdef i64[::1] s_bq_tested          # [Q] budget backfill: actions tested behind it
     cdef i64[::1] s_bq_shadow          # [Q] its budget shadow time (ns); -1 not computed yet
     cdef u8[::1] s_bq_gap              # [Q] 1 = rule (a) open (known, no backfilled overrun)
     cdef i64[::1] s_bq_free            # [R] scratch: budget left while releases accumulate
     cdef i64[::1] s_shadow             # [C] backfill: the holding head's shadow time (ns)
     cdef i64[:, ::1] s_extra           # [C, R] backfill: free at the shadow time beyond its need
     cdef u8[::1] s_bf_gap              # [C] backfill: 1 = rule (a) open (known, no overrun)
+    cdef i32[::1] s_rv_n               # [C] reservations on the cluster this tick
+    cdef i32[:, ::1] s_rv_head         # [C, Q] the head of each, in the order of the pass
+    cdef i64[:, ::1] s_rv_shadow       # [C, Q] its shadow time (ns); -1 not computed yet
+    cdef u8[:, ::1] s_rv_gap           # [C, Q] 1 = rule (a) open (known, no overrun)
+    cdef i64[:, :, ::1] s_rv_extra     # [C, Q, R] free at its shadow time beyond its need
     cdef i64[::1] s_bf_key             # [N] scratch: predicted ends being sorted
     cdef i32[::1] s_bf_row             # [N] scratch: ... and their rows
 
@@ -253,8 +255,11 @@ cdef class TickKernel:
     cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n,
                           i64 now) noexcept nogil
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
-    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil
+    cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
+                          u8* gap) noexcept nogil
+    cdef void _reserve(self, i32 q, i32 h, u64 mine) noexcept nogil
+    cdef void _take_reservations(self, i32 a, int c, i64 now) noexcept nogil
     cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil
     cdef i64 _budget_shadow(self, i32 q, i32 h, i64 now) noexcept nogil
-    cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil
+    cdef int _backfill(self, i32 a, u64 cands, i64 now) noexcept nogil
     cdef i64 _run(self, i64 now) noexcept nogil

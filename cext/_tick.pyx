@@ -90,7 +90,6 @@ cdef class TickKernel:
         self.fz_head = -1
         self.fz_tail = -1
         self.lease_ttl = 0
-        self.bf_max_candidates = 64
         self.bf_held = 0
         self.bf_contested = 0
         self.s_held = 0
@@ -107,7 +106,6 @@ cdef class TickKernel:
         self.n_workers = state.n_workers
         self.n_envs = state.n_envs
         self.max_candidates = state.max_candidates
-        self.bf_max_candidates = state.bf_max_candidates
         self.gate_on = state.gate_on
         self.cpu_dim = state.cpu_dim
         self.res_accel = state.res_accel
@@ -244,15 +242,18 @@ cdef class TickKernel:
         self.s_first = state.s_first
         self.s_first_res = state.s_first_res
         self.s_bf_head = state.s_bf_head
-        self.s_bf_tested = state.s_bf_tested
         self.s_bq_head = state.s_bq_head
-        self.s_bq_tested = state.s_bq_tested
         self.s_bq_shadow = state.s_bq_shadow
         self.s_bq_gap = state.s_bq_gap
         self.s_bq_free = state.s_bq_free
         self.s_shadow = state.s_shadow
         self.s_extra = state.s_extra
         self.s_bf_gap = state.s_bf_gap
+        self.s_rv_n = state.s_rv_n
+        self.s_rv_head = state.s_rv_head
+        self.s_rv_shadow = state.s_rv_shadow
+        self.s_rv_gap = state.s_rv_gap
+        self.s_rv_extra = state.s_rv_extra
         self.s_bf_key = state.s_bf_key
         self.s_bf_row = state.s_bf_row
         if self.n_clusters > 8 * <Py_ssize_t>sizeof(u64):
@@ -581,6 +582,7 @@ cdef class TickKernel:
         avail = self._count_slots()
         for i in range(self.n_clusters):
             self.s_held_by[i] = -1
+            self.s_rv_n[i] = 0
         for i in range(self.n_queues):
             self.s_bf_head[i] = -1
             self.s_bq_head[i] = -1
@@ -885,10 +887,9 @@ cdef class TickKernel:
         # decision reads: every cluster open to it is held by a blocked head or has no free
         # worker; no backfill runs behind its own head; nothing queued could take the fast
         # lane or fail on sight; and, STRICT_FIFO, its waiting actions would add no hold
-        # (every cluster it may use is held already) and would mark no backfill head's
-        # cluster contested that is not already.
-        cdef u64 mine, other
-        cdef int c
+        # (every cluster it may use is held already) and no cluster it may use has a
+        # reservation still open (they could backfill there, reserve, or close it).
+        cdef u64 mine
         if (self.examine_all or not self.gate_on or self.q_env_pending[q] != 0
                 or self.q_doomed[q] != 0
                 or (self.q_clusters[q] & avail & ~held) != 0
@@ -899,13 +900,7 @@ cdef class TickKernel:
         mine = self.q_clusters[q]
         if (mine & ~held) != 0:
             return False
-        other = mine & self.bf_held & ~self.bf_contested
-        while other != 0:
-            c = lowest_bit(other)
-            other &= ~((<u64>1) << c)
-            if self.a_queue[self.s_held_by[c]] != q:
-                return False
-        return True
+        return (mine & self.bf_held & ~self.bf_contested) == 0
 
     cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
                          u8 head_code) noexcept nogil:
@@ -931,12 +926,10 @@ cdef class TickKernel:
         cdef i32 ec
         cdef u64 fit, open_, bit
         cdef int c, dim, cap_dim
-        cdef u64 mine, shared
-        cdef bint gap = False
+        cdef u64 mine, cands
         cdef bint bq = False
         cdef u8 tcode
         cdef i32 h, t
-        cdef Py_ssize_t r
         cdef const i64* demand = &self.a_demand[a, 0]
 
         # Caps first: they are about counts, not resources.
@@ -1040,27 +1033,26 @@ cdef class TickKernel:
                 # a backfill candidate short of budget just waits.
                 if self.s_bq_head[q] < 0:
                     self.s_bq_head[q] = a
-                    self.s_bq_tested[q] = 0
                     self.s_bq_shadow[q] = -1
                 return R_SKIP_ACTION
             return R_STOP_QUEUE
 
-        # EASY backfill: a later action may use a cluster its queue's blocked head holds
-        # when it cannot delay the head (rule (a): it ends before the head's shadow time;
-        # rule (b): it fits in what the head will not need then), and only within the budget
-        # the head leaves (by either rule: a rule (b) action keeps its share for good, and
-        # the head may start on another cluster before a rule (a) action ends). Refused for
-        # the budget, it waits as without backfill, holding what it could use.
-        if (self.q_backfill[q] and self.s_bf_head[q] >= 0 and self.s_bf_head[q] != a
-                and (fit & avail[0] & held[0]) != 0
-                and self.s_bf_tested[q] < self.bf_max_candidates
-                and _spare_short(demand, &self.a_demand[self.s_bf_head[q], 0],
-                                 &self.s_budget[0], self.n_res) < 0):
-            c = self._backfill(q, a, fit & avail[0] & held[0], now, &gap)
+        # EASY backfill: a later action may use a cluster held by a blocked head earlier in
+        # the pass (of its own queue or of another) when it respects every reservation made
+        # on that cluster so far (per reservation, rule (a): it ends before that head's
+        # shadow time; rule (b): it fits in what that head will not need then), and only
+        # within the budget its own queue's head leaves (by either rule: a rule (b) action
+        # keeps its share for good, and the head may start on another cluster before a rule
+        # (a) action ends). Refused, it waits as without backfill, holding what it could use.
+        cands = fit & avail[0] & held[0] & self.bf_held & ~self.bf_contested
+        h = self.s_bf_head[q]
+        if (cands != 0 and self.q_backfill[q]
+                and (h < 0 or h == a
+                     or _spare_short(demand, &self.a_demand[h, 0], &self.s_budget[0],
+                                     self.n_res) < 0)):
+            c = self._backfill(a, cands, now)
             if c >= 0:
-                if not gap:
-                    for r in range(self.n_res):
-                        self.s_extra[c, r] -= demand[r]
+                self._take_reservations(a, c, now)
                 self._place(a, c, M_POOL_START if e >= 0 else M_REGULAR, now, avail,
                             actions_left, runs_left)
                 self.a_backfilled[a] = 1
@@ -1081,23 +1073,26 @@ cdef class TickKernel:
             self._wait(a, W_CLUSTER_CAPACITY, c, dim, -1)
         if self.q_strict[q]:
             open_ = fit & ~held[0]
-            mine = open_
-            # A cluster a backfill head holds that a head of another queue wants too gets no
-            # backfill for the rest of the tick: the other head must not be delayed either.
-            shared = fit & held[0] & self.bf_held
-            while shared != 0:
-                c = lowest_bit(shared)
-                shared &= ~((<u64>1) << c)
-                if self.a_queue[self.s_held_by[c]] != q:
-                    self.bf_contested |= (<u64>1) << c
             while open_ != 0:
                 c = lowest_bit(open_)
                 bit = (<u64>1) << c
                 open_ &= ~bit
                 self.s_held_by[c] = a
-            held[0] |= fit
+            # Who may backfill under this hold. The first action of a backfill queue blocked
+            # this tick is the head its queue protects: it adds a reservation on every
+            # cluster it wants that is not closed, behind the reservations made earlier in
+            # the pass (higher priority first). Any other blocked action of a backfill queue
+            # reserves nothing (as in EASY, one reservation per head): the clusters it newly
+            # holds are closed. A head of a queue without backfill is protected by its hold
+            # alone, so every cluster it wants is closed, to every queue after it.
+            mine = fit & ~self.bf_contested
             if self.q_backfill[q] and self.s_bf_head[q] < 0 and mine != 0:
-                self._hold_shadows(q, a, mine)
+                self._reserve(q, a, mine)
+            elif self.q_backfill[q]:
+                self.bf_contested |= fit & ~held[0]
+            else:
+                self.bf_contested |= fit
+            held[0] |= fit
         return R_SKIP_ACTION
 
     # ---------------------------------------------------------------- backfill
@@ -1234,13 +1229,23 @@ cdef class TickKernel:
         return NEVER
 
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
+        # The shadow time of head h on cluster c (_shadow_into) into s_shadow[c], s_extra[c]
+        # and s_bf_gap[c] (head_eta's scratch).
+        cdef u8 gap
+        cdef i64 shadow = self._shadow_into(h, c, free_now, now, &self.s_extra[c, 0], &gap)
+        self.s_shadow[c] = shadow
+        self.s_bf_gap[c] = gap
+        return shadow
+
+    cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
+                          u8* gap) noexcept nogil:
         # The shadow time of head h on cluster c: the earliest predicted time at which what
         # is free now plus what the live charged leases of c release covers h's demand.
-        # Writes s_shadow[c], s_extra[c] (free then, beyond h's demand; -1 when unknown) and
-        # s_bf_gap[c] (rule (a) open: the time is known and no backfilled lease overran).
-        # A lease past its predicted end still releases no earlier than now.
+        # Writes extra (free then, beyond h's demand; -1 when unknown) and gap (rule (a)
+        # open: the time is known and no backfilled lease overran). A lease past its
+        # predicted end still releases no earlier than now.
         cdef const i64* need = &self.a_demand[h, 0]
-        cdef i64* free = &self.s_extra[c, 0]
+        cdef i64* free = extra
         cdef i64 shadow
         cdef Py_ssize_t n = 0, r
         cdef bint overrun = False
@@ -1251,34 +1256,36 @@ cdef class TickKernel:
             n = self._push_end(a, n, now, &overrun)
             a = self.a_lnext[a]
         shadow = self._first_cover(need, free, n, now)
-        self.s_shadow[c] = shadow
-        self.s_bf_gap[c] = shadow < NEVER and not overrun
+        gap[0] = shadow < NEVER and not overrun
         for r in range(self.n_res):
             free[r] = free[r] - need[r] if shadow < NEVER else -1
         return shadow
 
-    cdef void _hold_shadows(self, i32 q, i32 h, u64 mine) noexcept nogil:
+    cdef void _reserve(self, i32 q, i32 h, u64 mine) noexcept nogil:
         # h is the first action of backfill queue q blocked this tick: it is the head the
-        # backfill protects, on the clusters it now holds (mine). Their shadow times are
-        # computed lazily, by the first candidate that tests the cluster (_backfill), so a
-        # head with nothing behind it costs nothing. Until then nothing is placed on the
-        # cluster (it is held), so its free vector is still the one at the hold.
+        # backfill protects, with a reservation on each cluster of mine (it holds them, and
+        # none is closed), after the reservations already made there this tick. One head per
+        # queue, so a cluster has at most Q. Their shadow times are computed lazily, by the
+        # first candidate that tests the cluster (_backfill), so a head with nothing behind
+        # it costs nothing. Until then nothing is placed on the cluster (every placement
+        # there passes every reservation on it), so what the shadow time is computed from is
+        # the cluster as it was when h reserved it.
         cdef int c
+        cdef i32 k
         self.s_bf_head[q] = h
-        self.s_bf_tested[q] = 0
         self.bf_held |= mine
         while mine != 0:
             c = lowest_bit(mine)
             mine &= ~((<u64>1) << c)
-            self.s_shadow[c] = -1
+            k = self.s_rv_n[c]
+            self.s_rv_head[c, k] = h
+            self.s_rv_shadow[c, k] = -1
+            self.s_rv_n[c] = k + 1
 
     cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil:
         # Rule (a) behind budget head h of queue q: a (not a warm-pool start) has a runtime
-        # history and ends before h's budget shadow time; bounded per head per tick.
+        # history and ends before h's budget shadow time (computed once per head per tick).
         cdef i64 rt = NEVER
-        if self.s_bq_tested[q] >= self.bf_max_candidates:
-            return False
-        self.s_bq_tested[q] += 1
         if self.s_bq_shadow[q] < 0:
             self.s_bq_shadow[q] = self._budget_shadow(q, h, now)
         if self.a_env[a] < 0:
@@ -1311,10 +1318,11 @@ cdef class TickKernel:
         self.s_bq_gap[q] = shadow < NEVER and not overrun
         return shadow
 
-    cdef int _backfill(self, i32 q, i32 a, u64 cands, i64 now, bint* gap) noexcept nogil:
-        # Which cluster of cands (fit, free worker, held) action a may backfill now, or -1.
-        # gap is set when rule (a) admits it there (the extra capacity is then left alone).
-        cdef i32 h = self.s_bf_head[q]
+    cdef int _backfill(self, i32 a, u64 cands, i64 now) noexcept nogil:
+        # Which cluster of cands (fit, free worker, held, with reservations, not closed)
+        # action a may backfill now, or -1: one whose free vector covers a and where a
+        # respects every reservation, each by rule (a) or rule (b). Clusters where rule (a)
+        # admits it for every reservation come first (they leave the extra capacity alone).
         cdef const i64* demand = &self.a_demand[a, 0]
         # A warm pool's footprint outlives the action that starts it (until idle_ttl), so
         # starting a pool is never proven to end in time: rule (b) only.
@@ -1323,27 +1331,54 @@ cdef class TickKernel:
             rt = self._pred_rt(a)
         cdef u64 by_gap = 0, by_extra = 0, bit
         cdef int c
-        cands &= ~self.bf_contested
-        self.s_bf_tested[q] += 1
+        cdef i32 k
+        cdef bint all_gap, ok
         while cands != 0:
             c = lowest_bit(cands)
             bit = (<u64>1) << c
             cands &= ~bit
-            if self.s_held_by[c] != h or not covers(demand, &self.s_cfree[c, 0], self.n_res):
+            if not covers(demand, &self.s_cfree[c, 0], self.n_res):
                 continue
-            if self.s_shadow[c] < 0:
-                self._shadow(h, c, &self.s_cfree[c, 0], now)
-            if self.s_bf_gap[c] and rt < NEVER and rt <= self.s_shadow[c] - now:
+            all_gap = True
+            ok = True
+            for k in range(self.s_rv_n[c]):
+                if self.s_rv_shadow[c, k] < 0:
+                    self.s_rv_shadow[c, k] = self._shadow_into(
+                        self.s_rv_head[c, k], c, &self.s_cfree[c, 0], now,
+                        &self.s_rv_extra[c, k, 0], &self.s_rv_gap[c, k])
+                if (self.s_rv_gap[c, k] and rt < NEVER
+                        and rt <= self.s_rv_shadow[c, k] - now):
+                    continue
+                all_gap = False
+                if not covers(demand, &self.s_rv_extra[c, k, 0], self.n_res):
+                    ok = False
+                    break
+            if not ok:
+                continue
+            if all_gap:
                 by_gap |= bit
-            elif covers(demand, &self.s_extra[c, 0], self.n_res):
+            else:
                 by_extra |= bit
         if by_gap != 0:
-            gap[0] = True
             return self._choose_cluster(a, by_gap)
-        gap[0] = False
         if by_extra != 0:
             return self._choose_cluster(a, by_extra)
         return -1
+
+    cdef void _take_reservations(self, i32 a, int c, i64 now) noexcept nogil:
+        # a backfills cluster c (_backfill said yes): every reservation there that admits it
+        # by rule (b) only gives up a's demand of its extra capacity, for good this tick.
+        cdef const i64* demand = &self.a_demand[a, 0]
+        cdef i64 rt = NEVER
+        cdef i32 k
+        cdef Py_ssize_t r
+        if self.a_env[a] < 0:
+            rt = self._pred_rt(a)
+        for k in range(self.s_rv_n[c]):
+            if self.s_rv_gap[c, k] and rt < NEVER and rt <= self.s_rv_shadow[c, k] - now:
+                continue
+            for r in range(self.n_res):
+                self.s_rv_extra[c, k, r] -= demand[r]
 
     def relink_live(self, Py_ssize_t n_rows):
         """Rebuild the per-cluster lists of live charged leases from rows ``0..n_rows-1``

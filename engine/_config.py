@@ -75,7 +75,6 @@ _ENGINE_KEYS = (
     "system_retries",
     "runtime_grace",
     "finalize_timeout",
-    "backfill_max_candidates",
     "pause_on_expiry",
 )
 _CLUSTER_KEYS = ("capacity", "node_shapes")
@@ -167,7 +166,6 @@ class EngineSettings:
     system_retries: int = 3  # retries of system errors (EXPIRED, OOM, ...) per action (>= 0)
     runtime_grace: float = 60.0  # engine backstop: seconds past max_runtime before expiry
     finalize_timeout: float = 3600.0  # a finalize lease's own bound, in seconds (> 0)
-    backfill_max_candidates: int = 64  # actions tested for backfill per blocked head per tick
     # A worker that lets a lease expire gets nothing new until its next heartbeat proves it
     # alive (a killed worker is not handed the work that just expired on it).
     pause_on_expiry: bool = True
@@ -467,6 +465,12 @@ def _parse_engine(source, table):
                           f"predicts from runtime estimates, max_runtime and the last two "
                           f"successes of each task and shape (docs/predictions.md); "
                           f"delete the key")
+    if "backfill_max_candidates" in table:
+        # Issue 14: a fixed number of backfill tests per head cost mean wait on deep queues.
+        raise ConfigError(f"{source}: engine.backfill_max_candidates was removed: every "
+                          f"action the tick examines is tested for backfill, so the work is "
+                          f"bounded by engine.max_candidates per queue per tick "
+                          f"(docs/architecture.md, \"Backfill\"); delete the key")
     _check_keys(source, "engine", table, _ENGINE_KEYS)
     values = {}
     if "default_queue" in table:
@@ -480,8 +484,7 @@ def _parse_engine(source, table):
         values["resource_gate"] = _choice(
             source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
         )
-    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0),
-                         ("backfill_max_candidates", 1)):
+    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0)):
         if key in table:
             values[key] = _int(source, f"engine.{key}", table[key], minimum)
     for key, positive in (("heartbeat_interval", True), ("expiry_jitter", False),

@@ -227,7 +227,6 @@ class State:
                  max_candidates=settings.max_candidates,
                  gate_on=settings.resource_gate == "enforce",
                  cpu_dim=res.cpu_index, res_accel=res.accelerator_mask,
-                 bf_max_candidates=settings.backfill_max_candidates,
                  preset_rows=preset_rows, preset=preset)
         for i, cluster in enumerate(config.clusters):
             if cluster.capacity is not None:
@@ -235,15 +234,13 @@ class State:
         return st
 
     def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
-                 max_candidates, gate_on, cpu_dim, res_accel, bf_max_candidates=64, preset_rows=0,
-                 preset=()):
+                 max_candidates, gate_on, cpu_dim, res_accel, preset_rows=0, preset=()):
         self.n_res = n_res
         self.n_clusters = n_clusters
         self.n_queues = n_queues
         self.n_workers = 0
         self.n_envs = 0
         self.max_candidates = max_candidates
-        self.bf_max_candidates = bf_max_candidates
         self.gate_on = gate_on
         self.cpu_dim = cpu_dim
         self.res_accel = np.asarray(res_accel, dtype=U8)
@@ -314,15 +311,20 @@ class State:
         self.s_first = np.full(q, -1, dtype=I32)
         self.s_first_res = np.zeros(q, dtype=U8)
         self.s_bf_head = np.full(q, -1, dtype=I32)
-        self.s_bf_tested = np.zeros(q, dtype=I64)
         self.s_bq_head = np.full(q, -1, dtype=I32)
-        self.s_bq_tested = np.zeros(q, dtype=I64)
         self.s_bq_shadow = np.full(q, -1, dtype=I64)
         self.s_bq_gap = np.zeros(q, dtype=U8)
         self.s_bq_free = np.zeros(r, dtype=I64)
         self.s_shadow = np.full(c, NEVER, dtype=I64)
         self.s_extra = np.zeros((c, r), dtype=I64)
         self.s_bf_gap = np.zeros(c, dtype=U8)
+        # Backfill reservations of one tick: at most one per queue on each cluster (its head
+        # blocked this tick), in the order of the pass (TickKernel._reserve).
+        self.s_rv_n = np.zeros(c, dtype=I32)
+        self.s_rv_head = np.full((c, q), -1, dtype=I32)
+        self.s_rv_shadow = np.full((c, q), -1, dtype=I64)
+        self.s_rv_gap = np.zeros((c, q), dtype=U8)
+        self.s_rv_extra = np.zeros((c, q, r), dtype=I64)
 
     def tenant_row(self, tenants, config, tenant):
         """``(row, grown)``: the row of tenant ``tenant`` in ``tenants`` (name -> row, in row

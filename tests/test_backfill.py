@@ -1,7 +1,9 @@
 """EASY backfill in STRICT_FIFO queues: the seed's example, the two rules, overruns, bounds,
-ETAs, and a property: with exact predictions backfill never delays the first blocked head."""
+ETAs, reservations across queues, and a property: with exact predictions backfill never delays
+the first blocked head (of the first queue visited, with several queues)."""
 
 import heapq
+from dataclasses import replace
 
 import msgpack
 from hypothesis import given, settings
@@ -21,14 +23,14 @@ T100 = 56_000_000_000   # 56 s
 T500 = 311_000_000_000  # 311 s
 
 
-def config(backfill=True, nodes=1, bf_max_candidates=64, **queue):
+def config(backfill=True, nodes=1, max_candidates=4096, **queue):
     return {
         "resources": ["cpu", "memory", "gpu:H100"],
         "clusters": {"east": {"node_shapes": [{"name": "h100", "count": nodes,
                                                "allocatable": NODE}]}},
         "queues": {"gpu": {"scheduling": "STRICT_FIFO", "backfill": backfill, **queue}},
         # Leases outlive every runtime here without heartbeats (the tests drive no workers).
-        "engine": {"default_queue": "gpu", "backfill_max_candidates": bf_max_candidates,
+        "engine": {"default_queue": "gpu", "max_candidates": max_candidates,
                    "heartbeat_interval": 1e7},
     }
 
@@ -255,17 +257,95 @@ def test_rule_b_never_takes_what_the_head_needs():
 
 
 def test_max_candidates_bounds_the_backfill_tests_per_tick():
-    cfg = config()
-    cfg["engine"]["backfill_max_candidates"] = 2
-    eng, clock = make_engine(cfg)
-    warm(eng, small=T100, etl=T10)
-    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(4)])
+    # Backfill has no bound of its own: each test is part of one candidate's examination,
+    # so the queue's candidate budget bounds them (the head is one of the three).
+    eng, clock = make_engine(config(max_candidates=3))
+    warm(eng, gpus("w", "small", 4), small=T100, etl=T10)
+    assert len(start(eng, clock, [gpus(f"s{i}", "small", 4) for i in range(2)])) == 2
     eng.enqueue(gang("g"))
     eng.enqueue_many([cpu_job(f"c{i}", "etl") for i in range(5)])
     assert len(eng.tick()) == 2
     assert len(eng.tick()) == 2
     assert len(eng.tick()) == 1
     assert eng.queue_metrics("gpu")["backfilled"] == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Reservations across queues
+
+T200 = 200_000_000_000  # 200 s
+
+
+def _queues_setup(lo_backfill=True, mid=None):
+    """One 8-GPU node; queues hi (300) and lo (100), STRICT_FIFO with backfill (and ``mid``
+    (200), a queue config, when given). Running in hi: two 2-GPU ``small`` (T100) and two
+    2-GPU ``slow`` (T500). hi's head, a 6-GPU gang (12 cpu), waits until T500 (at T100 only 4
+    GPUs are free) and leaves 84 cpu at its shadow time."""
+    cfg = config()
+    cfg["queues"] = {"hi": {"scheduling": "STRICT_FIFO", "backfill": True, "priority": 300},
+                     "lo": {"scheduling": "STRICT_FIFO", "backfill": lo_backfill,
+                            "priority": 100}}
+    if mid is not None:
+        cfg["queues"]["mid"] = {"scheduling": "STRICT_FIFO", "priority": 200, **mid}
+    cfg["engine"]["default_queue"] = "hi"
+    eng, clock = make_engine(cfg)
+    warm(eng, small=T100, slow=T500, etl=T10, mid=T200)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)]
+          + [gpus(f"l{i}", "slow", 2) for i in range(2)])
+    eng.enqueue(gang("g"))
+    return eng, clock
+
+
+def lo(spec, queue="lo"):
+    return replace(spec, task_queue=queue)
+
+
+def enqueue_warm(eng, *specs):
+    """Enqueue ``specs`` with an exact history of their task's runtime at their shape."""
+    rt = {"etl": T10, "mid": T200, "slow": T500, "small": T100, "long": 2 * T500}
+    for spec in specs:
+        warm(eng, spec, **{spec.task: rt[spec.task]})
+    eng.enqueue_many(list(specs))
+
+
+def test_a_lower_queue_backfills_under_a_higher_queues_head():
+    eng, clock = _queues_setup()
+    enqueue_warm(eng, lo(cpu_job("e", "etl")),              # ends at T10 < T500: rule (a)
+                 lo(cpu_job("fits", "long", cpu=80)),       # runs past T500, within the 84
+                 lo(cpu_job("more", "long", cpu=8)))        # 80 taken: 4 left
+    assert runs(eng.tick()) == ["e", "fits"]
+    assert eng.explain("acme/ml/prod/g/a").wait == WaitCode.CLUSTER_CAPACITY
+    view = eng.explain("acme/ml/prod/more/a")
+    assert view.wait == WaitCode.HEAD_OF_LINE
+    assert "g/train" in view.reason, view.reason
+    assert eng.queue_metrics("lo")["backfilled"] == 2
+    assert eng.queue_metrics("hi")["backfilled"] == 0
+
+
+def test_without_backfill_in_the_lower_queue_it_waits_behind_the_higher_head():
+    eng, clock = _queues_setup(lo_backfill=False)
+    enqueue_warm(eng, lo(cpu_job("e", "etl")))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/e/a").wait == WaitCode.HEAD_OF_LINE
+
+
+def test_a_candidate_respects_every_reservation_before_it():
+    # lo's own head (4 GPUs, 20 cpu) reserves too: it could start at T100 and leaves 74 cpu
+    # then. A 200 s job ends before hi's head (T500) can start, not before lo's: against lo's
+    # reservation it may take only those 74 cpu.
+    eng, clock = _queues_setup()
+    eng.enqueue(lo(gpus("h", "big", 4, cpu=20)))
+    enqueue_warm(eng, lo(cpu_job("m80", "mid", cpu=80)), lo(cpu_job("m70", "mid", cpu=70)))
+    assert runs(eng.tick()) == ["m70"]
+    assert eng.explain("acme/ml/prod/m80/a").wait == WaitCode.HEAD_OF_LINE
+
+
+def test_a_head_of_a_queue_without_backfill_closes_its_clusters_to_later_queues():
+    eng, clock = _queues_setup(mid={"backfill": False})
+    eng.enqueue(lo(gpus("m", "small", 2), "mid"))
+    enqueue_warm(eng, lo(cpu_job("e", "etl")))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/e/a").wait == WaitCode.HEAD_OF_LINE
 
 
 def test_queue_action_concurrency_still_applies_to_backfill():
@@ -390,15 +470,28 @@ def two_clusters(backfill, budget=None):
     return cfg
 
 
-def simulate(jobs, runtimes, backfill, budget=None):
-    """Deterministic event-driven run of ``jobs`` [(submit_ns, task, gpus, cpu, pods)] on
-    :func:`two_clusters`. Tasks run exactly ``runtimes[task]`` ns, which their warm history
-    predicts. Returns (first blocked head, {run: start_ns})."""
-    eng, clock = make_engine(two_clusters(backfill, budget))
+QUEUES = (("hi", 300), ("mid", 200), ("lo", 100))
+
+
+def simulate(jobs, runtimes, backfill, budget=None, queues=False):
+    """Deterministic event-driven run of ``jobs`` [(submit_ns, task, gpus, cpu, pods[,
+    queue])] on :func:`two_clusters` (``queues``: with the three STRICT_FIFO queues of
+    ``QUEUES`` instead of one, every one with ``backfill``). Tasks run exactly
+    ``runtimes[task]`` ns, which their warm history predicts. Returns (first blocked head,
+    its queue, {run: start_ns}): the head of the first queue, by priority, with a head
+    blocked in the first tick that blocked any."""
+    cfg = two_clusters(backfill, budget)
+    names = ["gpu"]
+    if queues:
+        cfg["queues"] = {name: {"scheduling": "STRICT_FIFO", "backfill": backfill,
+                                "priority": priority} for name, priority in QUEUES}
+        cfg["engine"]["default_queue"] = "hi"
+        names = [name for name, _ in QUEUES]
+    eng, clock = make_engine(cfg)
     events = []          # (time, kind, seq, payload): completions (0) before submissions (1)
-    for i, (t, task, g, c, pods) in enumerate(jobs):
-        heapq.heappush(events, (t, 1, i, (task, g, c, pods)))
-    starts, first_head, seq = {}, None, 0
+    for i, (t, task, g, c, pods, *queue) in enumerate(jobs):
+        heapq.heappush(events, (t, 1, i, (task, g, c, pods, *queue)))
+    starts, first_head, first_queue, seq = {}, None, None, 0
     while events:
         now = events[0][0]
         clock.set_ns(now)
@@ -407,12 +500,14 @@ def simulate(jobs, runtimes, backfill, budget=None):
             if kind == 0:
                 eng.complete(payload[0], payload[1])
                 continue
-            task, g, c, pods = payload
+            task, g, c, pods, *queue = payload
+            where = {"task_queue": queue[0]} if queue else {}
             if pods > 1:
                 group = PodGroup("worker", pods, {"cpu": c, "gpu": max(g, 1)})
-                spec = act(f"j{i}", task, pods=(group,))
+                spec = act(f"j{i}", task, pods=(group,), **where)
             else:
-                spec = act(f"j{i}", task, resources={"cpu": c, "gpu": g} if g else {"cpu": c})
+                spec = act(f"j{i}", task, resources={"cpu": c, "gpu": g} if g else {"cpu": c},
+                           **where)
             if eng.history.count(eng.history_key(spec)) == 0:
                 warm(eng, spec, **{task: runtimes[task]})   # history per task and shape
             eng.enqueue(spec)
@@ -422,14 +517,19 @@ def simulate(jobs, runtimes, backfill, budget=None):
             task = _task(eng, a.action)
             seq += 1
             heapq.heappush(events, (now + runtimes[task], 0, seq, (a.action, a.generation)))
-        blocked = eng.queue_metrics("gpu")["head_blocked"]
-        if first_head is None and blocked is not None:
-            first_head = blocked["action"].split("/")[3]
-    return first_head, starts
+        for name in names if first_head is None else ():
+            blocked = eng.queue_metrics(name)["head_blocked"]
+            if blocked is not None:
+                first_head, first_queue = blocked["action"].split("/")[3], name
+                break
+    return first_head, first_queue if first_head is not None else None, starts
 
 
 job = st.tuples(st.integers(0, 20), st.sampled_from(["a", "b", "c", "d"]),
                 st.integers(0, 8), st.integers(1, 64), st.sampled_from([1, 1, 1, 2, 3]))
+queued_job = st.tuples(st.integers(0, 20), st.sampled_from(["a", "b", "c", "d"]),
+                       st.integers(0, 8), st.integers(1, 64), st.sampled_from([1, 1, 1, 2, 3]),
+                       st.sampled_from(["hi", "hi", "mid", "lo"]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -448,14 +548,27 @@ def test_budget_backfill_never_delays_the_first_blocked_head(raw, edges, budget)
     _never_delays([j for j in raw if j[2] * j[4] <= budget], edges, budget=budget)
 
 
-def _never_delays(raw, edges, budget):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(queued_job, min_size=2, max_size=16),
+       st.lists(st.sampled_from(EDGES[40:70]), min_size=4, max_size=4))
+def test_backfill_across_queues_never_delays_the_first_queues_blocked_head(raw, edges):
+    # Three queues, every one with backfill: a candidate of any queue may start on a cluster
+    # held by a head of its own queue or of a higher one when it respects every reservation
+    # made before it in the pass. The first queue visited has no reservation before its own
+    # head's, so that head starts no later than without backfill anywhere. (A head of a
+    # later queue has no such guarantee: a higher queue may take what it waits for, with or
+    # without backfill.)
+    _never_delays(raw, edges, budget=None, queues=True)
+
+
+def _never_delays(raw, edges, budget, queues=False):
     runtimes = dict(zip("abcd", edges, strict=True))
     jobs = [(t * S, *rest) for t, *rest in raw]
-    head_off, starts_off = simulate(jobs, runtimes, backfill=False, budget=budget)
-    head_on, starts_on = simulate(jobs, runtimes, backfill=True, budget=budget)
-    assert head_on == head_off      # identical until the first block
+    head_off, queue_off, starts_off = simulate(jobs, runtimes, False, budget, queues)
+    head_on, queue_on, starts_on = simulate(jobs, runtimes, True, budget, queues)
+    assert (head_on, queue_on) == (head_off, queue_off)    # identical until the first block
     assert set(starts_on) == set(starts_off)   # the same jobs ran (a gang too big fails)
-    if head_off is not None:
+    if head_off is not None and queue_off in ("gpu", "hi"):
         assert starts_on[head_off] <= starts_off[head_off]
 
 
@@ -471,7 +584,7 @@ def test_budget_backfill_regression_the_heads_budget_is_not_backfilled():
     _never_delays(raw, edges, budget=8)
     runtimes = dict(zip("abcd", edges, strict=True))
     jobs = [(t * S, *rest) for t, *rest in raw]
-    head, starts = simulate(jobs, runtimes, backfill=True, budget=8)
+    head, _queue, starts = simulate(jobs, runtimes, backfill=True, budget=8)
     assert head == "j1" and starts["j1"] == edges[1] and starts["j4"] == edges[1] + edges[3]
 
 
@@ -520,7 +633,7 @@ def test_budget_backfill_regression_no_later_action_takes_the_heads_budget_elsew
            (1, "a", 0, 1, 3)]
     t = 51_093_785_693
     _never_delays(raw, [t] * 4, budget=12)
-    head, starts = simulate([(s * S, *rest) for s, *rest in raw], dict.fromkeys("abcd", t),
+    head, _queue, starts = simulate([(s * S, *rest) for s, *rest in raw], dict.fromkeys("abcd", t),
                             backfill=True, budget=12)
     assert head == "j5" and starts["j5"] == t and starts["j7"] == S and starts["j8"] == S + t
 
@@ -622,12 +735,12 @@ def test_backfill_state_survives_a_restart():
 # Behind a head blocked by its queue's budget (rule (a) only)
 
 
-def _budget_setup(backfill=True, bf_max_candidates=64):
+def _budget_setup(backfill=True, max_candidates=4096):
     """Two nodes (16 GPUs) but a queue budget of 8 GPUs: two 2-GPU actions run (history
     T100), an 8-GPU head waits for the budget, not for the cluster: its budget shadow time is
     T100, when both have ended."""
     eng, clock = make_engine(config(backfill=backfill, nodes=2,
-                                    bf_max_candidates=bf_max_candidates,
+                                    max_candidates=max_candidates,
                                     max_resources={"gpu:H100": 8}))
     warm(eng, small=T100, quick=T10, slow=T500)
     start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
@@ -677,7 +790,7 @@ def test_budget_head_is_not_delayed_and_an_overrun_closes_the_gap():
 
 
 def test_budget_backfill_is_bounded_per_tick():
-    eng, clock = _budget_setup(bf_max_candidates=1)
+    eng, clock = _budget_setup(max_candidates=2)
     eng.update_queue("gpu", backfill=True)
     eng.enqueue_many([gpus(f"q{i}", "quick", 1) for i in range(3)])
     assert len(eng.tick()) == 1                  # one candidate tested behind the head

@@ -664,15 +664,11 @@ def test_storage_retention_takes_seconds_or_a_duration(value, seconds):
 
 def test_backfill_defaults_and_values():
     config = parse(BASE)
-    assert config.engine.backfill_max_candidates == 64
     assert all(q.backfill is False for q in config.queues)
     config = parse(BASE + """
-[engine]
-backfill_max_candidates = 8
 [queues.gpu]
 backfill = true
 """)
-    assert config.engine.backfill_max_candidates == 8
     assert config.queue("gpu").backfill is True
     assert config.queue("gpu").scheduling == STRICT_FIFO
 
@@ -702,12 +698,14 @@ backfill_percentile = {value}
 """, "engine.backfill_percentile was removed", "last two successes", "delete the key")
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "1.5", "true"])
-def test_backfill_max_candidates_at_least_one(value):
+@pytest.mark.parametrize("value", ["64", "1", "0"])
+def test_backfill_max_candidates_was_removed_and_says_what_replaced_it(value):
+    # Issue 14: a fixed number of backfill tests per head cost mean wait on deep queues.
     config_error(BASE + f"""
 [engine]
 backfill_max_candidates = {value}
-""", "engine.backfill_max_candidates", ">= 1")
+""", "engine.backfill_max_candidates was removed", "engine.max_candidates",
+        "delete the key")
 
 
 def test_update_queue_may_change_backfill_and_keeps_the_rule():
