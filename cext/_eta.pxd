@@ -12,6 +12,7 @@ from cext._types cimport i32, i64, u8, u64
 cdef class EtaProjector:
     cdef Py_ssize_t n_res              # R
     cdef Py_ssize_t n_seg              # timeline nodes in use
+    cdef Py_ssize_t n_clusters         # C (as bound)
     # --- timeline: per cluster a list of segments sorted by start time; a segment's free
     # vector holds from its start to the next segment's (the last one's: for ever) ---
     cdef i64[::1] sg_t                 # [M] segment start (ns)
@@ -20,6 +21,9 @@ cdef class EtaProjector:
     cdef i32[::1] c_first              # [C] first segment of each cluster (starts at now)
     cdef i64[::1] c_hold               # [C] held until (STRICT heads of earlier queues)
     cdef i64[::1] c_hold_q             # [C] ... by the queue being walked (merged after it)
+    cdef i32[::1] c_hint               # [C] segment the last search on the cluster began in
+    cdef i32[::1] cls                  # [N] demand class of each action row (project's)
+    cdef i32[::1] cls_ptr              # [K, C] per class: segments before it are short of it
     # --- scratch ---
     cdef i64[::1] s_key                # [L] live leases' predicted ends, being sorted
     cdef i32[::1] s_row                # [L] ... and their rows
@@ -36,7 +40,7 @@ cdef class EtaProjector:
 
     cdef void _seed(self, TickKernel k, int c, i64 now, u64 wmask) noexcept nogil
     cdef i64 _earliest(self, TickKernel k, int c, const i64* need, i64 t_min, i64 rt,
-                       i32* seg) noexcept nogil
+                       i32 cls, i32* seg) noexcept nogil
     cdef void _reserve(self, TickKernel k, int c, i32 seg, const i64* need, i64 start,
                        i64 rt) noexcept nogil
     cdef i32 _split(self, TickKernel k, i32 seg, i64 t) noexcept nogil

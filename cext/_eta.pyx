@@ -102,7 +102,8 @@ cdef class EtaProjector:
              i64[:, ::1] sg_free not None, i32[::1] c_first not None,
              i64[::1] c_hold not None, i64[::1] c_hold_q not None, i64[::1] s_key not None,
              i32[::1] s_row not None, i32[::1] s_lanes not None, i32[::1] s_cur not None,
-             i64[::1] eta not None, u8[::1] why not None, i32[::1] order not None):
+             i64[::1] eta not None, u8[::1] why not None, i32[::1] order not None,
+             i32[::1] c_hint not None):
         """Bind the timeline, scratch and output arrays (allocated once, grown in Python)."""
         if sg_free.shape[1] != n_res or sg_free.shape[0] != sg_t.shape[0]:
             raise ValueError("sg_free must be [len(sg_t), n_res]")
@@ -122,12 +123,17 @@ cdef class EtaProjector:
         self.eta = eta
         self.why = why
         self.order = order
+        self.c_hint = c_hint
         self.n_order = 0
+        self.n_clusters = c_first.shape[0]
 
-    def project(self, TickKernel k not None, i64 now):
-        """Project every queued action of ``k`` at time ``now`` (ns). Sizes are checked
-        here (the caller sizes the arrays from the engine's tables): the timeline holds
-        ``C + live + 2 x queued`` segments, the outputs one entry per action row."""
+    def project(self, TickKernel k not None, i64 now, i32[::1] cls not None,
+                i32[::1] cls_ptr not None):
+        """Project every queued action of ``k`` at time ``now`` (ns). ``cls``: each action
+        row's demand class (equal demand vectors, equal class; 0 <= class < K), ``cls_ptr``
+        K x C scratch. Sizes are checked here (the caller sizes the arrays from the
+        engine's tables): the timeline holds ``C + 2 x rows`` segments, the outputs one
+        entry per action row."""
         cdef Py_ssize_t n_rows = k.a_state.shape[0]
         cdef Py_ssize_t n_lanes = k.ln_head.shape[0]
         if self.n_res != k.n_res:
@@ -140,6 +146,17 @@ cdef class EtaProjector:
             raise ValueError("scratch arrays must cover the lanes and clusters")
         if self.sg_t.shape[0] < k.n_clusters + 2 * n_rows:
             raise ValueError("the timeline must hold C + 2 x action rows segments")
+        if cls.shape[0] < n_rows or self.c_hint.shape[0] < k.n_clusters:
+            raise ValueError("cls must cover the action table, c_hint the clusters")
+        if self.n_clusters < k.n_clusters:
+            raise ValueError("bound for fewer clusters")
+        cdef Py_ssize_t i, n_cls = cls_ptr.shape[0] // self.n_clusters
+        for i in range(n_rows):
+            if k.a_state[i] == ST_QUEUED and not 0 <= cls[i] < n_cls:
+                raise ValueError(f"cls[{i}]={cls[i]} is not a class of cls_ptr")
+        cls_ptr[:] = -1
+        self.cls = cls
+        self.cls_ptr = cls_ptr
         with nogil:
             self._run(k, now)
         return self.n_order
@@ -205,13 +222,27 @@ cdef class EtaProjector:
             prev = s
 
     cdef i64 _earliest(self, TickKernel k, int c, const i64* need, i64 t_min, i64 rt,
-                       i32* seg) noexcept nogil:
+                       i32 cls, i32* seg) noexcept nogil:
         # The earliest time >= t_min at which need fits on c's timeline for rt (NEVER: for
         # ever); NEVER when none. seg: the segment the start falls in.
+        # Free only shrinks while a projection runs, so a segment that does not cover a
+        # demand never will: per demand class and cluster, cls_ptr skips the leading ones
+        # (every segment before it is short of that demand), and c_hint remembers where the
+        # last search on c started (STRICT_FIFO queues search from ever later times).
         cdef i32 s = self.c_first[c], j, nx
+        cdef i32* front = &self.cls_ptr[cls * self.n_clusters + c]
         cdef i64 start, end
-        while self.sg_next[s] >= 0 and self.sg_t[self.sg_next[s]] <= t_min:
-            s = self.sg_next[s]
+        cdef bint leading
+        if front[0] >= 0:
+            s = front[0]
+        leading = self.sg_t[s] >= t_min
+        if not leading:
+            j = self.c_hint[c]
+            if j >= 0 and self.sg_t[j] > self.sg_t[s] and self.sg_t[j] <= t_min:
+                s = j
+            while self.sg_next[s] >= 0 and self.sg_t[self.sg_next[s]] <= t_min:
+                s = self.sg_next[s]
+            self.c_hint[c] = s
         start = t_min if t_min > self.sg_t[s] else self.sg_t[s]
         while True:
             end = _add_sat(start, rt)
@@ -219,6 +250,7 @@ cdef class EtaProjector:
             while True:
                 if not covers(need, &self.sg_free[j, 0], self.n_res):
                     break
+                leading = False
                 nx = self.sg_next[j]
                 if nx < 0 or self.sg_t[nx] >= end:
                     seg[0] = s
@@ -226,6 +258,8 @@ cdef class EtaProjector:
                 j = nx
             # Segment j is short: no start before its end works.
             s = self.sg_next[j]
+            if leading and s >= 0:
+                front[0] = s        # j is short of this demand class for good
             if s < 0:
                 return NEVER
             start = self.sg_t[s]
@@ -336,7 +370,7 @@ cdef class EtaProjector:
                 t = t0
                 seg = self.c_first[c]
             else:
-                t = self._earliest(k, c, need, t0, rt, &seg)
+                t = self._earliest(k, c, need, t0, rt, self.cls[a], &seg)
             if t >= NEVER or t > best_t:
                 continue
             # Ties go where the gate would send them: most free accelerators, then cpu.
@@ -378,6 +412,7 @@ cdef class EtaProjector:
             if k.w_connected[i] and not k.w_paused[i]:
                 wmask |= (<u64>1) << k.w_cluster[i]
         for c in range(k.n_clusters):
+            self.c_hint[c] = -1
             self.c_hold[c] = now
             self.c_hold_q[c] = now
             self._seed(k, c, now, wmask)

@@ -105,12 +105,28 @@ class ProjectionMixin:
         cached = getattr(self, "_eta_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        p = self._projector()
-        n = p.project(k, now)
-        order = np.array(p.order[:n], dtype=np.int32)
+        p = self._run_projector(now)
+        order = np.array(p.order[:p.n_order], dtype=np.int32)
         got = (np.asarray(p.eta), np.asarray(p.why), order, st.a_queue[order])
         self._eta_cache = (key, got)
         return got
+
+    def _run_projector(self, now):
+        """Run the projector at ``now`` and return it. Demand classes (rows with equal
+        demand vectors share one) let it skip, per class, what is already too full."""
+        st = self._state
+        p = self._projector()
+        n = self._next_row
+        queued = np.flatnonzero(st.a_state[:n] == ST_QUEUED)
+        cls = np.zeros(st.a_state.shape[0], np.int32)
+        k_cls = 1
+        if queued.size:
+            _, inv = np.unique(st.a_demand[queued], axis=0, return_inverse=True)
+            cls[queued] = inv.reshape(-1)
+            k_cls = int(inv.max()) + 1
+        p.project(self._kernel, now, cls,
+                  np.empty(k_cls * max(1, len(self._clusters)), np.int32))
+        return p
 
     def _projector(self):
         # Arrays sized to the action table and grown with it (allocation here, never in
@@ -130,6 +146,7 @@ class ProjectionMixin:
                np.zeros(max(1, c), np.int64), np.zeros(max(1, c), np.int64),
                np.zeros(rows, np.int64), np.zeros(rows, np.int32),
                np.zeros(2 * lanes, np.int32), np.zeros(lanes, np.int32),
-               np.zeros(rows, np.int64), np.zeros(rows, np.uint8), np.zeros(rows, np.int32))
+               np.zeros(rows, np.int64), np.zeros(rows, np.uint8), np.zeros(rows, np.int32),
+               np.zeros(max(1, c), np.int32))
         self._eta_projector, self._eta_dims = p, (rows, lanes)
         return p
