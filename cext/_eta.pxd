@@ -11,7 +11,8 @@ from cext._types cimport i32, i64, u8, u64
 @cython.final
 cdef class EtaProjector:
     cdef Py_ssize_t n_res              # R
-    cdef Py_ssize_t n_seg              # timeline nodes in use
+    cdef readonly Py_ssize_t n_seg     # timeline nodes in use (last run)
+    cdef readonly i64 n_steps          # segments the searches of the last run stepped over
     cdef Py_ssize_t n_clusters         # C (as bound)
     # --- timeline: per cluster a list of segments sorted by start time; a segment's free
     # vector holds from its start to the next segment's (the last one's: for ever) ---
@@ -24,6 +25,8 @@ cdef class EtaProjector:
     cdef i32[::1] c_hint               # [C] segment the last search on the cluster began in
     cdef i32[::1] cls                  # [N] demand class of each action row (project's)
     cdef i32[::1] cls_ptr              # [K, C] per class: segments before it are short of it
+    cdef i32[::1] lb_seg               # [K, C, 64] per class and runtime bucket: lower bound
+    cdef i64[::1] lb_t                 # ... of the start from now (segment, time); -1 none
     # --- scratch ---
     cdef i64[::1] s_key                # [L] live leases' predicted ends, being sorted
     cdef i32[::1] s_row                # [L] ... and their rows
@@ -40,7 +43,7 @@ cdef class EtaProjector:
 
     cdef void _seed(self, TickKernel k, int c, i64 now, u64 wmask) noexcept nogil
     cdef i64 _earliest(self, TickKernel k, int c, const i64* need, i64 t_min, i64 rt,
-                       i32 cls, i32* seg) noexcept nogil
+                       i32 cls, bint from_now, i32* seg) noexcept nogil
     cdef void _reserve(self, TickKernel k, int c, i32 seg, const i64* need, i64 start,
                        i64 rt) noexcept nogil
     cdef i32 _split(self, TickKernel k, i32 seg, i64 t) noexcept nogil

@@ -34,6 +34,20 @@ cpdef enum EtaWhy:
     ETA_NOT_QUEUED = 7     # not a queued action (no projection)
 
 
+# Runtime buckets of the lower bounds (_earliest): by bit length (a factor of 2 each).
+DEF N_BUCKETS = 64
+
+
+cdef inline Py_ssize_t _bucket(i64 rt) noexcept nogil:
+    if rt <= 0:
+        return 0
+    return 64 - __builtin_clzll(<unsigned long long>rt)
+
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long) nogil
+
+
 cdef inline i64 _add_sat(i64 t, i64 d) noexcept nogil:
     # t + d, NEVER when d is NEVER or the sum would pass it.
     if d >= NEVER - t:
@@ -128,10 +142,10 @@ cdef class EtaProjector:
         self.n_clusters = c_first.shape[0]
 
     def project(self, TickKernel k not None, i64 now, i32[::1] cls not None,
-                i32[::1] cls_ptr not None):
+                i32[::1] cls_ptr not None, i32[::1] lb_seg not None, i64[::1] lb_t not None):
         """Project every queued action of ``k`` at time ``now`` (ns). ``cls``: each action
-        row's demand class (equal demand vectors, equal class; 0 <= class < K), ``cls_ptr``
-        K x C scratch. Sizes are checked here (the caller sizes the arrays from the
+        row's demand class (equal demand vectors, equal class; 0 <= class < K, or -1 for
+        none), ``cls_ptr`` K x C and ``lb_seg``, ``lb_t`` K x C x 64 scratch. Sizes are checked here (the caller sizes the arrays from the
         engine's tables): the timeline holds ``C + 2 x rows`` segments, the outputs one
         entry per action row."""
         cdef Py_ssize_t n_rows = k.a_state.shape[0]
@@ -152,11 +166,16 @@ cdef class EtaProjector:
             raise ValueError("bound for fewer clusters")
         cdef Py_ssize_t i, n_cls = cls_ptr.shape[0] // self.n_clusters
         for i in range(n_rows):
-            if k.a_state[i] == ST_QUEUED and not 0 <= cls[i] < n_cls:
+            if k.a_state[i] == ST_QUEUED and not -1 <= cls[i] < n_cls:
                 raise ValueError(f"cls[{i}]={cls[i]} is not a class of cls_ptr")
+        if lb_seg.shape[0] != cls_ptr.shape[0] * N_BUCKETS or lb_t.shape[0] != lb_seg.shape[0]:
+            raise ValueError("lb_seg and lb_t must be 64 x as long as cls_ptr")
         cls_ptr[:] = -1
+        lb_t[:] = -1
         self.cls = cls
         self.cls_ptr = cls_ptr
+        self.lb_seg = lb_seg
+        self.lb_t = lb_t
         with nogil:
             self._run(k, now)
         return self.n_order
@@ -222,38 +241,58 @@ cdef class EtaProjector:
             prev = s
 
     cdef i64 _earliest(self, TickKernel k, int c, const i64* need, i64 t_min, i64 rt,
-                       i32 cls, i32* seg) noexcept nogil:
+                       i32 cls, bint from_now, i32* seg) noexcept nogil:
         # The earliest time >= t_min at which need fits on c's timeline for rt (NEVER: for
         # ever); NEVER when none. seg: the segment the start falls in.
-        # Free only shrinks while a projection runs, so a segment that does not cover a
-        # demand never will: per demand class and cluster, cls_ptr skips the leading ones
-        # (every segment before it is short of that demand), and c_hint remembers where the
-        # last search on c started (STRICT_FIFO queues search from ever later times).
+        # Free only shrinks while a projection runs, so (per demand class cls, equal demand
+        # vectors; -1 none) what a search found stays true for later ones: a segment short
+        # of the demand stays short (cls_ptr: the first segment not known short), and the
+        # earliest start found from now for a runtime bounds, from below, every later
+        # search from now for a runtime at least as long (lb_t/lb_seg per runtime bucket:
+        # a deep backlog's searches begin near where the last one of their class ended,
+        # instead of at now). c_hint: where the last search on c began (STRICT_FIFO queues
+        # search from ever later times).
         cdef i32 s = self.c_first[c], j, nx
-        cdef i32* front = &self.cls_ptr[cls * self.n_clusters + c]
-        cdef i64 start, end
+        cdef i32* front = NULL
+        cdef Py_ssize_t base = 0, bk = _bucket(rt), i
+        cdef i64 start, end, t_lo = t_min
         cdef bint leading
-        if front[0] >= 0:
-            s = front[0]
-        leading = self.sg_t[s] >= t_min
+        if cls >= 0:
+            front = &self.cls_ptr[cls * self.n_clusters + c]
+            if front[0] >= 0:
+                s = front[0]
+            base = (cls * self.n_clusters + c) * N_BUCKETS
+            if self.lb_t[base + bk] > t_lo:
+                t_lo = self.lb_t[base + bk]
+                if t_lo >= NEVER:
+                    return NEVER
+                if self.sg_t[self.lb_seg[base + bk]] > self.sg_t[s]:
+                    s = self.lb_seg[base + bk]
+        leading = self.sg_t[s] >= t_lo
         if not leading:
             j = self.c_hint[c]
-            if j >= 0 and self.sg_t[j] > self.sg_t[s] and self.sg_t[j] <= t_min:
+            if j >= 0 and self.sg_t[j] > self.sg_t[s] and self.sg_t[j] <= t_lo:
                 s = j
-            while self.sg_next[s] >= 0 and self.sg_t[self.sg_next[s]] <= t_min:
+            while self.sg_next[s] >= 0 and self.sg_t[self.sg_next[s]] <= t_lo:
                 s = self.sg_next[s]
             self.c_hint[c] = s
-        start = t_min if t_min > self.sg_t[s] else self.sg_t[s]
+        start = t_lo if t_lo > self.sg_t[s] else self.sg_t[s]
         while True:
             end = _add_sat(start, rt)
             j = s
             while True:
+                self.n_steps += 1
                 if not covers(need, &self.sg_free[j, 0], self.n_res):
                     break
                 leading = False
                 nx = self.sg_next[j]
                 if nx < 0 or self.sg_t[nx] >= end:
                     seg[0] = s
+                    if cls >= 0 and from_now:
+                        for i in range(bk + 1, N_BUCKETS):
+                            if start > self.lb_t[base + i]:
+                                self.lb_t[base + i] = start
+                                self.lb_seg[base + i] = s
                     return start
                 j = nx
             # Segment j is short: no start before its end works.
@@ -261,6 +300,9 @@ cdef class EtaProjector:
             if leading and s >= 0:
                 front[0] = s        # j is short of this demand class for good
             if s < 0:
+                if cls >= 0 and from_now:
+                    for i in range(bk + 1, N_BUCKETS):
+                        self.lb_t[base + i] = NEVER
                 return NEVER
             start = self.sg_t[s]
 
@@ -370,7 +412,7 @@ cdef class EtaProjector:
                 t = t0
                 seg = self.c_first[c]
             else:
-                t = self._earliest(k, c, need, t0, rt, self.cls[a], &seg)
+                t = self._earliest(k, c, need, t0, rt, self.cls[a], t0 == now, &seg)
             if t >= NEVER or t > best_t:
                 continue
             # Ties go where the gate would send them: most free accelerators, then cpu.
@@ -403,6 +445,7 @@ cdef class EtaProjector:
         cdef i64 t_min
         cdef bint strict, chain
         self.n_seg = 0
+        self.n_steps = 0
         self.n_order = 0
         for i in range(n_rows):
             self.eta[i] = NEVER

@@ -41,6 +41,12 @@ class Projected:
     why: str
 
 
+# (demand class, cluster) pairs the projector keeps search bounds for (the most common
+# demand vectors; 65 slots of 4 or 8 bytes each: ~12 MB at most); actions of other demands
+# are searched from scratch.
+MAX_CLASS_SLOTS = 16384
+
+
 class ProjectionMixin:
     """ETA projection (a part of Engine)."""
 
@@ -118,14 +124,21 @@ class ProjectionMixin:
         p = self._projector()
         n = self._next_row
         queued = np.flatnonzero(st.a_state[:n] == ST_QUEUED)
-        cls = np.zeros(st.a_state.shape[0], np.int32)
+        cls = np.full(st.a_state.shape[0], -1, np.int32)
         k_cls = 1
         if queued.size:
-            _, inv = np.unique(st.a_demand[queued], axis=0, return_inverse=True)
-            cls[queued] = inv.reshape(-1)
-            k_cls = int(inv.max()) + 1
-        p.project(self._kernel, now, cls,
-                  np.empty(k_cls * max(1, len(self._clusters)), np.int32))
+            _, inv, counts = np.unique(st.a_demand[queued], axis=0, return_inverse=True,
+                                       return_counts=True)
+            # The most common demands get a class (bounded memory: K x C x 65 slots).
+            rank = np.empty(counts.size, np.int32)
+            rank[np.argsort(-counts, kind="stable")] = np.arange(counts.size, dtype=np.int32)
+            got = rank[inv.reshape(-1)]
+            most = max(1, MAX_CLASS_SLOTS // max(1, len(self._clusters)))
+            cls[queued] = np.where(got < most, got, -1)
+            k_cls = int(min(counts.size, most))
+        slots = k_cls * max(1, len(self._clusters))
+        p.project(self._kernel, now, cls, np.empty(slots, np.int32),
+                  np.empty(slots * 64, np.int32), np.empty(slots * 64, np.int64))
         return p
 
     def _projector(self):
