@@ -164,13 +164,11 @@ def main(argv=None):
         out[f"utilization_{policy}"] = round_or_none(r.utilization, 4)
         out[f"completed_{policy}"] = r.completed
         out[f"backfilled_{policy}"] = r.backfilled
-        for key in ("eta_coverage", "eta_abs_error_p50", "eta_abs_error_p90",
-                    "eta_abs_error_waiting_p50", "eta_abs_error_waiting_p90",
-                    "eta_late_share", "eta_early_share"):
-            field = key if key in ("eta_coverage", "eta_late_share", "eta_early_share") \
-                else f"{key}_s"
-            name = f"{key}_{policy}" + ("" if field == key else "_s")
-            out[name] = round_or_none(getattr(r, field), 3)
+        for key in ("eta_coverage", "eta_late_share", "eta_early_share"):
+            out[f"{key}_{policy}"] = round_or_none(getattr(r, key), 4)
+        for key in ("eta_abs_error_p50", "eta_abs_error_p90", "eta_abs_error_waiting_p50",
+                    "eta_abs_error_waiting_p90"):
+            out[f"{key}_{policy}_s"] = round_or_none(getattr(r, f"{key}_s"), 1)
     learned, ex = results["backfill"], results["backfill_exact"]
     # The ETA figures (item 6): backfill on learned predictions.
     out["eta_abs_error_p50_s"] = round_or_none(learned.eta_abs_error_p50_s, 1)

@@ -145,9 +145,9 @@ cdef class EtaProjector:
                 i32[::1] cls_ptr not None, i32[::1] lb_seg not None, i64[::1] lb_t not None):
         """Project every queued action of ``k`` at time ``now`` (ns). ``cls``: each action
         row's demand class (equal demand vectors, equal class; 0 <= class < K, or -1 for
-        none), ``cls_ptr`` K x C and ``lb_seg``, ``lb_t`` K x C x 64 scratch. Sizes are checked here (the caller sizes the arrays from the
-        engine's tables): the timeline holds ``C + 2 x rows`` segments, the outputs one
-        entry per action row."""
+        none), ``cls_ptr`` K x C and ``lb_seg``, ``lb_t`` K x C x 64 scratch. Sizes are
+        checked here (the caller sizes the arrays from the engine's tables): the timeline
+        holds ``C + 2 x rows`` segments, the outputs one entry per action row."""
         cdef Py_ssize_t n_rows = k.a_state.shape[0]
         cdef Py_ssize_t n_lanes = k.ln_head.shape[0]
         if self.n_res != k.n_res:
@@ -297,7 +297,7 @@ cdef class EtaProjector:
                 j = nx
             # Segment j is short: no start before its end works.
             s = self.sg_next[j]
-            if leading and s >= 0:
+            if leading and s >= 0 and front != NULL:
                 front[0] = s        # j is short of this demand class for good
             if s < 0:
                 if cls >= 0 and from_now:

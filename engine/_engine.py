@@ -27,8 +27,8 @@ from engine._inspect import Inspection
 from engine._journal import Group, JournalMixin
 from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
-from engine._projection import ProjectionMixin
 from engine._model import compile_spec
+from engine._projection import ProjectionMixin
 from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,

@@ -117,16 +117,17 @@ class ProjectionMixin:
         self._eta_cache = (key, got)
         return got
 
-    def _run_projector(self, now):
+    def _run_projector(self, now, classes=True):
         """Run the projector at ``now`` and return it. Demand classes (rows with equal
-        demand vectors share one) let it skip, per class, what is already too full."""
+        demand vectors share one) let it skip, per class, what is already too full
+        (``classes=False``: none, every search from scratch; the same answers, slower)."""
         st = self._state
         p = self._projector()
         n = self._next_row
         queued = np.flatnonzero(st.a_state[:n] == ST_QUEUED)
         cls = np.full(st.a_state.shape[0], -1, np.int32)
         k_cls = 1
-        if queued.size:
+        if queued.size and classes:
             _, inv, counts = np.unique(st.a_demand[queued], axis=0, return_inverse=True,
                                        return_counts=True)
             # The most common demands get a class (bounded memory: K x C x 65 slots).

@@ -196,3 +196,25 @@ def test_strict_fifo_etas_never_decrease_in_queue_order(queued, running):
     for action, eta in zip(ids, etas, strict=True):
         run = action.split("/")[3]
         assert starts[run] == eta
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 500), st.booleans()),
+                min_size=1, max_size=30),
+       st.lists(st.tuples(st.integers(1, 8), st.integers(1, 500)), min_size=1, max_size=6),
+       st.sampled_from([("STRICT_FIFO", True), ("STRICT_FIFO", False),
+                        ("GREEDY_CAPACITY", False)]))
+def test_search_bounds_change_no_answer(queued, running, policy):
+    # The projector's per-demand search bounds are a shortcut, not an approximation: the
+    # same ETAs as searching every action from scratch (some without a prediction).
+    scheduling, backfill = policy
+    eng, clock = make_engine(config(backfill=backfill, nodes=2, scheduling=scheduling))
+    start(eng, clock, [job(f"r{i}", n, t) for i, (n, t) in enumerate(running)])
+    eng.enqueue_many([job(f"q{i:02d}", n, t if known else None)
+                      for i, (n, t, known) in enumerate(queued)])
+    eng.tick()
+    clock.set_ns(7 * S)
+    view = eng.inspect()
+    fast, plain = view.project(), view.project(classes=False)
+    for a, b in zip(fast, plain, strict=True):
+        assert (a == b).all()
