@@ -26,8 +26,8 @@ DIRECTIVES = {
 
 COMPILE_ARGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 
-MODULES = ["_types", "_gate", "_tick", "_lease", "_records", "_tree", "_bulk", "_digest",
-           "_retained"]
+MODULES = ["_types", "_gate", "_tick", "_eta", "_lease", "_records", "_tree", "_bulk",
+           "_digest", "_retained"]
 
 extensions = [
     Extension(

@@ -23,6 +23,12 @@ The model (``generate``; everything drawn from one ``random.Random(seed)``):
   ``backfill_learned_vs_exact_mean_wait`` (goal <= 1.15), ``backfill_vs_greedy_mean_wait``
   (goal <= 1.5), ``backfill_vs_fifo_gang_max_wait`` (goal <= 1.05), each with a ``goal_*``
   flag. Printed as measured, met or not.
+* **ETAs** (issue 14, item 6): every job's projected start (``Engine.projected_start``),
+  taken when it is enqueued, against its actual start: ``eta_abs_error_p50_s`` and
+  ``eta_abs_error_p90_s`` (|start - ETA|, seconds), ``eta_coverage`` (the share of started
+  jobs that got an ETA) for ``backfill``; the same per policy as ``eta_*_{policy}``, with
+  the error over the jobs projected to wait (``eta_abs_error_waiting_p50/p90``) and the
+  shares that started late or early (by more than 1 s).
 
     .venv/bin/python bench/quality.py [--seed N] [--days D]
 """
@@ -149,7 +155,8 @@ def main(argv=None):
                           ("backfill_exact", exact)):
         prepared = prepare(cfg, trace)
         engine_policy = "backfill" if policy == "backfill_exact" else policy
-        r = results[policy] = simulate(cfg, trace, engine_policy, prepared=prepared)
+        r = results[policy] = simulate(cfg, trace, engine_policy, prepared=prepared,
+                                       etas=True)
         out[f"mean_wait_{policy}_s"] = round_or_none(r.mean_wait_s, 1)
         out[f"p95_wait_{policy}_s"] = round_or_none(r.p95_wait_s, 1)
         out[f"bounded_slowdown_{policy}"] = round_or_none(r.bounded_slowdown, 2)
@@ -157,7 +164,16 @@ def main(argv=None):
         out[f"utilization_{policy}"] = round_or_none(r.utilization, 4)
         out[f"completed_{policy}"] = r.completed
         out[f"backfilled_{policy}"] = r.backfilled
+        for key in ("eta_coverage", "eta_late_share", "eta_early_share"):
+            out[f"{key}_{policy}"] = round_or_none(getattr(r, key), 4)
+        for key in ("eta_abs_error_p50", "eta_abs_error_p90", "eta_abs_error_waiting_p50",
+                    "eta_abs_error_waiting_p90"):
+            out[f"{key}_{policy}_s"] = round_or_none(getattr(r, f"{key}_s"), 1)
     learned, ex = results["backfill"], results["backfill_exact"]
+    # The issue's ETA figures (item 6): backfill on learned predictions.
+    out["eta_abs_error_p50_s"] = round_or_none(learned.eta_abs_error_p50_s, 1)
+    out["eta_abs_error_p90_s"] = round_or_none(learned.eta_abs_error_p90_s, 1)
+    out["eta_coverage"] = round_or_none(learned.eta_coverage, 4)
     fifo, greedy = results["fifo"], results["greedy"]
     ratios = {
         "backfill_learned_vs_exact_mean_wait": (learned.mean_wait_s, ex.mean_wait_s, 1.15),

@@ -28,6 +28,7 @@ from engine._journal import Group, JournalMixin
 from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
 from engine._model import compile_spec
+from engine._projection import ProjectionMixin
 from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,
@@ -58,7 +59,7 @@ def kernel_pass(kernel, now):
 
 
 class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixin,
-             JournalMixin, ExplainMixin, RetentionMixin):
+             JournalMixin, ExplainMixin, ProjectionMixin, RetentionMixin):
     """One shard's scheduling engine.
 
     ``config`` is a :class:`~engine._config.Config` or a path to a TOML file; ``clock`` any

@@ -42,6 +42,9 @@ class Explanation:
     # --- backfill (issue 5) ---
     eta_ns: int | None = None     # a blocked head's shadow time (estimated start); None unknown
     position: int | None = None   # 1-based place among its queue's queued actions, by enqueue
+    # --- ETA projection (issue 14, item 6): every queued action ---
+    projected_start_ns: int | None = None   # projected start (engine clock); None unknown
+    projected_why: str | None = None        # why None ("" when projected; None: not queued)
 
 
 class ExplainMixin:
@@ -170,7 +173,9 @@ class ExplainMixin:
         position = self._position(row)
         if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
             reason += f"; position {position} in queue {self._queue_names[int(st.a_queue[row])]}"
-        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position)
+        proj = self._projected_row(row)
+        return Explanation(aid, phase, code, reason, eta_ns=eta, position=position,
+                           projected_start_ns=proj.eta_ns, projected_why=proj.why)
 
     def _placed(self, aid, row, queue):
         st = self._state
@@ -345,8 +350,11 @@ class ExplainMixin:
         """Per queue: runs and actions in flight, in-flight resources, depth and head_blocked
         (since, action, reason, demand) or None; ``backfilled`` (placements made by EASY
         backfill, cumulative) and ``head_eta_ns`` (the blocked head's shadow time, None when
-        not blocked or unknown); ``paused`` and ``draining`` (the live flags). One queue when
-        ``name`` is given."""
+        not blocked or unknown); ``paused`` and ``draining`` (the live flags); ``projection``
+        (the ETA projection of its queued actions: ``queued``, ``with_eta``, and the
+        projected starts ``p50_ns``, ``p90_ns`` and ``last_ns`` of the actions at those
+        places of its order, None unknown; docs/architecture.md, "ETA projection"). One
+        queue when ``name`` is given."""
         st = self._state
         names = [name] if name is not None else self._queue_names
         out = {}
@@ -383,6 +391,7 @@ class ExplainMixin:
                 "head_blocked": blocked,
                 "paused": bool(self._queues[qname].paused),
                 "draining": bool(self._queues[qname].draining),
+                "projection": self._queue_projection(q),      # ETA projection (issue 14)
             }
         return out[name] if name is not None else out
 

@@ -318,6 +318,16 @@ class Inspection:
             raise ValueError(f"action row {row} is not queued")
         return e._queued_wait(row)
 
+    def project(self, classes=True):
+        """Run the ETA projection now, whatever ``Engine``'s cached one says (for benches):
+        ``(eta_ns per action row (int64, NEVER none), EtaWhy code per row, queued rows in
+        projection order)``, copies. ``classes=False`` searches every action from scratch
+        (no per-demand bounds: the same answers, slower; for tests)."""
+        e = self._engine
+        p = e._run_projector(e.clock.now_ns(), classes)
+        e._eta_cache = None
+        return (np.array(p.eta), np.array(p.why), np.array(p.order[:p.n_order]))
+
     def position(self, row):
         """1-based place of queued action ``row`` among its queue's queued actions."""
         return self._engine._position(int(row))

@@ -236,6 +236,18 @@ class SimResult:
     # engine, not placed: held idle), over the utilisation window.
     pend_held: float | None = None
     pending_at_end: int | None = None   # assigned, never placed when events ran out
+    # The ETA projection (``etas=True``; docs/simulator.md): each job's projected start,
+    # taken when it is enqueued (before the first tick that sees it), against its start.
+    eta_jobs: int | None = None          # started jobs whose ETA was taken
+    eta_coverage: float | None = None    # ... share of them that got one (not None)
+    eta_abs_error_p50_s: float | None = None   # |start - ETA| over those, 50th percentile
+    eta_abs_error_p90_s: float | None = None   # ... 90th percentile
+    eta_abs_error_mean_s: float | None = None
+    eta_waiting: int | None = None       # ... of them projected to wait (ETA after enqueue)
+    eta_abs_error_waiting_p50_s: float | None = None   # |start - ETA| over those, p50
+    eta_abs_error_waiting_p90_s: float | None = None   # ... p90
+    eta_late_share: float | None = None  # share that started after their ETA (+1 s)
+    eta_early_share: float | None = None  # ... before it (-1 s)
     series: dict | None = None       # t_s, queued, pending, utilization: one point per event
 
     def to_dict(self, with_series=False):
@@ -246,12 +258,14 @@ class SimResult:
 
 
 def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=False,
-             prepared=None, nodes=True):
+             prepared=None, nodes=True, etas=False):
     """Run ``jobs`` (a list of :class:`~engine._trace.Job`) under ``policy`` through the real
     engine on a virtual clock; returns a :class:`SimResult`. ``prepared`` (from
     :func:`prepare`) skips re-checking the jobs when several policies share one trace.
     ``nodes``: place pods on the nodes of clusters with node shapes (``False``: every
-    assigned action starts at once, as before the node model)."""
+    assigned action starts at once, as before the node model). ``etas``: take each job's
+    projected start (``Engine.projected_start``) when it is enqueued and report the error
+    against its actual start (the ``eta_*`` fields)."""
     wall0 = time.perf_counter()
     cfg = policy_config(config, policy)
     if prepared is None:
@@ -284,6 +298,7 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
     start_ns = np.full(n, -1, dtype=np.int64)
     end_ns = np.full(n, -1, dtype=np.int64)
     rejected = np.zeros(n, dtype=bool)
+    eta_ns = np.full(n, -2, dtype=np.int64)     # -2 not taken, -1 none (unknown)
 
     running = []          # heap of (end_ns, index, action, generation, cluster)
     leases = {}           # index -> (action, generation, cluster) of a pending action
@@ -323,6 +338,11 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
             nxt += 1
         if batch:
             queued += len(batch) - _enqueue(eng, specs, batch, rejected)
+            if etas:
+                for i in batch:
+                    if not rejected[i]:
+                        t = eng.projected_start(specs[i].id).eta_ns
+                        eta_ns[i] = -1 if t is None else t
         idle = 0
         admitted = False
         while queued:
@@ -368,7 +388,34 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
     if placers:
         _pending_figures(out, list(placers), assign_ns, start_ns, pending, use, submit_ns,
                          capacity)
+    if etas:
+        _eta_figures(out, eta_ns, start_ns, submit_ns)
     return out
+
+
+def _eta_figures(out, eta_ns, start_ns, submit_ns):
+    """The ETA projection's figures on ``out``: over started jobs whose ETA was taken, the
+    share that got one, and the distribution of ``|start - ETA|`` over those, and over
+    those projected to wait (an ETA after their enqueue: the ones an ETA is for)."""
+    taken = (start_ns >= 0) & (eta_ns >= -1)
+    out.eta_jobs = int(np.count_nonzero(taken))
+    if not out.eta_jobs:
+        return
+    known = taken & (eta_ns >= 0)
+    out.eta_coverage = float(np.count_nonzero(known)) / out.eta_jobs
+    if known.any():
+        err = (start_ns[known] - eta_ns[known]) / 1e9
+        out.eta_abs_error_p50_s = float(np.percentile(np.abs(err), 50))
+        out.eta_abs_error_p90_s = float(np.percentile(np.abs(err), 90))
+        out.eta_abs_error_mean_s = float(np.mean(np.abs(err)))
+        out.eta_late_share = float(np.mean(err > 1.0))
+        waiting = known & (eta_ns > submit_ns)
+        out.eta_waiting = int(np.count_nonzero(waiting))
+        if out.eta_waiting:
+            werr = np.abs(start_ns[waiting] - eta_ns[waiting]) / 1e9
+            out.eta_abs_error_waiting_p50_s = float(np.percentile(werr, 50))
+            out.eta_abs_error_waiting_p90_s = float(np.percentile(werr, 90))
+        out.eta_early_share = float(np.mean(err < -1.0))
 
 
 def _cut_short(eng):

@@ -215,10 +215,13 @@ def test_submit_status_explain_show_a_held_gang_its_reason_and_eta(env, tmp_path
     assert "waiting for capacity (needs cpu=8; cluster east has 2 free)" in e["reason"]
     assert "estimated start in" in e["reason"]
     assert e["eta_ns"] is not None and e["eta_s"] > 0 and e["position"] == 1
+    # The projection (every queued action) over the wire: the head's is its shadow time.
+    assert e["projected_start_ns"] == e["eta_ns"] and e["projected_why"] == ""
     human = env.cli("explain", f"{RUN}/r2/gang")
     assert human.returncode == 0, human.stderr
     assert "CLUSTER_CAPACITY" in human.stdout and "eta" in human.stdout
     assert "(at " in human.stdout       # the ETA as a time of day
+    assert "projected start" in human.stdout
     behind = _json_of(env.cli("explain", f"{RUN}/r3/after", "--json"))
     assert behind["wait"] == "HEAD_OF_LINE"
     assert "head-of-line blocked by r2/train" in behind["reason"]

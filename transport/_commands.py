@@ -558,6 +558,9 @@ def explain(args):
         e["wait"] = WaitCode(e["wait"]).name      # the wire carries the code's number
     eta_ns = e.get("eta_ns")
     e["eta_s"] = None if eta_ns is None else max(0.0, (eta_ns - time.time_ns()) / 1e9)
+    proj = e.get("projected_start_ns")
+    e["projected_start_s"] = (None if proj is None
+                              else max(0.0, (proj - time.time_ns()) / 1e9))
     if args.json:
         _emit_json(e)
         return OK
@@ -574,6 +577,10 @@ def explain(args):
         t.add_row("position", f"{e['position']} in its queue")
     if e.get("wait") is not None:
         t.add_row("eta", _eta_text(e["eta_s"]))
+    if e.get("projected_why") is not None:
+        # The projection (every queued action): when it is predicted to start, or why not.
+        t.add_row("projected start", _eta_text(e["projected_start_s"])
+                  if e["projected_start_s"] is not None else f"unknown: {e['projected_why']}")
     console().print(t)
     return OK
 

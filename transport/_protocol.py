@@ -202,7 +202,7 @@ class Status(Message):
 @_message(MsgType.EXPLAIN)
 class Explain(Message):
     """Why an action is where it is. REPLY body: the Explanation as a map (action, phase,
-    wait, reason, eta_ns, position)."""
+    wait, reason, eta_ns, position, projected_start_ns, projected_why)."""
 
     rid: int
     action: str

@@ -1,0 +1,166 @@
+"""ETA projection (issue 14, item 6): a predicted start for every queued action, for
+``explain`` and ``queue_metrics``.
+
+The projection itself is :class:`cext._eta.EtaProjector` (docs/architecture.md, "ETA
+projection"); this mixin sizes its arrays, runs it on demand (never in the tick) and keeps
+the last answer while nothing it reads has changed, so explaining many actions of one state
+projects once.
+
+A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cext._eta import EtaProjector, EtaWhy
+from engine._rows import ST_QUEUED
+from engine._state import NEVER
+
+__all__ = ["ETA_WHY", "Projected", "ProjectionMixin"]
+
+# Why a queued action has no projected start (EtaWhy), worded for explain.
+ETA_WHY = {
+    EtaWhy.ETA_KNOWN: "",
+    EtaWhy.ETA_PAUSED: "its queue is paused: it starts only once resumed",
+    EtaWhy.ETA_NO_WORKER: "no cluster its queue may use has a connected worker",
+    EtaWhy.ETA_UNKNOWN_END: ("what it needs is held by a lease or an action ahead of it "
+                             "with no predicted runtime (no estimate, max_runtime or history)"),
+    EtaWhy.ETA_BEHIND: "an action ahead of it in its STRICT_FIFO queue has no ETA",
+    EtaWhy.ETA_NEVER_FITS: "no cluster its queue may use can ever hold it",
+    EtaWhy.ETA_POOL: "it waits for a slot of its warm pool, which is not projected",
+    EtaWhy.ETA_NOT_QUEUED: "not queued",
+}
+
+
+@dataclass(frozen=True)
+class Projected:
+    """One queued action's projected start: ``eta_ns`` on the engine's clock (None when
+    unknown) and, when None, ``why`` (else "")."""
+
+    eta_ns: int | None
+    why: str
+
+
+# (demand class, cluster) pairs the projector keeps search bounds for (the most common
+# demand vectors; 65 slots of 4 or 8 bytes each: ~12 MB at most); actions of other demands
+# are searched from scratch.
+MAX_CLASS_SLOTS = 16384
+
+
+class ProjectionMixin:
+    """ETA projection (a part of Engine)."""
+
+    def projected_start(self, action):
+        """The projected start of queued ``action`` (:class:`Projected`): the earliest time
+        its demand fits a cluster it may use, after what runs ends as predicted and what is
+        ahead of it in the tick's order has started (docs/architecture.md, "ETA
+        projection"); None with why when unknown. Raises NotFound for an unknown action and
+        ValueError for one that is not queued."""
+        row, ret = self._row_or_retained(action)
+        if ret is not None or self._state.a_state[row] != ST_QUEUED:
+            raise ValueError(f"action {action} is not queued")
+        return self._projected_row(row)
+
+    def projection(self):
+        """Every queued action's projected start, in the order the projection walked them
+        (the tick's order): ``(action ids, eta_ns (int64, -1 unknown), queue names)``, three
+        equal-length lists (for simulations and benches; ``explain`` gives one)."""
+        eta, _why, order, _ = self._project()
+        rows = order.tolist()
+        e = np.where(eta[order] == NEVER, -1, eta[order]).tolist()
+        qs = self._state.a_queue[order].tolist()
+        return ([str(self._aid(r)) for r in rows], e, [self._queue_names[q] for q in qs])
+
+    def _projected_row(self, row):
+        eta, why, _order, _ = self._project()
+        w = EtaWhy(int(why[row]))
+        t = int(eta[row])
+        return Projected(None if t == NEVER else t, ETA_WHY[w])
+
+    def _queue_projection(self, q):
+        """Per queue ``q``: how many queued actions have an ETA, and the projected starts
+        (ns) at the 50th and 90th percentiles of the queue's order and of its last action
+        (None when that action has none): when the queue's backlog is predicted to have
+        started."""
+        eta, _why, order, qcol = self._project()
+        mine = order[qcol == q]
+        n = int(mine.size)
+        out = {"queued": n, "with_eta": 0, "p50_ns": None, "p90_ns": None, "last_ns": None}
+        if n == 0:
+            return out
+        t = eta[mine]
+        out["with_eta"] = int(np.count_nonzero(t != NEVER))
+        for key, frac in (("p50_ns", 0.5), ("p90_ns", 0.9)):
+            # The action at that share of the queue's order (nearest rank).
+            v = int(t[max(0, int(np.ceil(frac * n)) - 1)])
+            out[key] = None if v == NEVER else v
+        v = int(t[-1])
+        out["last_ns"] = None if v == NEVER else v
+        return out
+
+    def _project(self):
+        """``(eta, why, order, queue of each ordered row)`` from the projector, re-run only
+        when what it reads may have changed (the tick, the clock, queue depths, releases,
+        workers and their reports, pauses)."""
+        st, k = self._state, self._kernel
+        now = self.clock.now_ns()
+        key = (k.tick_no, now, k.d_tail, self._next_row, st.q_pending.tobytes(),
+               st.q_rel.tobytes(), st.q_paused.tobytes(), st.c_obs.tobytes(),
+               st.c_rel.tobytes(), st.w_connected.tobytes(), st.w_paused.tobytes(),
+               st.t_pred_rt.tobytes(), st.a_state.shape[0])
+        cached = getattr(self, "_eta_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        p = self._run_projector(now)
+        order = np.array(p.order[:p.n_order], dtype=np.int32)
+        got = (np.asarray(p.eta), np.asarray(p.why), order, st.a_queue[order])
+        self._eta_cache = (key, got)
+        return got
+
+    def _run_projector(self, now, classes=True):
+        """Run the projector at ``now`` and return it. Demand classes (rows with equal
+        demand vectors share one) let it skip, per class, what is already too full
+        (``classes=False``: none, every search from scratch; the same answers, slower)."""
+        st = self._state
+        p = self._projector()
+        n = self._next_row
+        queued = np.flatnonzero(st.a_state[:n] == ST_QUEUED)
+        cls = np.full(st.a_state.shape[0], -1, np.int32)
+        k_cls = 1
+        if queued.size and classes:
+            _, inv, counts = np.unique(st.a_demand[queued], axis=0, return_inverse=True,
+                                       return_counts=True)
+            # The most common demands get a class (bounded memory: K x C x 65 slots).
+            rank = np.empty(counts.size, np.int32)
+            rank[np.argsort(-counts, kind="stable")] = np.arange(counts.size, dtype=np.int32)
+            got = rank[inv.reshape(-1)]
+            most = max(1, MAX_CLASS_SLOTS // max(1, len(self._clusters)))
+            cls[queued] = np.where(got < most, got, -1)
+            k_cls = int(min(counts.size, most))
+        slots = k_cls * max(1, len(self._clusters))
+        p.project(self._kernel, now, cls, np.empty(slots, np.int32),
+                  np.empty(slots * 64, np.int32), np.empty(slots * 64, np.int64))
+        return p
+
+    def _projector(self):
+        # Arrays sized to the action table and grown with it (allocation here, never in
+        # the projection): the timeline holds C + 2 x rows segments (each cluster's first,
+        # one per live lease, two per reservation).
+        st = self._state
+        rows = int(st.a_state.shape[0])
+        lanes = int(st.ln_head.shape[0])
+        p = getattr(self, "_eta_projector", None)
+        if p is not None and self._eta_dims == (rows, lanes):
+            return p
+        c, r = len(self._clusters), len(self._resources)
+        segs = c + 2 * rows
+        p = EtaProjector()
+        p.bind(r, np.zeros(segs, np.int64), np.zeros(segs, np.int32),
+               np.zeros((segs, r), np.int64), np.zeros(max(1, c), np.int32),
+               np.zeros(max(1, c), np.int64), np.zeros(max(1, c), np.int64),
+               np.zeros(rows, np.int64), np.zeros(rows, np.int32),
+               np.zeros(2 * lanes, np.int32), np.zeros(lanes, np.int32),
+               np.zeros(rows, np.int64), np.zeros(rows, np.uint8), np.zeros(rows, np.int32),
+               np.zeros(max(1, c), np.int32))
+        self._eta_projector, self._eta_dims = p, (rows, lanes)
+        return p
