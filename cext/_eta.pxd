@@ -40,6 +40,8 @@ cdef class EtaProjector:
     cdef readonly u8[::1] why          # [N] EtaWhy code
     cdef readonly i32[::1] order       # [N] queued rows in the order they were projected
     cdef readonly Py_ssize_t n_order   # entries of order
+    cdef Py_ssize_t horizon            # actions projected at most (the rest: ETA_HORIZON)
+    cdef Py_ssize_t n_projected        # ... so far in this run
 
     cdef void _seed(self, TickKernel k, int c, i64 now, u64 wmask) noexcept nogil
     cdef i64 _earliest(self, TickKernel k, int c, const i64* need, i64 t_min, i64 rt,

@@ -32,6 +32,7 @@ cpdef enum EtaWhy:
     ETA_NEVER_FITS = 5     # no allowed cluster can ever hold it (fails UNSCHEDULABLE)
     ETA_POOL = 6           # waits for a slot of its running warm pool (not projected)
     ETA_NOT_QUEUED = 7     # not a queued action (no projection)
+    ETA_HORIZON = 8        # past the first `horizon` actions in the tick's order
 
 
 # Runtime buckets of the lower bounds (_earliest): by bit length (a factor of 2 each).
@@ -142,8 +143,11 @@ cdef class EtaProjector:
         self.n_clusters = c_first.shape[0]
 
     def project(self, TickKernel k not None, i64 now, i32[::1] cls not None,
-                i32[::1] cls_ptr not None, i32[::1] lb_seg not None, i64[::1] lb_t not None):
-        """Project every queued action of ``k`` at time ``now`` (ns). ``cls``: each action
+                i32[::1] cls_ptr not None, i32[::1] lb_seg not None, i64[::1] lb_t not None,
+                Py_ssize_t horizon=-1):
+        """Project the queued actions of ``k`` at time ``now`` (ns): the first ``horizon``
+        in the tick's order (every one when -1); the rest are listed in ``order`` with
+        ``ETA_HORIZON``, which bounds the cost on a deep backlog. ``cls``: each action
         row's demand class (equal demand vectors, equal class; 0 <= class < K, or -1 for
         none), ``cls_ptr`` K x C and ``lb_seg``, ``lb_t`` K x C x 64 scratch. Sizes are
         checked here (the caller sizes the arrays from the engine's tables): the timeline
@@ -170,6 +174,9 @@ cdef class EtaProjector:
                 raise ValueError(f"cls[{i}]={cls[i]} is not a class of cls_ptr")
         if lb_seg.shape[0] != cls_ptr.shape[0] * N_BUCKETS or lb_t.shape[0] != lb_seg.shape[0]:
             raise ValueError("lb_seg and lb_t must be 64 x as long as cls_ptr")
+        if horizon < -1:
+            raise ValueError(f"horizon {horizon} must be >= 0, or -1 for every action")
+        self.horizon = horizon if horizon >= 0 else n_rows
         cls_ptr[:] = -1
         lb_t[:] = -1
         self.cls = cls
@@ -378,6 +385,7 @@ cdef class EtaProjector:
         self.order[self.n_order] = a
         self.n_order += 1
         self.eta[a] = NEVER
+        self.n_projected += 1
         if k.q_paused[q]:
             self.why[a] = ETA_PAUSED
             return
@@ -447,6 +455,7 @@ cdef class EtaProjector:
         self.n_seg = 0
         self.n_steps = 0
         self.n_order = 0
+        self.n_projected = 0
         for i in range(n_rows):
             self.eta[i] = NEVER
             self.why[i] = ETA_NOT_QUEUED
@@ -500,7 +509,12 @@ cdef class EtaProjector:
                     if a == first or k.a_state[a] != ST_QUEUED:
                         a = -1
                         continue
-                if chain and t_min >= NEVER and not k.q_paused[q]:
+                if self.n_projected >= self.horizon:
+                    self.order[self.n_order] = a
+                    self.n_order += 1
+                    self.eta[a] = NEVER
+                    self.why[a] = ETA_HORIZON
+                elif chain and t_min >= NEVER and not k.q_paused[q]:
                     self.order[self.n_order] = a
                     self.n_order += 1
                     self.eta[a] = NEVER

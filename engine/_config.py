@@ -76,6 +76,7 @@ _ENGINE_KEYS = (
     "runtime_grace",
     "finalize_timeout",
     "pause_on_expiry",
+    "eta_horizon",
 )
 _CLUSTER_KEYS = ("capacity", "node_shapes")
 _SHAPE_KEYS = ("name", "count", "allocatable")
@@ -169,6 +170,9 @@ class EngineSettings:
     # A worker that lets a lease expire gets nothing new until its next heartbeat proves it
     # alive (a killed worker is not handed the work that just expired on it).
     pause_on_expiry: bool = True
+    # Queued actions the ETA projection places, in the tick's order (>= 1): it runs on the
+    # shard's thread when asked (explain, queue metrics), so a deep backlog is bounded.
+    eta_horizon: int = 10_000
 
     @property
     def lease_ttl_ns(self):
@@ -477,7 +481,8 @@ def _parse_engine(source, table):
         values["default_queue"] = _check_name(
             source, "engine.default_queue", table["default_queue"], key_is_name=False
         )
-    for key, minimum in (("max_candidates", 1), ("dispatch_capacity", 1), ("initial_capacity", 16)):
+    for key, minimum in (("max_candidates", 1), ("dispatch_capacity", 1), ("initial_capacity", 16),
+                         ("eta_horizon", 1)):
         if key in table:
             values[key] = _int(source, f"engine.{key}", table[key], minimum)
     if "resource_gate" in table:

@@ -29,6 +29,8 @@ ETA_WHY = {
     EtaWhy.ETA_NEVER_FITS: "no cluster its queue may use can ever hold it",
     EtaWhy.ETA_POOL: "it waits for a slot of its warm pool, which is not projected",
     EtaWhy.ETA_NOT_QUEUED: "not queued",
+    EtaWhy.ETA_HORIZON: ("the projection stops after the first engine.eta_horizon queued "
+                         "actions in the tick's order; it is further back"),
 }
 
 
@@ -139,7 +141,8 @@ class ProjectionMixin:
             k_cls = int(min(counts.size, most))
         slots = k_cls * max(1, len(self._clusters))
         p.project(self._kernel, now, cls, np.empty(slots, np.int32),
-                  np.empty(slots * 64, np.int32), np.empty(slots * 64, np.int64))
+                  np.empty(slots * 64, np.int32), np.empty(slots * 64, np.int64),
+                  self.config.engine.eta_horizon)
         return p
 
     def _projector(self):

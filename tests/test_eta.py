@@ -218,3 +218,20 @@ def test_search_bounds_change_no_answer(queued, running, policy):
     fast, plain = view.project(), view.project(classes=False)
     for a, b in zip(fast, plain, strict=True):
         assert (a == b).all()
+
+
+def test_the_projection_stops_at_the_horizon_and_says_so():
+    # One 8-GPU node held for 100 s; six 8-GPU actions queued behind it, horizon 4: the
+    # first four in the tick's order get starts 100 s apart, the last two none, with why.
+    cfg = config(backfill=False)
+    cfg["engine"]["eta_horizon"] = 4
+    eng, clock = make_engine(cfg)
+    start(eng, clock, [job("A", 8, 100)])
+    eng.enqueue_many([job(f"q{i}", 8, 100) for i in range(6)])
+    eng.tick()
+    got = [eng.explain(aid(f"q{i}")) for i in range(6)]
+    assert [e.projected_start_ns for e in got[:4]] == [k * 100 * S for k in range(1, 5)]
+    assert [e.projected_start_ns for e in got[4:]] == [None, None]
+    assert all("eta_horizon" in e.projected_why for e in got[4:])
+    m = eng.queue_metrics("gpu")["projection"]
+    assert (m["queued"], m["with_eta"], m["last_ns"]) == (6, 4, None)
