@@ -169,6 +169,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
                               if c.admission == "nodes")
         self._podgroups = {}
         self._n_podgroups = 0
+        # Node names by cluster, from its first node row (engine/_nodes.py's naming).
+        self._node_names = [[f"{s.name}-{k}" for s in c.node_shapes for k in range(s.count)]
+                            if c.admission == "nodes" else [] for c in self.config.clusters]
         self._next_row = restored.rows  # high-water row: rows below it are actions or FREE
         self._free_rows = restored.free_rows    # reclaimed rows, ascending
         self._group_rows = restored.group_rows  # group id -> its rows still in the table

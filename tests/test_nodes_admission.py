@@ -2,6 +2,8 @@
 every pod of an action on the cluster's nodes (first fit decreasing) before it admits it,
 charges the nodes, records the placement with the lease and gives it back at release."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -14,7 +16,10 @@ from engine._config import parse_config, update_queue
 from engine._engine import Engine
 from engine._model import ReusePolicy
 from engine._nodes import Nodes
+from engine._dispatch import DispatchBatch
 from storage import MemoryStore
+from transport._protocol import Leases, ProtocolError, decode, encode
+from transport._worker import leases_of
 from tests.conftest import ManualClock, make_engine
 
 # Four nodes of 8 GPUs and 8 cpu each.
@@ -158,6 +163,32 @@ def test_strict_fifo_head_waiting_for_nodes_holds_the_cluster():
     eng.enqueue(act("x", resources={"cpu": 1, "gpu": 1}))
     assert eng.tick() == []
     assert eng.explain("acme/ml/prod/g/train").wait == WaitCode.NO_NODE_FIT
+
+
+def test_the_lease_carries_its_placement_as_a_node_hint_to_the_worker():
+    eng, _clock = make_engine(config())
+    eng.enqueue_many([gang("g", pods=2, gpu=4, cpu=2), act("c", resources={"cpu": 5})])
+    placed = {a.action.run: a for a in eng.tick()}
+    assert placed["g"].nodes == ("h100-0", "h100-0")       # both 4-GPU pods on node 0
+    assert placed["c"].nodes == ("h100-1",)     # node 0 has 4 cpu left, not 5
+    # Over the wire: LEASES carries the hint per lease, and the worker reads it.
+    batch = DispatchBatch(DispatchBatch.empty_columns(), {}, [], [], [])
+    assert batch.nodes == {}
+    msg = Leases(tokens=np.zeros((2, 3), np.uint64), kind=np.zeros(2, np.uint8),
+                 attempt=np.ones(2, np.int32), group=np.zeros(2, np.int32),
+                 deadline_ns=np.full(2, -1, np.int64), queued_deadline_ns=np.full(2, -1, np.int64),
+                 groups=[{"run": "acme/ml/prod/g", "spec": {"id": "acme/ml/prod/g/train",
+                                                           "task": "train"}}],
+                 names=["train", "other"], nodes=[list(placed["g"].nodes), None])
+    [lease, other] = leases_of(decode(encode(msg)))
+    assert lease.nodes == ("h100-0", "h100-0") and other.nodes is None
+    bad = Leases(**{**vars_of(msg), "nodes": [["h100-0"]]})
+    with pytest.raises(ProtocolError, match="LEASES: 'nodes' has 1 items for 2 leases"):
+        decode(encode(bad))
+
+
+def vars_of(msg):
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
 
 
 # ----------------------------------------------------------------------------- config

@@ -899,10 +899,14 @@ class _Loop:
             ref = g.input_ref(gi)
             any_input |= ref is not None
             inputs.append(ref)
+        # The node hint (admission = "nodes"): each lease's pods' nodes, nil for the others.
+        hints = batch.nodes
+        nodes = [list(hints[i]) if i in hints else None for i in idx.tolist()] if hints else None
         return p.Leases(tokens=batch.tokens[idx], kind=batch.kind[idx],
                         attempt=batch.attempt[idx], group=inverse.astype(np.int32),
                         deadline_ns=deadline, queued_deadline_ns=queued, groups=groups,
-                        names=names, inputs=inputs if any_input else None)
+                        names=names, inputs=inputs if any_input else None,
+                        nodes=nodes if nodes and any(n is not None for n in nodes) else None)
 
     # ------------------------------------------------------------------ watches
 

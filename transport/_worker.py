@@ -55,7 +55,9 @@ class Lease:
     """One lease pushed to this worker: run ``action`` (kind RUN) or clean up one of its
     attempts (FINALIZE); present ``token`` on every heartbeat and report. ``spec`` is the
     action spec as a map; the bounds are nanoseconds on the shard's clock (None: none);
-    ``env`` is the engine's identity of the action's warm pool (reusable actions only)."""
+    ``env`` is the engine's identity of the action's warm pool (reusable actions only);
+    ``nodes`` the node of each pod when its cluster has admission = "nodes" (pod groups
+    largest first; a hint a plugin may pass on to the cluster's scheduler or ignore)."""
 
     action: str
     token: bytes
@@ -66,12 +68,14 @@ class Lease:
     deadline_ns: int | None = None
     queued_deadline_ns: int | None = None
     env: str | None = None
+    nodes: tuple | None = None
 
 
 def leases_of(msg):
     """The :class:`Lease` entries of a decoded LEASES message."""
     out = []
     inputs = msg.inputs
+    nodes = msg.nodes
     for i in range(msg.tokens.shape[0]):
         g = msg.groups[int(msg.group[i])]
         d, q = int(msg.deadline_ns[i]), int(msg.queued_deadline_ns[i])
@@ -80,7 +84,8 @@ def leases_of(msg):
                          kind=LeaseKind(int(msg.kind[i])), attempt=int(msg.attempt[i]),
                          spec=g["spec"], input_ref=inputs[i] if inputs else None,
                          deadline_ns=d if d >= 0 else None,
-                         queued_deadline_ns=q if q >= 0 else None, env=g.get("env")))
+                         queued_deadline_ns=q if q >= 0 else None, env=g.get("env"),
+                         nodes=tuple(nodes[i]) if nodes and nodes[i] is not None else None))
     return out
 
 
