@@ -1575,11 +1575,11 @@ cdef class TickKernel:
         # their nodes; a node of -1 ends the record (fewer pods than its width).
         cdef i32 g, g0 = self.a_pg_first[a], node
         cdef Py_ssize_t k = 0, r
-        cdef i64 j
+        cdef i64 _j
         if g0 < 0:
             return
         for g in range(g0, g0 + self.a_pg_n[a]):
-            for j in range(self.pg_count[g]):
+            for _j in range(self.pg_count[g]):
                 if k >= n_pods:
                     return
                 node = nodes[k]

@@ -3,6 +3,7 @@ every pod of an action on the cluster's nodes (first fit decreasing) before it a
 charges the nodes, records the placement with the lease and gives it back at release."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -13,14 +14,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine import ActionSpec, ConfigError, PodGroup
 from engine._codes import LeaseKind, Phase, RowState, WaitCode
 from engine._config import parse_config, update_queue
+from engine._dispatch import DispatchBatch
 from engine._engine import Engine
 from engine._model import ReusePolicy
 from engine._nodes import Nodes
-from engine._dispatch import DispatchBatch
 from storage import MemoryStore
+from tests.conftest import ManualClock, make_engine
 from transport._protocol import Leases, ProtocolError, decode, encode
 from transport._worker import leases_of
-from tests.conftest import ManualClock, make_engine
 
 # Four nodes of 8 GPUs and 8 cpu each.
 NODE = {"cpu": 8, "gpu:H100": 8}
@@ -102,40 +103,33 @@ def test_the_gang_is_placed_once_two_nodes_free_up_and_records_its_nodes():
 
 def test_placement_is_first_fit_decreasing_like_the_simulator():
     # Pod groups out of size order in the spec: the 6-GPU pods go first (largest), then the
-    # 2-GPU ones fill the gaps, as engine/_nodes.py places them.
+    # 2-GPU ones fill the gaps, as the simulator's node model places them.
     eng, _clock = make_engine(config(count=3))
-    spec = act("r", pods=(PodGroup("small", 2, {"cpu": 1, "gpu": 2}),
-                          PodGroup("big", 2, {"cpu": 1, "gpu": 6})))
-    eng.enqueue(spec)
+    eng.enqueue(act("r", pods=(PodGroup("small", 2, {"cpu": 1, "gpu": 2}),
+                               PodGroup("big", 2, {"cpu": 1, "gpu": 6}))))
     [a] = eng.tick()
-    cfg = parse_config(config(count=3), source="<test>")
-    c = eng.inspect().record(eng.inspect().row_of(a.action))
-    nodes = Nodes(cfg.clusters[0], cfg.resources)
-    compiled_pods = np.array([[1000, 2], [1000, 6]], dtype=np.int64)
-    where = nodes.place(compiled_pods, np.array([2, 2]))
-    expected = sorted(int(n) for group in where for n in group)
     got = eng.inspect().placement(a.action)
-    assert c.spec == spec
-    # The big group first (nodes 0 and 1), then the small pods on the first nodes with room.
+    # The big group first (nodes 0 and 1), then the small pods on the first node with room.
     assert got == ["h100-0", "h100-1", "h100-0", "h100-1"]
-    assert sorted(int(n.rsplit("-", 1)[1]) for n in got) == expected
+    cfg = parse_config(config(count=3), source="<test>")
+    nodes = Nodes(cfg.clusters[0], cfg.resources)
+    small, big = nodes.place(np.array([[1000, 2], [1000, 6]], dtype=np.int64),
+                             np.array([2, 2]))
+    assert [f"h100-{n}" for n in [*big, *small]] == got
 
 
 def test_a_gang_that_no_empty_nodes_can_hold_fails_at_once():
-    # Two nodes of 8 GPUs: three 8-GPU pods fit the node shape each, never all at once.
-    eng, _clock = make_engine(config(count=2, )
-                              | {"clusters": {"east": {
-                                  "admission": "nodes", "capacity": {"cpu": 64, "gpu:H100": 64},
-                                  "node_shapes": [{"name": "h100", "count": 2,
-                                                   "allocatable": NODE}]}}})
+    # Two nodes of 8 GPUs and a capacity table above their sum: three 8-GPU pods fit the
+    # totals and the node shape each, never all at once on the nodes.
+    cfg = config(count=2)
+    cfg["clusters"]["east"]["capacity"] = {"cpu": 64, "gpu:H100": 64}
+    eng, _clock = make_engine(cfg)
     eng.enqueue(gang("g", pods=3))
     assert eng.tick() == []
-    exp = eng.explain("acme/ml/prod/g/train")
-    assert exp.phase == Phase.FAILED
-    assert "cannot all be placed on the nodes of cluster east even when they are empty" in (
-        exp.reason + " ".join(a.message for a in eng.inspect().record(
-            eng.inspect().row_of("acme/ml/prod/g/train")).attempts) + str(
-            eng.inspect().record(eng.inspect().row_of("acme/ml/prod/g/train")).message))
+    rec = eng.inspect().record(eng.inspect().row_of("acme/ml/prod/g/train"))
+    assert rec.phase == Phase.FAILED
+    assert ("its 3 pods cannot all be placed on the nodes of cluster east even when they are "
+            "empty") in rec.message
 
 
 def test_more_pods_than_max_node_pods_never_fit_a_node_cluster():
@@ -212,13 +206,8 @@ def vars_of(msg):
 def test_bad_admission_config_is_refused_naming_the_key(cluster, engine, queue, message):
     cfg = {"resources": ["cpu", "gpu:H100"], "clusters": {"east": cluster},
            "queues": {"gpu": queue}, "engine": {"default_queue": "gpu", **engine}}
-    with pytest.raises(ConfigError, match="^<test>: " + _escape(message)):
+    with pytest.raises(ConfigError, match="^<test>: " + re.escape(message)):
         parse_config(cfg, source="<test>")
-
-
-def _escape(text):
-    import re
-    return re.escape(text)
 
 
 def test_admission_defaults_to_shapes_and_a_live_backfill_change_is_refused():
@@ -349,3 +338,25 @@ class NodeMachine(RuleBasedStateMachine):
 
 TestNodeMachine = NodeMachine.TestCase
 TestNodeMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+# ----------------------------------------------------------------------------- simulator
+
+
+def test_the_simulator_runs_node_aware_admission_without_pending_pods():
+    # test_sim_nodes' fragmented gang: under "shapes" it is admitted at t=1 and pends on the
+    # nodes until t=50; under "nodes" the engine holds it queued until a node frees, so the
+    # same wait is spent queued and no pod ever pends in the cluster.
+    from engine._sim import simulate
+    from tests.test_sim_nodes import _job, node_config, node_shape
+
+    shapes = [node_shape("h100", 3, cpu=32, gpu=8)]
+    six = {"cpu": 1, "gpu:H100": 6}
+    jobs = [_job(0, 0, 100, (1, six)), _job(1, 0, 50, (1, six)), _job(2, 1, 10, (2, six)),
+            _job(3, 100, 1, (1, {"cpu": 1}))]
+    by_shapes = simulate(node_config(shapes), jobs, "greedy")
+    by_nodes = simulate(node_config(None, {"a": {"admission": "nodes", "node_shapes": shapes}}),
+                        jobs, "greedy")
+    assert by_shapes.pended == 1 and by_shapes.pend_max_s == 49.0
+    assert by_nodes.pended == 0 and by_nodes.pend_max_s == 0.0
+    assert by_nodes.gang_max_wait_s == by_shapes.gang_max_wait_s == 49.0
