@@ -1521,9 +1521,9 @@ cdef class TickKernel:
         # node as far as it goes, so each node takes min(room, left) at once. On success the
         # nodes are in s_pnode (one per pod, group order) for _place; nothing is kept
         # charged either way. Cost: O(groups x nodes of c x R) per call, no allocation.
-        cdef i32 g, g0 = self.a_pg_first[a], node, end
-        cdef Py_ssize_t k = 0, width = self.s_pnode.shape[0], r, j
-        cdef i64 left, room, fits
+        cdef i32 g, g0 = self.a_pg_first[a], last, node, end
+        cdef Py_ssize_t k = 0, held = 0, width = self.s_pnode.shape[0], r, j
+        cdef i64 left, room, free
         cdef const i64* vec
         cdef bint ok = True
         if DEBUG_BUILD and g0 < 0:
@@ -1531,27 +1531,36 @@ cdef class TickKernel:
                 raise AssertionError(f"action row {a} has no pod groups on node cluster {c}")
         if g0 < 0:
             return False
-        for g in range(g0, g0 + self.a_pg_n[a]):
+        last = g0 + self.a_pg_n[a] - 1
+        for g in range(g0, last + 1):
             left = self.pg_count[g]
             vec = &self.pg_vec[g, 0]
             node = self.c_node_first[c]
             end = node + self.c_node_n[c]
             while left > 0 and node < end:
+                # How many of the group's pods this node takes: all that are left unless a
+                # resource is short (no division on the common single-pod path).
                 room = left
                 for r in range(self.n_res):
                     if vec[r] > 0:
-                        fits = self.n_alloc[node, r] - self.n_used[node, r]
-                        fits = fits // vec[r] if fits > 0 else 0
-                        if fits < room:
-                            room = fits
+                        free = self.n_alloc[node, r] - self.n_used[node, r]
+                        if vec[r] > free:
+                            room = 0
+                            break
+                        if room > 1 and vec[r] > free // room:
+                            room = free // vec[r]
                 if room > 0:
                     if k + room > width:
                         # More pods than the placement record holds (enqueue refuses
                         # those): never placed, never written past the record.
                         ok = False
                         break
-                    for r in range(self.n_res):
-                        self.n_used[node, r] += room * vec[r]
+                    if g < last:
+                        # A later group must see these pods on the node: charged for the
+                        # trial (the last group's pods need not be).
+                        for r in range(self.n_res):
+                            self.n_used[node, r] += room * vec[r]
+                        held += room
                     for j in range(room):
                         self.s_pnode[k + j] = node
                     k += room
@@ -1560,8 +1569,9 @@ cdef class TickKernel:
             if left > 0:
                 ok = False
                 break
-        # Trial only: give back what it took (the pods placed so far, in order).
-        self._node_charge(&self.s_pnode[0], a, k, -1)
+        # Trial only: give back what it charged (the pods of the groups before the last).
+        if held:
+            self._node_charge(&self.s_pnode[0], a, held, -1)
         if ok:
             self.s_pnode_row = a
             self.s_pnode_cluster = c
