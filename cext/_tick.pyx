@@ -1390,17 +1390,30 @@ cdef class TickKernel:
         """Rebuild the nodes' used vectors (admission = "nodes") from rows ``0..n_rows-1``
         after a reload: every live charged lease on a node cluster charges its recorded
         placement (a_pnode) again; a_pg_first / a_pg_n must be set first."""
-        cdef Py_ssize_t a, n, r
-        cdef i32 c
+        cdef Py_ssize_t a, n, r, k
+        cdef i32 c, node
         if n_rows < 0 or n_rows > self.a_state.shape[0]:
             raise ValueError(f"n_rows {n_rows} is outside the action table")
         for a in range(n_rows):
             c = self.a_cluster[a]
-            if ((self.a_state[a] == ST_SENT or self.a_state[a] == ST_RUNNING)
+            if not ((self.a_state[a] == ST_SENT or self.a_state[a] == ST_RUNNING)
                     and self.a_charged[a] and self.a_gen[a] > 0
                     and self.a_released_gen[a] != self.a_gen[a] and c >= 0
-                    and self.c_nodes[c] and self.a_pg_first[a] < 0):
+                    and self.c_nodes[c]):
+                continue
+            if self.a_pg_first[a] < 0:
                 raise ValueError(f"action row {a} holds a node placement but has no pod groups")
+            # A stored placement must name nodes of its cluster as configured now: one made
+            # before the cluster's nodes (or its admission) changed cannot be charged.
+            if self.a_pnode.shape[1] == 0 or self.a_pnode[a, 0] < 0:
+                raise ValueError(f"action row {a} runs on cluster row {c} without a node "
+                                 f"placement: the cluster's admission changed while it ran")
+            for k in range(self.a_pnode.shape[1]):
+                node = self.a_pnode[a, k]
+                if node >= 0 and not (self.c_node_first[c] <= node
+                                      < self.c_node_first[c] + self.c_node_n[c]):
+                    raise ValueError(f"action row {a}'s placement names node row {node}, not "
+                                     f"a node of cluster row {c}: its nodes changed while it ran")
         with nogil:
             for n in range(self.n_used.shape[0]):
                 for r in range(self.n_res):

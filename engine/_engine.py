@@ -227,7 +227,12 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
                               & ((st.a_fit[:n_rows] & np.uint64(self._node_mask)) != 0))
         for r in rows.tolist():
             st.a_pg_first[r], st.a_pg_n[r] = self._podgroup_rows(self._compiled_of(r))
-        self._kernel.relink_nodes(n_rows)
+        try:
+            self._kernel.relink_nodes(n_rows)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{self.config.source}: clusters.*.node_shapes / admission: {exc}; start with "
+                f"the configuration its live leases were placed under until they end") from None
 
     def _bind(self):
         # After a table grew (its arrays were replaced): rebind everything compiled.

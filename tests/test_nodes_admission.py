@@ -259,6 +259,18 @@ def test_a_store_cannot_change_its_placement_width():
                store=MemoryStore(store.partitions, backing=store.backing))
 
 
+def test_a_store_refuses_nodes_its_live_placements_no_longer_have():
+    clock = ManualClock()
+    store = MemoryStore(4)
+    eng = _node_engine(store, clock)
+    eng.enqueue_many([blocker(f"b{i}") for i in range(4)])      # one per node, 0..3
+    assert len(eng.tick()) == 4
+    eng.close()
+    with pytest.raises(ConfigError, match="not a node of cluster row 0: its nodes changed"):
+        Engine(parse_config(config(count=2), source="<test>"), clock=clock,
+               store=MemoryStore(store.partitions, backing=store.backing))
+
+
 # ----------------------------------------------------------------------------- invariants
 
 
