@@ -35,11 +35,16 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=600)
     ap.add_argument("--ticks", type=int, default=100)
     ap.add_argument("--gate", choices=("enforce", "off"), default="enforce")
+    ap.add_argument("--admission", choices=("shapes", "nodes"), default="shapes",
+                    help="every cluster's admission (nodes: pods placed on nodes)")
+    ap.add_argument("--plain-pools", action="store_true",
+                    help="warm-pool queues submit plain pods (implied by --admission nodes)")
     ap.add_argument("--control", action="store_true",
                     help="run `callgrind_control -i on` after the warm-up")
     args = ap.parse_args(argv)
 
-    w = Workload(seed=args.seed, resource_gate=args.gate)
+    w = Workload(seed=args.seed, resource_gate=args.gate, admission=args.admission,
+                 plain_pools=args.plain_pools or None)
     w.warm_up(args.warmup)
     if args.control:
         # callgrind_control talks to valgrind, which answers while this process runs code:
@@ -60,7 +65,8 @@ def main(argv=None):
         ticks += 1
         w.after_tick()
     print(json.dumps({"ticks": ticks, "candidates": cands, "placed": placed,
-                      "candidates_per_tick": cands / ticks, "gate": args.gate}))
+                      "candidates_per_tick": cands / ticks, "gate": args.gate,
+                      "admission": args.admission, "plain_pools": w.plain_pools}))
 
 
 if __name__ == "__main__":

@@ -67,12 +67,14 @@ def _p90(values):
 # --------------------------------------------------------------------------------- tick_ms
 
 
-def measure_tick(seed, warmup, ticks):
+def measure_tick(seed, warmup, ticks, admission="shapes", plain_pools=None, cpu_clock=False):
     """Median (and p90) wall time of the tick's decision (``Engine.decide()``) over ``ticks``
     steady-state ticks; its group commit (``Engine.commit()``) is timed apart."""
-    w = Workload(seed=seed, resource_gate="enforce")
+    w = Workload(seed=seed, resource_gate="enforce", admission=admission,
+                 plain_pools=plain_pools)
     w.warm_up(warmup)
-    clock = time.perf_counter_ns
+    # --clock cpu: this thread's CPU time instead of wall time (steadier on a busy machine).
+    clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     samples = [w.tick_timed(clock) for _ in range(ticks)]
     ms = [s["ns"] / 1e6 for s in samples]
     out = {
@@ -309,13 +311,28 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=WARMUP_TICKS)
     ap.add_argument("--ticks", type=int, default=TIMED_TICKS)
     ap.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU")
+    ap.add_argument("--admission", choices=("shapes", "nodes"), default="shapes",
+                    help="every cluster's admission (nodes: pods placed on nodes, docs/nodes.md)")
+    ap.add_argument("--plain-pools", action="store_true",
+                    help="warm-pool queues submit plain pods (implied by --admission nodes)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time tick_ms by wall clock or by the thread's CPU time")
+    ap.add_argument("--tick-only", action="store_true",
+                    help="only the tick_ms figures (skip the gate, admission, allocations)")
     args = ap.parse_args(argv)
     if args.ticks < 200:
         ap.error("--ticks must be at least 200")
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
 
-    w, result = measure_tick(args.seed, args.warmup, args.ticks)
+    w, result = measure_tick(args.seed, args.warmup, args.ticks, args.admission,
+                             args.plain_pools or None, args.clock == "cpu")
+    result["clock"] = args.clock
+    if args.tick_only:
+        result["admission"] = args.admission
+        result["plain_pools"] = w.plain_pools
+        print(json.dumps(result))
+        return
     gate, gate_detail = measure_gate(w, GATE_ITERATIONS, GATE_RUNS)
     result["gate_ms_per_1000"] = gate
     result["gate"] = gate_detail
@@ -331,6 +348,8 @@ def main(argv=None):
         "workers": w.view.worker_sessions,
         "resources": list(w.config.resources.names),
         "tick_interval_s": w.dt,
+        "admission": args.admission,
+        "plain_pools": w.plain_pools,
     }
     result["python"] = platform.python_version()
     result["numpy"] = np.__version__

@@ -106,8 +106,11 @@ def _subset(rng, names):
             return out
 
 
-def build_config(seed=SEED, resource_gate="enforce", max_candidates=4096, dt=0.1):
-    """The config mapping (as TOML would parse it) and per-queue metadata for the workload."""
+def build_config(seed=SEED, resource_gate="enforce", max_candidates=4096, dt=0.1,
+                 admission="shapes"):
+    """The config mapping (as TOML would parse it) and per-queue metadata for the workload.
+    ``admission``: every cluster's ``admission`` ("nodes": pods placed on nodes by the gate,
+    docs/nodes.md; the warm-pool queues' actions then never fit, see bench/README.md)."""
     rng = random.Random(seed)
     queues, meta = {}, []
     for i, kind in enumerate(KINDS):
@@ -146,7 +149,8 @@ def build_config(seed=SEED, resource_gate="enforce", max_candidates=4096, dt=0.1
     data = {
         "resources": ["cpu", "memory", "ephemeral_storage", "gpu:H100", "gpu:A100"],
         "engine": engine,
-        "clusters": CLUSTERS,
+        "clusters": (CLUSTERS if admission == "shapes" else
+                     {name: {**c, "admission": admission} for name, c in CLUSTERS.items()}),
         "queues": queues,
     }
     return data, meta
@@ -155,8 +159,11 @@ def build_config(seed=SEED, resource_gate="enforce", max_candidates=4096, dt=0.1
 class _QueueStream:
     """The action stream of one queue: its own RNG, its live runs, its environment."""
 
-    def __init__(self, seed, index, name, kind, allowed):
+    def __init__(self, seed, index, name, kind, allowed, plain_pools=False):
         self.rng = random.Random(seed * 1009 + index)
+        # The warm-pool queues submit the same pods without reuse (admission = "nodes" does
+        # not place pools on nodes yet; docs/nodes.md).
+        self.plain_pools = plain_pools
         self.name = name
         self.kind = kind
         self.tenant = f"t{index % 12}"
@@ -238,7 +245,8 @@ class _QueueStream:
             kw["environment"] = self.env_name
             kw["image"] = "registry.example/pool:1"
             kw["resources"] = self.env_pod
-            kw["reuse"] = self.env_reuse
+            if not self.plain_pools:
+                kw["reuse"] = self.env_reuse
             duration = rng.randint(5, 50)
         return ActionSpec(**kw), duration
 
@@ -251,8 +259,10 @@ class Workload:
     """
 
     def __init__(self, seed=SEED, resource_gate="enforce", pending_per_queue=10, dt=0.1,
-                 max_candidates=4096):
-        data, meta = build_config(seed, resource_gate, max_candidates, dt)
+                 max_candidates=4096, admission="shapes", plain_pools=None):
+        data, meta = build_config(seed, resource_gate, max_candidates, dt, admission)
+        # Pools are plain single pods under admission = "nodes" (or when asked, to compare).
+        self.plain_pools = admission == "nodes" if plain_pools is None else plain_pools
         self.config = parse_config(data, "<bench>")
         self.clock = ManualClock(start_ns=1_700_000_000 * 10**9)
         self.engine = Engine(self.config, clock=self.clock, store=MemoryStore())
@@ -264,7 +274,8 @@ class Workload:
             for w in range(WORKERS_PER_CLUSTER):
                 self.engine.register_worker(f"{c.name}-w{w}", c.name, SLOTS_PER_WORKER)
         self.streams = [
-            _QueueStream(seed, i, name, kind, data["queues"][name]["clusters"])
+            _QueueStream(seed, i, name, kind, data["queues"][name]["clusters"],
+                         self.plain_pools)
             for i, (name, kind) in enumerate(meta)
         ]
         self.queue_rows = [self.view.queue_index(s.name) for s in self.streams]

@@ -48,6 +48,7 @@ cdef packed struct ActionHead:
 
 cdef class RecordCodec:
     cdef readonly Py_ssize_t n_res          # resources per demand vector
+    cdef readonly Py_ssize_t n_pods         # node placement entries per record (0: none)
     cdef readonly Py_ssize_t action_size    # bytes per action record
     cdef u8[::1] a_state                    # the bound action columns (engine/_state.py)
     cdef u8[::1] a_end                      # lease end
@@ -86,6 +87,7 @@ cdef class RecordCodec:
     cdef i64[::1] a_est_rt                  # runtime estimate
     cdef i64[::1] a_max_rt                  # max_runtime
     cdef i64[:, ::1] a_demand               # demand vectors
+    cdef i32[:, ::1] a_pnode                # node placement of the live lease (n_pods wide)
     cdef i32[::1] w_ident                   # session row -> worker identity
 
     cdef void _encode(self, i64 a, u8* dst) noexcept nogil

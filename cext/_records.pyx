@@ -80,7 +80,8 @@ cdef class RecordCodec:
     def bind(self, state):
         """Bind the arrays of an ``engine._state.State``."""
         self.n_res = state.n_res
-        self.action_size = sizeof(ActionHead) + 8 * self.n_res
+        self.n_pods = state.a_pnode.shape[1]
+        self.action_size = sizeof(ActionHead) + 8 * self.n_res + 4 * self.n_pods
         self.a_state = state.a_state
         self.a_end = state.a_end
         self.a_charged = state.a_charged
@@ -118,6 +119,7 @@ cdef class RecordCodec:
         self.a_est_rt = state.a_est_rt
         self.a_max_rt = state.a_max_rt
         self.a_demand = state.a_demand
+        self.a_pnode = state.a_pnode
         self.w_ident = state.w_ident
 
     def encode_actions(self, const i64[::1] rows not None, u8[::1] out not None):
@@ -200,6 +202,9 @@ cdef class RecordCodec:
         self.a_est_rt[a] = h.est_rt
         self.a_max_rt[a] = h.max_rt
         memcpy(&self.a_demand[a, 0], src + sizeof(ActionHead), 8 * self.n_res)
+        if self.n_pods:
+            memcpy(&self.a_pnode[a, 0], src + sizeof(ActionHead) + 8 * self.n_res,
+                   4 * self.n_pods)
         return 0
 
     cdef void _encode(self, i64 a, u8* dst) noexcept nogil:
@@ -246,3 +251,6 @@ cdef class RecordCodec:
         h.max_rt = self.a_max_rt[a]
         memcpy(dst, &h, sizeof(ActionHead))
         memcpy(dst + sizeof(ActionHead), &self.a_demand[a, 0], 8 * self.n_res)
+        if self.n_pods:
+            memcpy(dst + sizeof(ActionHead) + 8 * self.n_res, &self.a_pnode[a, 0],
+                   4 * self.n_pods)

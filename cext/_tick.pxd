@@ -119,6 +119,22 @@ cdef class TickKernel:
     cdef u64[:, ::1] c_obs_mark        # [C, R] c_adm when it was reported
     cdef i32[::1] c_live               # [C] first live charged lease (list via a_lnext)
 
+    # --- nodes (clusters with admission = "nodes"; docs/nodes.md) ---
+    cdef u8[::1] c_nodes               # [C] 1: the gate places every pod on a node
+    cdef i32[::1] c_node_first         # [C] its first node row
+    cdef i32[::1] c_node_n             # [C] ... and how many
+    cdef i64[:, ::1] n_alloc           # [Nn, R] allocatable vector of each node
+    cdef i64[:, ::1] n_used            # [Nn, R] taken by the placed pods of live leases
+    cdef i64[:, ::1] pg_vec            # [G, R] per-pod vector of each interned pod group
+    cdef i64[::1] pg_count             # [G] its replicas
+    cdef i32[::1] a_pg_first           # first pod group row of the action (largest first)
+    cdef i32[::1] a_pg_n               # ... and how many
+    cdef i32[:, ::1] a_pnode           # [N, P] node of each pod of the live lease
+    cdef i32[::1] s_pnode              # [P] scratch: the gate's last successful placement
+    cdef i32 s_pnode_row               # ... of this action row (-1 none)
+    cdef i32 s_pnode_cluster           # ... on this cluster
+    cdef i32 s_nofit                   # cluster the gate's last call found fragmented, -1
+
     # --- workers ---
     cdef i32[::1] w_cluster            # cluster row
     cdef i64[::1] w_slots              # slots it offers
@@ -262,4 +278,7 @@ cdef class TickKernel:
     cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil
     cdef i64 _budget_shadow(self, i32 q, i32 h, i64 now) noexcept nogil
     cdef int _backfill(self, i32 a, u64 cands, i64 now) noexcept nogil
+    cdef bint _node_fit(self, i32 a, int c) noexcept nogil
+    cdef void _node_charge(self, const i32* nodes, i32 a, Py_ssize_t n_pods,
+                           i64 sign) noexcept nogil
     cdef i64 _run(self, i64 now) noexcept nogil

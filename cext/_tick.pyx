@@ -13,12 +13,12 @@ cimport cython
 
 from cext._gate cimport covers, first_short_dim, lowest_bit
 from cext._types cimport (
-    END_LIVE, KIND_FINALIZE, KIND_RUN, NEVER, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
+    DEBUG_BUILD, END_LIVE, KIND_FINALIZE, KIND_RUN, NEVER, ST_DONE, ST_QUEUED, ST_RUNNING, ST_SENT,
     UNLIMITED, W_CANDIDATE_LIMIT,
     W_CLUSTER_CAPACITY, W_DISPATCH_FULL,
     W_HEAD_BUDGET, W_HEAD_OF_LINE, W_NO_WORKER, W_NONE, W_PLACED, W_POOL_BUSY, W_POOL_ELSEWHERE,
     W_QUEUE_ACTIONS, W_QUEUE_BUDGET, W_QUEUE_HELD, W_QUEUE_PAUSED, W_QUEUE_RUNS, W_RUN_ACTIONS,
-    W_TENANT_ACTIONS, W_TENANT_RUNS, W_UNSCHEDULABLE_CAP,
+    W_NO_NODE_FIT, W_TENANT_ACTIONS, W_TENANT_RUNS, W_UNSCHEDULABLE_CAP,
     W_UNSCHEDULABLE_SHAPE, check_index, i32, i64, u8, u64,
 )
 
@@ -97,6 +97,9 @@ cdef class TickKernel:
         self.s_prev_held = 0
         self.s_prev_avail = 0
         self.examine_all = False
+        self.s_pnode_row = -1
+        self.s_pnode_cluster = -1
+        self.s_nofit = -1
 
     def bind(self, state):
         """(Re)bind every array from ``state``; called once and after every growth."""
@@ -188,6 +191,18 @@ cdef class TickKernel:
         self.c_obs = state.c_obs
         self.c_obs_mark = state.c_obs_mark
         self.c_live = state.c_live
+        self.c_nodes = state.c_nodes
+        self.c_node_first = state.c_node_first
+        self.c_node_n = state.c_node_n
+        self.n_alloc = state.n_alloc
+        self.n_used = state.n_used
+        self.pg_vec = state.pg_vec
+        self.pg_count = state.pg_count
+        self.a_pg_first = state.a_pg_first
+        self.a_pg_n = state.a_pg_n
+        self.a_pnode = state.a_pnode
+        self.s_pnode = state.s_pnode
+        self.s_pnode_row = -1
         self.fz_state = state.fz_state
         self.fz_action = state.fz_action
         self.fz_cluster = state.fz_cluster
@@ -256,6 +271,8 @@ cdef class TickKernel:
         self.s_rv_extra = state.s_rv_extra
         self.s_bf_key = state.s_bf_key
         self.s_bf_row = state.s_bf_row
+        if self.s_pnode.shape[0] != self.a_pnode.shape[1]:
+            raise ValueError("the placement scratch and a_pnode differ in width")
         if self.n_clusters > 8 * <Py_ssize_t>sizeof(u64):
             raise ValueError(f"{self.n_clusters} clusters do not fit the uint64 cluster masks")
         self._check_counts(self.n_workers, self.n_envs)
@@ -508,6 +525,9 @@ cdef class TickKernel:
                 self.q_res_rel[q, r] += <u64>self.a_demand[a, r]
                 self.c_rel[c, r] += <u64>self.a_demand[a, r]
             self._live_unlink(a)
+            if self.c_nodes[c]:
+                # Its pods leave their nodes (once: this generation is released now).
+                self._node_charge(&self.a_pnode[a, 0], a, self.a_pnode.shape[1], -1)
         self.a_pred_end[a] = NEVER
         self.q_rel[q] += 1
         self.qr_rel[qr] += 1
@@ -1067,6 +1087,8 @@ cdef class TickKernel:
         c = self._choose_cluster(a, fit & avail[0] & held[0])
         if c >= 0:
             self._wait(a, W_HEAD_OF_LINE, c, -1, self.s_held_by[c])
+        elif self.s_nofit >= 0:
+            self._wait(a, W_NO_NODE_FIT, self.s_nofit, -1, -1)
         else:
             c = lowest_bit(fit & avail[0])
             dim = first_short_dim(demand, &self.s_cfree[c, 0], self.n_res)
@@ -1399,6 +1421,46 @@ cdef class TickKernel:
                         and self.a_cluster[a] >= 0):
                     self._live_link(<i32>a, self.a_cluster[a])
 
+    def relink_nodes(self, Py_ssize_t n_rows):
+        """Rebuild the nodes' used vectors (admission = "nodes") from rows ``0..n_rows-1``
+        after a reload: every live charged lease on a node cluster charges its recorded
+        placement (a_pnode) again; a_pg_first / a_pg_n must be set first."""
+        cdef Py_ssize_t a, n, r, k
+        cdef i32 c, node
+        if n_rows < 0 or n_rows > self.a_state.shape[0]:
+            raise ValueError(f"n_rows {n_rows} is outside the action table")
+        for a in range(n_rows):
+            c = self.a_cluster[a]
+            if not ((self.a_state[a] == ST_SENT or self.a_state[a] == ST_RUNNING)
+                    and self.a_charged[a] and self.a_gen[a] > 0
+                    and self.a_released_gen[a] != self.a_gen[a] and c >= 0
+                    and self.c_nodes[c]):
+                continue
+            if self.a_pg_first[a] < 0:
+                raise ValueError(f"action row {a} holds a node placement but has no pod groups")
+            # A stored placement must name nodes of its cluster as configured now: one made
+            # before the cluster's nodes (or its admission) changed cannot be charged.
+            if self.a_pnode.shape[1] == 0 or self.a_pnode[a, 0] < 0:
+                raise ValueError(f"action row {a} runs on cluster row {c} without a node "
+                                 f"placement: the cluster's admission changed while it ran")
+            for k in range(self.a_pnode.shape[1]):
+                node = self.a_pnode[a, k]
+                if node >= 0 and not (self.c_node_first[c] <= node
+                                      < self.c_node_first[c] + self.c_node_n[c]):
+                    raise ValueError(f"action row {a}'s placement names node row {node}, not "
+                                     f"a node of cluster row {c}: its nodes changed while it ran")
+        with nogil:
+            for n in range(self.n_used.shape[0]):
+                for r in range(self.n_res):
+                    self.n_used[n, r] = 0
+            for a in range(n_rows):
+                c = self.a_cluster[a]
+                if ((self.a_state[a] == ST_SENT or self.a_state[a] == ST_RUNNING)
+                        and self.a_charged[a] and self.a_gen[a] > 0
+                        and self.a_released_gen[a] != self.a_gen[a] and c >= 0
+                        and self.c_nodes[c]):
+                    self._node_charge(&self.a_pnode[a, 0], <i32>a, self.a_pnode.shape[1], 1)
+
     def head_eta(self, i32 h, i64 now):
         """The shadow time (ns) of queued action ``h`` from the current state: the earliest
         predicted time enough is free for it on one of its queue's clusters it fits, by the
@@ -1488,10 +1550,106 @@ cdef class TickKernel:
         if dim[0] >= 0:
             return GATE_BUDGET
         cdef u64 open_ = fit & avail & ~held
+        self.s_nofit = -1
         if open_ == 0:
             return GATE_NO_CLUSTER
         cdef int c = self._choose_cluster(a, open_)
+        # (4) admission = "nodes": every pod placed on a node of it now (first fit
+        # decreasing); else the next best cluster, and the wait names the fragmented one.
+        while c >= 0 and self.c_nodes[c] and not self._node_fit(a, c):
+            self.s_nofit = c
+            open_ &= ~((<u64>1) << c)
+            c = self._choose_cluster(a, open_)
         return c if c >= 0 else GATE_NO_CLUSTER
+
+    cdef bint _node_fit(self, i32 a, int c) noexcept nogil:
+        # First fit decreasing of a's pods on the nodes of cluster c, as engine/_nodes.py
+        # places them: groups largest first (interned in that order), each pod on the first
+        # node (in config order) with room for all of it; identical pods of a group fill a
+        # node as far as it goes, so each node takes min(room, left) at once. On success the
+        # nodes are in s_pnode (one per pod, group order) for _place; nothing is kept
+        # charged either way. Cost: O(groups x nodes of c x R) per call, no allocation.
+        cdef i32 g, g0 = self.a_pg_first[a], last, node, end
+        cdef Py_ssize_t k = 0, held = 0, width = self.s_pnode.shape[0], r, j
+        cdef i64 left, room, free
+        cdef const i64* vec
+        cdef bint ok = True
+        if DEBUG_BUILD and g0 < 0:
+            with gil:
+                raise AssertionError(f"action row {a} has no pod groups on node cluster {c}")
+        if g0 < 0:
+            return False
+        last = g0 + self.a_pg_n[a] - 1
+        for g in range(g0, last + 1):
+            left = self.pg_count[g]
+            vec = &self.pg_vec[g, 0]
+            node = self.c_node_first[c]
+            end = node + self.c_node_n[c]
+            while left > 0 and node < end:
+                # How many of the group's pods this node takes: all that are left unless a
+                # resource is short (no division on the common single-pod path).
+                room = left
+                for r in range(self.n_res):
+                    if vec[r] > 0:
+                        free = self.n_alloc[node, r] - self.n_used[node, r]
+                        if vec[r] > free:
+                            room = 0
+                            break
+                        if room > 1 and vec[r] > free // room:
+                            room = free // vec[r]
+                if room > 0:
+                    if k + room > width:
+                        # More pods than the placement record holds (enqueue refuses
+                        # those): never placed, never written past the record.
+                        ok = False
+                        break
+                    if g < last:
+                        # A later group must see these pods on the node: charged for the
+                        # trial (the last group's pods need not be).
+                        for r in range(self.n_res):
+                            self.n_used[node, r] += room * vec[r]
+                        held += room
+                    for j in range(room):
+                        self.s_pnode[k + j] = node
+                    k += room
+                    left -= room
+                node += 1
+            if left > 0:
+                ok = False
+                break
+        # Trial only: give back what it charged (the pods of the groups before the last).
+        if held:
+            self._node_charge(&self.s_pnode[0], a, held, -1)
+        if ok:
+            self.s_pnode_row = a
+            self.s_pnode_cluster = c
+            for j in range(k, width):
+                self.s_pnode[j] = -1
+        return ok
+
+    cdef void _node_charge(self, const i32* nodes, i32 a, Py_ssize_t n_pods,
+                           i64 sign) noexcept nogil:
+        # Add (sign 1) or take back (-1) the first n_pods pods of a, in pod-group order, on
+        # their nodes; a node of -1 ends the record (fewer pods than its width).
+        cdef i32 g, g0 = self.a_pg_first[a], node
+        cdef Py_ssize_t k = 0, r
+        cdef i64 _j
+        if g0 < 0:
+            return
+        for g in range(g0, g0 + self.a_pg_n[a]):
+            for _j in range(self.pg_count[g]):
+                if k >= n_pods:
+                    return
+                node = nodes[k]
+                if node < 0:
+                    return
+                for r in range(self.n_res):
+                    self.n_used[node, r] += sign * self.pg_vec[g, r]
+                    if DEBUG_BUILD and self.n_used[node, r] < 0:
+                        with gil:
+                            raise AssertionError(
+                                f"node {node} resource {r} went negative releasing row {a}")
+                k += 1
 
     def gate_bench(self, i32 q, i32[::1] rows not None, long iterations):
         """Time the gate on queued ``rows`` of queue ``q`` in a C loop, against the current
@@ -1584,6 +1742,17 @@ cdef class TickKernel:
                 self.s_cfree[c, r] -= d
                 if self.s_budget[r] < UNLIMITED:
                     self.s_budget[r] -= d
+        if self.c_nodes[c] and mode == M_REGULAR:
+            # The placement the gate found for a on c (nothing ran in between): its pods
+            # are charged to their nodes and recorded with the lease (the node hint).
+            if DEBUG_BUILD and (self.s_pnode_row != a or self.s_pnode_cluster != c):
+                with gil:
+                    raise AssertionError(f"action row {a} placed on node cluster {c} "
+                                         f"without a node placement from the gate")
+            for r in range(self.a_pnode.shape[1]):
+                self.a_pnode[a, r] = self.s_pnode[r]
+            self._node_charge(&self.a_pnode[a, 0], a, self.a_pnode.shape[1], 1)
+            self.s_pnode_row = -1
         if mode == M_POOL_START:
             self.e_cluster[e] = c
             self.e_gen[e] += 1

@@ -57,6 +57,9 @@ cpdef enum WaitCode:
     W_QUEUE_HELD = 17
     W_TENANT_ACTIONS = 18      # its tenant's action_concurrency reached ([tenants.NAME])
     W_TENANT_RUNS = 19         # its tenant's run_concurrency reached (run has nothing in flight)
+    # admission = "nodes": a cluster's free totals cover it, but its pods cannot all be
+    # placed on that cluster's nodes now (fragmented free capacity)
+    W_NO_NODE_FIT = 20
 
 # How the current generation of a lease ended (a heartbeat for it is refused with this).
 cpdef enum LeaseEnd:

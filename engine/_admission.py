@@ -24,6 +24,7 @@ from engine._groups import (
 )
 from engine._history import shape_key
 from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
+from engine._nodes import Nodes, size_order
 from engine._records import (
     name_hashes,
     row_key,
@@ -288,6 +289,11 @@ class AdmissionMixin:
                                ("max_rt", _ns(c.spec.timeouts.max_runtime))):
                 cols[key][k] = value
             fits[k] = self._fit_mask(c)
+            if int(fits[k]) & self._node_mask:
+                # May be placed on nodes: its pod groups, largest first, for the gate.
+                st.a_pg_first[mine], st.a_pg_n[mine] = self._podgroup_rows(c)
+            else:
+                st.a_pg_first[mine], st.a_pg_n[mine] = -1, 0
             demand[k] = c.demand
             if parent >= 0:
                 # Newest child first: each row's next sibling is the one inserted before it.
@@ -424,9 +430,30 @@ class AdmissionMixin:
             self._kernel.set_counts(st.n_workers, st.n_envs)
         return row
 
+    def _podgroup_rows(self, c):
+        """``(first, n)``: the pod group rows of compiled action ``c``, largest first (the
+        order of engine/_nodes.py's first fit decreasing), interned by content."""
+        key = (c.pods.tobytes(), c.pod_counts.tobytes())
+        hit = self._podgroups.get(key)
+        if hit is not None:
+            return hit
+        st = self._state
+        first = self._n_podgroups
+        n = c.pods.shape[0]
+        if st.ensure("podgroups", first + n):
+            self._bind()
+        order = size_order(self._resources, c.pods)
+        st.pg_vec[first:first + n] = c.pods[order]
+        st.pg_count[first:first + n] = c.pod_counts[order]
+        self._n_podgroups = first + n
+        hit = self._podgroups[key] = (first, n)
+        return hit
+
     def _fit_mask(self, c):
-        # Clusters that could ever hold it: total within capacity, every pod on some shape.
-        key = (c.pods.tobytes(), c.pod_counts.tobytes(), c.demand.tobytes())
+        # Clusters that could ever hold it: total within capacity, every pod on some shape
+        # (admission = "nodes": all its pods at once on the empty nodes).
+        key = (c.pods.tobytes(), c.pod_counts.tobytes(), c.demand.tobytes(),
+               c.env_key is not None)
         mask = self._fit_cache.get(key)
         if mask is None:
             mask = 0
@@ -441,9 +468,13 @@ class AdmissionMixin:
         res = self._resources
         cap = self._state.c_cap[i]
         problem = fit_problem(c, cap, self._shapes[i])
+        if problem is None and self.config.clusters[i].admission == "nodes":
+            problem = self._node_problem(c, i)
         if problem is None:
             return None
         kind, k = problem
+        if kind == "nodes":
+            return k
         if kind == "capacity":
             name = res.names[k]
             return (f"cluster {self._clusters[i]} has {format_quantity(name, int(cap[k]))} "
@@ -451,6 +482,24 @@ class AdmissionMixin:
         role = c.spec.pods[k].role if c.spec.pods else "pod"
         return (f"{role} ({res.describe(c.pods[k])}) fits no node shape of cluster "
                 f"{self._clusters[i]}")
+
+
+    def _node_problem(self, c, i):
+        """Why ``c`` can never be placed on the nodes of cluster ``i`` (admission = "nodes"),
+        as ``("nodes", reason)``, or None."""
+        name = self._clusters[i]
+        n_pods = int(c.pod_counts.sum())
+        limit = self.config.engine.max_node_pods
+        if c.env_key is not None:
+            return ("nodes", f"cluster {name} places pods on nodes (admission = 'nodes'), "
+                             f"which does not take reusable environments yet")
+        if n_pods > limit:
+            return ("nodes", f"cluster {name} places at most engine.max_node_pods = {limit} "
+                             f"pods per action on its nodes, it has {n_pods}")
+        if Nodes(self.config.clusters[i], self._resources).place(c.pods, c.pod_counts) is None:
+            return ("nodes", f"its {n_pods} pods cannot all be placed on the nodes of "
+                             f"cluster {name} even when they are empty")
+        return None
 
 
 _SHAPES_CACHED = 4096

@@ -45,6 +45,9 @@ class WaitCode(enum.IntEnum):
     # The tenant's caps ([tenants.NAME] / [tenant_defaults]), counted over every queue.
     TENANT_ACTIONS = 18
     TENANT_RUNS = 19
+    # admission = "nodes" (docs/nodes.md): the totals fit a cluster, its nodes cannot hold
+    # every pod at once now (free capacity fragmented across nodes).
+    NO_NODE_FIT = 20
 
 
 # Waits that are about resources (the phase is WAITING_FOR_RESOURCES, not QUEUED).
@@ -52,6 +55,7 @@ RESOURCE_WAITS = frozenset(
     {
         WaitCode.QUEUE_BUDGET,
         WaitCode.CLUSTER_CAPACITY,
+        WaitCode.NO_NODE_FIT,
         WaitCode.HEAD_OF_LINE,
         WaitCode.NO_WORKER,
         WaitCode.POOL_BUSY,

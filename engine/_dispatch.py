@@ -38,6 +38,9 @@ class Assignment:
     queued_deadline_ns: int | None = None
     max_runtime_s: float | None = None
     input_ref: str | None = None   # a fan-out action's input reference (enqueue_fanout)
+    # admission = "nodes" (docs/nodes.md): the node of each pod, as the gate placed them
+    # (pod groups largest first): a hint the worker may pass on or ignore.
+    nodes: tuple | None = None
 
 
 class DispatchBatch:
@@ -51,14 +54,17 @@ class DispatchBatch:
     ``NONE`` when it joined its queue after the previous tick, so no tick held it; ``NONE``
     for a finalize lease and for a lease the shard decided before its last load), and
     ``tokens`` (n x 3 uint64, the 24-byte tokens back to back: ``tokens.tobytes()`` is the
-    frame). Entries whose lease ended before the drain are not in it."""
+    frame). Entries whose lease ended before the drain are not in it. ``nodes``: entry ->
+    the node names of its pods (run leases on a cluster with admission = "nodes"; the node
+    hint, docs/nodes.md), empty when there are none."""
 
-    __slots__ = (*(name for name, _ in _COLUMNS), "tokens", "_groups", "_clusters",
+    __slots__ = (*(name for name, _ in _COLUMNS), "tokens", "nodes", "_groups", "_clusters",
                  "_workers", "_queues")
 
-    def __init__(self, columns, groups, clusters, workers, queues):
+    def __init__(self, columns, groups, clusters, workers, queues, nodes=None):
         for name, values in columns.items():
             setattr(self, name, values)
+        self.nodes = nodes or {}
         self._groups = groups        # group id -> EnqueueGroup (those of this batch)
         self._clusters = clusters
         self._workers = workers
@@ -102,7 +108,7 @@ class DispatchBatch:
                          if t.deadline is not None else None),
             queued_deadline_ns=(int(self.attempt_enqueued_ns[i]) + int(t.max_queued_time * 1e9)
                                 if t.max_queued_time is not None else None),
-            max_runtime_s=t.max_runtime, input_ref=g.input_ref(gi))
+            max_runtime_s=t.max_runtime, input_ref=g.input_ref(gi), nodes=self.nodes.get(i))
 
     def assignments(self):
         """Every entry as an :class:`Assignment`, in order."""

@@ -39,7 +39,7 @@ from engine._rows import (
     ST_DONE,
     ST_FREE,
 )
-from engine._state import NEVER
+from engine._state import NEVER, State
 from engine._timers import TimersMixin
 from storage import (
     CorruptRecord,
@@ -164,6 +164,15 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._workers = dict(self._idents)      # worker id -> its current session row
         self._adoptable = set(range(len(self._ident_names)))    # restored, not yet back
         self._fit_cache = {}        # pod matrix bytes -> cluster bitmask
+        # Node-aware admission (docs/nodes.md): clusters placing pods on nodes, and the pod
+        # group rows interned for the gate (content -> (first, n); rebuilt at load).
+        self._node_mask = sum(1 << i for i, c in enumerate(self.config.clusters)
+                              if c.admission == "nodes")
+        self._podgroups = {}
+        self._n_podgroups = 0
+        # Node names by cluster, from its first node row (engine/_nodes.py's naming).
+        self._node_names = [[f"{s.name}-{k}" for s in c.node_shapes for k in range(s.count)]
+                            if c.admission == "nodes" else [] for c in self.config.clusters]
         self._next_row = restored.rows  # high-water row: rows below it are actions or FREE
         self._free_rows = restored.free_rows    # reclaimed rows, ascending
         self._group_rows = restored.group_rows  # group id -> its rows still in the table
@@ -190,6 +199,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         k.set_counts(st.n_workers, st.n_envs)
         k.set_pools_live(restored.pools_live)
         k.relink_live(restored.rows)        # backfill's per-cluster lists of live leases
+        if self._node_mask:
+            self._relink_nodes(restored.rows)
         for f in restored.fz_queued.tolist():
             k.push_finalize(f)
         queued = restored.queued
@@ -206,6 +217,23 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         if restored.name_rows.size:
             self._start_name_index(restored.name_hashes, restored.name_rows)
         self._clear_dirty()
+
+    def _relink_nodes(self, n_rows):
+        # After a load: the pod groups of every action that may still be placed on nodes
+        # or holds a placement (not stored: interned again from its spec, once per content),
+        # then the nodes' used vectors from the stored placements of the live leases.
+        st = self._state
+        state = st.a_state[:n_rows]
+        rows = np.flatnonzero((state != ST_DONE) & (state != ST_FREE)
+                              & ((st.a_fit[:n_rows] & np.uint64(self._node_mask)) != 0))
+        for r in rows.tolist():
+            st.a_pg_first[r], st.a_pg_n[r] = self._podgroup_rows(self._compiled_of(r))
+        try:
+            self._kernel.relink_nodes(n_rows)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{self.config.source}: clusters.*.node_shapes / admission: {exc}; start with "
+                f"the configuration its live leases were placed under until they end") from None
 
     def _bind(self):
         # After a table grew (its arrays were replaced): rebind everything compiled.
@@ -226,7 +254,14 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
                   # What the stored fit masks were computed from (capacities, node shapes).
                   "fit": [[None if c.capacity is None else c.capacity.tolist(),
                            [sh.allocatable.tolist() for sh in c.node_shapes]]
+                          + ([c.admission, [sh.count for sh in c.node_shapes],
+                              self.config.engine.max_node_pods]
+                             if c.admission == "nodes" else [])
                           for c in self.config.clusters]}
+        pods = State.pods_of(self.config)
+        if pods:
+            # The width of the placement in every action record (admission = "nodes").
+            layout["record_pods"] = pods
         raw = store.get(0, "meta", LAYOUT_KEY)
         stored_secret = store.get(0, "meta", SECRET_KEY)
         if raw is not None:
@@ -242,6 +277,12 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
                         f"{have} ({store.path if hasattr(store, 'path') else 'store'}): a "
                         f"shard with state can only append {key}" +
                         (" (resources cannot change)" if key == "resources" else ""))
+            if old.get("record_pods", 0) != pods:
+                raise ConfigError(
+                    f"{self.config.source}: engine.max_node_pods / clusters.*.admission: the "
+                    f"action records of this store hold {old.get('record_pods', 0)} node "
+                    f"placements each, this config {pods}: a shard with state cannot change "
+                    f"whether (or how many pods) it places on nodes")
         if stored_secret is not None:
             if secret is not None and bytes(secret) != stored_secret:
                 raise SpecError("the given shard secret differs from the store's; tokens "
@@ -270,7 +311,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         with self._turn():
             state = st.a_state[:self._next_row]
             for r in np.flatnonzero((state != ST_DONE) & (state != ST_FREE)).tolist():
-                st.a_fit[r] = self._fit_mask(self._compiled_of(r))
+                c = self._compiled_of(r)
+                st.a_fit[r] = self._fit_mask(c)
+                if int(st.a_fit[r]) & self._node_mask and st.a_pg_first[r] < 0:
+                    st.a_pg_first[r], st.a_pg_n[r] = self._podgroup_rows(c)
                 self._touch(r)
             for q in range(len(self._queue_names)):
                 self._kernel.recount_queue(q)   # the gate may fail other actions on sight

@@ -280,6 +280,11 @@ class ExplainMixin:
                     f"{format_quantity(name, int(queue.max_resources[dim]))} in flight)")
         if code == WaitCode.CLUSTER_CAPACITY:
             return f"queue {qname}: waiting for capacity ({self._need(row, cluster, dim)})"
+        if code == WaitCode.NO_NODE_FIT:
+            n_pods = int(self._compiled_of(row).pod_counts.sum())
+            return (f"queue {qname}: nodes fragmented: cluster {self._clusters[cluster]} has "
+                    f"enough free in total, but its {n_pods} pod(s) cannot all be placed on "
+                    f"its nodes now (admission = 'nodes')")
         if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET):
             if blocker < 0:
                 return f"queue {qname}: head-of-line blocked"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cext._lease import validate
-from engine._codes import LeaseKind, Phase
+from engine._codes import LeaseKind, Phase, RowState
 from engine._errors import NotFound
 from engine._model import ActionId
 from engine._rows import ST_FREE, ST_QUEUED
@@ -207,6 +207,43 @@ class Inspection:
                       for i in range(pos, due.size)]
         items.sort(key=lambda t: (t.due_ns, t.kind, t.row, t.ref))
         return items
+
+    # ----------------------------------------------------------------- nodes
+
+    def node_names(self, cluster):
+        """The node names of ``cluster`` (admission = "nodes"), by node row from its first:
+        ``<shape>-<k>`` as engine/_nodes.py names them; [] for a cluster of shapes."""
+        e = self._engine
+        c = e.config.clusters[e._cluster_index[cluster]]
+        if c.admission != "nodes":
+            return []
+        return [f"{s.name}-{k}" for s in c.node_shapes for k in range(s.count)]
+
+    def node_free(self, cluster):
+        """``{node name: free vector}`` of ``cluster`` as the gate sees it now
+        (allocatable minus the placed pods of its live leases); {} for a cluster of shapes."""
+        e = self._engine
+        st = e._state
+        i = e._cluster_index[cluster]
+        first = int(st.c_node_first[i])
+        return {name: (st.n_alloc[first + k] - st.n_used[first + k]).copy()
+                for k, name in enumerate(self.node_names(cluster))}
+
+    def placement(self, action):
+        """The node of each pod of ``action``'s live lease (names, in its pod groups' order,
+        largest group first), or None when it holds no lease on a cluster with admission =
+        "nodes". The same list is the node hint of the lease (docs/nodes.md)."""
+        e = self._engine
+        st = e._state
+        row = e._row_of(action)
+        c = int(st.a_cluster[row])
+        live = (st.a_state[row] in (RowState.SENT, RowState.RUNNING) and st.a_charged[row]
+                and st.a_released_gen[row] != st.a_gen[row])
+        if not live or c < 0 or not st.c_nodes[c]:
+            return None
+        names = self.node_names(e._clusters[c])
+        first = int(st.c_node_first[c])
+        return [names[int(n) - first] for n in st.a_pnode[row] if n >= 0]
 
     # ----------------------------------------------------------------- rows and edges
 

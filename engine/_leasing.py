@@ -238,8 +238,22 @@ class LeasingMixin:
         else:
             groups = {int(gid): self._group_of(int(arows[i])) for gid, i in zip(
                 *np.unique(group, return_index=True), strict=True)}
+        nodes = self._node_hints(cols) if self._node_mask else None
         return DispatchBatch(cols, groups, self._clusters,
-                             self._worker_names, self._queue_names)
+                             self._worker_names, self._queue_names, nodes)
+
+    def _node_hints(self, cols):
+        # Run leases on clusters with admission = "nodes": the node name of each pod, read
+        # now (the drain follows the tick; the row may move on before the push).
+        st = self._state
+        hints = {}
+        on_nodes = (cols["kind"] == LeaseKind.RUN) & (st.c_nodes[cols["cluster"]] != 0)
+        for i in np.flatnonzero(on_nodes).tolist():
+            row, c = int(cols["action_row"][i]), int(cols["cluster"][i])
+            names = self._node_names[c]
+            first = int(st.c_node_first[c])
+            hints[i] = tuple(names[int(n) - first] for n in st.a_pnode[row] if n >= 0)
+        return hints
 
     def _stamp_attempt(self, rec):
         # Record where the current attempt went, once per generation.

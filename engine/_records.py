@@ -49,11 +49,14 @@ SECRET_KEY = b"engine-secret"
 ATTEMPT_FIELDS = tuple(f.name for f in dataclasses.fields(Attempt))
 
 
-def action_dtype(n_res):
-    """The fixed record of one action row for a shard with ``n_res`` resources.
+def action_dtype(n_res, n_pods=0):
+    """The fixed record of one action row for a shard with ``n_res`` resources, and
+    ``n_pods`` placement entries when a cluster places pods on nodes (``State.node_pods``:
+    ``engine.max_node_pods``, else 0 and the record has no placement).
 
     Everything the tick, the timers and the lease checks need; nothing derived (lanes,
     counters, (queue, run) pairs and pool state are rebuilt at reload)."""
+    pnode = [("pnode", "<i4", (n_pods,))] if n_pods else []   # node of each pod, -1 none
     return np.dtype([
         ("row", "<i8"),           # the row (also its key: reload reads values only)
         ("state", "u1"),          # RowState
@@ -94,7 +97,7 @@ def action_dtype(n_res):
         ("est_rt", "<i8"),        # the spec's runtime_estimate (ns; NEVER none)
         ("max_rt", "<i8"),        # the spec's max_runtime (ns; NEVER none)
         ("demand", "<i8", (n_res,)),  # total demand (the pool footprint when reusable)
-    ])
+    ] + pnode)
 
 
 #: Fields of the action record that are not a column copied as is: the row (its key), the
@@ -103,10 +106,11 @@ def action_dtype(n_res):
 ACTION_RECORD_DERIVED = ("row", "holder", "fast", "pad")
 
 
-def action_columns(n_res):
+def action_columns(n_res, n_pods=0):
     """The record fields that are action columns copied as is (``a_<field>``), derived from
     :func:`action_dtype`: what reload scatters into the columns."""
-    return tuple(f for f in action_dtype(n_res).names if f not in ACTION_RECORD_DERIVED)
+    return tuple(f for f in action_dtype(n_res, n_pods).names
+                 if f not in ACTION_RECORD_DERIVED)
 
 
 #: Fields of the finalize record that are not a column copied as is (``fz_<field>``).

@@ -115,7 +115,7 @@ class _Progress:
 
 # Action columns reload writes for every row (the rest keep their fill values): the record's
 # columns, and those rebuilt from it (holders, lanes, (queue, run) pairs, the edges flag).
-_PRESET = frozenset({"a_" + f for f in action_columns(0)}
+_PRESET = frozenset({"a_" + f for f in action_columns(0, 1)}
                     | {"a_worker", "a_qrun", "a_lane", "a_edges"})
 
 
@@ -147,7 +147,8 @@ def load(store, config, now):
     cannot be part of it; ``ConfigError`` a stored record the config no longer allows."""
     progress = _Progress(7)
     progress.step("actions")
-    recs, rows, parts = _fixed(store, "actions", action_dtype(len(config.resources)))
+    recs, rows, parts = _fixed(store, "actions", action_dtype(len(config.resources),
+                                                               State.pods_of(config)))
     recs, rows, parts = _one_per_row(recs, rows, parts, "actions")
     n = _check_dense(rows, parts, "actions")
     ld = _Loading(config, State.for_config(config, preset_rows=n, preset=_PRESET), now)

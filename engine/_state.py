@@ -90,6 +90,10 @@ ACTION_FIELDS = {
     "s_bf_row": (I32, -1, ()),          # tick scratch: ... and their rows
     "f_action": (I32, -1, ()),
     "f_code": (U8, 0, ()),
+    # --- node-aware admission (docs/nodes.md; in memory only) ---
+    "a_pg_first": (I32, -1, ()),        # its first pod group row (largest first), -1 none
+    "a_pg_n": (I32, 0, ()),             # ... and how many
+    "a_pnode": (I32, -1, ("P",)),       # node of each pod of the lease (pod-group order)
 }
 QRUN_FIELDS = {
     "qr_queue": (I32, -1, ()),
@@ -123,6 +127,21 @@ RUN_FIELDS = {
 }
 # One row per tenant seen (in memory only: derived from the run keys at reload; caps from
 # the config's [tenants.NAME] or [tenant_defaults]). In flight = adm - rel, as everywhere.
+# Pod groups of the actions that may run on a cluster with admission = "nodes", interned by
+# content (engine/_admission.py): an action's groups are rows a_pg_first .. + a_pg_n - 1,
+# largest first (engine/_nodes.py's size_order), so the gate's first fit decreasing reads them
+# in order. Rows are never reused (one per distinct gang, like history keys).
+PODGROUP_FIELDS = {
+    "pg_vec": (I64, 0, ("R",)),         # the per-pod vector of the group
+    "pg_count": (I64, 0, ()),           # its replicas
+}
+# One row per node of the clusters with admission = "nodes" (sized by the config: each
+# cluster's shapes in order, count nodes each, as engine/_nodes.py numbers them).
+NODE_FIELDS = {
+    "n_cluster": (I32, -1, ()),         # cluster row
+    "n_alloc": (I64, 0, ("R",)),        # allocatable vector
+    "n_used": (I64, 0, ("R",)),         # placed pods of live leases (credited at release)
+}
 TENANT_FIELDS = {
     "tn_action_cap": (I64, 0, ()),      # action_concurrency, 0 = unlimited
     "tn_run_cap": (I64, 0, ()),         # run_concurrency, 0 = unlimited
@@ -182,13 +201,16 @@ TABLES = {
     "finalize": FINALIZE_FIELDS,
     "tasks": TASK_FIELDS,
     "tenants": TENANT_FIELDS,
+    "podgroups": PODGROUP_FIELDS,
 }
 
 
-def _alloc(fields, rows, n_res, preset_rows=0, preset=()):
+def _alloc(fields, rows, n_res, preset_rows=0, preset=(), n_pods=1):
+    # Suffix "R": one entry per resource; "P": one per pod of a node placement.
     out = {}
     for name, (dtype, fill, suffix) in fields.items():
-        shape = (rows,) + tuple(n_res if s == "R" else s for s in suffix)
+        shape = (rows,) + tuple(n_res if s == "R" else n_pods if s == "P" else s
+                                for s in suffix)
         if name in preset and preset_rows:
             # The caller writes rows [:preset_rows] itself (reload): touch memory once.
             arr = np.empty(shape, dtype=dtype)
@@ -227,14 +249,37 @@ class State:
                  max_candidates=settings.max_candidates,
                  gate_on=settings.resource_gate == "enforce",
                  cpu_dim=res.cpu_index, res_accel=res.accelerator_mask,
-                 preset_rows=preset_rows, preset=preset)
+                 preset_rows=preset_rows, preset=preset,
+                 n_nodes=sum(s.count for c in config.clusters if c.admission == "nodes"
+                             for s in c.node_shapes),
+                 node_pods=settings.max_node_pods)
         for i, cluster in enumerate(config.clusters):
             if cluster.capacity is not None:
                 st.c_cap[i] = cluster.capacity
+        node = 0
+        for i, cluster in enumerate(config.clusters):
+            if cluster.admission != "nodes":
+                continue
+            st.c_nodes[i] = 1
+            st.c_node_first[i] = node
+            for shape in cluster.node_shapes:
+                st.n_alloc[node:node + shape.count] = shape.allocatable
+                st.n_cluster[node:node + shape.count] = i
+                node += shape.count
+            st.c_node_n[i] = node - st.c_node_first[i]
         return st
 
+    @staticmethod
+    def pods_of(config):
+        """The width of the per-lease node placement (a_pnode and the record's ``pnode``)
+        for ``config``: ``engine.max_node_pods`` when a cluster has admission = "nodes"."""
+        if any(c.admission == "nodes" for c in config.clusters):
+            return config.engine.max_node_pods
+        return 0
+
     def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
-                 max_candidates, gate_on, cpu_dim, res_accel, preset_rows=0, preset=()):
+                 max_candidates, gate_on, cpu_dim, res_accel, preset_rows=0, preset=(),
+                 n_nodes=0, node_pods=16):
         self.n_res = n_res
         self.n_clusters = n_clusters
         self.n_queues = n_queues
@@ -247,12 +292,19 @@ class State:
         small = max(16, initial_rows // 4)
         sizes = {"actions": max(initial_rows, preset_rows), "qruns": small, "lanes": 2 * small,
                  "runs": small, "workers": 16, "envs": small, "finalize": small, "tasks": small,
-                 "tenants": 16}
+                 "tenants": 16, "podgroups": 16}
+        # Placements are recorded only when some cluster places pods on nodes: no column
+        # otherwise (State.pods_of; the durable record has the same width).
+        self.node_pods = node_pods if n_nodes else 0
         self.rows = {}
         for table, fields in TABLES.items():
             self.rows[table] = sizes[table]
             self.__dict__.update(_alloc(fields, sizes[table], n_res,
-                                        preset_rows if table == "actions" else 0, preset))
+                                        preset_rows if table == "actions" else 0, preset,
+                                        self.node_pods))
+        # The node table is sized by the config once (at least one row: never read then).
+        self.n_nodes = n_nodes
+        self.__dict__.update(_alloc(NODE_FIELDS, max(1, n_nodes), n_res))
 
         q, c, r = n_queues, n_clusters, n_res
         self.q_order = np.arange(q, dtype=I32)
@@ -294,6 +346,9 @@ class State:
         self.c_obs = np.full((c, r), UNLIMITED, dtype=I64)
         self.c_obs_mark = np.zeros((c, r), dtype=U64)
         self.c_live = np.full(c, -1, dtype=I32)
+        self.c_nodes = np.zeros(c, dtype=U8)            # 1: admission = "nodes"
+        self.c_node_first = np.zeros(c, dtype=I32)      # its first node row
+        self.c_node_n = np.zeros(c, dtype=I32)          # ... and how many
 
         self.d_action = np.full(dispatch_capacity, -1, dtype=I32)
         self.d_gen = np.zeros(dispatch_capacity, dtype=I64)
@@ -325,6 +380,7 @@ class State:
         self.s_rv_shadow = np.full((c, q), -1, dtype=I64)
         self.s_rv_gap = np.zeros((c, q), dtype=U8)
         self.s_rv_extra = np.zeros((c, q, r), dtype=I64)
+        self.s_pnode = np.full(self.node_pods, -1, dtype=I32)  # the gate's trial placement
 
     def tenant_row(self, tenants, config, tenant):
         """``(row, grown)``: the row of tenant ``tenant`` in ``tenants`` (name -> row, in row

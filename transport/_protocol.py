@@ -384,8 +384,10 @@ class Leases(Message):
     ``queued_deadline_ns`` (int64, -1 = none). Header: ``groups`` (maps of ``run``, the run
     key, ``spec``, the action spec as a map, each spec once a batch, and for a reusable
     action ``env``, the engine's identity of its warm pool), ``names`` (the
-    action part of each lease's id: its id is ``groups[group].run + "/" + name``) and
-    ``inputs`` (the input reference of each lease, or nil; None when no lease has one)."""
+    action part of each lease's id: its id is ``groups[group].run + "/" + name``),
+    ``inputs`` (the input reference of each lease, or nil; None when no lease has one) and
+    ``nodes`` (the node hint of each lease: the node name of each of its pods when its
+    cluster has admission = "nodes", or nil; None when no lease has one; docs/nodes.md)."""
 
     tokens: np.ndarray
     kind: np.ndarray
@@ -396,6 +398,7 @@ class Leases(Message):
     groups: list
     names: list
     inputs: list | None = None
+    nodes: list | None = None
 
 
 @_message(MsgType.REFUSED)
@@ -517,6 +520,8 @@ def _build_schemas(lim):
             raise SchemaError(f"'names' has {len(m.names)} items for {n} leases")
         if m.inputs is not None and len(m.inputs) != n:
             raise SchemaError(f"'inputs' has {len(m.inputs)} items for {n} leases")
+        if m.nodes is not None and len(m.nodes) != n:
+            raise SchemaError(f"'nodes' has {len(m.nodes)} items for {n} leases")
         if n == 0:
             return
         checks = (("kind", m.kind > _MAX_KIND, f"a lease kind (0..{int(_MAX_KIND)})"),
@@ -618,7 +623,10 @@ def _build_schemas(lim):
         S(Leases, (("groups", sc.list_of(group, lim.max_batch, batch), True),
                    ("names", sc.strings(lim.max_name, lim.max_batch, batch), True),
                    ("inputs", sc.optional(sc.strings(lim.max_text, lim.max_batch, batch,
-                                                     nullable=True)), False)),
+                                                     nullable=True)), False),
+                   ("nodes", sc.optional(sc.list_of(
+                       sc.optional(sc.strings(lim.max_name, lim.max_batch, batch)),
+                       lim.max_batch, batch)), False)),
           columns=(tokens, ("kind", np.dtype("u1"), 1), ("attempt", np.dtype("<i4"), 1),
                    ("group", np.dtype("<i4"), 1), ("deadline_ns", np.dtype("<i8"), 1),
                    ("queued_deadline_ns", np.dtype("<i8"), 1)),

@@ -919,10 +919,14 @@ class _Loop:
             inputs = [objs[k].input_ref(j) for k, j in at]
             if all(ref is None for ref in inputs):
                 inputs = None
+        # The node hint (admission = "nodes"): each lease's pods' nodes, nil for the others.
+        hints = batch.nodes
+        nodes = [list(hints[i]) if i in hints else None for i in idx.tolist()] if hints else None
         return p.Leases(tokens=batch.tokens[idx], kind=batch.kind[idx],
                         attempt=batch.attempt[idx], group=inverse.astype(np.int32),
                         deadline_ns=deadline, queued_deadline_ns=queued, groups=groups,
-                        names=names, inputs=inputs)
+                        names=names, inputs=inputs,
+                        nodes=nodes if nodes and any(n is not None for n in nodes) else None)
 
     # ------------------------------------------------------------------ watches
 

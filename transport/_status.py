@@ -65,7 +65,7 @@ log = logging.getLogger("leasehold.status")
 # Everything below this line and above "derived" is the layout: change any of it and the hash
 # changes, so old readers refuse new files (and the other way round). Bump LAYOUT_VERSION too.
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 MAGIC = b"LHSTATUS"
 
 #: Upper bounds (microseconds) of the histogram buckets; one more bucket holds the rest (+Inf).

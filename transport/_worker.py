@@ -55,7 +55,9 @@ class Lease:
     """One lease pushed to this worker: run ``action`` (kind RUN) or clean up one of its
     attempts (FINALIZE); present ``token`` on every heartbeat and report. ``spec`` is the
     action spec as a map; the bounds are nanoseconds on the shard's clock (None: none);
-    ``env`` is the engine's identity of the action's warm pool (reusable actions only)."""
+    ``env`` is the engine's identity of the action's warm pool (reusable actions only);
+    ``nodes`` the node of each pod when its cluster has admission = "nodes" (pod groups
+    largest first; a hint a plugin may pass on to the cluster's scheduler or ignore)."""
 
     action: str
     token: bytes
@@ -66,6 +68,7 @@ class Lease:
     deadline_ns: int | None = None
     queued_deadline_ns: int | None = None
     env: str | None = None
+    nodes: tuple | None = None
 
 
 def leases_of(msg):
@@ -73,16 +76,17 @@ def leases_of(msg):
     n = msg.tokens.shape[0]
     raw = msg.tokens.astype("<u8", copy=False).tobytes()
     inputs = msg.inputs or itertools.repeat(None, n)
+    nodes = msg.nodes or itertools.repeat(None, n)
     # Columns to Python lists in one call each (an element of an array read one at a
     # time costs a numpy scalar, and the kind an enum call).
     return [Lease(action=f"{g['run']}/{name}", token=raw[24 * i:24 * i + 24],
                   kind=_LEASE_KINDS[kind], attempt=attempt, spec=g["spec"], input_ref=ref,
                   deadline_ns=d if d >= 0 else None, queued_deadline_ns=q if q >= 0 else None,
-                  env=g.get("env"))
-            for i, g, name, kind, attempt, d, q, ref in zip(
+                  env=g.get("env"), nodes=tuple(hint) if hint is not None else None)
+            for i, g, name, kind, attempt, d, q, ref, hint in zip(
                 range(n), [msg.groups[k] for k in msg.group.tolist()], msg.names,
                 msg.kind.tolist(), msg.attempt.tolist(), msg.deadline_ns.tolist(),
-                msg.queued_deadline_ns.tolist(), inputs, strict=True)]
+                msg.queued_deadline_ns.tolist(), inputs, nodes, strict=True)]
 
 
 _LEASE_KINDS = {int(k): k for k in LeaseKind}
