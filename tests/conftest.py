@@ -41,6 +41,16 @@ def make_engine(config, workers=None, store=None):
     return eng, clock
 
 
+def start_running(eng, specs):
+    """Enqueue ``specs`` and place them in one tick, each marked running at once; returns
+    the assignments."""
+    eng.enqueue_many(specs)
+    placed = eng.tick()
+    for a in placed:
+        eng.mark_running(a.action, a.generation)
+    return placed
+
+
 @pytest.fixture
 def engine_factory():
     return make_engine

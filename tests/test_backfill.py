@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine import ActionSpec, Engine, PodGroup, WaitCode
 from engine._history import RuntimeHistory
 from storage import MemoryStore, partition_of
-from tests.conftest import make_engine
+from tests.conftest import make_engine, start_running
 
 NODE = {"cpu": 96, "memory": "1Ti", "gpu:H100": 8}
 S = 1_000_000_000
@@ -72,12 +72,8 @@ def warm(eng, *specs, **runtimes_ns):
 
 
 def start(eng, clock, specs):
-    """Enqueue and place ``specs`` now; mark them running. Returns the assignments."""
-    eng.enqueue_many(specs)
-    placed = eng.tick()
-    for a in placed:
-        eng.mark_running(a.action, a.generation)
-    return placed
+    """Enqueue and place ``specs`` now, running; returns the assignments."""
+    return start_running(eng, specs)
 
 
 def runs(placed):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import ActionSpec, Timeouts
-from tests.conftest import make_engine
+from tests.conftest import make_engine, start_running
 
 S = 1_000_000_000
 NODE = {"cpu": 96, "memory": "1Ti", "gpu:H100": 8}
@@ -64,11 +64,7 @@ def drive(eng, clock, runtimes_s, live):
 
 def start(eng, clock, specs):
     """Enqueue and place ``specs`` now, running; returns the assignments."""
-    eng.enqueue_many(specs)
-    placed = eng.tick()
-    for a in placed:
-        eng.mark_running(a.action, a.generation)
-    return placed
+    return start_running(eng, specs)
 
 
 def test_exact_predictions_give_the_actual_starts():
