@@ -42,6 +42,10 @@ extensions = [
     for name in MODULES
 ]
 
+# The Makefile installs the package (editable) with LEASEHOLD_NO_EXT=1 and then builds the
+# extensions in place once; an editable install would otherwise compile them all a first time.
+BUILD_EXT = os.environ.get("LEASEHOLD_NO_EXT", "") in ("", "0")
+
 setup(
     name="leasehold",
     version="0.1.0",
@@ -54,7 +58,8 @@ setup(
         # A debug build must not reuse release C files (and vice versa).
         force=True,
         annotate=False,
-    ),
+        nthreads=min(4, os.cpu_count() or 1),
+    ) if BUILD_EXT else [],
     python_requires=">=3.11",
     install_requires=["numpy>=1.26", "pyzmq>=25", "lmdb>=1.4", "psutil>=5.9", "msgpack>=1.0",
                       "prometheus-client>=0.17", "rich>=13"],
