@@ -12,6 +12,7 @@ import numpy as np
 from engine._codes import (
     T_DEADLINE,
     T_QUEUED,
+    TERMINAL_PHASES,
     Phase,
 )
 from engine._errors import ResourceExhausted, SpecError
@@ -189,16 +190,23 @@ class AdmissionMixin:
         return ids
 
     def _check_parent(self, c, where):
+        """Refuse a child of an unknown or ended parent. An ended action starts no children:
+        abort cascades through the children of actions still in the table, and an ended
+        parent's row is reclaimed (its outcome retained), after which a child could not be
+        linked to it, so taking one would make the cascade depend on when reclaim ran."""
         prow = self._lookup(c.parent)
         if prow is None:
             ret = self._retained(c.parent)
             if ret is None:
                 raise SpecError(f"{where}action {c.id}: parent {c.parent} not found")
-            if ret.record.phase == Phase.ABORTED:
-                raise SpecError(f"{where}action {c.id}: parent {c.parent} was aborted")
-            return      # ended and reclaimed: the child has no parent row to link to
-        if self._phase_of(prow) == Phase.ABORTED:
+            phase = ret.record.phase
+        else:
+            phase = self._phase_of(prow)
+        if phase == Phase.ABORTED:
             raise SpecError(f"{where}action {c.id}: parent {c.parent} was aborted")
+        if phase in TERMINAL_PHASES:
+            raise SpecError(f"{where}action {c.id}: parent {c.parent} has ended "
+                            f"({phase.value}); an ended action starts no children")
 
     def _check_run_cap(self, c, batch_run_caps, where):
         run = self._runs.get(c.id.run_key)
@@ -278,9 +286,9 @@ class AdmissionMixin:
                     done += 1
                 parent = local.get(str(c.parent))
                 if parent is None:
+                    # In the table: _check_parent refused any other, and keep (above)
+                    # holds it there through _alloc_rows.
                     parent = self._lookup(c.parent)
-                if parent is None:
-                    parent = -1     # ended and reclaimed (its outcome retained)
             for key, value in (("queue", q), ("run", u), ("qrun", qr),
                                ("lane", 2 * qr + int(fast)), ("env", env), ("part", part),
                                ("task", self._task_row(self._history_key(c))),

@@ -193,7 +193,7 @@ class ExplainMixin:
         st = self._state
         if int(st.a_wait_tick[row]) == self._kernel.tick_no:
             return (WaitCode(int(st.a_wait_code[row])), int(st.a_wait_cluster[row]),
-                    int(st.a_wait_dim[row]), int(st.a_wait_blocker[row]))
+                    int(st.a_wait_dim[row]), self._blocker(int(st.a_wait_blocker[row])))
         lane = int(st.a_lane[row])
         if int(st.ln_skip_tick[lane]) == self._kernel.tick_no:
             return WaitCode(int(st.ln_skip_code[lane])), -1, -1, -1
@@ -201,8 +201,19 @@ class ExplainMixin:
         code = int(st.q_stop_code[q])
         if code == WaitCode.QUEUE_HELD:
             code, cluster, dim, blocker = self._kernel.resolve_wait(row)
-            return WaitCode(code), cluster, dim, blocker
-        return WaitCode(code), -1, -1, int(st.q_stop_blocker[q])
+            return WaitCode(code), cluster, dim, self._blocker(blocker)
+        return WaitCode(code), -1, -1, self._blocker(int(st.q_stop_blocker[q]))
+
+    def _blocker(self, row):
+        """``row``, the blocker the last tick named, or -1 when it has left the queue since
+        (placed, aborted, or its row reclaimed and reused by a later action, which joined
+        after that tick): a stamp is as of the last tick, but a blocker is named only while
+        it still holds the line."""
+        st = self._state
+        if row < 0 or (int(st.a_state[row]) == ST_QUEUED
+                       and int(st.a_queued_tick[row]) < self._kernel.tick_no):
+            return row
+        return -1
 
     def _wait_codes(self, rows):
         """:meth:`_wait_code`'s code of each of queued ``rows`` (an int array), read from

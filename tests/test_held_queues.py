@@ -90,6 +90,30 @@ def test_a_held_queue_is_examined_to_its_head_and_explained_as_if_examined():
         assert len(eng.tick()) == 12
 
 
+def test_a_blocker_that_left_the_queue_since_the_tick_is_not_named():
+    """Wait stamps are as of the last tick, but a blocker is named only while it still holds
+    the line: not once aborted, nor once its row is reclaimed and reused by a later action
+    (which joined after that tick)."""
+    for eng in pair():
+        blocked_gang(eng)
+        ids = eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 1, "gpu": 1})
+                                for i in range(3)])
+        assert eng.tick() == []
+        assert all("head-of-line blocked by g/gang" in r
+                   for _p, _w, r in explanations(eng, ids))
+        gang = "acme/ml/prod/g/gang"
+        eng.abort(gang)
+        for _p, wait, reason in explanations(eng, ids):
+            assert wait == WaitCode.HEAD_OF_LINE and "g/gang" not in reason, reason
+        row = eng.inspect().find(gang)
+        assert eng.reclaim() >= 1 and eng.inspect().find(gang) is None
+        [late] = eng.enqueue_many([act("late", "late", "train",
+                                       resources={"cpu": 1, "gpu": 1})])
+        assert eng.inspect().find(late) == row      # the blocker's row, reused
+        for _p, _wait, reason in explanations(eng, ids):
+            assert "late" not in reason and "g/gang" not in reason, reason
+
+
 def test_a_strict_queue_behind_a_hold_is_cut_short_and_capacity_waits_resolved():
     cut, full = pair("STRICT_FIFO")
     ids = [f"acme/ml/prod/b{i}/one" for i in range(6)]

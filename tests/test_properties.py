@@ -601,12 +601,15 @@ class EngineMachine(RuleBasedStateMachine):
         same_run = sorted(a for a in self.actions if a.run == f"r{run}")
         p = self._pick(same_run, parent) if parent is not None and same_run else None
         new = self._new_spec(run, qi, "single", res=res, retries=retries, parent=p)
-        if p is not None and self.actions[p].phase == Phase.ABORTED:
+        if p is not None and self.actions[p].status == "done":
+            # An ended parent (aborted or any other end) starts no children, whether or not
+            # its row has been reclaimed yet.
             before = _snapshot(self.eng)
-            with pytest.raises(SpecError, match="aborted"):
-                self.eng.enqueue(new[0])  # no children for an aborted parent
-            _assert_unchanged(before, _snapshot(self.eng), "a child of an aborted parent")
-            self._assert_not_stored([new[0]], "a child of an aborted parent")
+            match = "aborted" if self.actions[p].phase == Phase.ABORTED else "has ended"
+            with pytest.raises(SpecError, match=match):
+                self.eng.enqueue(new[0])
+            _assert_unchanged(before, _snapshot(self.eng), "a child of an ended parent")
+            self._assert_not_stored([new[0]], "a child of an ended parent")
             return
         self._enqueue_expect([new], [])
 

@@ -21,6 +21,7 @@ from engine import (
     ManualClock,
     NotFound,
     Phase,
+    SpecError,
     Timeouts,
     parse_config,
 )
@@ -113,10 +114,12 @@ def test_a_row_with_children_in_the_table_is_not_reclaimed():
     eng, clock = make_engine(config())
     [parent] = eng.enqueue_many([ActionSpec(id="acme/p/d/r/root", task="t",
                                             resources={"cpu": 1})])
-    run_to_success(eng)
+    [lease] = eng.tick()
+    eng.report(lease.token, Phase.RUNNING)
     kids = eng.enqueue_fanout(ActionSpec(id="acme/p/d/r/k", task="t", parent=str(parent),
                                          resources={"cpu": 1}), ["k0", "k1"])
-    assert eng.reclaim() == 0          # the parent has children in the table
+    eng.report(lease.token, Phase.SUCCEEDED)
+    assert eng.reclaim() == 0          # the parent has ended, but has children in the table
     for a in eng.tick():
         if a.action == kids[0]:
             eng.report(a.token, Phase.SUCCEEDED)
@@ -611,3 +614,25 @@ def test_lean_retained_values_are_msgpack_of_the_record(rows):
         i32("cluster"), clusters, i32("worker"), workers, col["message"], col["finalize"],
         PHASES.index(Phase.SUCCEEDED), PHASES.index(Phase.ABORTED))
     assert got == [reference_value(r, queues, clusters, workers) for r in rows]
+
+
+def test_an_ended_parent_starts_no_children_before_or_after_its_row_is_reclaimed():
+    """A child of an ended parent is refused whether the parent's row is still in the table
+    or reclaimed: else an abort of the parent would cascade to it only before reclaim."""
+    eng, clock = make_engine(config())
+    [parent] = eng.enqueue_many([ActionSpec(id="acme/p/d/r/root", task="t",
+                                            resources={"cpu": 1})])
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/other", task="t", resources={"cpu": 1})])
+    run_to_success(eng)
+    child = ActionSpec(id="acme/p/d/r/k", task="t", parent=str(parent), resources={"cpu": 1})
+    for in_table in (True, False):
+        assert (eng.inspect().find(parent) is not None) == in_table
+        commits = eng.store.commits
+        with pytest.raises(SpecError, match="parent acme/p/d/r/root has ended \\(SUCCEEDED\\)"):
+            eng.enqueue(child)
+        with pytest.raises(SpecError, match="has ended"):
+            eng.enqueue_fanout(child, ["k0", "k1"])
+        assert eng.store.commits == commits
+        assert eng.inspect().find("acme/p/d/r/k") is None
+        if in_table:
+            assert eng.reclaim() == 2
