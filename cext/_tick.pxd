@@ -222,6 +222,11 @@ cdef class TickKernel:
     cdef i64[:, ::1] s_rv_shadow       # [C, Q] its shadow time (ns); -1 not computed yet
     cdef u8[:, ::1] s_rv_gap           # [C, Q] 1 = rule (a) open (known, no overrun)
     cdef i64[:, :, ::1] s_rv_extra     # [C, Q, R] free at its shadow time beyond its need
+    # Node clusters: reservation k of cluster c keeps, for the nodes of c, what each node is
+    # predicted to have free at its shadow time (before the head's pods), in s_rv_nfree[k].
+    cdef i64[:, :, ::1] s_rv_nfree     # [Q, Nn, R]
+    cdef i64[:, ::1] s_nsave           # [Nn, R] scratch: n_used saved around a projection
+    cdef i32[::1] s_bf_pnode           # [P] scratch: a backfill candidate's placement
     cdef i64[::1] s_bf_key             # [N] scratch: predicted ends being sorted
     cdef i32[::1] s_bf_row             # [N] scratch: ... and their rows
 
@@ -272,7 +277,11 @@ cdef class TickKernel:
                           i64 now) noexcept nogil
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
     cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
-                          u8* gap) noexcept nogil
+                          u8* gap, i64* nfree) noexcept nogil
+    cdef i64 _node_cover(self, i32 h, int c, const i64* need, i64* free, Py_ssize_t n,
+                         i64 now, i64* nfree) noexcept nogil
+    cdef bint _fits_beside(self, i32 h, int c, const i64* nfree, i32 a,
+                           const i32* nodes) noexcept nogil
     cdef void _reserve(self, i32 q, i32 h, u64 mine) noexcept nogil
     cdef void _take_reservations(self, i32 a, int c, i64 now) noexcept nogil
     cdef bint _budget_gap(self, i32 q, i32 h, i32 a, i64 now) noexcept nogil
@@ -281,4 +290,6 @@ cdef class TickKernel:
     cdef bint _node_fit(self, i32 a, int c) noexcept nogil
     cdef void _node_charge(self, const i32* nodes, i32 a, Py_ssize_t n_pods,
                            i64 sign) noexcept nogil
+    cdef void _pods_add(self, i64* target, const i32* nodes, i32 a, Py_ssize_t n_pods,
+                        i64 sign) noexcept nogil
     cdef i64 _run(self, i64 now) noexcept nogil

@@ -269,6 +269,9 @@ cdef class TickKernel:
         self.s_rv_shadow = state.s_rv_shadow
         self.s_rv_gap = state.s_rv_gap
         self.s_rv_extra = state.s_rv_extra
+        self.s_rv_nfree = state.s_rv_nfree
+        self.s_nsave = state.s_nsave
+        self.s_bf_pnode = state.s_bf_pnode
         self.s_bf_key = state.s_bf_key
         self.s_bf_row = state.s_bf_row
         if self.s_pnode.shape[0] != self.a_pnode.shape[1]:
@@ -1254,18 +1257,20 @@ cdef class TickKernel:
         # The shadow time of head h on cluster c (_shadow_into) into s_shadow[c], s_extra[c]
         # and s_bf_gap[c] (head_eta's scratch).
         cdef u8 gap
-        cdef i64 shadow = self._shadow_into(h, c, free_now, now, &self.s_extra[c, 0], &gap)
+        cdef i64 shadow = self._shadow_into(h, c, free_now, now, &self.s_extra[c, 0], &gap,
+                                            NULL)
         self.s_shadow[c] = shadow
         self.s_bf_gap[c] = gap
         return shadow
 
     cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
-                          u8* gap) noexcept nogil:
+                          u8* gap, i64* nfree) noexcept nogil:
         # The shadow time of head h on cluster c: the earliest predicted time at which what
-        # is free now plus what the live charged leases of c release covers h's demand.
-        # Writes extra (free then, beyond h's demand; -1 when unknown) and gap (rule (a)
-        # open: the time is known and no backfilled lease overran). A lease past its
-        # predicted end still releases no earlier than now.
+        # is free now plus what the live charged leases of c release covers h's demand (on
+        # a node cluster: and h's pods can be placed on the nodes, _node_cover, which writes
+        # nfree when not NULL). Writes extra (free then, beyond h's demand; -1 when unknown)
+        # and gap (rule (a) open: the time is known and no backfilled lease overran). A lease
+        # past its predicted end still releases no earlier than now.
         cdef const i64* need = &self.a_demand[h, 0]
         cdef i64* free = extra
         cdef i64 shadow
@@ -1277,11 +1282,76 @@ cdef class TickKernel:
         while a >= 0:
             n = self._push_end(a, n, now, &overrun)
             a = self.a_lnext[a]
-        shadow = self._first_cover(need, free, n, now)
+        if self.c_nodes[c]:
+            shadow = self._node_cover(h, c, need, free, n, now, nfree)
+        else:
+            shadow = self._first_cover(need, free, n, now)
         gap[0] = shadow < NEVER and not overrun
         for r in range(self.n_res):
             free[r] = free[r] - need[r] if shadow < NEVER else -1
         return shadow
+
+    cdef i64 _node_cover(self, i32 h, int c, const i64* need, i64* free, Py_ssize_t n,
+                         i64 now, i64* nfree) noexcept nogil:
+        # _first_cover on node cluster c: the earliest predicted time at which free plus the
+        # releases by then cover need and h's pods can be placed on the nodes as those
+        # releases leave them (first fit decreasing, as the gate will place them). The pods
+        # of each released lease come off n_used for the projection and are charged back
+        # before returning; nfree (when not NULL) gets, for each node of c, what it has free
+        # at that time (row node * R), before h's pods. O(releases x node fit).
+        cdef Py_ssize_t total = n, i, r, node
+        cdef Py_ssize_t width = self.a_pnode.shape[1]
+        cdef i64 t, shadow = NEVER
+        cdef i32 a
+        if covers(need, free, self.n_res) and self._node_fit(h, c):
+            shadow = now
+        else:
+            i = n // 2
+            while i > 0:
+                i -= 1
+                self._sift_down(i, n)
+            while n > 0:
+                t = self.s_bf_key[0]
+                if t == NEVER:
+                    break
+                while n > 0 and self.s_bf_key[0] == t:
+                    n = self._pop_end(n)
+                    a = self.s_bf_row[n]
+                    for r in range(self.n_res):
+                        if free[r] < UNLIMITED:
+                            free[r] += self.a_demand[a, r]
+                    self._node_charge(&self.a_pnode[a, 0], a, width, -1)
+                if covers(need, free, self.n_res) and self._node_fit(h, c):
+                    shadow = t
+                    break
+        if nfree != NULL and shadow < NEVER:
+            for node in range(self.c_node_first[c], self.c_node_first[c] + self.c_node_n[c]):
+                for r in range(self.n_res):
+                    nfree[node * self.n_res + r] = self.n_alloc[node, r] - self.n_used[node, r]
+        for i in range(n, total):      # the popped leases, back on their nodes
+            a = self.s_bf_row[i]
+            self._node_charge(&self.a_pnode[a, 0], a, width, 1)
+        return shadow
+
+    cdef bint _fits_beside(self, i32 h, int c, const i64* nfree, i32 a,
+                           const i32* nodes) noexcept nogil:
+        # Rule (b) on node cluster c: whether head h's pods can still be placed at its shadow
+        # time, on the nodes as its reservation predicts them free then (nfree), with a
+        # holding its pods (placed on nodes) all the while. The nodes' n_used is swapped for
+        # that projection for one placement trial, then restored.
+        cdef Py_ssize_t node, r
+        cdef Py_ssize_t first = self.c_node_first[c], end = first + self.c_node_n[c]
+        cdef bint ok
+        for node in range(first, end):
+            for r in range(self.n_res):
+                self.s_nsave[node, r] = self.n_used[node, r]
+                self.n_used[node, r] = self.n_alloc[node, r] - nfree[node * self.n_res + r]
+        self._pods_add(&self.n_used[0, 0], nodes, a, self.s_bf_pnode.shape[0], 1)
+        ok = self._node_fit(h, c)
+        for node in range(first, end):
+            for r in range(self.n_res):
+                self.n_used[node, r] = self.s_nsave[node, r]
+        return ok
 
     cdef void _reserve(self, i32 q, i32 h, u64 mine) noexcept nogil:
         # h is the first action of backfill queue q blocked this tick: it is the head the
@@ -1354,25 +1424,44 @@ cdef class TickKernel:
         cdef u64 by_gap = 0, by_extra = 0, bit
         cdef int c
         cdef i32 k
-        cdef bint all_gap, ok
+        cdef Py_ssize_t j
+        cdef bint all_gap, ok, nodes
         while cands != 0:
             c = lowest_bit(cands)
             bit = (<u64>1) << c
             cands &= ~bit
             if not covers(demand, &self.s_cfree[c, 0], self.n_res):
                 continue
-            all_gap = True
-            ok = True
+            nodes = self.c_nodes[c]
+            # The shadow times first: on a node cluster each runs placement trials, which
+            # use the scratch placement a's own is kept in.
             for k in range(self.s_rv_n[c]):
                 if self.s_rv_shadow[c, k] < 0:
                     self.s_rv_shadow[c, k] = self._shadow_into(
                         self.s_rv_head[c, k], c, &self.s_cfree[c, 0], now,
-                        &self.s_rv_extra[c, k, 0], &self.s_rv_gap[c, k])
+                        &self.s_rv_extra[c, k, 0], &self.s_rv_gap[c, k],
+                        &self.s_rv_nfree[k, 0, 0] if nodes else NULL)
+            if nodes:
+                # a itself must be placed on the nodes now, where the gate would put it.
+                if not self._node_fit(a, c):
+                    continue
+                for j in range(self.s_bf_pnode.shape[0]):
+                    self.s_bf_pnode[j] = self.s_pnode[j]
+            all_gap = True
+            ok = True
+            for k in range(self.s_rv_n[c]):
                 if (self.s_rv_gap[c, k] and rt < NEVER
                         and rt <= self.s_rv_shadow[c, k] - now):
                     continue
                 all_gap = False
                 if not covers(demand, &self.s_rv_extra[c, k, 0], self.n_res):
+                    ok = False
+                    break
+                # On nodes, rule (b) also needs the head's pods placeable at its shadow
+                # time beside a's: a fit in the totals may still take the node it needs.
+                if nodes and (self.s_rv_shadow[c, k] == NEVER or not self._fits_beside(
+                        self.s_rv_head[c, k], c, &self.s_rv_nfree[k, 0, 0], a,
+                        &self.s_bf_pnode[0])):
                     ok = False
                     break
             if not ok:
@@ -1382,10 +1471,20 @@ cdef class TickKernel:
             else:
                 by_extra |= bit
         if by_gap != 0:
-            return self._choose_cluster(a, by_gap)
-        if by_extra != 0:
-            return self._choose_cluster(a, by_extra)
-        return -1
+            c = self._choose_cluster(a, by_gap)
+        elif by_extra != 0:
+            c = self._choose_cluster(a, by_extra)
+        else:
+            return -1
+        # The gate's placement of a on the chosen node cluster, for _place (the trials
+        # above overwrote it); the state is as when it was found, so it is found again.
+        if self.c_nodes[c] and not self._node_fit(a, c):
+            if DEBUG_BUILD:
+                with gil:
+                    raise AssertionError(f"backfill of row {a} on node cluster {c}: its "
+                                         f"placement was not found again")
+            return -1
+        return c
 
     cdef void _take_reservations(self, i32 a, int c, i64 now) noexcept nogil:
         # a backfills cluster c (_backfill said yes): every reservation there that admits it
@@ -1401,6 +1500,10 @@ cdef class TickKernel:
                 continue
             for r in range(self.n_res):
                 self.s_rv_extra[c, k, r] -= demand[r]
+            if self.c_nodes[c]:
+                # ... and on nodes, the nodes a's pods take (the gate's placement, s_pnode).
+                self._pods_add(&self.s_rv_nfree[k, 0, 0], &self.s_pnode[0], a,
+                               self.s_pnode.shape[0], -1)
 
     def relink_live(self, Py_ssize_t n_rows):
         """Rebuild the per-cluster lists of live charged leases from rows ``0..n_rows-1``
@@ -1630,7 +1733,23 @@ cdef class TickKernel:
     cdef void _node_charge(self, const i32* nodes, i32 a, Py_ssize_t n_pods,
                            i64 sign) noexcept nogil:
         # Add (sign 1) or take back (-1) the first n_pods pods of a, in pod-group order, on
-        # their nodes; a node of -1 ends the record (fewer pods than its width).
+        # their nodes' n_used; a node of -1 ends the record (fewer pods than its width).
+        cdef Py_ssize_t k, r
+        self._pods_add(&self.n_used[0, 0], nodes, a, n_pods, sign)
+        if DEBUG_BUILD and sign < 0:
+            for k in range(n_pods):
+                if nodes[k] < 0:
+                    break
+                for r in range(self.n_res):
+                    if self.n_used[nodes[k], r] < 0:
+                        with gil:
+                            raise AssertionError(f"node {nodes[k]} resource {r} went "
+                                                 f"negative releasing row {a}")
+
+    cdef void _pods_add(self, i64* target, const i32* nodes, i32 a, Py_ssize_t n_pods,
+                        i64 sign) noexcept nogil:
+        # sign x the first n_pods pods of a (pod-group order) on their nodes, into target
+        # (a node-by-resource matrix, row node * R); a node of -1 ends the record.
         cdef i32 g, g0 = self.a_pg_first[a], node
         cdef Py_ssize_t k = 0, r
         cdef i64 _j
@@ -1644,11 +1763,7 @@ cdef class TickKernel:
                 if node < 0:
                     return
                 for r in range(self.n_res):
-                    self.n_used[node, r] += sign * self.pg_vec[g, r]
-                    if DEBUG_BUILD and self.n_used[node, r] < 0:
-                        with gil:
-                            raise AssertionError(
-                                f"node {node} resource {r} went negative releasing row {a}")
+                    target[node * self.n_res + r] += sign * self.pg_vec[g, r]
                 k += 1
 
     def gate_bench(self, i32 q, i32[::1] rows not None, long iterations):

@@ -457,10 +457,8 @@ def update_queue(existing, changes, config, source="<queue update>"):
 
 
 def _check_admission(source, engine, clusters, queues):
-    """Refuse what node-aware admission does not support yet (docs/nodes.md), naming the
-    key, instead of approximating it: the resource gate off (nothing would place pods), and
-    EASY backfill on a queue that may use a ``nodes`` cluster (its reservation and shadow
-    time are computed on cluster totals, not on nodes)."""
+    """Refuse what node-aware admission does not support (docs/nodes.md), naming the key,
+    instead of approximating it: the resource gate off (nothing would place pods)."""
     by_nodes = [c.name for c in clusters if c.admission == "nodes"]
     if not by_nodes:
         return
@@ -470,15 +468,6 @@ def _check_admission(source, engine, clusters, queues):
             f"engine.resource_gate = {engine.resource_gate!r}; allowed: admission = 'nodes' "
             f"only with resource_gate = 'enforce'"
         )
-    for q in queues:
-        used = [name for name in by_nodes if name in q.clusters]
-        if q.backfill and used:
-            raise ConfigError(
-                f"{source}: queues.{q.name}.backfill: true is not supported on clusters with "
-                f"admission = 'nodes' ({_listing(used)}): backfill reservations are not "
-                f"computed on nodes yet; allowed: backfill = false, or clusters without "
-                f"admission = 'nodes'"
-            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -381,6 +381,13 @@ class State:
         self.s_rv_gap = np.zeros((c, q), dtype=U8)
         self.s_rv_extra = np.zeros((c, q, r), dtype=I64)
         self.s_pnode = np.full(self.node_pods, -1, dtype=I32)  # the gate's trial placement
+        # Node clusters: each reservation's per-node free at its shadow time (rows of the
+        # reservation's slot k, node rows of its cluster), n_used saved around a projection,
+        # and a backfill candidate's placement while reservations are tested against it.
+        nn = max(1, self.n_nodes)
+        self.s_rv_nfree = np.zeros((q if self.n_nodes else 1, nn, r), dtype=I64)
+        self.s_nsave = np.zeros((nn, r), dtype=I64)
+        self.s_bf_pnode = np.full(self.node_pods, -1, dtype=I32)
 
     def tenant_row(self, tenants, config, tenant):
         """``(row, grown)``: the row of tenant ``tenant`` in ``tenants`` (name -> row, in row

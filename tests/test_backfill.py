@@ -455,13 +455,15 @@ def test_waiting_actions_report_their_position():
 # Property: with exact predictions, backfill never delays the first blocked head
 
 
-def two_clusters(backfill, budget=None):
+def two_clusters(backfill, budget=None, admission="shapes"):
     """east: two 8-GPU nodes; west: one. The queue may use both (with a GPU budget)."""
     cfg = config(backfill=backfill, **({"max_resources": {"gpu:H100": budget}}
                                        if budget is not None else {}))
     cfg["clusters"] = {
-        "east": {"node_shapes": [{"name": "h100", "count": 2, "allocatable": NODE}]},
-        "west": {"node_shapes": [{"name": "h100", "count": 1, "allocatable": NODE}]},
+        "east": {"admission": admission,
+                 "node_shapes": [{"name": "h100", "count": 2, "allocatable": NODE}]},
+        "west": {"admission": admission,
+                 "node_shapes": [{"name": "h100", "count": 1, "allocatable": NODE}]},
     }
     return cfg
 
@@ -469,14 +471,14 @@ def two_clusters(backfill, budget=None):
 QUEUES = (("hi", 300), ("mid", 200), ("lo", 100))
 
 
-def simulate(jobs, runtimes, backfill, budget=None, queues=False):
+def simulate(jobs, runtimes, backfill, budget=None, queues=False, admission="shapes"):
     """Deterministic event-driven run of ``jobs`` [(submit_ns, task, gpus, cpu, pods[,
     queue])] on :func:`two_clusters` (``queues``: with the three STRICT_FIFO queues of
     ``QUEUES`` instead of one, every one with ``backfill``). Tasks run exactly
     ``runtimes[task]`` ns, which their warm history predicts. Returns (first blocked head,
     its queue, {run: start_ns}): the head of the first queue, by priority, with a head
     blocked in the first tick that blocked any."""
-    cfg = two_clusters(backfill, budget)
+    cfg = two_clusters(backfill, budget, admission)
     names = ["gpu"]
     if queues:
         cfg["queues"] = {name: {"scheduling": "STRICT_FIFO", "backfill": backfill,
@@ -557,11 +559,21 @@ def test_backfill_across_queues_never_delays_the_first_queues_blocked_head(raw, 
     _never_delays(raw, edges, budget=None, queues=True)
 
 
-def _never_delays(raw, edges, budget, queues=False):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(job, min_size=2, max_size=16),
+       st.lists(st.sampled_from(EDGES[40:70]), min_size=4, max_size=4))
+def test_backfill_on_nodes_never_delays_the_first_blocked_head(raw, edges):
+    # The same with every pod placed on nodes (admission = "nodes"): the head's shadow time
+    # is when its pods can be placed, and rule (b) keeps them placeable beside a backfill.
+    _never_delays(raw, edges, budget=None, admission="nodes")
+
+
+def _never_delays(raw, edges, budget, queues=False, admission="shapes"):
     runtimes = dict(zip("abcd", edges, strict=True))
     jobs = [(t * S, *rest) for t, *rest in raw]
-    head_off, queue_off, starts_off = simulate(jobs, runtimes, False, budget, queues)
-    head_on, queue_on, starts_on = simulate(jobs, runtimes, True, budget, queues)
+    head_off, queue_off, starts_off = simulate(jobs, runtimes, False, budget, queues,
+                                               admission)
+    head_on, queue_on, starts_on = simulate(jobs, runtimes, True, budget, queues, admission)
     assert (head_on, queue_on) == (head_off, queue_off)    # identical until the first block
     assert set(starts_on) == set(starts_off)   # the same jobs ran (a gang too big fails)
     if head_off is not None and queue_off in ("gpu", "hi"):
@@ -791,3 +803,49 @@ def test_budget_backfill_is_bounded_per_tick():
     eng.enqueue_many([gpus(f"q{i}", "quick", 1) for i in range(3)])
     assert len(eng.tick()) == 1                  # one candidate tested behind the head
     assert len(eng.tick()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Backfill on nodes (admission = "nodes")
+
+
+def test_a_backfill_never_lands_on_the_node_a_blocked_head_needs():
+    """Three 8-GPU nodes, each with a 60-cpu lease (so no two share a node): 6 GPUs of a long
+    one on node 0, 4 of a short one (ends at T100) on node 1, 2 of a long one on node 2. A
+    head of one 8-GPU pod fits the totals (12 free) but no node: its shadow time is T100,
+    when node 1 is whole again. A long 4-GPU action fits the totals' extra then, but first
+    fit puts it on node 1: refused. A long 2-GPU one goes to node 0 and is backfilled (rule
+    (b)); a short 4-GPU one ends before T100 and may use node 1 (rule (a)). The head starts at
+    its shadow time."""
+    cfg = config(nodes=3)
+    cfg["clusters"]["east"]["admission"] = "nodes"
+    eng, clock = make_engine(cfg)
+    base = [act("l0", "long", resources={"cpu": 60, "gpu": 6}),
+            act("l1", "small", resources={"cpu": 60, "gpu": 4}),
+            act("l2", "long", resources={"cpu": 60, "gpu": 2})]
+    head = act("h", "train", pods=(PodGroup("worker", 1, {"cpu": 1, "gpu": 8}),))
+    z = act("z", "long", resources={"cpu": 1, "gpu": 4})
+    w = act("w", "long", resources={"cpu": 1, "gpu": 2})
+    v = act("v", "quick", resources={"cpu": 1, "gpu": 4})
+    warm(eng, *base, head, z, w, v, long=T500, small=T100, quick=T10, train=T500)
+    placed = {a.action.run: a for a in start(eng, clock, base)}
+    view = eng.inspect()
+    assert [view.placement(placed[r].action) for r in ("l0", "l1", "l2")] == [
+        ["h100-0"], ["h100-1"], ["h100-2"]]
+    eng.enqueue_many([head, z, w])
+    got = {a.action.run: a for a in eng.tick()}
+    assert set(got) == {"w"} and view.placement(got["w"].action) == ["h100-0"]
+    assert eng.explain(head.id).wait == WaitCode.NO_NODE_FIT
+    assert eng.explain(z.id).wait in (WaitCode.HEAD_OF_LINE, WaitCode.CLUSTER_CAPACITY)
+    eng.enqueue(v)
+    [quick] = eng.tick()
+    assert quick.action.run == "v" and view.placement(quick.action) == ["h100-1"]
+    t0 = clock.now_ns()
+    clock.set_ns(t0 + T10)
+    eng.complete(quick.action, quick.generation)
+    assert eng.tick() == []            # z still may not take node 1
+    clock.set_ns(t0 + T100)
+    eng.complete(placed["l1"].action, placed["l1"].generation)
+    started = {a.action.run: a for a in eng.tick()}
+    assert "h" in started and view.placement(started["h"].action) == ["h100-1"]
+

@@ -196,10 +196,6 @@ def vars_of(msg):
     ({"admission": "nodes", "node_shapes": [{"count": 1, "allocatable": NODE}]},
      {"resource_gate": "off"}, {},
      "clusters.east.admission: 'nodes' is invalid with engine.resource_gate = 'off'"),
-    ({"admission": "nodes", "node_shapes": [{"count": 1, "allocatable": NODE}]}, {},
-     {"backfill": True},
-     "queues.gpu.backfill: true is not supported on clusters with admission = 'nodes' "
-     "(east)"),
     ({"admission": "nodes", "node_shapes": [{"count": 1, "allocatable": NODE}]},
      {"max_node_pods": 0}, {}, "engine.max_node_pods"),
 ])
@@ -210,14 +206,14 @@ def test_bad_admission_config_is_refused_naming_the_key(cluster, engine, queue, 
         parse_config(cfg, source="<test>")
 
 
-def test_admission_defaults_to_shapes_and_a_live_backfill_change_is_refused():
+def test_admission_defaults_to_shapes_and_backfill_may_use_node_clusters():
     cfg = parse_config(config(), source="<test>")
     assert cfg.clusters[0].admission == "nodes"
     plain = parse_config(config(admission="shapes") | {"clusters": {"east": {
         "node_shapes": [{"count": 1, "allocatable": NODE}]}}}, source="<test>")
     assert plain.clusters[0].admission == "shapes"
-    with pytest.raises(ConfigError, match="queues.gpu.backfill: true is not supported"):
-        update_queue(cfg.queues[0], {"backfill": True}, cfg)
+    # Reservations are computed on nodes (below, "Backfill on nodes"): a live change too.
+    assert update_queue(cfg.queues[0], {"backfill": True}, cfg).backfill is True
 
 
 # ----------------------------------------------------------------------------- durability
