@@ -30,7 +30,10 @@ The model (``generate``; everything drawn from one ``random.Random(seed)``):
   the error over the jobs projected to wait (``eta_abs_error_waiting_p50/p90``) and the
   shares that started late or early (by more than 1 s).
 
-    .venv/bin/python bench/quality.py [--seed N] [--days D]
+    .venv/bin/python bench/quality.py [--seed N] [--days D] [--admission shapes|nodes]
+
+``--admission nodes`` sets every cluster's ``admission = "nodes"``: the engine itself places
+pods on nodes (nothing it admits pends in the node model) and backfill reserves nodes.
 """
 
 import argparse
@@ -39,6 +42,7 @@ import math
 import random
 import sys
 import time
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,7 +53,7 @@ for _path in (ROOT, ROOT / "bench"):       # bench/ too when imported as a modul
 
 from _harness import round_or_none  # noqa: E402
 
-from engine._config import load_config  # noqa: E402
+from engine._config import parse_config  # noqa: E402
 from engine._sim import prepare, simulate  # noqa: E402
 from engine._trace import Job  # noqa: E402
 
@@ -142,14 +146,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--days", type=float, default=DAYS)
+    parser.add_argument("--admission", choices=("shapes", "nodes"), default="shapes",
+                        help="every cluster's admission (docs/nodes.md): 'nodes' places pods "
+                             "on nodes in the engine too, backfill reserving nodes")
     args = parser.parse_args(argv)
     wall0 = time.perf_counter()
-    cfg = load_config(CONFIG_PATH)
+    data = tomllib.loads(CONFIG_PATH.read_text())
+    for cluster in data["clusters"].values():
+        cluster["admission"] = args.admission
+    cfg = parse_config(data, source=str(CONFIG_PATH))
     jobs = generate(args.seed, args.days)
     exact = [replace(j, estimate=j.runtime) for j in jobs]
     out = {"bench": "quality", "seed": args.seed, "days": args.days, "jobs": len(jobs),
            "tasks": len({j.task for j in jobs}), "gangs": sum(j.n_pods > 1 for j in jobs),
-           "target_gpu_load": LOAD, "nodes": True}
+           "target_gpu_load": LOAD, "nodes": True, "admission": args.admission}
     results = {}
     for policy, trace in (("fifo", jobs), ("backfill", jobs), ("greedy", jobs),
                           ("backfill_exact", exact)):

@@ -273,13 +273,11 @@ cdef class TickKernel:
     cdef i64 _pred_rt(self, i32 a) noexcept nogil
     cdef i64 _live_end(self, i32 a, i64 now) noexcept nogil
     cdef Py_ssize_t _push_end(self, i32 a, Py_ssize_t n, i64 now, bint* overrun) noexcept nogil
-    cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n,
-                          i64 now) noexcept nogil
+    cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n, i64 now, i32 h,
+                          int c, i64* nfree) noexcept nogil
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil
     cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
                           u8* gap, i64* nfree) noexcept nogil
-    cdef i64 _node_cover(self, i32 h, int c, const i64* need, i64* free, Py_ssize_t n,
-                         i64 now, i64* nfree) noexcept nogil
     cdef bint _fits_beside(self, i32 h, int c, const i64* nfree, i32 a,
                            const i32* nodes) noexcept nogil
     cdef void _reserve(self, i32 q, i32 h, u64 mine) noexcept nogil

@@ -1223,87 +1223,22 @@ cdef class TickKernel:
         self.s_bf_row[n] = a
         return n + 1
 
-    cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n,
-                          i64 now) noexcept nogil:
+    cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n, i64 now, i32 h,
+                          int c, i64* nfree) noexcept nogil:
         # The earliest time at which free plus the demand of the leases in the scratch heap
         # s_bf_key/s_bf_row[:n] (predicted ends) released by then covers need; NEVER when
         # unknown. free accumulates the releases (it ends as what is free at that time).
         # A min-heap (O(n) to build) popped only until covered: the usual case needs a few
-        # releases out of many live leases, not a full sort.
-        cdef Py_ssize_t i, r
-        cdef i64 t
-        cdef i32 a
-        if covers(need, free, self.n_res):
-            return now
-        i = n // 2
-        while i > 0:
-            i -= 1
-            self._sift_down(i, n)
-        while n > 0:
-            t = self.s_bf_key[0]
-            if t == NEVER:
-                return NEVER
-            while n > 0 and self.s_bf_key[0] == t:
-                n = self._pop_end(n)
-                a = self.s_bf_row[n]
-                for r in range(self.n_res):
-                    if free[r] < UNLIMITED:
-                        free[r] += self.a_demand[a, r]
-            if covers(need, free, self.n_res):
-                return t
-        return NEVER
-
-    cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
-        # The shadow time of head h on cluster c (_shadow_into) into s_shadow[c], s_extra[c]
-        # and s_bf_gap[c] (head_eta's scratch).
-        cdef u8 gap
-        cdef i64 shadow = self._shadow_into(h, c, free_now, now, &self.s_extra[c, 0], &gap,
-                                            NULL)
-        self.s_shadow[c] = shadow
-        self.s_bf_gap[c] = gap
-        return shadow
-
-    cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
-                          u8* gap, i64* nfree) noexcept nogil:
-        # The shadow time of head h on cluster c: the earliest predicted time at which what
-        # is free now plus what the live charged leases of c release covers h's demand (on
-        # a node cluster: and h's pods can be placed on the nodes, _node_cover, which writes
-        # nfree when not NULL). Writes extra (free then, beyond h's demand; -1 when unknown)
-        # and gap (rule (a) open: the time is known and no backfilled lease overran). A lease
-        # past its predicted end still releases no earlier than now.
-        cdef const i64* need = &self.a_demand[h, 0]
-        cdef i64* free = extra
-        cdef i64 shadow
-        cdef Py_ssize_t n = 0, r
-        cdef bint overrun = False
-        cdef i32 a = self.c_live[c]
-        for r in range(self.n_res):
-            free[r] = free_now[r]
-        while a >= 0:
-            n = self._push_end(a, n, now, &overrun)
-            a = self.a_lnext[a]
-        if self.c_nodes[c]:
-            shadow = self._node_cover(h, c, need, free, n, now, nfree)
-        else:
-            shadow = self._first_cover(need, free, n, now)
-        gap[0] = shadow < NEVER and not overrun
-        for r in range(self.n_res):
-            free[r] = free[r] - need[r] if shadow < NEVER else -1
-        return shadow
-
-    cdef i64 _node_cover(self, i32 h, int c, const i64* need, i64* free, Py_ssize_t n,
-                         i64 now, i64* nfree) noexcept nogil:
-        # _first_cover on node cluster c: the earliest predicted time at which free plus the
-        # releases by then cover need and h's pods can be placed on the nodes as those
-        # releases leave them (first fit decreasing, as the gate will place them). The pods
-        # of each released lease come off n_used for the projection and are charged back
-        # before returning; nfree (when not NULL) gets, for each node of c, what it has free
-        # at that time (row node * R), before h's pods. O(releases x node fit).
+        # releases out of many live leases, not a full sort. With node cluster c >= 0 also
+        # h's pods must be placeable (first fit decreasing, as the gate will place them) on
+        # the nodes as those releases leave them: each released lease's pods come off n_used
+        # for the projection and are charged back before returning, and nfree (when not
+        # NULL) gets what each node of c has free then (row node * R, before h's pods).
         cdef Py_ssize_t total = n, i, r, node
         cdef Py_ssize_t width = self.a_pnode.shape[1]
         cdef i64 t, shadow = NEVER
         cdef i32 a
-        if covers(need, free, self.n_res) and self._node_fit(h, c):
+        if covers(need, free, self.n_res) and (c < 0 or self._node_fit(h, c)):
             shadow = now
         else:
             i = n // 2
@@ -1320,17 +1255,56 @@ cdef class TickKernel:
                     for r in range(self.n_res):
                         if free[r] < UNLIMITED:
                             free[r] += self.a_demand[a, r]
-                    self._node_charge(&self.a_pnode[a, 0], a, width, -1)
-                if covers(need, free, self.n_res) and self._node_fit(h, c):
+                    if c >= 0:
+                        self._node_charge(&self.a_pnode[a, 0], a, width, -1)
+                if covers(need, free, self.n_res) and (c < 0 or self._node_fit(h, c)):
                     shadow = t
                     break
-        if nfree != NULL and shadow < NEVER:
-            for node in range(self.c_node_first[c], self.c_node_first[c] + self.c_node_n[c]):
-                for r in range(self.n_res):
-                    nfree[node * self.n_res + r] = self.n_alloc[node, r] - self.n_used[node, r]
-        for i in range(n, total):      # the popped leases, back on their nodes
-            a = self.s_bf_row[i]
-            self._node_charge(&self.a_pnode[a, 0], a, width, 1)
+        if c >= 0:
+            if nfree != NULL and shadow < NEVER:
+                for node in range(self.c_node_first[c],
+                                  self.c_node_first[c] + self.c_node_n[c]):
+                    for r in range(self.n_res):
+                        nfree[node * self.n_res + r] = (self.n_alloc[node, r]
+                                                        - self.n_used[node, r])
+            for i in range(n, total):      # the popped leases, back on their nodes
+                a = self.s_bf_row[i]
+                self._node_charge(&self.a_pnode[a, 0], a, width, 1)
+        return shadow
+
+    cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
+        # The shadow time of head h on cluster c (_shadow_into) into s_shadow[c], s_extra[c]
+        # and s_bf_gap[c] (head_eta's scratch).
+        cdef u8 gap
+        cdef i64 shadow = self._shadow_into(h, c, free_now, now, &self.s_extra[c, 0], &gap,
+                                            NULL)
+        self.s_shadow[c] = shadow
+        self.s_bf_gap[c] = gap
+        return shadow
+
+    cdef i64 _shadow_into(self, i32 h, int c, const i64* free_now, i64 now, i64* extra,
+                          u8* gap, i64* nfree) noexcept nogil:
+        # The shadow time of head h on cluster c: the earliest predicted time at which what
+        # is free now plus what the live charged leases of c release covers h's demand (on
+        # a node cluster: and h's pods can be placed on the nodes, _first_cover, which writes
+        # nfree when not NULL). Writes extra (free then, beyond h's demand; -1 when unknown)
+        # and gap (rule (a) open: the time is known and no backfilled lease overran). A lease
+        # past its predicted end still releases no earlier than now.
+        cdef const i64* need = &self.a_demand[h, 0]
+        cdef i64* free = extra
+        cdef i64 shadow
+        cdef Py_ssize_t n = 0, r
+        cdef bint overrun = False
+        cdef i32 a = self.c_live[c]
+        for r in range(self.n_res):
+            free[r] = free_now[r]
+        while a >= 0:
+            n = self._push_end(a, n, now, &overrun)
+            a = self.a_lnext[a]
+        shadow = self._first_cover(need, free, n, now, h, c if self.c_nodes[c] else -1, nfree)
+        gap[0] = shadow < NEVER and not overrun
+        for r in range(self.n_res):
+            free[r] = free[r] - need[r] if shadow < NEVER else -1
         return shadow
 
     cdef bint _fits_beside(self, i32 h, int c, const i64* nfree, i32 a,
@@ -1406,7 +1380,7 @@ cdef class TickKernel:
                 if self.a_queue[a] == q:
                     n = self._push_end(a, n, now, &overrun)
                 a = self.a_lnext[a]
-        shadow = self._first_cover(need, free, n, now)
+        shadow = self._first_cover(need, free, n, now, -1, -1, NULL)
         self.s_bq_gap[q] = shadow < NEVER and not overrun
         return shadow
 
