@@ -262,6 +262,20 @@ def test_the_bundled_example_trace_shows_the_policies_apart(capsys):
     assert fifo["mean_wait_s"] > 2 * greedy["mean_wait_s"]
 
 
+def test_quality_bench_with_node_admission_prints_one_json_object(capsys):
+    """bench/quality.py --admission nodes: every cluster places pods in the engine, backfill
+    reserves nodes, and every job of the trace completes under every policy."""
+    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench/quality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--days", "0.1", "--admission", "nodes"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["admission"] == "nodes" and data["jobs"] > 20
+    for policy in ("fifo", "backfill", "greedy", "backfill_exact"):
+        assert data[f"completed_{policy}"] == data["jobs"], policy
+        assert isinstance(data[f"mean_wait_{policy}_s"], float), policy
+
+
 def test_backfill_bench_prints_one_json_object(capsys):
     spec = importlib.util.spec_from_file_location("bench_backfill", ROOT / "bench/backfill.py")
     bench = importlib.util.module_from_spec(spec)
