@@ -125,6 +125,10 @@ cdef class TickKernel:
     cdef i32[::1] c_node_n             # [C] ... and how many
     cdef i64[:, ::1] n_alloc           # [Nn, R] allocatable vector of each node
     cdef i64[:, ::1] n_used            # [Nn, R] taken by the placed pods of live leases
+    cdef i64[:, ::1] n_obs             # [Nn, R] a worker's last free report (UNLIMITED none)
+    cdef i64[:, ::1] n_obs_mark        # [Nn, R] n_adm at that report
+    cdef i64[:, ::1] n_adm             # [Nn, R] pods charged ever (cumulative)
+    cdef bint s_node_obs               # node fits bound by reports (off while projecting)
     cdef i64[:, ::1] pg_vec            # [G, R] per-pod vector of each interned pod group
     cdef i64[::1] pg_count             # [G] its replicas
     cdef i32[::1] a_pg_first           # first pod group row of the action (largest first)

@@ -196,6 +196,10 @@ cdef class TickKernel:
         self.c_node_n = state.c_node_n
         self.n_alloc = state.n_alloc
         self.n_used = state.n_used
+        self.n_obs = state.n_obs
+        self.n_obs_mark = state.n_obs_mark
+        self.n_adm = state.n_adm
+        self.s_node_obs = True
         self.pg_vec = state.pg_vec
         self.pg_count = state.pg_count
         self.a_pg_first = state.a_pg_first
@@ -1238,6 +1242,9 @@ cdef class TickKernel:
         cdef Py_ssize_t width = self.a_pnode.shape[1]
         cdef i64 t, shadow = NEVER
         cdef i32 a
+        # A worker's report says what is free now, not later: the projection runs on the
+        # engine's own accounting (the gate's placements, which are now, do read it).
+        self.s_node_obs = c < 0
         if covers(need, free, self.n_res) and (c < 0 or self._node_fit(h, c)):
             shadow = now
         else:
@@ -1270,6 +1277,7 @@ cdef class TickKernel:
             for i in range(n, total):      # the popped leases, back on their nodes
                 a = self.s_bf_row[i]
                 self._node_charge(&self.a_pnode[a, 0], a, width, 1)
+        self.s_node_obs = True
         return shadow
 
     cdef i64 _shadow(self, i32 h, int c, const i64* free_now, i64 now) noexcept nogil:
@@ -1321,7 +1329,9 @@ cdef class TickKernel:
                 self.s_nsave[node, r] = self.n_used[node, r]
                 self.n_used[node, r] = self.n_alloc[node, r] - nfree[node * self.n_res + r]
         self._pods_add(&self.n_used[0, 0], nodes, a, self.s_bf_pnode.shape[0], 1)
+        self.s_node_obs = False         # a projection of the shadow time: no report applies
         ok = self._node_fit(h, c)
+        self.s_node_obs = True
         for node in range(first, end):
             for r in range(self.n_res):
                 self.n_used[node, r] = self.s_nsave[node, r]
@@ -1648,7 +1658,7 @@ cdef class TickKernel:
         # charged either way. Cost: O(groups x nodes of c x R) per call, no allocation.
         cdef i32 g, g0 = self.a_pg_first[a], last, node, end
         cdef Py_ssize_t k = 0, held = 0, width = self.s_pnode.shape[0], r, j
-        cdef i64 left, room, free
+        cdef i64 left, room, free, seen
         cdef const i64* vec
         cdef bint ok = True
         if DEBUG_BUILD and g0 < 0:
@@ -1669,6 +1679,13 @@ cdef class TickKernel:
                 for r in range(self.n_res):
                     if vec[r] > 0:
                         free = self.n_alloc[node, r] - self.n_used[node, r]
+                        if self.s_node_obs and self.n_obs[node, r] < UNLIMITED:
+                            # No more than a worker last reported free, less what was
+                            # placed on the node since.
+                            seen = self.n_obs[node, r] - (self.n_adm[node, r]
+                                                          - self.n_obs_mark[node, r])
+                            if seen < free:
+                                free = seen
                         if vec[r] > free:
                             room = 0
                             break
@@ -1685,6 +1702,7 @@ cdef class TickKernel:
                         # trial (the last group's pods need not be).
                         for r in range(self.n_res):
                             self.n_used[node, r] += room * vec[r]
+                            self.n_adm[node, r] += room * vec[r]
                         held += room
                     for j in range(room):
                         self.s_pnode[k + j] = node
@@ -1697,6 +1715,7 @@ cdef class TickKernel:
         # Trial only: give back what it charged (the pods of the groups before the last).
         if held:
             self._node_charge(&self.s_pnode[0], a, held, -1)
+            self._pods_add(&self.n_adm[0, 0], &self.s_pnode[0], a, held, -1)
         if ok:
             self.s_pnode_row = a
             self.s_pnode_cluster = c
@@ -1841,6 +1860,7 @@ cdef class TickKernel:
             for r in range(self.a_pnode.shape[1]):
                 self.a_pnode[a, r] = self.s_pnode[r]
             self._node_charge(&self.a_pnode[a, 0], a, self.a_pnode.shape[1], 1)
+            self._pods_add(&self.n_adm[0, 0], &self.a_pnode[a, 0], a, self.a_pnode.shape[1], 1)
             self.s_pnode_row = -1
         if mode == M_POOL_START:
             self.e_cluster[e] = c

@@ -16,7 +16,9 @@ from cext._lease import validate
 from engine._codes import LeaseKind, Phase, RowState
 from engine._errors import NotFound
 from engine._model import ActionId
+from engine._nodes import node_names
 from engine._rows import ST_FREE, ST_QUEUED
+from engine._units import UNLIMITED
 
 __all__ = ["Inspection", "ActionRecord", "DispatchEntry", "PendingTimer"]
 
@@ -217,17 +219,21 @@ class Inspection:
         c = e.config.clusters[e._cluster_index[cluster]]
         if c.admission != "nodes":
             return []
-        return [f"{s.name}-{k}" for s in c.node_shapes for k in range(s.count)]
+        return node_names(c)
 
     def node_free(self, cluster):
-        """``{node name: free vector}`` of ``cluster`` as the gate sees it now
-        (allocatable minus the placed pods of its live leases); {} for a cluster of shapes."""
+        """``{node name: free vector}`` of ``cluster`` as the gate sees it now (allocatable
+        minus the placed pods of its live leases, and no more than a worker last reported
+        free on the node less what was placed there since); {} for a cluster of shapes."""
         e = self._engine
         st = e._state
         i = e._cluster_index[cluster]
         first = int(st.c_node_first[i])
-        return {name: (st.n_alloc[first + k] - st.n_used[first + k]).copy()
-                for k, name in enumerate(self.node_names(cluster))}
+        rows = slice(first, first + len(self.node_names(cluster)))
+        free = st.n_alloc[rows] - st.n_used[rows]
+        seen = st.n_obs[rows] - (st.n_adm[rows] - st.n_obs_mark[rows])
+        free = np.where(st.n_obs[rows] < UNLIMITED, np.minimum(free, seen), free)
+        return {name: free[k].copy() for k, name in enumerate(self.node_names(cluster))}
 
     def placement(self, action):
         """The node of each pod of ``action``'s live lease (names, in its pod groups' order,

@@ -22,6 +22,7 @@ from engine._codes import (
 from engine._dispatch import DispatchBatch
 from engine._errors import NotFound, SpecError
 from engine._leases import ErrorKind
+from engine._nodes import node_names
 from engine._records import (
     row_key,
 )
@@ -332,31 +333,68 @@ class LeasingMixin:
                              "lease expired: heartbeats stopped", True, cleanup=True)
         return True
 
-    def heartbeat(self, worker_id, tokens, free_capacity=None):
+    def heartbeat(self, worker_id, tokens, free_capacity=None, node_free=None):
         """Validate and extend a batch of tokens from one worker in one Cython pass (check
         all, then extend the valid ones); record the free capacity it sees in its cluster
-        (``{resource: quantity}``) for the gate. Returns the refused tokens with verdicts;
-        the worker stops the attempt behind each one. Extension is best-effort."""
+        (``{resource: quantity}``) and, on a cluster with admission = "nodes", on each of
+        the nodes it names (``node_free``: ``{node name: {resource: quantity}}``), for the
+        gate. A bad report raises ``SpecError`` naming it, before anything is recorded.
+        Returns the refused tokens with verdicts; the worker stops the attempt behind each
+        one. Extension is best-effort."""
         row = self._worker_row(worker_id)
         st = self._state
         if not st.w_connected[row]:
             raise NotFound(f"worker {worker_id!r} is not connected")
         arr = self._codec.parse(tokens)
-        st.w_paused[row] = int(st.w_paused[row]) & ~W_SUSPECT    # alive: it may take work
+        c = int(st.w_cluster[row])
+        vec = nodes = None
         if free_capacity is not None:
             try:
                 vec = self._resources.vector(free_capacity, unset=-1)
             except ValueError as exc:
                 raise SpecError(f"worker {worker_id}: free_capacity: {exc}") from None
-            c = int(st.w_cluster[row])
+        if node_free is not None:
+            nodes = self._node_reports(worker_id, c, node_free)
+        st.w_paused[row] = int(st.w_paused[row]) & ~W_SUSPECT    # alive: it may take work
+        if vec is not None:
             given = vec >= 0
             st.c_obs[c, given] = vec[given]
             st.c_obs_mark[c, given] = st.c_adm[c, given]
+        for node, nvec in nodes or ():
+            given = nvec >= 0
+            st.n_obs[node, given] = nvec[given]
+            st.n_obs_mark[node, given] = st.n_adm[node, given]
         verdicts = np.empty(arr.shape[0], dtype=np.uint8)
         validate(self._kernel, arr, row, self.clock.now_ns(), self._codec.k0,
                  self._codec.k1, verdicts, True)
         bad = np.nonzero(verdicts)[0]
         return [Refusal(arr[i].astype("<u8").tobytes(), Verdict(int(verdicts[i]))) for i in bad]
+
+    def _node_reports(self, worker_id, c, node_free):
+        """``[(node row, free vector (-1 = not reported))]`` of a heartbeat's ``node_free``
+        for cluster row ``c``; ``SpecError`` naming the first bad entry."""
+        cluster = self.config.clusters[c]
+        if cluster.admission != "nodes":
+            raise SpecError(f"worker {worker_id}: node_free: cluster {cluster.name} places no "
+                            f"pods on nodes (admission = {cluster.admission!r})")
+        if not isinstance(node_free, dict):
+            raise SpecError(f"worker {worker_id}: node_free must be a map of node name to "
+                            f"free capacity, not {type(node_free).__name__}")
+        names = node_names(cluster)
+        first = int(self._state.c_node_first[c])
+        index = {name: first + k for k, name in enumerate(names)}
+        out = []
+        for name, free in node_free.items():
+            node = index.get(name)
+            if node is None:
+                raise SpecError(f"worker {worker_id}: node_free: {name!r} is not a node of "
+                                f"cluster {cluster.name} (its nodes: {names[0]} .. "
+                                f"{names[-1]})")
+            try:
+                out.append((node, self._resources.vector(free, unset=-1)))
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise SpecError(f"worker {worker_id}: node_free.{name}: {exc}") from None
+        return out
 
     def _check_token(self, token):
         arr = self._codec.parse(token)

@@ -19,7 +19,13 @@ frees up.
 
 import numpy as np
 
-__all__ = ["Nodes", "Placer", "size_order"]
+__all__ = ["Nodes", "Placer", "node_names", "size_order"]
+
+
+def node_names(cluster):
+    """The names of ``cluster``'s nodes (a ``ClusterConfig``), in node order: ``<shape>-<k>``
+    for node ``k`` of each shape, shapes as listed."""
+    return [f"{s.name}-{k}" for s in cluster.node_shapes for k in range(s.count)]
 
 
 def size_order(resources, pods):
@@ -41,7 +47,7 @@ class Nodes:
 
     def __init__(self, cluster, resources):
         self.resources = resources
-        self.names = [f"{s.name}-{k}" for s in cluster.node_shapes for k in range(s.count)]
+        self.names = node_names(cluster)
         self.allocatable = np.array([s.allocatable for s in cluster.node_shapes
                                      for _ in range(s.count)], dtype=np.int64)
         self.free = self.allocatable.copy()

@@ -141,6 +141,12 @@ NODE_FIELDS = {
     "n_cluster": (I32, -1, ()),         # cluster row
     "n_alloc": (I64, 0, ("R",)),        # allocatable vector
     "n_used": (I64, 0, ("R",)),         # placed pods of live leases (credited at release)
+    # In memory only: what a worker last reported free on the node (UNLIMITED: no report),
+    # and n_adm, the pods charged to it ever (cumulative), at that report; free is then at
+    # most n_obs - (n_adm - n_obs_mark), as for a cluster's c_obs.
+    "n_obs": (I64, UNLIMITED, ("R",)),
+    "n_obs_mark": (I64, 0, ("R",)),
+    "n_adm": (I64, 0, ("R",)),
 }
 TENANT_FIELDS = {
     "tn_action_cap": (I64, 0, ()),      # action_concurrency, 0 = unlimited

@@ -402,7 +402,8 @@ def _worker(args):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     try:
-        return run_worker(args.config, args.cluster, name=args.name, slots=args.slots)
+        return run_worker(args.config, args.cluster, name=args.name, slots=args.slots,
+                          node=args.node)
     except OSError as exc:
         raise SpecError(f"worker: {exc}") from None
 
@@ -503,6 +504,8 @@ def main(argv=None):
                    "worker.slots, else the CPU count)")
     p.add_argument("--name", help="the worker id: its key's name or NAME.<suffix> (default: "
                    "the first worker key of the cluster in [security.peers])")
+    p.add_argument("--node", help="the node of the cluster (admission = \"nodes\") this "
+                   "worker is: its heartbeats report its free capacity as that node's")
     p.set_defaults(func=_worker)
     p = sub.add_parser("serve", help="the supervisor: one pinned shard process per endpoint, "
                        "restarted when it dies, metrics; until SIGTERM/SIGINT "

@@ -11,16 +11,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine import ActionSpec, ConfigError, PodGroup
+from engine import ActionSpec, ConfigError, PodGroup, SpecError
 from engine._codes import LeaseKind, Phase, RowState, WaitCode
 from engine._config import parse_config, update_queue
 from engine._dispatch import DispatchBatch
 from engine._engine import Engine
 from engine._model import ReusePolicy
 from engine._nodes import Nodes
+from engine._units import UNLIMITED
 from storage import MemoryStore
 from tests.conftest import ManualClock, make_engine
+from transport import Client, ShardError, WorkerConnection
+from transport._daemon import Worker
 from transport._protocol import Leases, ProtocolError, decode, encode
+from transport._shard import Shard
 from transport._worker import leases_of
 
 # Four nodes of 8 GPUs and 8 cpu each.
@@ -368,3 +372,101 @@ def test_the_simulator_runs_node_aware_admission_without_pending_pods():
     assert by_shapes.pended == 1 and by_shapes.pend_max_s == 49.0
     assert by_nodes.pended == 0 and by_nodes.pend_max_s == 0.0
     assert by_nodes.gang_max_wait_s == by_shapes.gang_max_wait_s == 49.0
+
+
+# ----------------------------------------------------------------------------- node reports
+
+
+def test_a_workers_node_report_bounds_what_the_gate_places_there():
+    """A node reported with no GPU free (taken by pods the engine did not place) takes no
+    pod until a later report frees it; what the engine places after a report counts against
+    it. The other nodes are the engine's own accounting."""
+    eng, _clock = make_engine(config(count=2), workers={"w": ("east", 100)})
+    eng.heartbeat("w", b"", node_free={"h100-0": {"gpu:H100": 0}})
+    view = eng.inspect()
+    assert int(view.node_free("east")["h100-0"][1]) == 0
+    assert int(view.node_free("east")["h100-1"][1]) == 8
+    [a] = eng.enqueue_many([act("one", resources={"cpu": 1, "gpu": 4})])
+    [placed] = eng.tick()
+    assert view.placement(placed.action) == ["h100-1"]      # not the node reported full
+    eng.heartbeat("w", b"", node_free={"h100-0": {"gpu:H100": 6}})
+    eng.enqueue(act("two", resources={"cpu": 1, "gpu": 4}))
+    [two] = eng.tick()
+    assert view.placement(two.action) == ["h100-0"]
+    # 6 reported, 4 placed since: 2 left there, whatever its allocatable says.
+    assert int(view.node_free("east")["h100-0"][1]) == 2
+    eng.enqueue(act("three", resources={"cpu": 1, "gpu": 4}))
+    [three] = eng.tick()
+    assert view.placement(three.action) == ["h100-1"]
+    eng.enqueue(act("four", resources={"cpu": 1, "gpu": 4}))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/four/a").wait == WaitCode.NO_NODE_FIT
+
+
+@pytest.mark.parametrize(("admission", "report", "message"), [
+    ("nodes", {"h100-9": {"gpu:H100": 1}},
+     "worker w: node_free: 'h100-9' is not a node of cluster east (its nodes: h100-0 .. "
+     "h100-3)"),
+    ("nodes", {"h100-1": {"tpu": 1}}, "worker w: node_free.h100-1: "),
+    ("nodes", {"h100-1": {"gpu:H100": "lots"}}, "worker w: node_free.h100-1: "),
+    ("nodes", ["h100-1"], "worker w: node_free must be a map"),
+    ("shapes", {"h100-0": {"gpu:H100": 1}},
+     "worker w: node_free: cluster east places no pods on nodes (admission = 'shapes')"),
+])
+def test_a_bad_node_report_is_refused_naming_it_and_changes_nothing(admission, report,
+                                                                      message):
+    cfg = config(admission)
+    if admission == "shapes":
+        cfg["queues"]["gpu"] = {"scheduling": "STRICT_FIFO"}
+    eng, _clock = make_engine(cfg, workers={"w": ("east", 100)})
+    eng.heartbeat("w", b"", node_free={"h100-1": {"gpu:H100": 5}} if admission == "nodes"
+                  else None)
+    before = eng.inspect().node_free("east")
+    with pytest.raises(SpecError, match="^" + re.escape(message)):
+        eng.heartbeat("w", b"", free_capacity={"cpu": 1}, node_free=report)
+    after = eng.inspect().node_free("east")
+    assert before.keys() == after.keys()
+    assert all((before[k] == after[k]).all() for k in before)
+    assert eng.inspect().arrays.c_obs[0, 0] == UNLIMITED   # the cluster report neither
+
+
+def test_a_node_report_travels_in_a_heartbeat_over_the_wire(tmp_path):
+    """WorkerConnection.heartbeat(node_free=...) over a real socket: the shard's gate obeys
+    it, and a report naming no node of the cluster is an error reply naming it."""
+    cfg = config(count=1)
+    cfg["queues"]["gpu"]["depth"] = 100
+    cfg["storage"] = {"path": str(tmp_path / "data"), "partitions": 1}
+    cfg["transport"] = {"endpoints": ["tcp://127.0.0.1:0"]}
+    cfg["security"] = {"insecure": True}
+    shard = Shard(parse_config(cfg, source="<test>"), store=MemoryStore()).start()
+    w = WorkerConnection(shard.endpoint, None, "w", "east", 10, timeout=5.0)
+    c = Client(endpoint=shard.endpoint, timeout=5.0)
+    try:
+        w.connect()
+        assert w.heartbeat(b"", node_free={"h100-0": {"gpu:H100": 0}}) == []
+        c.enqueue({"id": "acme/ml/prod/r/a", "task": "a", "resources": {"cpu": 1, "gpu": 2}})
+        assert w.leases(timeout=0.5) == []
+        assert c.explain("acme/ml/prod/r/a")["wait"] == WaitCode.NO_NODE_FIT
+        with pytest.raises(ShardError, match="'h100-7' is not a node of cluster east"):
+            w.heartbeat(b"", node_free={"h100-7": {"gpu:H100": 8}})
+        assert w.heartbeat(b"", node_free={"h100-0": {"gpu:H100": 8}}) == []
+        [lease] = w.leases(timeout=5.0)
+        assert lease.nodes == ("h100-0",)
+    finally:
+        c.close()
+        w.close()
+        shard.stop()
+
+
+def test_a_worker_is_one_node_of_its_cluster_only_when_the_cluster_has_it(tmp_path):
+    cfg = config(count=2)
+    cfg["security"] = {"insecure": True}
+    cfg["transport"] = {"endpoints": ["tcp://127.0.0.1:0"]}
+    parsed = parse_config(cfg, source="<test>")
+    assert Worker(parsed, "east", name="w", slots=1, node="h100-1").node == "h100-1"
+    with pytest.raises(ConfigError, match="--node 'h100-5' is not a node of cluster east "
+                                          r"\(its nodes: h100-0 .. h100-1\)"):
+        Worker(parsed, "east", name="w", slots=1, node="h100-5")
+    cfg["clusters"]["east"]["admission"] = "shapes"
+    with pytest.raises(ConfigError, match="cluster east places no pods on nodes"):
+        Worker(parse_config(cfg, source="<test>"), "east", name="w", slots=1, node="h100-0")

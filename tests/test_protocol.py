@@ -85,6 +85,8 @@ def samples():
                  capacity={"cpu": 64, "memory": "256Gi"},
                  node_shapes=[{"name": "big", "count": 2, "allocatable": {"cpu": 32}}]),
         Heartbeat(rid=14, tokens=toks(n), free={"cpu": "12", "gpu:H100": 4}),
+        Heartbeat(rid=15, tokens=toks(n), node_free={"h100-0": {"gpu:H100": 8},
+                                                      "h100-1": {"cpu": "12"}}),
         Report(rid=15, tokens=toks(n),
                phases=np.array([PHASE_CODE[Phase.SUCCEEDED], PHASE_CODE[Phase.FAILED],
                                 PHASE_CODE[Phase.RUNNING], PHASE_CODE[Phase.TIMED_OUT]],

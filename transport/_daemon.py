@@ -35,6 +35,7 @@ from engine._config import Config, load_config
 from engine._errors import ConfigError, LeaseholdError, SpecError
 from engine._execution import Execution
 from engine._model import ActionSpec
+from engine._nodes import node_names
 from engine._units import BYTES, format_quantity, parse_quantity
 from transport import _protocol as p
 from transport._keys import load_client_keys
@@ -131,12 +132,14 @@ class Worker:
     worker key of that cluster, or ``CLUSTER-HOSTNAME`` on an insecure shard); ``slots``:
     leases held at once (default ``worker.slots``, else the CPU count); ``plugins``:
     ``{name: Plugin}`` (default: ``process``, ``python`` and ``sim``). ``start()`` runs it
-    on a thread, ``serve()`` on the calling thread; ``drain()`` stops taking work and lets
+    on a thread, ``serve()`` on the calling thread; ``node``: the node of its cluster it is
+    (admission = "nodes"): its heartbeats report its free capacity as that node's, not
+    the cluster's (``node_free``); ``drain()`` stops taking work and lets
     what runs finish; ``stop()`` ends it. ``exit_code`` says how it ended (0: asked to stop;
     3: a shard was lost and ``on_shard_lost = "exit"``)."""
 
     def __init__(self, config, cluster, *, name=None, slots=None, plugins=None,
-                 endpoints=None, keys=None, timeout=5.0):
+                 endpoints=None, keys=None, timeout=5.0, node=None):
         if not isinstance(config, Config):
             config = load_config(config)
         self.config = config
@@ -146,6 +149,17 @@ class Worker:
                               f"(clusters: {', '.join(c.name for c in config.clusters)})")
         self.cluster = cluster
         self.name = name or _default_name(config, cluster)
+        if node is not None:
+            spec = next(c for c in config.clusters if c.name == cluster)
+            if spec.admission != "nodes":
+                raise ConfigError(f"worker {self.name}: --node {node!r}: cluster {cluster} "
+                                  f"places no pods on nodes (admission = "
+                                  f"{spec.admission!r})")
+            names = node_names(spec)
+            if node not in names:
+                raise ConfigError(f"worker {self.name}: --node {node!r} is not a node of "
+                                  f"cluster {cluster} (its nodes: {names[0]} .. {names[-1]})")
+        self.node = node
         self.slots = int(slots or ws.slots or psutil.cpu_count(logical=True) or 1)
         if self.slots < 1:
             raise ConfigError(f"worker {self.name}: slots {self.slots} must be >= 1")
@@ -672,9 +686,12 @@ class Worker:
     # ------------------------------------------------------------------ heartbeats
 
     def _free(self):
+        """``(free, node_free)`` for a heartbeat: the capacity less what the held attempts
+        declared, as the cluster's, or as its node's when it is one (``node``)."""
         if not self.settings.report_free:
-            return None
-        return self._quantities(np.maximum(self.capacity - self._held_demand, 0))
+            return None, None
+        free = self._quantities(np.maximum(self.capacity - self._held_demand, 0))
+        return (None, {self.node: free}) if self.node is not None else (free, None)
 
     def _heartbeats(self, now):
         for sh in self._shards:
@@ -682,7 +699,7 @@ class Worker:
                 continue
             tokens = b"".join(t for t, h in self._held.items() if h.shard == sh.index)
             try:
-                msgs = sh.conn.send_heartbeat(tokens, self._free())
+                msgs = sh.conn.send_heartbeat(tokens, *self._free())
             except ShardTimeout as exc:
                 log.error("worker %s: %s", self.name, exc)
                 msgs = []
@@ -778,9 +795,9 @@ def _default_name(config, cluster):
     return f"{cluster}-{socket.gethostname().split('.')[0]}.{os.getpid()}"
 
 
-def run_worker(config_path, cluster, name=None, slots=None):
+def run_worker(config_path, cluster, name=None, slots=None, node=None):
     """``leasehold worker``: serve until SIGTERM (drain) or SIGINT; returns the exit code."""
-    w = Worker(config_path, cluster, name=name, slots=slots)
+    w = Worker(config_path, cluster, name=name, slots=slots, node=node)
     w.install_signal_handlers()
     try:
         return w.serve()

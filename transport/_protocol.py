@@ -329,12 +329,15 @@ class Register(Message):
 
 @_message(MsgType.HEARTBEAT)
 class Heartbeat(Message):
-    """Tokens a worker holds (column ``tokens``, ``n x 3`` uint64, at most ``max_tokens``)
-    and the free capacity it sees; answered by REFUSED (possibly empty) echoing ``rid``."""
+    """Tokens a worker holds (column ``tokens``, ``n x 3`` uint64, at most ``max_tokens``),
+    the free capacity it sees in its cluster (``free``) and on nodes of it (``node_free``:
+    node name -> quantities, for a cluster with admission = "nodes"); answered by REFUSED
+    (possibly empty) echoing ``rid``."""
 
     rid: int
     tokens: np.ndarray
     free: dict | None = None
+    node_free: dict | None = None
 
 
 @_message(MsgType.REPORT)
@@ -607,7 +610,9 @@ def _build_schemas(lim):
                      ("capacity", sc.optional(sc.quantities), False),
                      ("node_shapes", sc.optional(sc.list_of(shape, 256, "256 node shapes")),
                       False))),
-        S(Heartbeat, (("rid", rid, True), ("free", sc.optional(sc.quantities), False)),
+        S(Heartbeat, (("rid", rid, True), ("free", sc.optional(sc.quantities), False),
+                      ("node_free", sc.optional(sc.map_of(name, sc.quantities, 4096,
+                                                          "4096 nodes")), False)),
           columns=(tokens,), n_max=lim.max_tokens, n_limit="transport.max_tokens"),
         S(Report, (("rid", rid, True),
                    ("details", sc.optional(sc.list_of(detail, lim.max_batch, batch)), False)),

@@ -26,6 +26,7 @@ __all__ = [
     "string",
     "optional",
     "list_of",
+    "map_of",
     "strings",
     "choice",
     "plain",
@@ -140,6 +141,27 @@ def list_of(inner, limit, limit_name, minimum=1):
         if inner is not None:
             for i, item in enumerate(value):
                 inner(item, f"{key}[{i}]")
+        return value
+
+    return check
+
+
+def map_of(key_check, inner, limit, limit_name, minimum=1):
+    """A map of ``minimum``..``limit`` entries, each key checked by ``key_check`` and each
+    value by ``inner`` (their key in errors is ``key.k``); ``limit_name`` names the bound in
+    a TOO_LARGE error."""
+
+    def check(value, key):
+        if type(value) is not dict:
+            raise SchemaError(f"{key!r} must be a map, not {kind_of(value)}")
+        if len(value) > limit:
+            raise SchemaError(f"too many entries in {key!r}: {len(value)} > {limit} "
+                              f"({limit_name})", "TOO_LARGE")
+        if len(value) < minimum:
+            raise SchemaError(f"{key!r} must have at least {minimum} entr(ies)")
+        for k, v in value.items():
+            key_check(k, f"{key} key")
+            inner(v, f"{key}.{k}")
         return value
 
     return check

@@ -769,10 +769,10 @@ class _Loop:
         # An empty heartbeat still counts: its free capacity (an idle worker's is the only
         # report that the capacity its last leases held is free again) and its proof that
         # the worker is alive (a worker paused after an expiry takes work again).
-        refused = self.eng.heartbeat(worker, msg.tokens, msg.free)
+        refused = self.eng.heartbeat(worker, msg.tokens, msg.free, msg.node_free)
         self.shard._status.record_refusals("heartbeat", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
-        if msg.free is not None or refused:
+        if msg.free is not None or msg.node_free is not None or refused:
             self.want_tick = True       # capacity seen, or work ended
 
     def on_report(self, conn, c, peer, msg):

@@ -204,12 +204,14 @@ class WorkerConnection:
 
     # ------------------------------------------------------------------ heartbeats, reports
 
-    def heartbeat(self, tokens, free=None, timeout=None):
+    def heartbeat(self, tokens, free=None, timeout=None, *, node_free=None):
         """Present ``tokens`` (24-byte tokens, a list of them, or ``n x 3`` uint64) in
         batches of at most ``max_tokens``, all in flight at once, with the free capacity
-        seen (``{resource: quantity}``, on the first batch). Returns the refused tokens as
-        ``[(token bytes, Verdict)]``: stop the attempt behind each."""
-        return self._calls(self._heartbeats(tokens, free), "HEARTBEAT", timeout)
+        seen (``{resource: quantity}``) and, for a cluster with admission = "nodes", the free
+        capacity of nodes (``node_free``: ``{node name: {resource: quantity}}``), both on the
+        first batch. Returns the refused tokens as ``[(token bytes, Verdict)]``: stop the
+        attempt behind each."""
+        return self._calls(self._heartbeats(tokens, free, node_free), "HEARTBEAT", timeout)
 
     def report(self, tokens, phases, details=None, timeout=None):
         """Report on leases: ``phases[i]`` (a Phase or its name, or one for all; or a uint8
@@ -222,9 +224,9 @@ class WorkerConnection:
     # The same without waiting, for a worker that drives several shards from one loop: each
     # returns the messages sent (their ``rid`` and columns); the answers come from take().
 
-    def send_heartbeat(self, tokens, free=None):
+    def send_heartbeat(self, tokens, free=None, node_free=None):
         """:meth:`heartbeat` without waiting: the HEARTBEAT messages sent."""
-        msgs = self._heartbeats(tokens, free)
+        msgs = self._heartbeats(tokens, free, node_free)
         for m in msgs:
             self._send(m, "HEARTBEAT")
         return msgs
@@ -272,11 +274,12 @@ class WorkerConnection:
         self._call(p.Bye(rid=next(self._rids), reason="draining", drain=True), "BYE",
                    retry=False, timeout=timeout)
 
-    def _heartbeats(self, tokens, free):
+    def _heartbeats(self, tokens, free, node_free=None):
         arr = p.tokens_array(tokens)
         step = self.max_tokens
         return [p.Heartbeat(rid=next(self._rids), tokens=arr[lo:lo + step],
-                            free=free if lo == 0 else None)
+                            free=free if lo == 0 else None,
+                            node_free=node_free if lo == 0 else None)
                 for lo in range(0, max(1, arr.shape[0]), step)]
 
     def _reports(self, tokens, phases, details):
