@@ -275,14 +275,16 @@ def test_a_store_refuses_nodes_its_live_placements_no_longer_have():
 
 
 class NodeMachine(RuleBasedStateMachine):
-    """Random gangs and single pods enqueued, ticks, completions, aborts and expiries on a
-    cluster of nodes: no node's used vector goes negative or past its allocatable, it always
-    equals the pods of the live leases placed on it, and it is zero once everything ended."""
+    """Random gangs and single pods enqueued (some with a runtime estimate, in a backfill
+    queue: the reservations' node projections run), ticks, completions, aborts, expiries and
+    workers' per-node free reports on a cluster of nodes: no node's used vector goes negative
+    or past its allocatable, it always equals the pods of the live leases placed on it, no
+    node is given more than a report left on it, and all is zero once everything ended."""
 
     def __init__(self):
         super().__init__()
         self.eng, self.clock = make_engine(
-            config(count=3) | {"clusters": {"east": {
+            config(count=3, queue={"backfill": True}) | {"clusters": {"east": {
                 "admission": "nodes",
                 "node_shapes": [{"name": "big", "count": 2, "allocatable": NODE},
                                 {"name": "small", "count": 2,
@@ -293,12 +295,24 @@ class NodeMachine(RuleBasedStateMachine):
         self.live = {}      # action -> generation
 
     @rule(groups=st.lists(st.tuples(st.integers(1, 3), st.integers(0, 4), st.integers(0, 8)),
-                          min_size=1, max_size=3))
-    def enqueue(self, groups):
+                          min_size=1, max_size=3),
+          estimate=st.sampled_from([None, 10.0, 100.0, 1000.0]))
+    def enqueue(self, groups, estimate):
         self.n += 1
         pods = tuple(PodGroup(f"g{k}", n, {"cpu": cpu, "gpu": gpu} if gpu else {"cpu": cpu})
                      for k, (n, cpu, gpu) in enumerate(groups))
-        self.eng.enqueue(act(f"r{self.n % 5}", f"a{self.n}", pods=pods))
+        self.eng.enqueue(act(f"r{self.n % 5}", f"a{self.n}", pods=pods,
+                             runtime_estimate=estimate))
+
+    @rule(node=st.sampled_from(["big-0", "big-1", "small-0", "small-1"]),
+          gpu=st.integers(0, 8), cpu=st.none() | st.integers(0, 8))
+    def report(self, node, gpu, cpu):
+        free = {"gpu:H100": gpu} if cpu is None else {"gpu:H100": gpu, "cpu": cpu}
+        self.eng.heartbeat("w", b"", node_free={node: free})
+
+    @rule(seconds=st.sampled_from([1.0, 50.0, 500.0]))
+    def advance(self, seconds):
+        self.clock.advance(seconds)
 
     @rule()
     def tick(self):
@@ -335,6 +349,14 @@ class NodeMachine(RuleBasedStateMachine):
                     expect[int(arrays.a_pnode[row, k])] += arrays.pg_vec[g]
                     k += 1
         assert (used == expect).all()
+
+    @invariant()
+    def no_node_is_given_more_than_its_report_left(self):
+        arrays = self.view.arrays
+        reported = np.asarray(arrays.n_obs) < UNLIMITED
+        left = np.asarray(arrays.n_obs) - (np.asarray(arrays.n_adm)
+                                           - np.asarray(arrays.n_obs_mark))
+        assert (left[reported] >= 0).all(), left
 
     def teardown(self):
         for action in list(self.live):
