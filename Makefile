@@ -49,9 +49,11 @@ bench: $(EXT)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# --no-compile: pip would byte-compile every installed module (flyte, kubernetes, grpc, ...),
+# about a minute here; Python compiles what is imported, once, when it is first imported.
 $(DEPS): setup.py pyproject.toml | $(PY)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel cython numpy
-	LEASEHOLD_NO_EXT=1 $(PY) -m pip install -q --no-build-isolation -e '.[test,flyte]'
+	$(PY) -m pip install -q --no-compile --upgrade pip setuptools wheel cython numpy
+	LEASEHOLD_NO_EXT=1 $(PY) -m pip install -q --no-compile --no-build-isolation -e '.[test,flyte]'
 	touch $@
 
 $(EXT): $(DEPS) $(EXT_SRC)
