@@ -21,10 +21,8 @@ from engine._nodes import Nodes
 from engine._units import UNLIMITED
 from storage import MemoryStore
 from tests.conftest import ManualClock, make_engine
-from transport import Client, ShardError, WorkerConnection
-from transport._daemon import Worker
+from transport import Client, Shard, ShardError, Worker, WorkerConnection
 from transport._protocol import Leases, ProtocolError, decode, encode
-from transport._shard import Shard
 from transport._worker import leases_of
 
 # Four nodes of 8 GPUs and 8 cpu each.
