@@ -22,7 +22,7 @@ from engine._codes import (
 from engine._dispatch import DispatchBatch
 from engine._errors import NotFound, SpecError
 from engine._leases import ErrorKind
-from engine._nodes import node_names
+from engine._nodes import node_index, unknown_node
 from engine._records import (
     row_key,
 )
@@ -374,24 +374,24 @@ class LeasingMixin:
         """``[(node row, free vector (-1 = not reported))]`` of a heartbeat's ``node_free``
         for cluster row ``c``; ``SpecError`` naming the first bad entry."""
         cluster = self.config.clusters[c]
-        if cluster.admission != "nodes":
-            raise SpecError(f"worker {worker_id}: node_free: cluster {cluster.name} places no "
-                            f"pods on nodes (admission = {cluster.admission!r})")
+        index = self._node_index.get(c)
+        if index is None:       # once per cluster: a heartbeat builds no map of its nodes
+            try:
+                index = self._node_index[c] = node_index(cluster)
+            except ValueError as exc:
+                raise SpecError(f"worker {worker_id}: node_free: {exc}") from None
         if not isinstance(node_free, dict):
             raise SpecError(f"worker {worker_id}: node_free must be a map of node name to "
                             f"free capacity, not {type(node_free).__name__}")
-        names = node_names(cluster)
         first = int(self._state.c_node_first[c])
-        index = {name: first + k for k, name in enumerate(names)}
         out = []
         for name, free in node_free.items():
-            node = index.get(name)
-            if node is None:
-                raise SpecError(f"worker {worker_id}: node_free: {name!r} is not a node of "
-                                f"cluster {cluster.name} (its nodes: {names[0]} .. "
-                                f"{names[-1]})")
+            k = index.get(name)
+            if k is None:
+                raise SpecError(f"worker {worker_id}: node_free: "
+                                f"{unknown_node(cluster, name)}")
             try:
-                out.append((node, self._resources.vector(free, unset=-1)))
+                out.append((first + k, self._resources.vector(free, unset=-1)))
             except (ValueError, TypeError, AttributeError) as exc:
                 raise SpecError(f"worker {worker_id}: node_free.{name}: {exc}") from None
         return out

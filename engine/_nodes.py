@@ -19,13 +19,29 @@ frees up.
 
 import numpy as np
 
-__all__ = ["Nodes", "Placer", "node_names", "size_order"]
+__all__ = ["Nodes", "Placer", "node_index", "node_names", "size_order", "unknown_node"]
 
 
 def node_names(cluster):
     """The names of ``cluster``'s nodes (a ``ClusterConfig``), in node order: ``<shape>-<k>``
     for node ``k`` of each shape, shapes as listed."""
     return [f"{s.name}-{k}" for s in cluster.node_shapes for k in range(s.count)]
+
+
+def node_index(cluster):
+    """``{node name: index in node order}`` of ``cluster`` (a ``ClusterConfig`` with
+    admission = "nodes"); ``ValueError`` saying so when it places no pods on nodes."""
+    if cluster.admission != "nodes":
+        raise ValueError(f"cluster {cluster.name} places no pods on nodes (admission = "
+                         f"{cluster.admission!r})")
+    return {name: k for k, name in enumerate(node_names(cluster))}
+
+
+def unknown_node(cluster, name):
+    """The error text for ``name``, which is not a node of ``cluster``."""
+    names = node_names(cluster)
+    return (f"{name!r} is not a node of cluster {cluster.name} (its nodes: {names[0]} .. "
+            f"{names[-1]})")
 
 
 def size_order(resources, pods):

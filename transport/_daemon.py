@@ -35,7 +35,7 @@ from engine._config import Config, load_config
 from engine._errors import ConfigError, LeaseholdError, SpecError
 from engine._execution import Execution
 from engine._model import ActionSpec
-from engine._nodes import node_names
+from engine._nodes import node_index, unknown_node
 from engine._units import BYTES, format_quantity, parse_quantity
 from transport import _protocol as p
 from transport._keys import load_client_keys
@@ -151,14 +151,12 @@ class Worker:
         self.name = name or _default_name(config, cluster)
         if node is not None:
             spec = next(c for c in config.clusters if c.name == cluster)
-            if spec.admission != "nodes":
-                raise ConfigError(f"worker {self.name}: --node {node!r}: cluster {cluster} "
-                                  f"places no pods on nodes (admission = "
-                                  f"{spec.admission!r})")
-            names = node_names(spec)
-            if node not in names:
-                raise ConfigError(f"worker {self.name}: --node {node!r} is not a node of "
-                                  f"cluster {cluster} (its nodes: {names[0]} .. {names[-1]})")
+            try:
+                known = node in node_index(spec)
+            except ValueError as exc:
+                raise ConfigError(f"worker {self.name}: --node {node!r}: {exc}") from None
+            if not known:
+                raise ConfigError(f"worker {self.name}: --node {unknown_node(spec, node)}")
         self.node = node
         self.slots = int(slots or ws.slots or psutil.cpu_count(logical=True) or 1)
         if self.slots < 1:
