@@ -3,7 +3,6 @@ rows, runs, lanes, warm pools and fit masks a new action takes.
 
 A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py."""
 
-import copy
 from dataclasses import replace
 
 import msgpack
@@ -27,6 +26,7 @@ from engine._history import shape_key
 from engine._model import ActionId, ActionSpec, compile_spec, fit_problem
 from engine._nodes import Nodes, size_order
 from engine._records import (
+    dict_content,
     name_hashes,
     row_key,
     same_spec,
@@ -39,6 +39,17 @@ from engine._state import NEVER
 from engine._units import format_quantity
 
 __all__ = ["AdmissionMixin"]
+
+# Compiled specs kept by content (Engine._templates); past this many they are dropped.
+_TEMPLATES_KEPT = 4096
+
+
+def _clone(obj):
+    # A shallow copy of a dataclass instance without dataclasses.replace's __init__ (whose
+    # checks the original passed): a spec taken from the compiled templates costs ~1 us.
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
 
 
 class AlreadyExists(SpecError):
@@ -60,27 +71,10 @@ class AdmissionMixin:
         same spec is a no-op (clients may retry); with another spec it is ``AlreadyExists``.
         Specs of identical content (all but the action name) are compiled and stored once.
         """
-        cfg = self.config
         plan, ids, seen, per_queue, batch_run_caps = [], [], set(), {}, {}
-        cache = {}      # (run key, content) -> (compiled template, content bytes)
         for i, spec in enumerate(specs):
             try:
-                if isinstance(spec, dict):
-                    spec = ActionSpec.from_dict(spec)
-                key = spec_content(spec) if isinstance(spec, ActionSpec) else None
-                hit = cache.get(key) if key is not None else None
-                if hit is None:
-                    c = compile_spec(spec, self._resources, self._queues,
-                                     cfg.engine.default_queue)
-                    if key is not None:
-                        cache[key] = (c, key)
-                else:
-                    # The same content in this run: the template's checks hold (its spec
-                    # stands for this one but for the id, which only the group records).
-                    c = copy.copy(hit[0])
-                    c.id = ActionId.parse(spec.id)
-                    if c.parent == c.id:
-                        raise SpecError(f"action {c.id}: an action cannot be its own parent")
+                spec, c, key = self._compiled(spec)
             except SpecError as exc:
                 raise type(exc)(f"batch item {i}: {exc}") if len(specs) > 1 else exc from None
             existing = self._lookup(c.id)
@@ -124,6 +118,45 @@ class AdmissionMixin:
             rows = self._insert_groups(groups, now)
             self._kernel.push_many(rows.astype(np.int32))
         return ids
+
+    def _compiled(self, spec):
+        """``(spec, compiled, content)`` of ``spec`` (an ActionSpec or its dict): the spec as
+        an ActionSpec, checked and compiled (``SpecError`` naming what is wrong), and its
+        :func:`spec_content` (None when not plain data). Compiled specs are kept by content
+        (and by the dict's own bytes): what is compiled depends on the spec and on the
+        config's resources and queue names alone, so a spec whose content was seen before
+        (every action of a run enqueued one by one) is taken from there, checked once."""
+        templates = self._templates
+        raw = dict_content(spec) if isinstance(spec, dict) else None
+        hit = templates.get(raw) if raw is not None else None
+        if hit is None:
+            if isinstance(spec, dict):
+                spec = ActionSpec.from_dict(spec)
+            key = spec_content(spec) if isinstance(spec, ActionSpec) else None
+            hit = templates.get(key) if key is not None else None
+            if hit is None:
+                c = compile_spec(spec, self._resources, self._queues,
+                                 self.config.engine.default_queue)
+                if key is not None:
+                    if len(templates) >= _TEMPLATES_KEPT:
+                        templates.clear()
+                    templates[key] = (c, key)
+                    if raw is not None:
+                        templates[raw] = (c, key)
+                return spec, c, key
+            aid = spec.id
+        else:
+            aid = spec["id"]
+        # The same content as a spec compiled before: its checks hold; this spec is the
+        # template's compiled form (durations as seconds) under this action's id.
+        template, key = hit
+        c = _clone(template)
+        c.id = ActionId.parse(aid)
+        if c.parent == c.id:
+            raise SpecError(f"action {c.id}: an action cannot be its own parent")
+        c.spec = _clone(template.spec)
+        c.spec.__dict__["id"] = aid     # (a frozen dataclass: its fields live in __dict__)
+        return c.spec, c, key
 
     def enqueue_fanout(self, template, names, inputs=None):
         """Enqueue ``len(names)`` actions that share ``template`` (an ActionSpec) and differ
@@ -245,8 +278,9 @@ class AdmissionMixin:
         shares (run, lanes, pool, fit, task, its record), per row vector operations over the
         whole batch. Returns the rows, in batch order."""
         st = self._state
-        counts = np.fromiter((len(g[1]) for g in groups), dtype=np.int64, count=len(groups))
-        n = int(counts.sum())
+        sizes = [len(g[1]) for g in groups]
+        n = sum(sizes)
+        counts = np.array(sizes, dtype=np.int64)
         # Parents of this batch stay in the table (reclaiming makes room only from others).
         keep = set()
         for g in groups:
@@ -261,7 +295,10 @@ class AdmissionMixin:
         fits = np.empty(len(groups), dtype=np.uint64)
         demand = np.empty((len(groups), st.n_res), dtype=np.int64)
         deadlines, queued = [], []
-        offsets = (np.cumsum(counts) - counts).tolist()
+        # One row a group (single enqueues, batches of distinct specs): the per-group
+        # columns are the per-row ones, no repeat needed.
+        single = n == len(groups)
+        offsets = list(range(n)) if single else (np.cumsum(counts) - counts).tolist()
         local, done = {}, 0         # id text -> row of this batch's earlier groups
         st.a_child[rows] = -1       # (before the loop: a parent may be in this batch)
         for k, (c, names, inputs, _hashes, content) in enumerate(groups):
@@ -324,10 +361,10 @@ class AdmissionMixin:
         sl = slice(int(rows[0]), int(rows[0]) + n) if contiguous else rows
         for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent",
                     "est_rt", "max_rt"):
-            getattr(st, "a_" + key)[sl] = np.repeat(cols[key], counts)
-        st.a_fit[sl] = np.repeat(fits, counts)
-        st.a_demand[sl] = np.repeat(demand, counts, axis=0)
-        st.a_gidx[sl] = np.arange(n, dtype=np.int32) - np.repeat(
+            getattr(st, "a_" + key)[sl] = cols[key] if single else np.repeat(cols[key], counts)
+        st.a_fit[sl] = fits if single else np.repeat(fits, counts)
+        st.a_demand[sl] = demand if single else np.repeat(demand, counts, axis=0)
+        st.a_gidx[sl] = 0 if single else np.arange(n, dtype=np.int32) - np.repeat(
             np.asarray(offsets, dtype=np.int32), counts)
         # a_gen and a_released_gen stay: a reclaimed row counts on from its last generation
         # (equal, so nothing is in flight), a new row starts at 0.

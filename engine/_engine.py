@@ -108,6 +108,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._pending_retained = None   # ... and the retained outcomes it writes
         self._history_samples = set()   # history keys with samples not yet in the store
         self._shape_names = {}          # pod matrix bytes -> its shape_key (a cache)
+        self._templates = {}            # spec content -> (compiled, content) (a cache)
         self._node_index = {}           # cluster row -> {node name: index} (node reports)
         self._history_prefix = {}       # history key -> its packed record's prefix
         self._history_flush_ns = 0      # engine clock: when they are written at the latest

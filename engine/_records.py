@@ -188,6 +188,19 @@ def spec_content(spec):
         return None     # not plain data: compile_spec words the error
 
 
+def dict_content(data):
+    """:func:`spec_content` of a spec given as plain data (a dict, as read off the wire),
+    without building the spec: two dicts with equal bytes here are the same declaration but
+    for the action name. ``None`` when it cannot be packed or its id is not a string."""
+    aid = data.get("id")
+    if not isinstance(aid, str):
+        return None
+    try:
+        return b"d" + msgpack.packb({**data, "id": aid.rsplit("/", 1)[0]}, use_bin_type=True)
+    except (TypeError, ValueError):
+        return None
+
+
 def decode_content(raw, name):
     """The :class:`ActionSpec` of :func:`spec_content` output for action ``name``."""
     data = msgpack.unpackb(raw, raw=False)

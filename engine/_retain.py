@@ -395,8 +395,11 @@ class RetentionMixin:
         if st.ensure("actions", first + fresh):
             self._bind()
         self._next_row += fresh
+        fresh_rows = np.arange(first, first + fresh, dtype=np.int64)
+        if not free.size:
+            return fresh_rows
         self._free_rows = free[:0]
-        return np.concatenate([free, np.arange(first, first + fresh, dtype=np.int64)])
+        return np.concatenate([free, fresh_rows])
 
     # ------------------------------------------------------------------ retained outcomes
 

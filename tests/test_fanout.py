@@ -225,6 +225,39 @@ def test_identical_content_in_enqueue_many_is_one_group_in_batch_order():
         assert view.record(view.row_of(aid)).spec.timeouts.max_runtime == 60.0
 
 
+def test_specs_enqueued_one_by_one_are_checked_and_stored_as_if_compiled_afresh():
+    # Compiled specs are kept by content across calls (dicts by their own bytes too): a
+    # spec of seen content still gets its own id, its own checks and its idempotency.
+    from datetime import timedelta
+    eng = engine()
+    view = eng.inspect()
+    first = {"id": "acme/p/d/r/a0", "task": "square", "resources": {"cpu": 1},
+             "timeouts": {"max_runtime": 60}}
+    ids = [eng.enqueue(first)]
+    ids += [eng.enqueue({**first, "id": f"acme/p/d/r/a{k}"}) for k in (1, 2)]
+    ids.append(eng.enqueue(ActionSpec(id="acme/p/d/r/a3", task="square",
+                                      resources={"cpu": 1},
+                                      timeouts=Timeouts(max_runtime=timedelta(minutes=1)))))
+    assert [str(a) for a in ids] == [f"acme/p/d/r/a{k}" for k in range(4)]
+    for k, aid in enumerate(ids):
+        stored = view.record(view.row_of(aid)).spec
+        assert stored.id == f"acme/p/d/r/a{k}" and stored.timeouts.max_runtime == 60.0
+    # The same content under a bad id, or naming itself as parent: refused as before.
+    with pytest.raises(SpecError, match="5 parts"):
+        eng.enqueue({**first, "id": "acme/p/d/a4"})
+    with pytest.raises(SpecError, match="string"):
+        eng.enqueue({**first, "id": 7})
+    child = {**first, "id": "acme/p/d/r/c0", "parent": "acme/p/d/r/a0"}
+    eng.enqueue(child)
+    with pytest.raises(SpecError, match="own parent"):
+        eng.enqueue({**child, "id": "acme/p/d/r/a0"})
+    # Idempotent on the same declaration, AlreadyExists on another one.
+    assert eng.enqueue({**first, "id": "acme/p/d/r/a1"}) == ids[1]
+    with pytest.raises(AlreadyExists):
+        eng.enqueue({**first, "id": "acme/p/d/r/a1", "resources": {"cpu": 2}})
+    assert eng.queue_metrics("cpu")["depth"] == 5
+
+
 def test_a_batch_where_two_names_share_a_hash_keeps_both_findable(monkeypatch):
     import sys
     for name, module in list(sys.modules.items()):      # every name collides
