@@ -116,8 +116,9 @@ class DispatchBatch:
 
     @staticmethod
     def empty_columns():
-        """The columns of an empty batch."""
-        return DispatchBatch.new_columns(0)
+        """The columns of an empty batch (shared, read-only: nothing can be written to a
+        column of no entries anyway)."""
+        return dict(_EMPTY)
 
     @staticmethod
     def new_columns(n):
@@ -125,3 +126,8 @@ class DispatchBatch:
         cols = {name: np.empty(n, dtype) for name, dtype in _COLUMNS}
         cols["tokens"] = np.empty((n, 3), np.uint64)
         return cols
+
+
+_EMPTY = DispatchBatch.new_columns(0)
+for _col in _EMPTY.values():
+    _col.flags.writeable = False

@@ -119,7 +119,7 @@ class RuntimeHistory:
         row = self._rows.get(key)
         if row is None:
             return []
-        return [int(v) for v in self._recent[row] if v >= 0]
+        return [v for v in self._recent[row].tolist() if v >= 0]
 
     def predict_ns(self, key):
         """EASY++'s prediction for ``key`` in ns: the mean of its last two successful

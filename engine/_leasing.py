@@ -48,6 +48,8 @@ from engine._state import NEVER, W_DRAINING, W_SUSPECT
 
 __all__ = ["LeasingMixin"]
 
+_OK = int(Verdict.OK)   # (compared with a uint8 column: an int, not the enum)
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -514,7 +516,7 @@ class LeasingMixin:
         codes = np.full(n, PHASE_CODE[checked[0][0]], dtype=np.uint8) if uniform and n else (
             np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n))
         st = self._state
-        ok = verdicts == Verdict.OK
+        ok = verdicts == _OK
         simple = np.ones(n, dtype=bool) if plain else np.fromiter(
             (not messages[i] and not cleanup[i] for i in range(n)), dtype=bool, count=n)
         fast = ok & is_run & simple & (
@@ -574,9 +576,11 @@ class LeasingMixin:
         if done.size:
             began = np.where(st.a_running[done] != NEVER, st.a_running[done], st.a_start[done])
             tasks = st.a_task[done]
-            for t in np.unique(tasks).tolist():
+            distinct = dict.fromkeys(tasks.tolist())
+            for t in distinct:
                 key = self._task_names[t]
-                self.history.record_many_ns(key, np.maximum(0, now - began[tasks == t]))
+                ran = now - (began if len(distinct) == 1 else began[tasks == t])
+                self.history.record_many_ns(key, np.maximum(0, ran))
                 self._add_sample(key)
                 self._refresh_prediction(key, t)
             self._end_leases_lean(done, END_COMPLETED, PH_SUCCEEDED, now)

@@ -836,8 +836,11 @@ class _Loop:
     def push_leases(self, batch):
         """LEASES messages, one a worker (at most max_batch rows each), sent after commit."""
         workers = batch.worker
-        for w in np.unique(workers).tolist():
-            idx = np.flatnonzero(workers == w)
+        distinct = dict.fromkeys(workers.tolist())
+        for w in distinct:
+            # (one worker, the common case: every row, no comparison)
+            idx = np.arange(len(workers)) if len(distinct) == 1 else \
+                np.flatnonzero(workers == w)
             wid = batch.worker_id(int(idx[0]))
             conn = self.worker_conn.get(wid)
             for lo in range(0, idx.size, self.settings.max_batch):
@@ -880,13 +883,18 @@ class _Loop:
             self.records.extend(by_run.values())
 
     def _leases(self, batch, idx):
-        gids = batch.group[idx]
-        uniq, inverse = np.unique(gids, return_inverse=True)
-        groups, deadline, queued = [], np.full(idx.size, -1, np.int64), \
-            np.full(idx.size, -1, np.int64)
-        objs = []           # the EnqueueGroup of each of uniq
-        for k, gid in enumerate(uniq.tolist()):
-            first = int(idx[np.flatnonzero(gids == gid)[0]])
+        # Groups in order of first appearance: lists and a dict, no sort (a LEASES message
+        # of one lease, the idle round trip, costs what its one group costs).
+        slot, firsts = {}, []      # group id -> its index in groups; first entry of each
+        inverse = []
+        for i, gid in zip(idx.tolist(), batch.group[idx].tolist(), strict=True):
+            k = slot.get(gid)
+            if k is None:
+                k = slot[gid] = len(firsts)
+                firsts.append(i)
+            inverse.append(k)
+        groups, objs, bounds = [], [], []
+        for gid, first in zip(slot, firsts, strict=True):
             g = batch.group_of(first)
             objs.append(g)
             entry = self.specs.get(gid)
@@ -903,16 +911,21 @@ class _Loop:
             groups.append({"run": entry[0], "spec": entry[1]} if env is None else
                           {"run": entry[0], "spec": entry[1], "env": env})
             t = g.compiled.spec.timeouts
-            sel = inverse == k
-            if t.deadline is not None:
-                deadline[sel] = batch.first_enqueued_ns[idx[sel]] + int(t.deadline * 1e9)
-            if t.max_queued_time is not None:
-                queued[sel] = batch.attempt_enqueued_ns[idx[sel]] + int(t.max_queued_time * 1e9)
-        fin = batch.kind[idx] != 0
-        deadline[fin] = -1
-        queued[fin] = -1
+            bounds.append((t.deadline, t.max_queued_time))
+        n = idx.size
+        deadline = np.full(n, -1, np.int64)
+        queued = np.full(n, -1, np.int64)
+        if any(d is not None or q is not None for d, q in bounds):
+            inv = np.array(inverse, dtype=np.int64)
+            run = batch.kind[idx] == 0      # a finalize lease has neither bound
+            for k, (d, q) in enumerate(bounds):
+                sel = (inv == k) & run
+                if d is not None:
+                    deadline[sel] = batch.first_enqueued_ns[idx[sel]] + int(d * 1e9)
+                if q is not None:
+                    queued[sel] = batch.attempt_enqueued_ns[idx[sel]] + int(q * 1e9)
         # Names (and input references) by group and index: lists, no numpy scalar a lease.
-        at = list(zip(inverse.tolist(), batch.index[idx].tolist(), strict=True))
+        at = list(zip(inverse, batch.index[idx].tolist(), strict=True))
         names = [objs[k].names[j] for k, j in at]
         inputs = None
         if any(g.inputs is not None for g in objs):
@@ -923,7 +936,7 @@ class _Loop:
         hints = batch.nodes
         nodes = [list(hints[i]) if i in hints else None for i in idx.tolist()] if hints else None
         return p.Leases(tokens=batch.tokens[idx], kind=batch.kind[idx],
-                        attempt=batch.attempt[idx], group=inverse.astype(np.int32),
+                        attempt=batch.attempt[idx], group=np.array(inverse, dtype=np.int32),
                         deadline_ns=deadline, queued_deadline_ns=queued, groups=groups,
                         names=names, inputs=inputs,
                         nodes=nodes if nodes and any(n is not None for n in nodes) else None)
