@@ -40,6 +40,10 @@ from engine._units import format_quantity
 
 __all__ = ["AdmissionMixin"]
 
+# The action columns an enqueue group gives all its rows (_insert_groups).
+_GROUP_COLUMNS = ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent",
+                  "est_rt", "max_rt")
+
 # Compiled specs kept by content (Engine._templates); past this many they are dropped.
 _TEMPLATES_KEPT = 4096
 
@@ -289,9 +293,7 @@ class AdmissionMixin:
                 if prow is not None:
                     keep.add(prow)
         rows = self._alloc_rows(n, keep)
-        cols = {k: np.empty(len(groups), dtype=np.int64) for k in (
-            "queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent",
-            "est_rt", "max_rt")}
+        cols = {k: [] for k in _GROUP_COLUMNS}     # per group: lists (numpy takes them whole)
         fits = np.empty(len(groups), dtype=np.uint64)
         demand = np.empty((len(groups), st.n_res), dtype=np.int64)
         deadlines, queued = [], []
@@ -332,7 +334,7 @@ class AdmissionMixin:
                                ("group", gid), ("parent", parent),
                                ("est_rt", _ns(c.spec.runtime_estimate)),
                                ("max_rt", _ns(c.spec.timeouts.max_runtime))):
-                cols[key][k] = value
+                cols[key].append(value)
             fits[k] = self._fit_mask(c)
             if int(fits[k]) & self._node_mask:
                 # May be placed on nodes: its pod groups, largest first, for the gate.
@@ -359,8 +361,7 @@ class AdmissionMixin:
                 queued.append((mine, now + int(t.max_queued_time * 1e9)))
         contiguous = n and int(rows[-1]) - int(rows[0]) == n - 1
         sl = slice(int(rows[0]), int(rows[0]) + n) if contiguous else rows
-        for key in ("queue", "run", "qrun", "lane", "env", "part", "task", "group", "parent",
-                    "est_rt", "max_rt"):
+        for key in _GROUP_COLUMNS:
             getattr(st, "a_" + key)[sl] = cols[key] if single else np.repeat(cols[key], counts)
         st.a_fit[sl] = fits if single else np.repeat(fits, counts)
         st.a_demand[sl] = demand if single else np.repeat(demand, counts, axis=0)

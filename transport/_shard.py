@@ -27,6 +27,7 @@ thread's alone, which settles each group with ``Engine.settle``.
 
 import collections
 import dataclasses
+import importlib
 import logging
 import signal
 import threading
@@ -258,6 +259,9 @@ class Shard:
             eng = Engine(cfg, **kw)
             self._status.set_reload(time.perf_counter() - loading)
             self._loop = _Loop(self, eng, sock, keyring)
+            # numpy imports numpy.ma on the first plain np.unique() (~50 ms here): done now,
+            # not inside whichever loop turn first deduplicates something.
+            importlib.import_module("numpy.ma")
             log.info("shard %s serving on %s", cfg.storage.shard, self.endpoint)
             self._ready.set()
             self._loop.run(self._stop)
