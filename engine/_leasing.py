@@ -49,6 +49,8 @@ from engine._state import NEVER, W_DRAINING, W_SUSPECT
 __all__ = ["LeasingMixin"]
 
 _OK = int(Verdict.OK)   # (compared with a uint8 column: an int, not the enum)
+# The phases a lean row's report may apply in columns (report_many's fast path).
+_LEAN_CODES = frozenset((PH_INIT, PH_RUNNING, PH_SUCCEEDED))
 
 
 @dataclass(frozen=True)
@@ -513,14 +515,20 @@ class LeasingMixin:
         lease = arr[:, 0]
         is_run = (lease >> np.uint64(63)) == 0
         rows = (lease & np.uint64((1 << 63) - 1)).astype(np.int64)
-        codes = np.full(n, PHASE_CODE[checked[0][0]], dtype=np.uint8) if uniform and n else (
+        # One phase for all (a worker's batch of successes): its code, else None.
+        code = PHASE_CODE[checked[0][0]] if uniform and n else None
+        codes = np.full(n, code, dtype=np.uint8) if code is not None else (
             np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n))
         st = self._state
+        fast = (verdicts == _OK) & is_run
+        if not plain:
+            fast &= np.fromiter((not messages[i] and not cleanup[i] for i in range(n)),
+                                dtype=bool, count=n)
+        if code is None:
+            fast &= (codes == PH_INIT) | (codes == PH_RUNNING) | (codes == PH_SUCCEEDED)
+        elif code not in _LEAN_CODES:
+            fast[:] = False
         ok = verdicts == _OK
-        simple = np.ones(n, dtype=bool) if plain else np.fromiter(
-            (not messages[i] and not cleanup[i] for i in range(n)), dtype=bool, count=n)
-        fast = ok & is_run & simple & (
-            (codes == PH_INIT) | (codes == PH_RUNNING) | (codes == PH_SUCCEEDED))
         fast[fast] = st.a_edges[rows[fast]] == 0
         if fast.any():
             # A lease reported twice in one message takes the ordered path. (Rows strictly
@@ -533,7 +541,7 @@ class LeasingMixin:
         refused = []
         with self._turn():
             if fast.any():
-                self._report_lean_many(rows[fast], codes[fast])
+                self._report_lean_many(rows[fast], codes[fast], code)
             for i in np.flatnonzero(~fast).tolist():
                 if ok[i]:
                     # Earlier reports of this message may have moved this lease on.
@@ -548,15 +556,19 @@ class LeasingMixin:
                              cleanup[i])
         return refused
 
-    def _report_lean_many(self, rows, codes):
-        # _report_lean over distinct lean rows, in vector operations.
+    def _report_lean_many(self, rows, codes, code=None):
+        # _report_lean over distinct lean rows, in vector operations; ``code``: the one
+        # phase code of them all when the reports share it (its masks are then not built).
         st = self._state
         now = self.clock.now_ns()
-        st.a_start[rows] = np.where(st.a_start[rows] == NEVER, now, st.a_start[rows])
+        start = st.a_start[rows]
+        st.a_start[rows] = np.where(start == NEVER, now, start)
         self._touch_many(rows)
-        init = rows[(codes == PH_INIT) & (st.a_state[rows] != ST_RUNNING)]
-        st.a_phase[init] = PH_INIT
-        run = rows[(codes == PH_RUNNING) & (st.a_state[rows] != ST_RUNNING)]
+        if code is None or code == PH_INIT:
+            init = rows[(codes == PH_INIT) & (st.a_state[rows] != ST_RUNNING)]
+            st.a_phase[init] = PH_INIT
+        run = rows[(codes == PH_RUNNING) & (st.a_state[rows] != ST_RUNNING)] \
+            if code is None or code == PH_RUNNING else rows[:0]
         if run.size:
             set_state(st, run, ST_RUNNING)      # stops the queued-time clock
             st.a_running[run] = now
@@ -572,7 +584,7 @@ class LeasingMixin:
                     due = now + int((t.max_runtime + grace) * 1e9)
                     for r in run[st.a_group[run] == gid].tolist():
                         self._timer(due, T_RUNTIME, r, int(st.a_gen[r]))
-        done = rows[codes == PH_SUCCEEDED]
+        done = rows if code == PH_SUCCEEDED else rows[codes == PH_SUCCEEDED]
         if done.size:
             began = np.where(st.a_running[done] != NEVER, st.a_running[done], st.a_start[done])
             tasks = st.a_task[done]

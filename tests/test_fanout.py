@@ -421,6 +421,34 @@ def test_report_many_equals_the_same_reports_one_by_one():
     assert [again.phase(x.action) for x in out] == [b.phase(x.action) for x in out]
 
 
+@pytest.mark.parametrize("phase, extra", [
+    ("INITIALIZING", {}), ("RUNNING", {}), ("SUCCEEDED", {}),
+    ("FAILED", {"error_kinds": "USER"}), ("TIMED_OUT", {"causes": "max_runtime"})])
+def test_report_many_of_one_phase_for_all_equals_the_reports_one_by_one(phase, extra):
+    # One phase for every token (a worker's batch): the lean phases in columns, the others
+    # one by one; a token repeated or ended before is refused as report() refuses it.
+    a, b = twin()
+    for eng in (a, b):
+        eng.enqueue_fanout(template(timeouts=Timeouts(max_runtime=30)),
+                           [f"n{k}" for k in range(6)])
+        eng.clock.advance(1)
+    out = a.tick()
+    assert b.tick() == out
+    tok = [x.token for x in out]
+    for eng in (a, b):
+        assert eng.report(tok[5], "SUCCEEDED") == Verdict.OK      # ended before the batch
+        eng.clock.advance(2)
+    batch = tok[:4] + [tok[0], tok[5]]
+    refused = a.report_many(b"".join(batch), phase,
+                            **{k: [v] * len(batch) for k, v in extra.items()})
+    single = {{"error_kinds": "error_kind", "causes": "cause"}[k]: v for k, v in extra.items()}
+    one_by_one = [(t, v) for t in batch if (v := b.report(t, phase, **single)) != Verdict.OK]
+    assert [(r.token, r.verdict) for r in refused] == one_by_one
+    assert any(v == Verdict.COMPLETED for _t, v in one_by_one)
+    assert [a.phase(x.action) for x in out] == [b.phase(x.action) for x in out]
+    assert_same_state(a, b)
+
+
 def test_report_many_checks_every_argument_before_applying_any():
     eng = engine()
     eng.enqueue_fanout(template(), ["a", "b"])
