@@ -17,6 +17,10 @@ store in a temporary directory, ``sync = true``: every group commit is an fdatas
   counters, read with PING by the admin key).
 * ``rtt_cpu_ms_shard`` / ``_worker`` / ``_client``: CPU (user + system, every thread) each
   process spent per action during the RTT phase: the round trip is mostly these in series.
+* ``rtt_shard_decide_us`` / ``_commit_us`` / ``_send_us``: where the shard loop's time went
+  per action during the RTT phase (its ``decide_ns``, ``commit_ns`` and ``send_ns`` counters:
+  requests handled, tick, drain and group encoded; group commits with their syncs; answers,
+  leases and events sent), means over both of an action's turns (and the backstop's).
 * ``fdatasync_p50_ms``: one fdatasync on this disk, and ``nosync_*``: the same runs with
   ``storage.sync = false`` (CURVE on): what is left of the round trip without the syncs is
   the wire, the three processes' Python and the engine.
@@ -176,7 +180,7 @@ def rtt(endpoint, tmp, secure, count, shard_pid):
         run = f"{RUN}/rtt{time.monotonic_ns()}"
         c.subscribe(run)
         times = []
-        before = admin.ping()["counters"]["store_commits"]
+        before = admin.ping()["counters"]
         procs = [psutil.Process(shard_pid), psutil.Process(worker.pid), psutil.Process()]
         cpu0 = [cpu_s(x) for x in procs]
         for i in range(count):
@@ -189,11 +193,13 @@ def rtt(endpoint, tmp, secure, count, shard_pid):
                     break
             times.append(time.perf_counter() - t0)
         cpu = [(cpu_s(x) - c0) * 1e3 / count for x, c0 in zip(procs, cpu0, strict=True)]
-        after = admin.ping()["counters"]["store_commits"]
+        after = admin.ping()["counters"]
         times.sort()
+        loop = [(after[k] - before[k]) / count / 1e3 for k in ("decide_ns", "commit_ns",
+                                                               "send_ns")]
         return (times[len(times) // 2] * 1e3, times[min(len(times) - 1,
                                                          int(len(times) * 0.99))] * 1e3,
-                (after - before) / count, *cpu)
+                (after["store_commits"] - before["store_commits"]) / count, *cpu, *loop)
     finally:
         c.close()
         admin.close()
@@ -273,6 +279,12 @@ def main():
     out["rtt_cpu_ms_shard"] = round(med[True][4], 3)
     out["rtt_cpu_ms_worker"] = round(med[True][5], 3)
     out["rtt_cpu_ms_client"] = round(med[True][6], 3)
+    # Where the shard loop's time went per action (Shard.counters decide_ns, commit_ns,
+    # send_ns over the RTT phase, means): the rest of the round trip is the hops between
+    # the processes and the worker's and client's own work.
+    out["rtt_shard_decide_us"] = round(med[True][7], 1)
+    out["rtt_shard_commit_us"] = round(med[True][8], 1)
+    out["rtt_shard_send_us"] = round(med[True][9], 1)
     out["curve_cost_pct"] = round((med[True][1] / med[False][1] - 1) * 100, 1)
     out["curve_cost_enqueue_pct"] = round((med[False][0] / med[True][0] - 1) * 100, 1)
     out["plain_enqueue_wire_per_s"] = round(med[False][0])

@@ -499,6 +499,23 @@ def test_a_shard_publishes_what_queue_metrics_answers(live):
         assert r.snapshot().state == "stopped"
 
 
+def test_the_loop_says_where_its_time_went(live):
+    # decide_ns, commit_ns and send_ns (Shard.counters, the status, leasehold_loop_seconds)
+    # grow with every turn that handles a request, writes a group and answers it.
+    c = live.client()
+    r = StatusReader(live.path)
+    try:
+        before = _until(r.snapshot, lambda s: s.state == "running").counters
+        c.enqueue_many([spec("timed")])
+        after = _until(r.snapshot, lambda s: s.counters["replies"] > before["replies"]
+                       and s.counters["send_ns"] > before["send_ns"]).counters
+        for part in ("decide_ns", "commit_ns", "send_ns"):
+            assert after[part] > before[part], part
+        assert after["store_commits"] > before["store_commits"]
+    finally:
+        r.close()
+
+
 def test_a_queue_update_is_published_at_once_whatever_the_interval(tmp_path):
     h = Live(tmp_path, interval=60.0)
     try:

@@ -45,6 +45,10 @@ METRIC_NAMES = {
     "leasehold_commit_failures": ("counter", (), "Store group commits that failed"),
     "leasehold_ticks": ("counter", (), "Ticks the engine ran"),
     "leasehold_loop_turns": ("counter", (), "Loop turns of the shard"),
+    "leasehold_loop_seconds": ("counter", ("part",), "Where the shard loop's time went: "
+                               "decide (messages handled, tick, drain, group encoded), "
+                               "commit (store group commits with their sync), send (a "
+                               "committed turn's answers, leases and events)"),
     "leasehold_messages_received": ("counter", (), "Messages the shard took off its socket"),
     "leasehold_leases_pushed": ("counter", (), "Leases sent down worker streams"),
     "leasehold_leases_unsent": ("counter", (), "Leases that could not be sent (worker gone or "
@@ -182,6 +186,9 @@ class StatusCollector(Collector):
                             ("leasehold_leases_pushed", s.counters["leases_pushed"]),
                             ("leasehold_leases_unsent", s.counters["leases_unsent"])):
             fam[name].add_metric([sh], float(value))
+        for part in ("decide", "commit", "send"):
+            fam["leasehold_loop_seconds"].add_metric([sh, part],
+                                                     s.counters[f"{part}_ns"] / 1e9)
         for q in s.queues.values():
             labels = [sh, q.name]
             fam["leasehold_dispatches"].add_metric(labels, float(q.dispatched))

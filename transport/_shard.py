@@ -164,7 +164,7 @@ class Shard:
                               refused_auth=0, unauthenticated=0, exhausted=0, leases_pushed=0,
                               leases_unsent=0, events=0, events_unsent=0, turns=0,
                               failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
-                              store_commits=0)
+                              store_commits=0, decide_ns=0, commit_ns=0, send_ns=0)
         # Each counter has one writer at a time (the decision thread; store_commits also
         # the committer thread, whose commits never overlap the decision thread's own), so
         # an increment needs no lock; a snapshot is one dict copy under the GIL.
@@ -210,7 +210,11 @@ class Shard:
         protocol errors, authorisation refusals, unauthenticated, RESOURCE_EXHAUSTED),
         leases pushed or unsent, events pushed or unsent, loop turns, store group commits
         (turns that changed nothing write nothing), failed turns, ticks,
-        and the ZAP handshakes accepted and refused."""
+        and the ZAP handshakes accepted and refused; and where the loop's time went, in
+        nanoseconds summed over its turns: ``decide_ns`` (a turn's messages handled, its
+        tick and drain, its group encoded: from the turn's start until its group went to
+        commit), ``commit_ns`` (the store's group commits, each with its sync) and
+        ``send_ns`` (a committed turn's answers, leases and events sent)."""
         out = dict(self._counters)
         auth = getattr(self, "_auth", None)
         out["handshakes_accepted"] = auth.accepted if auth is not None else 0
@@ -226,6 +230,7 @@ class Shard:
         self._status.record_commit(ns, ok=ok)
         if ok:
             self._count("store_commits")
+            self._count("commit_ns", ns)
 
     def serve(self):
         """Run the loop on this thread until :meth:`stop` (or a signal handler) asks."""
@@ -446,6 +451,7 @@ class _Loop:
                 msgs = msgs[:exc.index] + msgs[exc.index + 1:]
 
     def _turn(self, msgs, backstop):
+        started = time.perf_counter_ns()
         eng = self.eng
         box = _Outbox()
         # The handlers collect into the turn's outbox (sent after its commit).
@@ -489,6 +495,7 @@ class _Loop:
         if group.state != "pending":        # the engine stopped (ownership lost)
             self.unavailable(box, "the shard stopped")
             return
+        self.shard._count("decide_ns", time.perf_counter_ns() - started)
         if not self.inflight and (self.depth == 1 or not group.batch or (
                 self.settings.idle_commit_inline and not self.waiting())):
             # Nothing before it in commit, and nothing to write, no pipeline, or no message
@@ -500,6 +507,7 @@ class _Loop:
 
     def flush(self, box):
         """Send what one committed turn decided, in order: answers, stops, leases, events."""
+        started = time.perf_counter_ns()
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone).
         events = []
@@ -533,6 +541,7 @@ class _Loop:
             c.outstanding = 0
         if box.batch is not None:
             self.shard._status.record_turn(box.batch, box.now_ns)
+        self.shard._count("send_ns", time.perf_counter_ns() - started)
 
     def send(self, conn, msg):
         try:

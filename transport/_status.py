@@ -86,7 +86,8 @@ WAIT_REASONS = tuple(c.name for c in WaitCode)
 SHARD_COUNTERS = ("received", "replies", "errors", "protocol_errors", "refused_auth",
                   "unauthenticated", "exhausted", "leases_pushed", "leases_unsent", "events",
                   "events_unsent", "turns", "failed_commits", "ticks", "stops_pushed",
-                  "stops_unsent", "store_commits", "handshakes_accepted", "handshakes_refused")
+                  "stops_unsent", "store_commits", "handshakes_accepted", "handshakes_refused",
+                  "decide_ns", "commit_ns", "send_ns")
 VERDICTS = tuple(v.name for v in Verdict)           # refusal counts by Verdict value
 ERROR_KINDS = (*ERROR_CODES, "OTHER")               # ERROR replies by wire code
 STATES = ("starting", "running", "stopped")         # the shard record's ``state``
