@@ -61,6 +61,9 @@ def _distinct_rows(parts, n):
     m = sum(p.size for p in parts)
     if len(parts) == 1 and (m < 2 or (parts[0][1:] > parts[0][:-1]).all()):
         return parts[0]         # already distinct and ascending (one batch's rows, usually)
+    if m <= 32:     # a few rows (one action's turn): a set, cheaper than numpy's unique here
+        rows = sorted({r for p in parts for r in p.tolist()})
+        return np.array(rows, dtype=np.int64)
     if m * 16 >= n:
         mark = np.zeros(n, dtype=bool)
         for p in parts:
