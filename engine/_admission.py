@@ -171,10 +171,7 @@ class AdmissionMixin:
         :meth:`enqueue_many`: a name that exists with the same spec is a no-op, with another
         spec ``AlreadyExists``. Returns the ids of every name, in order (an
         :class:`~engine.ActionIds` sequence of ``ActionId``)."""
-        if isinstance(template, dict):
-            template = ActionSpec.from_dict(template)
-        c = compile_spec(template, self._resources, self._queues,
-                         self.config.engine.default_queue)
+        _spec, c, _key = self._compiled(template)
         names, inputs = check_names(names, inputs)
         aid = c.id
         if c.parent is not None and c.parent.run_key == aid.run_key and c.parent.action in (

@@ -56,8 +56,9 @@ class Group:
 
 
 def _distinct_rows(parts, n):
-    """The distinct rows of the arrays ``parts`` (each row < ``n``), ascending. A bitmap of
-    the table when they are many (a large fan-out, an abort: O(n), no sort), else a sort."""
+    """The distinct rows of the arrays ``parts`` (each row < ``n``), ascending: a set when
+    they are few, a bitmap of the table when they are many (a large fan-out, an abort: O(n),
+    no sort), else a sort."""
     m = sum(p.size for p in parts)
     if len(parts) == 1 and (m < 2 or (parts[0][1:] > parts[0][:-1]).all()):
         return parts[0]         # already distinct and ascending (one batch's rows, usually)

@@ -520,7 +520,8 @@ class LeasingMixin:
         codes = np.full(n, code, dtype=np.uint8) if code is not None else (
             np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n))
         st = self._state
-        fast = (verdicts == _OK) & is_run
+        ok = verdicts == _OK
+        fast = ok & is_run
         if not plain:
             fast &= np.fromiter((not messages[i] and not cleanup[i] for i in range(n)),
                                 dtype=bool, count=n)
@@ -528,7 +529,6 @@ class LeasingMixin:
             fast &= (codes == PH_INIT) | (codes == PH_RUNNING) | (codes == PH_SUCCEEDED)
         elif code not in _LEAN_CODES:
             fast[:] = False
-        ok = verdicts == _OK
         fast[fast] = st.a_edges[rows[fast]] == 0
         if fast.any():
             # A lease reported twice in one message takes the ordered path. (Rows strictly

@@ -176,14 +176,19 @@ def encode_spec(spec):
     return msgpack.packb(spec.__dict__, default=_default, use_bin_type=True)
 
 
+def _run_content(data, default=None):
+    # A spec's fields (a mapping) packed with its id cut to its run: raises TypeError or
+    # ValueError for what msgpack cannot carry.
+    aid = data.get("id")
+    return msgpack.packb({**data, "id": aid.rsplit("/", 1)[0] if isinstance(aid, str) else aid},
+                         default=default, use_bin_type=True)
+
+
 def spec_content(spec):
     """What two specs of one run must share to be compiled and stored once: everything but
     the action name (bytes; specs of different runs never share it)."""
-    data = dict(spec.__dict__)
-    aid = data.get("id")
-    data["id"] = aid.rsplit("/", 1)[0] if isinstance(aid, str) else aid
     try:
-        return msgpack.packb(data, default=_default, use_bin_type=True)
+        return _run_content(spec.__dict__, _default)
     except (TypeError, ValueError):
         return None     # not plain data: compile_spec words the error
 
@@ -192,11 +197,10 @@ def dict_content(data):
     """:func:`spec_content` of a spec given as plain data (a dict, as read off the wire),
     without building the spec: two dicts with equal bytes here are the same declaration but
     for the action name. ``None`` when it cannot be packed or its id is not a string."""
-    aid = data.get("id")
-    if not isinstance(aid, str):
+    if not isinstance(data.get("id"), str):
         return None
     try:
-        return b"d" + msgpack.packb({**data, "id": aid.rsplit("/", 1)[0]}, use_bin_type=True)
+        return b"d" + _run_content(data)
     except (TypeError, ValueError):
         return None
 

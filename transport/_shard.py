@@ -165,9 +165,10 @@ class Shard:
                               leases_unsent=0, events=0, events_unsent=0, turns=0,
                               failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
                               store_commits=0, decide_ns=0, commit_ns=0, send_ns=0)
-        # Each counter has one writer at a time (the decision thread; store_commits also
-        # the committer thread, whose commits never overlap the decision thread's own), so
-        # an increment needs no lock; a snapshot is one dict copy under the GIL.
+        # Each counter has one writer at a time (the decision thread; store_commits and
+        # commit_ns also the committer thread, whose commits never overlap the decision
+        # thread's own), so an increment needs no lock; a snapshot is one dict copy under
+        # the GIL.
         self._status = None         # the shared-memory status (transport/_status.py)
 
     # ------------------------------------------------------------------ running
