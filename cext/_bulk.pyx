@@ -20,7 +20,8 @@ from cext._types cimport (
     u64,
 )
 
-__all__ = ["remove_many", "release_many", "push_finalize_many", "drain_dispatch"]
+__all__ = ["remove_many", "release_many", "push_finalize_many", "drain_dispatch",
+           "decided_rows"]
 
 
 def remove_many(TickKernel k not None, const i64[::1] rows not None):
@@ -77,6 +78,30 @@ cdef void _push_finalize_many(TickKernel k, const i64[::1] rows) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(rows.shape[0]):
         k._push_finalize(<i32>rows[i])
+
+
+def decided_rows(TickKernel k not None, i64 since, i64[::1] actions not None,
+                 i64[::1] finalizes not None):
+    """The rows of the dispatch entries from ``since`` to the ring's tail (what one tick
+    decided): action rows into ``actions``, finalize rows into ``finalizes`` (each with room
+    for ``k.d_tail - since``), in ring order. Returns ``(n_actions, n_finalizes)``."""
+    cdef Py_ssize_t cap = k.d_action.shape[0]
+    cdef i64 n = k.d_tail - since, s
+    cdef Py_ssize_t na = 0, nf = 0
+    if since < k.d_head or n < 0:
+        raise ValueError(f"dispatch entries from {since}: the ring holds "
+                         f"{k.d_head} .. {k.d_tail}")
+    if actions.shape[0] < n or finalizes.shape[0] < n:
+        raise ValueError(f"decided_rows: outputs shorter than {n} entries")
+    with nogil:
+        for s in range(since, k.d_tail):
+            if k.d_kind[s % cap] == KIND_FINALIZE:
+                finalizes[nf] = k.d_action[s % cap]
+                nf += 1
+            else:
+                actions[na] = k.d_action[s % cap]
+                na += 1
+    return na, nf
 
 
 def drain_dispatch(TickKernel k not None, i64 n, i64 now, u8 ph_init,

@@ -78,6 +78,7 @@ cdef class RecordCodec:
     cdef i64[::1] a_group                   # enqueue group
     cdef i32[::1] a_gidx                    # index in the group
     cdef u8[::1] a_lean                     # lean flag
+    cdef u8[::1] a_edges                    # 1: the row's Python record is its truth
     cdef u8[::1] a_phase                    # lean phase code
     cdef i64[::1] a_start                   # lean assignment time
     cdef i64[::1] a_running                 # lean RUNNING time

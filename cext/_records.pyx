@@ -9,6 +9,7 @@ cimport cython
 from cpython.bytes cimport (
     PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE,
 )
+from libc.stdlib cimport qsort
 from libc.string cimport memcpy
 
 from cext._types cimport check_index, i32, i64, u8
@@ -16,6 +17,43 @@ from cext._types cimport check_index, i32, i64, u8
 __all__ = ["RecordCodec", "ACTION_HEAD_SIZE", "copy_fixed", "fixed_pairs"]
 
 ACTION_HEAD_SIZE = sizeof(ActionHead)
+
+# A row and its partition as one sortable key: (partition << 56) | row.
+DEF PART_SHIFT = 56
+
+
+cdef int _cmp_u64(const void* a, const void* b) noexcept nogil:
+    cdef u64 x = (<const u64*>a)[0]
+    cdef u64 y = (<const u64*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef Py_ssize_t _sorted_distinct(u64* c, Py_ssize_t m) noexcept nogil:
+    """Sort ``c[:m]`` ascending and drop repeats; returns how many stay. Already ascending
+    (one fan-out's rows) costs one pass; a handful (one action's turn) an insertion sort."""
+    cdef Py_ssize_t i, j, n
+    cdef u64 v
+    for i in range(1, m):
+        if c[i] <= c[i - 1]:
+            break
+    else:
+        return m
+    if m <= 32:
+        for i in range(1, m):
+            v = c[i]
+            j = i - 1
+            while j >= 0 and c[j] > v:
+                c[j + 1] = c[j]
+                j -= 1
+            c[j + 1] = v
+    else:
+        qsort(c, m, sizeof(u64), _cmp_u64)
+    n = 1
+    for i in range(1, m):
+        if c[i] != c[n - 1]:
+            c[n] = c[i]
+            n += 1
+    return n
 
 
 def copy_fixed(values, Py_ssize_t size, Py_ssize_t count, u8[::1] out not None,
@@ -110,6 +148,7 @@ cdef class RecordCodec:
         self.a_group = state.a_group
         self.a_gidx = state.a_gidx
         self.a_lean = state.a_lean
+        self.a_edges = state.a_edges
         self.a_phase = state.a_phase
         self.a_start = state.a_start
         self.a_running = state.a_running
@@ -134,6 +173,60 @@ cdef class RecordCodec:
         with nogil:
             for i in range(n):
                 self._encode(rows[i], &out[i * self.action_size])
+
+    def encode_blocks(self, const i64[::1] rows not None, u64[::1] scratch not None,
+                      u8[::1] keys not None, u8[::1] values not None,
+                      i64[::1] heavy not None):
+        """A turn's action records, ready for the store: the distinct rows of ``rows`` (any
+        order, repeats allowed), ordered by (partition, row); each row's key (its number,
+        8 bytes big-endian) into ``keys`` and its record into ``values``, back to back.
+
+        A row whose Python record is its truth (``a_edges`` 1) is no longer lean: its
+        ``a_lean`` is cleared before its record is packed, and it is listed in ``heavy``
+        (its attempts record is the caller's to write). ``scratch``, ``heavy``: room for
+        ``len(rows)`` items; ``keys``, ``values``: for ``len(rows)`` records.
+
+        Returns ``(n, blocks, n_heavy)``: ``n`` records written, ``blocks`` a list of
+        ``(partition, lo, hi)`` (records ``lo .. hi-1`` belong to that partition), and
+        ``heavy[:n_heavy]`` the rows above, ascending within their partition."""
+        cdef Py_ssize_t m = rows.shape[0]
+        cdef Py_ssize_t size = self.action_size
+        cdef Py_ssize_t i, n = 0, n_heavy = 0, lo = 0
+        cdef i64 r
+        cdef u64 c
+        cdef int part, b
+        if size == 0:
+            raise ValueError("codec is not bound")
+        if (scratch.shape[0] < m or heavy.shape[0] < m or keys.shape[0] < 8 * m
+                or values.shape[0] < size * m):
+            raise ValueError(f"encode_blocks: buffers too small for {m} rows")
+        for i in range(m):
+            if not 0 <= rows[i] < self.a_state.shape[0]:
+                check_index(rows[i], self.a_state.shape[0], f"rows[{i}]", "an action row")
+        if m == 0:
+            return 0, [], 0
+        with nogil:
+            for i in range(m):
+                scratch[i] = (<u64>self.a_part[rows[i]] << PART_SHIFT) | <u64>rows[i]
+            n = _sorted_distinct(&scratch[0], m)
+            for i in range(n):
+                c = scratch[i]
+                r = <i64>(c & ((<u64>1 << PART_SHIFT) - 1))
+                if self.a_edges[r] == 1:
+                    self.a_lean[r] = 0
+                    heavy[n_heavy] = r
+                    n_heavy += 1
+                for b in range(8):
+                    keys[8 * i + b] = <u8>(<u64>r >> (56 - 8 * b))
+                self._encode(r, &values[i * size])
+        blocks = []
+        part = <int>(scratch[0] >> PART_SHIFT)
+        for i in range(1, n):
+            if <int>(scratch[i] >> PART_SHIFT) != part:
+                blocks.append((part, lo, i))
+                lo, part = i, <int>(scratch[i] >> PART_SHIFT)
+        blocks.append((part, lo, n))
+        return n, blocks, n_heavy
 
     def decode_actions(self, const u8[::1] records not None, Py_ssize_t start,
                        Py_ssize_t stop, i32[::1] holder not None):

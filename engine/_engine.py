@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 
 from cext import RecordCodec, TickKernel
+from cext._bulk import decided_rows
 from engine._admission import AdmissionMixin, AlreadyExists
 from engine._attempts import AttemptsMixin
 from engine._clock import SystemClock
@@ -35,7 +36,6 @@ from engine._records import (
 )
 from engine._retain import RETENTION_BATCH, RetentionMixin
 from engine._rows import (
-    KIND_FINALIZE,
     ST_DONE,
     ST_FREE,
 )
@@ -110,7 +110,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._shape_names = {}          # pod matrix bytes -> its shape_key (a cache)
         self._templates = {}            # spec content -> (compiled, content) (a cache)
         self._node_index = {}           # cluster row -> {node name: index} (node reports)
-        self._history_prefix = {}       # history key -> its packed record's prefix
         self._history_flush_ns = 0      # engine clock: when they are written at the latest
         self._group_seq = itertools.count(1)
         self._committed_tail = 0    # dispatch ring position up to which decisions are durable
@@ -139,6 +138,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self.history = restored.history
         self._task_names = restored.task_names
         self._tasks = {task: row for row, task in enumerate(self._task_names)}
+        # History key -> (its store key, its record's packed [task, shape] prefix): rows
+        # are the store's, so they go with the memory they came with.
+        self._history_prefix = {}
         self._recs = {}             # row -> _Action: rows whose Python record is their truth
         self._hash_rows = {}        # name hash -> row (rows created or looked up since load)
         self._collided = {}         # ActionId -> row, for the rare hash taken by another id
@@ -455,11 +457,11 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         placed = kernel_pass(kernel, now)
         if kernel.d_tail > before:
             # The rows this tick decided (fixed records only: the edges did not change).
-            slots = np.arange(before, kernel.d_tail) % st.d_action.shape[0]
-            rows, kinds = st.d_action[slots], st.d_kind[slots]
-            fin = kinds == KIND_FINALIZE
-            self._touch_many(rows[~fin])
-            self._touch_fz_many(rows[fin])
+            n = kernel.d_tail - before
+            rows, fz = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+            na, nf = decided_rows(kernel, before, rows, fz)
+            self._touch_many(rows[:na])
+            self._touch_fz_many(fz[:nf])
         for i in range(kernel.f_count):
             self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
         return placed, swept

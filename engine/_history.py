@@ -28,10 +28,9 @@ _VERSION = 2
 _HEADER = struct.Struct("<4sHH")
 _BODY = struct.Struct("<Q" + "q" * RECENT)
 RECORD_SIZE = _HEADER.size + _BODY.size
-# The same layout as a numpy dtype, for encoding many records in one pass.
-_RECORD_DTYPE = np.dtype([("magic", "S4"), ("version", "<u2"), ("n", "<u2"),
-                          ("count", "<u8"), ("recent", "<i8", (RECENT,))])
-assert _RECORD_DTYPE.itemsize == RECORD_SIZE
+# The whole record as one struct (a flush packs many: one call each).
+_RECORD = struct.Struct("<4sHHQ" + "q" * RECENT)
+assert _RECORD.size == RECORD_SIZE
 
 
 def shape_key(names, pods, counts):
@@ -160,16 +159,19 @@ class RuntimeHistory:
         return (_HEADER.pack(_MAGIC, _VERSION, RECENT)
                 + _BODY.pack(int(self._count[row]), *self._recent[row].tolist()))
 
-    def encode_many(self, keys):
-        """:meth:`encode` of each key of ``keys`` (each with a row), in one numpy pass: a
-        flush of many keys' samples costs one gather, not a struct pack per key."""
-        rows = np.fromiter((self._rows[k] for k in keys), dtype=np.int64, count=len(keys))
-        out = np.empty(rows.size, dtype=_RECORD_DTYPE)
-        out["magic"], out["version"], out["n"] = _MAGIC, _VERSION, RECENT
-        out["count"] = self._count[rows]
-        out["recent"] = self._recent[rows]
-        raw = out.tobytes()
-        return [raw[i:i + RECORD_SIZE] for i in range(0, len(raw), RECORD_SIZE)]
+    def records(self, keys):
+        """The :meth:`encode` record of each key of ``keys``, ``None`` for a key without a
+        sample (no row, or a row not yet learnt): one gather for all of them, a struct
+        pack each (what a flush of the samples of a second writes)."""
+        rows = [self._rows.get(k, -1) for k in keys]
+        if not rows:
+            return []
+        sel = np.array(rows, dtype=np.int64)
+        counts = self._count[sel].tolist()
+        recent = self._recent[sel].tolist()
+        pack = _RECORD.pack
+        return [pack(_MAGIC, _VERSION, RECENT, c, *r) if row >= 0 and c else None
+                for row, c, r in zip(rows, counts, recent, strict=True)]
 
     @staticmethod
     def decode(key, data):

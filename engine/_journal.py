@@ -32,6 +32,10 @@ __all__ = ["JournalMixin", "HISTORY_FLUSH_NS"]
 HISTORY_FLUSH_NS = 1_000_000_000
 # msgpack's bin 8 header of one history record (engine._history.RECORD_SIZE bytes).
 _BIN_RECORD = b"\xc4" + bytes([RECORD_SIZE])
+# Up to this many dirty rows the codec sorts them itself; above, _distinct_rows does (a
+# bitmap of the table or numpy's sort beat a C qsort of many rows).
+_CODEC_SORTS = 4096
+_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 class Group:
@@ -295,16 +299,12 @@ class JournalMixin:
         if self._dirty_rows or self._dirty_arrays:
             parts_ = [a.astype(np.int64, copy=False) for a in self._dirty_arrays]
             if self._dirty_rows:
-                parts_.append(np.fromiter(self._dirty_rows, dtype=np.int64,
-                                          count=len(self._dirty_rows)))
-            idx = _distinct_rows(parts_, self._next_row)
+                parts_.append(np.array(self._dirty_rows, dtype=np.int64))
             # Rows whose Python record is their truth get an attempts record, and their
-            # fixed record says so; a lean row's fixed record is its whole outcome.
-            heavy = idx[st.a_edges[idx] == 1]
-            st.a_lean[heavy] = 0
-            self._action_blocks(idx, batch)
+            # fixed record says so (the codec clears their lean flag); a lean row's fixed
+            # record is its whole outcome.
             recs = self._recs
-            for r in heavy.tolist():
+            for r in self._action_blocks(parts_, batch).tolist():
                 rec = recs.get(r)
                 if rec is not None:   # else restored and untouched: its record stands
                     batch.setdefault(int(st.a_part[r]), []).append(
@@ -344,20 +344,18 @@ class JournalMixin:
         if not tasks:
             return
         # [task, shape, record] (msgpack) per key: the key row's history, None before its
-        # first success. Records in one pass; each key's packed [task, shape] prefix is kept
-        # (a flush after many keys' successes costs little per key).
+        # first success. Records in one pass; each key's store key and packed [task, shape]
+        # prefix are kept (a flush after many keys' successes costs little per key).
         keys = list(tasks)
-        learnt = [k for k in keys if self.history.count(k)]
-        records = dict(zip(learnt, self.history.encode_many(learnt), strict=True))
         ops = batch.setdefault(0, [])
-        for key in keys:
-            prefix = self._history_prefix.get(key)
-            if prefix is None:
-                prefix = self._history_prefix[key] = b"\x93" + msgpack.packb(key[0]) + \
-                    msgpack.packb(key[1])
-            data = records.get(key)
-            value = prefix + (_BIN_RECORD + data if data is not None else b"\xc0")
-            ops.append(("history", row_key(self._tasks[key]), value))
+        known = self._history_prefix
+        for key, data in zip(keys, self.history.records(keys), strict=True):
+            entry = known.get(key)
+            if entry is None:
+                entry = known[key] = (row_key(self._tasks[key]), b"\x93" + msgpack.packb(
+                    key[0]) + msgpack.packb(key[1]))
+            ops.append(("history", entry[0],
+                        entry[1] + (_BIN_RECORD + data if data is not None else b"\xc0")))
 
     def _add_sample(self, key):
         """History ``key`` has a runtime sample the store does not have yet: it is written
@@ -379,26 +377,32 @@ class JournalMixin:
         with self._turn():
             pass
 
-    def _action_blocks(self, idx, batch):
-        """Append the fixed records of action rows ``idx`` to ``batch``: one block per
-        partition (the row's ``a_part``), rows ordered by (partition, row), packed by the
-        Cython codec into one buffer and handed to the store as is."""
-        st = self._state
-        part = st.a_part[idx]
-        mixed = part.size > 1 and (part != part[0]).any()
-        if mixed:                                   # idx ascending: by partition, stable
-            idx = idx[np.argsort(part, kind="stable")]
-            part = st.a_part[idx]
-        idx = idx.astype(np.int64, copy=False)
+    def _action_blocks(self, parts, batch):
+        """Append the fixed records of the action rows in the arrays ``parts`` (repeats
+        allowed) to ``batch``: one block per partition (the row's ``a_part``), rows ordered
+        by (partition, row), deduplicated, keyed and packed by the Cython codec in one call
+        and handed to the store as they are. Returns the rows among them whose Python record
+        is their truth (``a_edges`` 1): the caller writes their attempts records."""
+        if len(parts) == 1:
+            rows = parts[0]
+        elif len(parts) > 1:
+            rows = np.concatenate(parts)
+        else:
+            return _NO_ROWS
+        if rows.size > _CODEC_SORTS:
+            rows = _distinct_rows(parts, self._next_row)    # O(table) or numpy's sort
+        m = rows.size
         size = self._codec_records.action_size
-        buf = np.empty(idx.size * size, dtype=np.uint8)     # every byte encoded: no zeroing
-        self._codec_records.encode_actions(idx, buf)
-        view = memoryview(buf)
-        keys = idx.astype(">u8")                 # row_key of every row, in one pass
-        bounds = (np.flatnonzero(np.diff(part)) + 1).tolist() if mixed else []
-        for lo, hi in zip([0, *bounds], [*bounds, idx.size], strict=True):
-            batch.setdefault(int(part[lo]), []).append(
-                Records("actions", keys[lo:hi], view[lo * size:hi * size], 8, size))
+        # Every byte is written by the codec: no zeroing.
+        keys, values = np.empty(8 * m, dtype=np.uint8), np.empty(size * m, dtype=np.uint8)
+        scratch, heavy = np.empty(m, dtype=np.uint64), np.empty(m, dtype=np.int64)
+        _n, blocks, n_heavy = self._codec_records.encode_blocks(
+            rows.astype(np.int64, copy=False), scratch, keys, values, heavy)
+        kv, vv = memoryview(keys), memoryview(values)
+        for part, lo, hi in blocks:
+            batch.setdefault(part, []).append(
+                Records.packed("actions", kv[8 * lo:8 * hi], vv[size * lo:size * hi], 8, size))
+        return heavy[:n_heavy]
 
     def _finalize_records(self, idx):
         """The fixed records of finalize rows ``idx``."""

@@ -213,7 +213,7 @@ class RetentionMixin:
             st.q_head[stale] = -1
         # Its FREE record in the old action's partition (a_part is kept), written even if
         # the row is reused in this turn by another partition's action.
-        self._action_blocks(rows, self._ops)
+        self._action_blocks([rows], self._ops)
         self._free_rows = np.union1d(self._free_rows, rows)
         self._retire_runs(runs, run_parts)
         return int(rows.size)

@@ -117,11 +117,13 @@ def test_a_bad_record_is_refused_naming_the_key():
     assert h.count(K) == 1
 
 
-def test_encode_many_is_encode_of_each():
+def test_records_are_encode_of_each_and_none_without_a_sample():
     h = RuntimeHistory()
     keys = [(f"t{i}", "") for i in range(5)]
     for i, k in enumerate(keys):
         for s in range(i + 1):
             h.record(k, s + 0.5)
-    assert h.encode_many(keys) == [h.encode(k) for k in keys]
-    assert h.encode_many([]) == []
+    h.record_many_ns(("empty", ""), [])          # no sample: no row either
+    unknown = [("never", ""), ("empty", "")]
+    assert h.records(keys + unknown) == [h.encode(k) for k in keys] + [None, None]
+    assert h.records([]) == []

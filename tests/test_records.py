@@ -4,6 +4,8 @@ must agree field by field (they are two spellings of one layout)."""
 from types import SimpleNamespace
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st_
 
 from cext import RecordCodec
 from cext._records import ACTION_HEAD_SIZE
@@ -136,3 +138,83 @@ def test_name_hashes_are_blake2b_across_block_boundaries():
     assert name_hashes(texts).tolist() == want
     with pytest.raises(TypeError):
         name_hashes(["a", b"b"])
+
+
+def _partitioned_rows(n, parts):
+    """A codec bound to a copy of ``five_rows``' arrays grown to ``n`` rows, each row in
+    partition ``parts[row]``, row 3 with a Python record (``a_edges`` 1)."""
+    eng, _ = make_engine(CONFIG)
+    small = eng.inspect().arrays.copy()
+    arrays = {}
+    for name, arr in small.items():
+        if name.startswith("a_"):
+            big = np.zeros((n,) + arr.shape[1:], dtype=arr.dtype)
+            big[:] = arr[0]
+            arrays[name] = big
+        else:
+            arrays[name] = arr
+    st = SimpleNamespace(n_res=3, **arrays)
+    st.a_part[:] = parts
+    st.a_seq[:] = np.arange(n) * 3 + 1        # distinct per row, so records differ
+    st.a_lean[:] = 1
+    st.a_edges[:] = 0
+    st.a_edges[3] = 1
+    codec = RecordCodec()
+    codec.bind(st)
+    return st, codec
+
+
+def _blocks(codec, rows):
+    m = rows.size
+    keys, values = np.empty(8 * m, np.uint8), np.empty(codec.action_size * m, np.uint8)
+    heavy = np.empty(m, np.int64)
+    n, blocks, n_heavy = codec.encode_blocks(rows, np.empty(m, np.uint64), keys, values, heavy)
+    return n, blocks, keys[:8 * n], values[:codec.action_size * n], heavy[:n_heavy]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st_.lists(st_.integers(0, 39), max_size=80),
+       st_.lists(st_.integers(0, 3), min_size=40, max_size=40))
+def test_blocks_are_the_distinct_rows_by_partition_and_row_each_packed_as_alone(rows, parts):
+    # What the journal hands the store for a turn's dirty rows (any order, repeats): one
+    # block per partition, rows ascending and distinct within it, keys big-endian rows, each
+    # record byte for byte encode_actions' of that row.
+    st, codec = _partitioned_rows(40, parts)
+    arr = np.array(rows, dtype=np.int64)
+    n, blocks, keys, values, heavy = _blocks(codec, arr)
+    want = sorted(set(rows), key=lambda r: (parts[r], r))
+    assert n == len(want)
+    assert [(p, lo, hi) for p, lo, hi in blocks] == [
+        (p, want.index(g[0]), want.index(g[-1]) + 1)
+        for p in sorted({parts[r] for r in want})
+        for g in [[r for r in want if parts[r] == p]]]
+    assert np.frombuffer(keys.tobytes(), ">u8").tolist() == want
+    alone = bytearray(codec.action_size * n)
+    codec.encode_actions(np.array(want, dtype=np.int64), alone)
+    assert values.tobytes() == bytes(alone)
+    # Row 3 has a Python record: listed once if present, and its fixed record is not lean.
+    assert heavy.tolist() == ([3] if 3 in rows else [])
+    assert st.a_lean[3] == (0 if 3 in rows else 1) and st.a_lean[:3].all()
+
+
+def test_blocks_refuse_rows_outside_the_table_and_short_buffers():
+    import pytest
+    _st, codec = _partitioned_rows(8, [0] * 8)
+    with pytest.raises(IndexError):
+        _blocks(codec, np.array([2, 8], dtype=np.int64))
+    rows = np.array([1, 2], dtype=np.int64)
+    with pytest.raises(ValueError, match="too small"):
+        codec.encode_blocks(rows, np.empty(2, np.uint64), np.empty(16, np.uint8),
+                            np.empty(codec.action_size, np.uint8), np.empty(2, np.int64))
+    assert _blocks(codec, np.empty(0, dtype=np.int64))[:2] == (0, [])
+
+
+def test_packed_records_equal_checked_ones():
+    from storage import Records
+    keys = memoryview(np.arange(6, dtype=">u8").view(np.uint8))
+    values = memoryview(np.arange(6 * 5, dtype=np.uint8))
+    packed, checked = (Records.packed("actions", keys, values, 8, 5),
+                       Records("actions", keys, values, 8, 5))
+    assert len(packed) == len(checked) == 6
+    assert list(packed.pairs()) == list(checked.pairs())
+    assert (packed.db, packed.key_size, packed.value_size) == ("actions", 8, 5)
