@@ -509,8 +509,19 @@ class _Loop:
     def flush(self, box):
         """Send what one committed turn decided, in order: answers, stops, leases, events."""
         started = time.perf_counter_ns()
+        for conn, msg, _ in box.out:
+            self.send(conn, msg)
+        # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
+        for conn, frames, n in box.stops:
+            self.shard._count("stops_pushed" if send(self.sock, frames, conn)
+                              else "stops_unsent", n)
+        for conn, frames, n in box.pushes:
+            # A push that cannot go (peer gone, queue full) is not retried under this
+            # generation: the lease misses its heartbeats and is assigned again.
+            self.shard._count("leases_pushed" if send(self.sock, frames, conn)
+                              else "leases_unsent", n)
         # Durable: the turn's watch records join the log (numbered now, so a seq never
-        # names a change that was undone).
+        # names a change that was undone); after the leases, which wait for nothing here.
         events = []
         for args in box.records:
             if type(args) is _Queued:
@@ -526,17 +537,6 @@ class _Loop:
             hit = self.watch.record(*args)
             if hit is not None:
                 events.append((hit[0], args[0], hit[1]))
-        for conn, msg, _ in box.out:
-            self.send(conn, msg)
-        # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
-        for conn, frames, n in box.stops:
-            self.shard._count("stops_pushed" if send(self.sock, frames, conn)
-                              else "stops_unsent", n)
-        for conn, frames, n in box.pushes:
-            # A push that cannot go (peer gone, queue full) is not retried under this
-            # generation: the lease misses its heartbeats and is assigned again.
-            self.shard._count("leases_pushed" if send(self.sock, frames, conn)
-                              else "leases_unsent", n)
         self.push_events(events)
         for c in self.conns.values():
             c.outstanding = 0
