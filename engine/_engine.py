@@ -22,7 +22,7 @@ from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._dispatch import Assignment, DispatchBatch
 from engine._errors import ConfigError, NotFound, SpecError
 from engine._explain import ExplainMixin, Explanation
-from engine._history import shape_key
+from engine._history import ShapePriors, shape_key
 from engine._index import IndexMixin
 from engine._inspect import Inspection
 from engine._journal import Group, JournalMixin
@@ -138,6 +138,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self.history = restored.history
         self._task_names = restored.task_names
         self._tasks = {task: row for row, task in enumerate(self._task_names)}
+        self._refresh_predictions()
         # History key -> (its store key, its record's packed [task, shape] prefix): rows
         # are the store's, so they go with the memory they came with.
         self._history_prefix = {}
@@ -508,8 +509,30 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         return row
 
     def _refresh_prediction(self, key, row):
+        """Key row ``row``'s prediction after its history changed: its own (the mean of its
+        last two successes), else its shape's prior; a changed prior reaches every key of
+        the shape that has no history of its own."""
+        st = self._state
         ns = self.history.predict_ns(key)
-        self._state.t_pred_rt[row] = NEVER if ns is None else min(ns, NEVER - 1)
+        shape = key[1]
+        changed = self._priors.set(key, ns)
+        cold = self._cold_keys.setdefault(shape, set())
+        if ns is None:
+            cold.add(row)
+        else:
+            cold.discard(row)
+            st.t_pred_rt[row] = min(ns, NEVER - 1)
+        if cold and (changed or ns is None):
+            prior = self._priors.prior_ns(shape)
+            st.t_pred_rt[np.fromiter(cold, np.int64, len(cold))] = (
+                NEVER if prior is None else min(prior, NEVER - 1))
+
+    def _refresh_predictions(self):
+        """Every key row's prediction from the histories (after a load)."""
+        self._priors = ShapePriors()
+        self._cold_keys = {}        # shape -> rows of its keys without history of their own
+        for row, key in enumerate(self._task_names):
+            self._refresh_prediction(key, row)
 
     def _record_runtime(self, key, ns):
         self.history.record_ns(key, max(0, int(ns)))

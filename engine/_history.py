@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-__all__ = ["RuntimeHistory", "RECENT", "RECORD_SIZE", "shape_key"]
+__all__ = ["RuntimeHistory", "ShapePriors", "RECENT", "RECORD_SIZE", "shape_key"]
 
 #: Successful runtimes kept per key (newest first): what the predictor averages.
 RECENT = 2
@@ -209,3 +209,42 @@ class RuntimeHistory:
         row = self._row(key, True)
         self._recent[row] = recent
         self._count[row] = np.uint64(count)
+
+
+class ShapePriors:
+    """What a key without history of its own predicts: the mean of the predictions of the
+    keys of the same resource shape that have history (each key counted once, whatever its
+    popularity). A task seen for the first time at a shape other tasks ran at gets their
+    typical runtime instead of nothing (docs/predictions.md). Derived from the keys'
+    histories alone, so nothing more is stored and a reload rebuilds it exactly.
+
+    ``set(key, ns)`` records ``key``'s own prediction (ns, None without history) and says
+    whether its shape's prior changed; ``prior_ns(shape)`` is the prior (None when no key
+    of the shape has history)."""
+
+    def __init__(self):
+        self._own = {}      # key -> its prediction (ns), keys with history only
+        self._sum = {}      # shape -> sum of its keys' predictions
+        self._n = {}        # shape -> number of them
+
+    def set(self, key, ns):
+        shape = key[1]
+        old = self._own.get(key)
+        if ns == old:
+            return False
+        if old is None:
+            self._n[shape] = self._n.get(shape, 0) + 1
+            self._sum[shape] = self._sum.get(shape, 0)
+        else:
+            self._sum[shape] -= old
+        if ns is None:
+            del self._own[key]
+            self._n[shape] -= 1
+        else:
+            self._own[key] = ns
+            self._sum[shape] += ns
+        return True
+
+    def prior_ns(self, shape):
+        n = self._n.get(shape)
+        return -(-self._sum[shape] // n) if n else None

@@ -233,9 +233,7 @@ def _load_small(ld, store):
             except ValueError as exc:
                 raise CorruptRecord(p, "history", key, str(exc)) from None
         st.ensure("tasks", row + 1)
-        ld.task_names.append(hkey)
-        ns = ld.history.predict_ns(hkey)
-        st.t_pred_rt[row] = NEVER if ns is None else min(ns, NEVER - 1)
+        ld.task_names.append(hkey)     # its prediction: Engine._refresh_predictions
     for p, key, raw in store.scan("queues"):
         qname = key.decode()
         if qname in queue_index:

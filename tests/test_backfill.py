@@ -6,6 +6,7 @@ import heapq
 from dataclasses import replace
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -175,18 +176,46 @@ def test_rule_a_places_what_ends_before_the_shadow_time():
 
 def test_no_history_never_backfills_by_rule_a():
     eng, _ = _gap_setup()
-    eng.enqueue(gpus("n", "never-seen", 2))
+    # A shape no task ran at (3 cpu): no history of its own, no prior of its shape.
+    eng.enqueue(gpus("n", "never-seen", 2, cpu=3))
     assert eng.tick() == []
+    assert eng.predicted_runtime_of("acme/ml/prod/n/a") is None
     assert eng.explain("acme/ml/prod/n/a").wait == WaitCode.HEAD_OF_LINE
     # Once the task has history, the same action backfills.
-    warm(eng, **{"never-seen": T10})
+    warm(eng, gpus("w", "never-seen", 2, cpu=3), **{"never-seen": T10})
     assert runs(eng.tick()) == ["n"]
+
+
+def test_a_task_without_history_predicts_what_its_shape_runs():
+    # small (T100) and quick (T10) ran at 2 GPUs: a new task at that shape is predicted
+    # their mean, 55 s, which ends before the head's shadow time (T100): rule (a) places it.
+    eng, clock = make_engine(config())
+    warm(eng, small=T100, quick=T10)
+    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
+    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
+    eng.enqueue(gpus("n", "never-seen", 2))
+    assert eng.predicted_runtime_of("acme/ml/prod/n/a") == (T100 + T10) / 2 / 1e9
+    assert eng.predicted_runtime(eng.history_key(gpus("n", "never-seen", 2))) is None
+    assert runs(eng.tick()) == ["n"]
+    # Its own first success replaces the prior, and moves the prior of the shape's other
+    # keys without history: (T100 + T10 + 3 s) / 3.
+    eng.mark_running("acme/ml/prod/n/a", 1)
+    clock.advance(3)
+    eng.complete("acme/ml/prod/n/a", 1)
+    assert eng.predicted_runtime(eng.history_key(gpus("n", "never-seen", 2))) == 3
+    eng.enqueue(gpus("o", "other-new", 2))
+    assert eng.predicted_runtime_of("acme/ml/prod/o/a") == pytest.approx(
+        (T100 + T10 + 3e9) / 3 / 1e9)
+    # Another shape's prior is its own.
+    eng.enqueue(gpus("c", "other-new", 2, cpu=3))
+    assert eng.predicted_runtime_of("acme/ml/prod/c/a") is None
 
 
 def test_head_without_known_shadow_time_gets_no_eta_and_no_gap():
     eng, clock = make_engine(config())
     warm(eng, quick=T10)
-    start(eng, clock, [gpus(f"s{i}", "unknown", 2) for i in range(2)])   # no history
+    # No history, and no task ran at their shape (3 cpu): no prior either.
+    start(eng, clock, [gpus(f"s{i}", "unknown", 2, cpu=3) for i in range(2)])
     eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
     eng.enqueue(gpus("q", "quick", 2))
     assert eng.tick() == []

@@ -174,8 +174,11 @@ def test_estimates_bounds_and_history_keys_survive_a_restart():
     eng, clock = _gap()
     eng.enqueue(bounded("b", "never-seen", 500, runtime_estimate=40))
     eng.enqueue(act("e", "slow", resources={"cpu": 1, "gpu": 2}, runtime_estimate=300))
-    before = {a: eng.predicted_runtime_of(f"acme/ml/prod/{a}/a") for a in ("b", "e", "g")}
-    assert before == {"b": 40, "e": 300, "g": None}
+    eng.enqueue(gpus("p", "new-task", 2))      # no history: its shape's prior
+    before = {a: eng.predicted_runtime_of(f"acme/ml/prod/{a}/a")
+              for a in ("b", "e", "g", "p")}
+    prior = math.ceil((T100 + T10 + T500) / 3) / S
+    assert before == {"b": 40, "e": 300, "g": None, "p": prior}
     key = eng.history_key(gpus("x", "small", 2))
     count = eng.history.count(key)
     store = eng.store
