@@ -11,8 +11,9 @@ so the same picture comes out on any machine:
 2. **a gang held under STRICT_FIFO, backfill in the gap** (queue ``train``, backfill on): a
    4u ``etl`` blocker runs; a gang of 2 pods x 4u (the whole cluster) is the head and waits,
    holding the cluster, with an estimated start from the blocker's declared
-   ``runtime_estimate``; behind it one more ``etl`` (1u, a size of the task with no history
-   yet: nothing proves it ends in time) may not pass it (head of line), while 6 ``lookup``
+   ``runtime_estimate``; behind it one more ``etl`` (3u, a size no task ran at yet: no
+   history, no prior of its shape, nothing proves it ends in time) may not pass it (head of
+   line), while 6 ``lookup``
    actions (1u), predicted by their history (step 1) to end before, are backfilled into the
    idle capacity.
 3. **a warm pool reused**: 6 ``python`` actions of one reusable environment (1 replica, 2 calls
@@ -267,8 +268,9 @@ class ExampleWorkload:
                 "pods": [{"role": "worker", "replicas": 2,
                           "resources": {"cpu": f"{4 * self.u}m", "memory": "128Mi"}}],
                 "execute": {"plugin": "sim", "duration": 1.0}}
+        # A size no task ran at yet: no history of its own, no prior of its shape.
         held = self._spec("train", "etl-after", "etl", "train",
-                          {"plugin": "sim", "duration": 0.5}, 1)
+                          {"plugin": "sim", "duration": 0.5}, 3)
         shorts = [self._spec("train", f"short-{i}", "lookup", "train",
                              {"plugin": "sim", "duration": [0.15, 0.35]}, 1) for i in range(6)]
         self._track(step, [blocker, gang, held, *shorts])
