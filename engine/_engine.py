@@ -491,9 +491,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
     # ------------------------------------------------------------------ backfill (issue 5)
     # Predictions feed EASY backfill (docs/predictions.md). Runtime history is per history
     # key, (task name, resource shape): each key row of t_pred_rt holds the mean of its last
-    # two successful runtimes (NEVER without history); the tick combines it with the
-    # action's own runtime estimate and max_runtime (a_est_rt, a_max_rt) at assignment
-    # (a_pred_end) and for every backfill candidate.
+    # two successful runtimes, else its shape's prior (NEVER when neither); the tick
+    # combines it with the action's own runtime estimate and max_runtime (a_est_rt,
+    # a_max_rt) at assignment (a_pred_end) and for every backfill candidate.
 
     def _task_row(self, key):
         row = self._tasks.get(key)

@@ -117,7 +117,8 @@ LANE_FIELDS = {
 # One row per history key (task name, resource shape): what its runtime history predicts
 # (set by the engine; docs/predictions.md).
 TASK_FIELDS = {
-    "t_pred_rt": (I64, NEVER, ()),      # mean of the key's last two successes (ns); NEVER none
+    # the key's prediction (ns): its history, else its shape's prior; NEVER none
+    "t_pred_rt": (I64, NEVER, ()),
 }
 RUN_FIELDS = {
     "u_cap": (I64, 0, ()),
