@@ -149,7 +149,7 @@ cdef class TickKernel:
     cdef u8[::1] w_paused              # non-zero: draining or suspect, place nothing new
 
     # --- history keys (task name, shape) ---
-    cdef i64[::1] t_pred_rt            # predicted runtime (ns): history, else shape prior; NEVER none
+    cdef i64[::1] t_pred_rt            # predicted runtime (ns): history, else shape prior
 
     # --- runs ---
     cdef i64[::1] u_cap                # max_action_concurrency, 0 = unlimited
