@@ -150,6 +150,7 @@ cdef class TickKernel:
 
     # --- history keys (task name, shape) ---
     cdef i64[::1] t_pred_rt            # predicted runtime (ns): history, else shape prior
+    cdef u8[::1] t_prior               # 1: t_pred_rt is the shape's prior
 
     # --- runs ---
     cdef i64[::1] u_cap                # max_action_concurrency, 0 = unlimited
@@ -275,6 +276,7 @@ cdef class TickKernel:
     cdef void _sift_down(self, Py_ssize_t root, Py_ssize_t n) noexcept nogil
     cdef Py_ssize_t _pop_end(self, Py_ssize_t n) noexcept nogil
     cdef i64 _pred_rt(self, i32 a) noexcept nogil
+    cdef i64 _candidate_rt(self, i32 a) noexcept nogil
     cdef i64 _live_end(self, i32 a, i64 now) noexcept nogil
     cdef Py_ssize_t _push_end(self, i32 a, Py_ssize_t n, i64 now, bint* overrun) noexcept nogil
     cdef i64 _first_cover(self, const i64* need, i64* free, Py_ssize_t n, i64 now, i32 h,

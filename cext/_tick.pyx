@@ -138,6 +138,7 @@ cdef class TickKernel:
         self.a_end = state.a_end
         self.a_task = state.a_task
         self.t_pred_rt = state.t_pred_rt
+        self.t_prior = state.t_prior
         self.a_est_rt = state.a_est_rt
         self.a_max_rt = state.a_max_rt
         self.a_runtime_due = state.a_runtime_due
@@ -1193,6 +1194,19 @@ cdef class TickKernel:
             rt = self.a_max_rt[a]
         return rt
 
+    cdef i64 _candidate_rt(self, i32 a) noexcept nogil:
+        # _pred_rt for a backfill candidate under rule (a): a shape's prior does not prove
+        # that an action ends in time (it may serve a live lease's end, not a candidate).
+        cdef i64 rt = self.a_est_rt[a]
+        if rt < NEVER:
+            return rt
+        rt = NEVER
+        if self.a_task[a] >= 0 and not self.t_prior[self.a_task[a]]:
+            rt = self.t_pred_rt[self.a_task[a]]
+        if self.a_max_rt[a] < rt:
+            rt = self.a_max_rt[a]
+        return rt
+
     cdef i64 _live_end(self, i32 a, i64 now) noexcept nogil:
         # When live lease a is predicted to end. A lease past its predicted end is extended
         # as EASY++ does, never assumed to end now: its end steps up by the first of
@@ -1365,7 +1379,7 @@ cdef class TickKernel:
         if self.s_bq_shadow[q] < 0:
             self.s_bq_shadow[q] = self._budget_shadow(q, h, now)
         if self.a_env[a] < 0:
-            rt = self._pred_rt(a)
+            rt = self._candidate_rt(a)
         return (self.s_bq_gap[q] and rt < NEVER and self.s_bq_shadow[q] < NEVER
                 and rt <= self.s_bq_shadow[q] - now)
 
@@ -1404,7 +1418,7 @@ cdef class TickKernel:
         # starting a pool is never proven to end in time: rule (b) only.
         cdef i64 rt = NEVER
         if self.a_env[a] < 0:
-            rt = self._pred_rt(a)
+            rt = self._candidate_rt(a)
         cdef u64 by_gap = 0, by_extra = 0, bit
         cdef int c
         cdef i32 k
@@ -1478,7 +1492,7 @@ cdef class TickKernel:
         cdef i32 k
         cdef Py_ssize_t r
         if self.a_env[a] < 0:
-            rt = self._pred_rt(a)
+            rt = self._candidate_rt(a)
         for k in range(self.s_rv_n[c]):
             if self.s_rv_gap[c, k] and rt < NEVER and rt <= self.s_rv_shadow[c, k] - now:
                 continue

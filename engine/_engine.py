@@ -519,9 +519,11 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         cold = self._cold_keys.setdefault(shape, set())
         if ns is None:
             cold.add(row)
+            st.t_prior[row] = 1
         else:
             cold.discard(row)
             st.t_pred_rt[row] = min(ns, NEVER - 1)
+            st.t_prior[row] = 0
         if cold and (changed or ns is None):
             prior = self._priors.prior_ns(shape)
             st.t_pred_rt[np.fromiter(cold, np.int64, len(cold))] = (

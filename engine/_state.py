@@ -119,6 +119,8 @@ LANE_FIELDS = {
 TASK_FIELDS = {
     # the key's prediction (ns): its history, else its shape's prior; NEVER none
     "t_pred_rt": (I64, NEVER, ()),
+    # 1 while t_pred_rt is its shape's prior (the key has no success of its own)
+    "t_prior": (U8, 0, ()),
 }
 RUN_FIELDS = {
     "u_cap": (I64, 0, ()),

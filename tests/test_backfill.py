@@ -186,26 +186,30 @@ def test_no_history_never_backfills_by_rule_a():
     assert runs(eng.tick()) == ["n"]
 
 
-def test_a_task_without_history_predicts_what_its_shape_runs():
+def test_a_task_without_history_is_predicted_its_shapes_runtime_but_not_backfilled_on_it():
     # small (T100) and quick (T10) ran at 2 GPUs: a new task at that shape is predicted
-    # their mean, 55 s, which ends before the head's shadow time (T100): rule (a) places it.
+    # their mean (30.2 s). Two of it run; the 8-GPU head waits for both.
     eng, clock = make_engine(config())
     warm(eng, small=T100, quick=T10)
-    start(eng, clock, [gpus(f"s{i}", "small", 2) for i in range(2)])
-    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
-    eng.enqueue(gpus("n", "never-seen", 2))
-    assert eng.predicted_runtime_of("acme/ml/prod/n/a") == (T100 + T10) / 2 / 1e9
+    start(eng, clock, [gpus(f"s{i}", "never-seen", 2) for i in range(2)])
+    prior = (T100 + T10) // 2
+    assert eng.predicted_runtime_of("acme/ml/prod/s0/a") == prior / S
     assert eng.predicted_runtime(eng.history_key(gpus("n", "never-seen", 2))) is None
-    assert runs(eng.tick()) == ["n"]
-    # Its own first success replaces the prior, and moves the prior of the shape's other
-    # keys without history: (T100 + T10 + 3 s) / 3.
-    eng.mark_running("acme/ml/prod/n/a", 1)
+    eng.enqueue(act("g", "train", resources={"cpu": 8, "gpu": 8}))
+    eng.enqueue(gpus("q", "quick", 2))          # its own history: ends before the shadow
+    eng.enqueue(gpus("n", "other-new", 2))      # predicted by the prior alone
+    # The prior gives the live leases an end, so the head a shadow time and a gap that
+    # history-proven work backfills; it proves nothing for a candidate (rule (a)).
+    assert runs(eng.tick()) == ["q"]
+    assert eng.explain("acme/ml/prod/g/a").eta_ns == clock.now_ns() + prior
+    assert eng.explain("acme/ml/prod/n/a").wait == WaitCode.HEAD_OF_LINE
+    # A first success of its own replaces the prior, and moves the prior of the shape's
+    # other keys without history: (T100 + T10 + 3 s) / 3.
     clock.advance(3)
-    eng.complete("acme/ml/prod/n/a", 1)
+    eng.complete("acme/ml/prod/s0/a", 1)
     assert eng.predicted_runtime(eng.history_key(gpus("n", "never-seen", 2))) == 3
-    eng.enqueue(gpus("o", "other-new", 2))
-    assert eng.predicted_runtime_of("acme/ml/prod/o/a") == pytest.approx(
-        (T100 + T10 + 3e9) / 3 / 1e9)
+    assert eng.predicted_runtime_of("acme/ml/prod/n/a") == pytest.approx(
+        (T100 + T10 + 3 * S) / 3 / S)
     # Another shape's prior is its own.
     eng.enqueue(gpus("c", "other-new", 2, cpu=3))
     assert eng.predicted_runtime_of("acme/ml/prod/c/a") is None
