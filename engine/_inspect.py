@@ -321,7 +321,8 @@ class Inspection:
 
     def tasks(self):
         """History keys ``(task name, shape)`` by row of the task table (``a_task``,
-        ``t_pred_rt``): runtime history is per task and shape (docs/predictions.md)."""
+        ``t_pred_rt``, ``t_prior``): runtime history is per task and shape, a key without
+        its own taking its shape's prior (docs/predictions.md)."""
         return list(self._engine._task_names)
 
     def queue_names(self):
