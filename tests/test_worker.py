@@ -22,6 +22,7 @@ class Controlled(Plugin):
     once, with ``instant``). Records every call."""
 
     name = "sim"
+    finalizes = False           # as the sim plugin it stands for
 
     def __init__(self, instant=False):
         self.instant = instant
@@ -153,6 +154,26 @@ def test_an_abort_stops_the_running_attempt_at_once_and_cleans_it_up(rig):
     until(lambda: key in r.plugin.stopped, timeout=1.0, what="the stop (pushed, no heartbeat)")
     until(lambda: r.plugin.cleaned == [(f"{RUN}/p", 1)], what="the cleanup lease")
     assert r.client.status([f"{RUN}/p"]) == [Phase.ABORTED]
+
+
+class Finalizing(Controlled):
+    finalizes = True            # leaves something behind: each attempt is cleaned up
+
+
+@pytest.mark.parametrize("plugin_cls", [Controlled, Finalizing])
+def test_an_attempt_ends_with_a_finalize_lease_only_when_its_plugin_finalizes(rig, plugin_cls):
+    r = rig(plugin_cls(instant=True))
+    r.client.enqueue(spec("f"))
+    assert r.client.wait([f"{RUN}/f"], timeout=10) == {f"{RUN}/f": Phase.SUCCEEDED}
+    if plugin_cls.finalizes:
+        until(lambda: r.plugin.cleaned == [(f"{RUN}/f", 1)], what="the cleanup lease")
+        until(lambda: r.worker.stats()["cleanups"] == 1, what="the cleanup counted")
+    else:
+        time.sleep(0.3)         # a finalize lease would be pushed at once
+        assert r.plugin.cleaned == [] and r.worker.stats()["cleanups"] == 0
+    # A workdir is made only for an attempt that a finalize lease will remove.
+    (att,) = r.plugin.started.values()
+    assert (att.workdir is not None) == plugin_cls.finalizes
 
 
 def test_max_runtime_ends_the_attempt_timed_out(rig):

@@ -460,10 +460,10 @@ class Worker:
                                   f"(it has {', '.join(self.plugins)})", cause="NO_PLUGIN")
             if ex is None:
                 ex = Execution(plugin=name)
-            att = self._attempt(lease, spec, ex)
+            att = self._attempt(lease, spec, ex, plugin)
             h.attempt, h.plugin = att, plugin
             h.demand = self._shape(spec)[0]
-            h.cleanup = name != "sim"
+            h.cleanup = plugin.finalizes
             self._held_demand += h.demand
             self._arm(h, spec, now)
             plugin.start(att)
@@ -487,13 +487,18 @@ class Worker:
     def _spec(self, wire):
         return self._specs.get(wire, ActionSpec.from_dict)
 
-    def _attempt(self, lease, spec, ex):
+    def _attempt(self, lease, spec, ex, plugin):
         pods = self._shape(spec)[1]
         workdir = log_path = None       # the sim plugin keeps no files
-        if ex.plugin != "sim":
+        if plugin.finalizes or ex.plugin != "sim":
             workdir, log_path = self._paths(lease.action, lease.attempt)
-            workdir.mkdir(parents=True, exist_ok=True)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
+            # A workdir only where a finalize lease will remove it.
+            workdir = workdir if plugin.finalizes else None
+            log_path = log_path if ex.plugin != "sim" else None
+            if workdir is not None:
+                workdir.mkdir(parents=True, exist_ok=True)
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
         return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
                        spec=spec, execute=ex, pods=pods, workdir=workdir,
                        log_path=log_path, input_ref=lease.input_ref, env=lease.env)

@@ -73,8 +73,9 @@ class Pod:
 class Attempt:
     """One attempt a plugin runs. ``key`` (the lease token) identifies it in every call;
     ``workdir`` is the attempt's own scratch directory (a process runs in it; the worker
-    removes it at cleanup); ``log_path`` the file its output goes to (kept after cleanup);
-    both None for the ``sim`` plugin, which keeps no files;
+    removes it at cleanup), None for a plugin without finalize leases
+    (``Plugin.finalizes``: ``sim``, ``python``); ``log_path`` the file its output goes to
+    (kept after cleanup), None for the ``sim`` plugin, which keeps no files;
     ``env`` is the engine's identity of the warm pool (reusable actions only)."""
 
     key: bytes
@@ -135,6 +136,10 @@ class Plugin:
     what ``execute.plugin`` names; ``options`` come from the worker's config."""
 
     name = ""
+    #: Whether an attempt ends with a finalize lease (docs/worker.md): its ``cleanup`` is
+    #: called and its scratch directory (``Attempt.workdir``, made only for such plugins)
+    #: removed. False for a plugin that leaves nothing behind an attempt.
+    finalizes = True
 
     def start(self, attempt):
         raise NotImplementedError

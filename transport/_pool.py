@@ -118,6 +118,9 @@ class PythonPlugin(Plugin):
     0.05), ``pidfd`` and ``poll_interval`` (as for the process plugin)."""
 
     name = "python"
+    # Calls run in the pool process's own directory (threads share one) and leave only
+    # their log: nothing for a finalize lease to clean.
+    finalizes = False
 
     def __init__(self, options=None):
         opts = dict(options or {})

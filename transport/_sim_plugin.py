@@ -31,6 +31,7 @@ class SimPlugin(Plugin):
     ``clock`` (a monotonic-seconds callable) is for tests."""
 
     name = "sim"
+    finalizes = False       # it keeps no files
 
     def __init__(self, options=None, clock=time.monotonic):
         opts = dict(options or {})
