@@ -512,11 +512,20 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         """Key row ``row``'s prediction after its history changed: its own (the mean of its
         last two successes), else its shape's prior; a changed prior reaches every key of
         the shape that has no history of its own."""
-        st = self._state
         ns = self.history.predict_ns(key)
-        shape = key[1]
-        changed = self._priors.set(key, ns)
-        cold = self._cold_keys.setdefault(shape, set())
+        changed = self._own_prediction(key, row, ns)
+        cold = self._cold_keys[key[1]]
+        if changed and cold:            # the shape's prior moved: every key still on it
+            self._state.t_pred_rt[np.fromiter(cold, np.int64, len(cold))] = \
+                self._prior_of(key[1])
+        elif ns is None:                # a key new to the prior: just this row
+            self._state.t_pred_rt[row] = self._prior_of(key[1])
+
+    def _own_prediction(self, key, row, ns):
+        """Record key row ``row``'s own prediction ``ns`` (None: none); whether its shape's
+        prior changed. A key without one joins its shape's cold keys (t_prior 1)."""
+        st = self._state
+        cold = self._cold_keys.setdefault(key[1], set())
         if ns is None:
             cold.add(row)
             st.t_prior[row] = 1
@@ -524,17 +533,23 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             cold.discard(row)
             st.t_pred_rt[row] = min(ns, NEVER - 1)
             st.t_prior[row] = 0
-        if cold and (changed or ns is None):
-            prior = self._priors.prior_ns(shape)
-            st.t_pred_rt[np.fromiter(cold, np.int64, len(cold))] = (
-                NEVER if prior is None else min(prior, NEVER - 1))
+        return self._priors.set(key, ns)
+
+    def _prior_of(self, shape):
+        prior = self._priors.prior_ns(shape)
+        return NEVER if prior is None else min(prior, NEVER - 1)
 
     def _refresh_predictions(self):
-        """Every key row's prediction from the histories (after a load)."""
+        """Every key row's prediction from the histories (after a load): the keys' own
+        first, then each shape's prior once for its keys without history."""
         self._priors = ShapePriors()
         self._cold_keys = {}        # shape -> rows of its keys without history of their own
         for row, key in enumerate(self._task_names):
-            self._refresh_prediction(key, row)
+            self._own_prediction(key, row, self.history.predict_ns(key))
+        for shape, cold in self._cold_keys.items():
+            if cold:
+                self._state.t_pred_rt[np.fromiter(cold, np.int64, len(cold))] = \
+                    self._prior_of(shape)
 
     def _record_runtime(self, key, ns):
         self.history.record_ns(key, max(0, int(ns)))

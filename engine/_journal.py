@@ -390,7 +390,7 @@ class JournalMixin:
         else:
             return _NO_ROWS
         if rows.size > _CODEC_SORTS:
-            rows = _distinct_rows(parts, self._next_row)    # O(table) or numpy's sort
+            rows = _distinct_rows([rows], self._next_row)   # O(table) or numpy's sort
         m = rows.size
         size = self._codec_records.action_size
         # Every byte is written by the codec: no zeroing.
