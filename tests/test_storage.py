@@ -607,6 +607,25 @@ def test_a_block_equals_the_same_records_given_as_triples(h, single):
     s.close()
 
 
+def test_a_block_larger_than_a_put_chunk_applies_in_list_order(h):
+    # The LMDB store writes a block a chunk of records at a time (1,024): a block of 2,500
+    # whose keys repeat across chunks (the later record wins) and overwrite existing keys
+    # ends as its triples would.
+    s = h.new()
+    s.open("a", T0)
+    first = block("actions", range(0, 3000, 2), fill=1)
+    rows = list(range(2500))
+    rows[2400] = rows[10]                   # chunk 3 repeats a key of chunk 1
+    second = block("actions", rows, value_size=180, fill=2)
+    model = {}
+    for batch in ({0: [first]}, {0: [second]}):
+        s.commit(batch)
+        model_apply(model, batch)
+    assert state(s) == model
+    assert s.get(0, "actions", k(10)) == second.value(2400)
+    s.close()
+
+
 def test_a_block_copies_the_callers_buffers(h):
     s = h.new()
     s.open("a", T0)
