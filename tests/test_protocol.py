@@ -601,3 +601,29 @@ def test_decode_takes_bytes_frames_and_buffers_alike():
     as_views = [memoryview(b) for b in as_bytes]
     for form in (frames, as_bytes, as_zmq, as_views, [bytearray(b) for b in as_bytes]):
         assert fields(decode(form)) == fields(BY_TYPE[MsgType.HEARTBEAT])
+
+
+def test_the_leases_of_a_message_equal_leases_built_by_their_constructor():
+    # The worker builds its Lease entries without running __init__ (a cost per lease): they
+    # must be the same frozen values the constructor makes.
+    from engine._codes import LeaseKind
+    from transport import Lease
+    from transport._worker import leases_of
+
+    msg = Leases(tokens=toks(2), kind=np.array([0, 1], np.uint8),
+                 attempt=np.array([1, 3], np.int32), group=np.array([0, 0], np.int32),
+                 deadline_ns=np.array([-1, 5], np.int64),
+                 queued_deadline_ns=np.array([7, -1], np.int64),
+                 groups=[{"run": "acme/ml/prod/r1", "spec": SPEC, "env": "e1"}],
+                 names=["a", "b"], inputs=["i0", None], nodes=[["h100-0"], None])
+    got = leases_of(decode(encode(msg)))
+    raw = toks(2).astype("<u8").tobytes()
+    want = [Lease(action="acme/ml/prod/r1/a", token=raw[:24], kind=LeaseKind.RUN, attempt=1,
+                  spec=SPEC, input_ref="i0", deadline_ns=None, queued_deadline_ns=7,
+                  env="e1", nodes=("h100-0",)),
+            Lease(action="acme/ml/prod/r1/b", token=raw[24:], kind=LeaseKind.FINALIZE,
+                  attempt=3, spec=SPEC, deadline_ns=5, env="e1")]
+    assert got == want
+    assert repr(got[1]) == repr(want[1])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got[0].attempt = 2

@@ -39,7 +39,14 @@ from engine._nodes import node_index, unknown_node
 from engine._units import BYTES, format_quantity, parse_quantity
 from transport import _protocol as p
 from transport._keys import load_client_keys
-from transport._plugins import Attempt, Outcome, PluginError, Pod, UserError
+from transport._plugins import (
+    Attempt,
+    Outcome,
+    PluginError,
+    Pod,
+    UserError,
+    frozen_instance,
+)
 from transport._worker import ShardError, ShardTimeout, WorkerConnection, leases_of
 
 __all__ = ["Worker", "measured_capacity", "run_worker"]
@@ -499,9 +506,10 @@ class Worker:
                 workdir.mkdir(parents=True, exist_ok=True)
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-        return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
-                       spec=spec, execute=ex, pods=pods, workdir=workdir,
-                       log_path=log_path, input_ref=lease.input_ref, env=lease.env)
+        return frozen_instance(Attempt, {
+            "key": lease.token, "action": lease.action, "attempt": lease.attempt, "spec": spec,
+            "execute": ex, "pods": pods, "workdir": workdir, "log_path": log_path,
+            "input_ref": lease.input_ref, "env": lease.env})
 
     def _paths(self, action, attempt):
         # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.

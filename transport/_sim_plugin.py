@@ -11,7 +11,7 @@ import random
 import time
 
 from engine._codes import Phase
-from transport._plugins import Change, Outcome, Plugin, PluginError
+from transport._plugins import Change, Outcome, Plugin, PluginError, frozen_instance
 
 __all__ = ["SimPlugin"]
 
@@ -79,7 +79,8 @@ class SimPlugin(Plugin):
         changes = []
         live = self._live
         if self._new:
-            changes = [Change(k, _RUNNING) for k in self._new if k in live]
+            changes = [frozen_instance(Change, {"key": k, "phase": _RUNNING, "outcome": None})
+                       for k in self._new if k in live]
             self._new = []
         heap = self._heap
         if heap:
@@ -92,7 +93,8 @@ class SimPlugin(Plugin):
                     continue
                 del live[key]
                 outcome = entry[1] or _SUCCEEDED
-                changes.append(Change(key, outcome.phase, outcome))
+                changes.append(frozen_instance(Change, {"key": key, "phase": outcome.phase,
+                                                        "outcome": outcome}))
         return changes
 
     def due(self):

@@ -27,6 +27,7 @@ from engine._codes import PHASE_CODE, LeaseKind, Phase, Verdict
 from engine._config import TransportSettings
 from engine._errors import LeaseholdError
 from transport import _protocol as p
+from transport._plugins import frozen_instance
 from transport._sockets import client_socket, send
 
 __all__ = ["WorkerConnection", "Lease", "ShardError", "ShardTimeout"]
@@ -79,10 +80,12 @@ def leases_of(msg):
     nodes = msg.nodes or itertools.repeat(None, n)
     # Columns to Python lists in one call each (an element of an array read one at a
     # time costs a numpy scalar, and the kind an enum call).
-    return [Lease(action=f"{g['run']}/{name}", token=raw[24 * i:24 * i + 24],
-                  kind=_LEASE_KINDS[kind], attempt=attempt, spec=g["spec"], input_ref=ref,
-                  deadline_ns=d if d >= 0 else None, queued_deadline_ns=q if q >= 0 else None,
-                  env=g.get("env"), nodes=tuple(hint) if hint is not None else None)
+    return [frozen_instance(Lease, {
+                "action": f"{g['run']}/{name}", "token": raw[24 * i:24 * i + 24],
+                "kind": _LEASE_KINDS[kind], "attempt": attempt, "spec": g["spec"],
+                "input_ref": ref, "deadline_ns": d if d >= 0 else None,
+                "queued_deadline_ns": q if q >= 0 else None, "env": g.get("env"),
+                "nodes": tuple(hint) if hint is not None else None})
             for i, g, name, kind, attempt, d, q, ref, hint in zip(
                 range(n), [msg.groups[k] for k in msg.group.tolist()], msg.names,
                 msg.kind.tolist(), msg.attempt.tolist(), msg.deadline_ns.tolist(),
