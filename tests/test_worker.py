@@ -131,6 +131,22 @@ def test_a_fanout_runs_to_completion_through_the_worker(rig):
     assert s["succeeded"] == 300 and s["held"] == 0 and s["report_errors"] == 0
 
 
+def test_the_free_capacity_reported_is_the_capacity_less_what_held_attempts_declared(rig):
+    r = rig()
+    assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
+    r.client.enqueue(spec("one"))
+    r.client.enqueue_fanout(spec("x", resources={"cpu": 4, "memory": "1Gi"}), ["a", "b"])
+    until(lambda: len(r.plugin.started) == 3, what="three attempts")
+    assert r.worker.free_capacity() == {"cpu": "55", "memory": "62Gi"}
+    r.plugin.finish(f"{RUN}/a", Outcome.succeeded())
+    until(lambda: r.worker.stats()["held"] == 2, what="one attempt let go")
+    assert r.worker.free_capacity() == {"cpu": "59", "memory": "63Gi"}
+    for name in ("one", "b"):
+        r.plugin.finish(f"{RUN}/{name}", Outcome.succeeded())
+    until(lambda: r.worker.stats()["held"] == 0, what="every attempt let go")
+    assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
+
+
 def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):
     r = rig()
     r.client.enqueue(spec("u", retries={"count": 1, "backoff_base": 0}))

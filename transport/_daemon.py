@@ -206,7 +206,10 @@ class Worker:
         # ActionSpec's pods and demand made once (by identity, the last ones seen kept).
         self._specs = _IdentityCache(_SPEC_CACHE)      # spec map -> ActionSpec
         self._shapes = _IdentityCache(_SPEC_CACHE)     # ActionSpec -> (demand, pods)
-        self._held_demand = np.zeros(len(self.resources), np.int64)
+        # What the held attempts declared, as {id(demand vector): [vector, attempts]}: a
+        # count a lease (the vectors are shared by every lease of a spec), summed only when
+        # a heartbeat reports free capacity (a numpy add a lease cost ~1.5 us each way).
+        self._held_shapes = {}
         self._stop = threading.Event()
         self._drain = threading.Event()
         self._drained = False
@@ -467,11 +470,15 @@ class Worker:
                                   f"(it has {', '.join(self.plugins)})", cause="NO_PLUGIN")
             if ex is None:
                 ex = Execution(plugin=name)
-            att = self._attempt(lease, spec, ex, plugin)
+            h.demand, pods = self._shape(spec)
+            att = self._attempt(lease, spec, ex, plugin, pods)
             h.attempt, h.plugin = att, plugin
-            h.demand = self._shape(spec)[0]
             h.cleanup = plugin.finalizes
-            self._held_demand += h.demand
+            held = self._held_shapes.get(id(h.demand))
+            if held is None:
+                self._held_shapes[id(h.demand)] = [h.demand, 1]
+            else:
+                held[1] += 1
             self._arm(h, spec, now)
             plugin.start(att)
         except UserError as exc:
@@ -494,8 +501,7 @@ class Worker:
     def _spec(self, wire):
         return self._specs.get(wire, ActionSpec.from_dict)
 
-    def _attempt(self, lease, spec, ex, plugin):
-        pods = self._shape(spec)[1]
+    def _attempt(self, lease, spec, ex, plugin, pods):
         workdir = log_path = None       # the sim plugin keeps no files
         if plugin.finalizes or ex.plugin != "sim":
             workdir, log_path = self._paths(lease.action, lease.attempt)
@@ -598,7 +604,10 @@ class Worker:
 
     def _forget(self, h):
         if self._held.pop(h.lease.token, None) is not None and h.demand is not None:
-            self._held_demand -= h.demand
+            held = self._held_shapes[id(h.demand)]
+            held[1] -= 1
+            if not held[1]:
+                del self._held_shapes[id(h.demand)]
 
     def _stop_attempt(self, h, reason):
         if h.plugin is not None and h.attempt is not None:
@@ -701,8 +710,17 @@ class Worker:
         declared, as the cluster's, or as its node's when it is one (``node``)."""
         if not self.settings.report_free:
             return None, None
-        free = self._quantities(np.maximum(self.capacity - self._held_demand, 0))
+        free = self.free_capacity()
         return (None, {self.node: free}) if self.node is not None else (free, None)
+
+    def free_capacity(self):
+        """What this worker's heartbeats report free (``{resource: quantity}``, with
+        ``worker.report_free``): its capacity less what the attempts it holds declared,
+        never below zero."""
+        held = np.zeros(len(self.resources), np.int64)
+        for demand, count in list(self._held_shapes.values()):   # one C pass: thread-safe
+            held += demand * count
+        return self._quantities(np.maximum(self.capacity - held, 0))
 
     def _heartbeats(self, now):
         for sh in self._shards:
