@@ -23,6 +23,7 @@ class Controlled(Plugin):
 
     name = "sim"
     finalizes = False           # as the sim plugin it stands for
+    logs = False
 
     def __init__(self, instant=False):
         self.instant = instant
@@ -176,6 +177,10 @@ class Finalizing(Controlled):
     finalizes = True            # leaves something behind: each attempt is cleaned up
 
 
+class Logging(Controlled):
+    logs = True                 # its attempts write a log of their own
+
+
 @pytest.mark.parametrize("plugin_cls", [Controlled, Finalizing])
 def test_an_attempt_ends_with_a_finalize_lease_only_when_its_plugin_finalizes(rig, plugin_cls):
     r = rig(plugin_cls(instant=True))
@@ -190,6 +195,17 @@ def test_an_attempt_ends_with_a_finalize_lease_only_when_its_plugin_finalizes(ri
     # A workdir is made only for an attempt that a finalize lease will remove.
     (att,) = r.plugin.started.values()
     assert (att.workdir is not None) == plugin_cls.finalizes
+    assert att.log_path is None
+
+
+def test_an_attempt_gets_a_log_path_only_when_its_plugin_logs(rig, tmp_path):
+    r = rig(Logging(instant=True))
+    r.client.enqueue(spec("l"))
+    assert r.client.wait([f"{RUN}/l"], timeout=10) == {f"{RUN}/l": Phase.SUCCEEDED}
+    (att,) = r.plugin.started.values()
+    assert att.workdir is None              # no finalize lease to remove one
+    assert att.log_path == tmp_path / "logs" / RUN / "l" / "1.log"
+    assert att.log_path.parent.is_dir()     # made for the plugin before start
 
 
 def test_max_runtime_ends_the_attempt_timed_out(rig):

@@ -502,12 +502,12 @@ class Worker:
         return self._specs.get(wire, ActionSpec.from_dict)
 
     def _attempt(self, lease, spec, ex, plugin, pods):
-        workdir = log_path = None       # the sim plugin keeps no files
-        if plugin.finalizes or ex.plugin != "sim":
+        workdir = log_path = None
+        if plugin.finalizes or plugin.logs:
             workdir, log_path = self._paths(lease.action, lease.attempt)
             # A workdir only where a finalize lease will remove it.
             workdir = workdir if plugin.finalizes else None
-            log_path = log_path if ex.plugin != "sim" else None
+            log_path = log_path if plugin.logs else None
             if workdir is not None:
                 workdir.mkdir(parents=True, exist_ok=True)
             if log_path is not None:

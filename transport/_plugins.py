@@ -91,7 +91,7 @@ class Attempt:
     ``workdir`` is the attempt's own scratch directory (a process runs in it; the worker
     removes it at cleanup), None for a plugin without finalize leases
     (``Plugin.finalizes``: ``sim``, ``python``); ``log_path`` the file its output goes to
-    (kept after cleanup), None for the ``sim`` plugin, which keeps no files;
+    (kept after cleanup), None for a plugin without logs (``Plugin.logs``: ``sim``);
     ``env`` is the engine's identity of the warm pool (reusable actions only)."""
 
     key: bytes
@@ -156,6 +156,9 @@ class Plugin:
     #: called and its scratch directory (``Attempt.workdir``, made only for such plugins)
     #: removed. False for a plugin that leaves nothing behind an attempt.
     finalizes = True
+    #: Whether an attempt writes its output to a log file of its own (``Attempt.log_path``,
+    #: whose directory the worker makes). False for a plugin that runs nothing that prints.
+    logs = True
 
     def start(self, attempt):
         raise NotImplementedError

@@ -32,6 +32,7 @@ class SimPlugin(Plugin):
 
     name = "sim"
     finalizes = False       # it keeps no files
+    logs = False
 
     def __init__(self, options=None, clock=time.monotonic):
         opts = dict(options or {})
