@@ -12,9 +12,11 @@ atomic with a small redo journal. ``commit(batch)``:
 
 1. *Write phase.* Begins one write transaction per touched partition (in partition order,
    the lock order every writer follows), checks in each that the partition's claim is still
-   ours, applies the ops, and records the group number (``meta/applied``). For a group that
-   touches more than one partition it then writes the whole batch (msgpack) as one journal
-   record, in a journal write transaction. Nothing is committed yet; any failure here
+   ours and applies the ops. For a group that touches more than one partition it records the
+   group number in each (``meta/applied``) and writes the whole batch (msgpack) as one
+   journal record, in a journal write transaction. (A single partition's group leaves
+   ``meta/applied`` alone: nothing replays it, and not touching the meta database spares
+   its commit the pages: 28-29 us of a ~360 us synced commit here.) Nothing is committed yet; any failure here
    (``StoreFull``, ``OwnershipError``, ``InvalidBatch``, an LMDB error, ``fail_next``,
    ``KeyboardInterrupt``) aborts every transaction: **nothing is applied anywhere**.
 2. *Commit point.* The journal transaction commits (and syncs). From here on the group is
@@ -741,7 +743,11 @@ class LmdbStore(Store):
                         self._lost = e
                         raise
                 self._apply(p, txn, ops)
-                txn.put(META_APPLIED, gkey, db=meta)
+                if journaled:
+                    # Only a journaled group needs its number here (the replay skips what
+                    # a partition applied); a single partition's group is atomic by itself,
+                    # and leaving the meta database alone spares the commit its pages.
+                    txn.put(META_APPLIED, gkey, db=meta)
             if self._fail_next is not None:
                 exc, self._fail_next = self._fail_next, None
                 raise exc
