@@ -730,6 +730,38 @@ def test_a_journaled_block_is_replayed_after_a_failure_past_the_commit_point(
     s.close()
 
 
+def test_a_replay_never_undoes_a_single_partition_group(hl, monkeypatch):
+    # A single partition's group records no group number there (only journaled groups are
+    # replayed): a replay of an older journaled group must still leave its writes alone.
+    s = hl.new()
+    s.open("a", T0)
+    s.commit({0: [("actions", k(7), b"a0")], 1: [("actions", k(7), b"a1")]})   # journaled
+    s.commit({0: [("actions", k(7), b"b0"), ("actions", k(8), b"new")]})         # single
+    s.commit({1: [("actions", k(7), b"b1")]})                                    # single
+
+    def hook(at):
+        if at == "journal-committed":
+            raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
+    with pytest.raises(StoreFailed) as ei:
+        s.commit({1: [("actions", k(9), b"c1")], 2: [("actions", k(9), b"c2")]})
+    assert ei.value.outcome == "durable"
+    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
+    s.close()                               # failed: no checkpoint, the journal stays
+    s = hl.new()
+    s.open("a", T0 + S)                     # replays both journaled groups where missing
+    assert state(s) == {(0, "actions", k(7)): b"b0", (0, "actions", k(8)): b"new",
+                        (1, "actions", k(7)): b"b1", (1, "actions", k(9)): b"c1",
+                        (2, "actions", k(9)): b"c2"}
+    s.commit({0: [("actions", k(1), b"x")], 3: [("actions", k(1), b"y")]})    # and goes on
+    s.close()
+    s = hl.new()
+    s.open("a", T0 + 2 * S)
+    assert s.get(0, "actions", k(1)) == b"x" and s.get(0, "actions", k(7)) == b"b0"
+    s.close()
+
+
 def test_blocks_on_a_small_map_that_must_grow(hl, monkeypatch):
     # Issue 15's paths with blocks: StoreFull before the commit point (nothing applied, the
     # caller grows the map and retries), and a journaled group whose partition commit needs
