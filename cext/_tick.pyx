@@ -1216,10 +1216,15 @@ cdef class TickKernel:
         cdef i64 end = self.a_pred_end[a]
         cdef i64 cap = NEVER
         cdef Py_ssize_t i
-        if self.a_state[a] == ST_RUNNING:
-            cap = self.a_runtime_due[a]     # armed at RUNNING (a sent lease's is stale)
         if end >= now:
             return end
+        if self.a_state[a] == ST_SENT:
+            # Not running yet (its pods pend, or no RUNNING came): a prediction of running
+            # time cannot have been overrun; it ends no sooner than that time from now.
+            cap = self._pred_rt(a)
+            return now + cap if cap < NEVER - now else NEVER
+        if self.a_state[a] == ST_RUNNING:
+            cap = self.a_runtime_due[a]     # armed at RUNNING (a sent lease's is stale)
         if cap <= now:
             return now          # past the backstop: the engine ends it at this tick's timers
         for i in range(N_OVERRUN_STEPS):
@@ -1234,7 +1239,7 @@ cdef class TickKernel:
         # when it overran (a backfilled lease past its first prediction is an overrun).
         cdef i64 key = self.a_pred_end[a]
         if key < now:
-            if self.a_backfilled[a]:
+            if self.a_backfilled[a] and self.a_state[a] != ST_SENT:
                 overrun[0] = True
             key = self._live_end(a, now)
         self.s_bf_key[n] = key

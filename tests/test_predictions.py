@@ -166,6 +166,26 @@ def test_a_backfilled_overrun_still_closes_the_gap_until_it_ends():
     assert eng.explain("acme/ml/prod/g/a").eta_ns == T10 + 60 * S
 
 
+def test_a_lease_not_running_yet_has_not_overrun_its_prediction():
+    # Predictions are of running time (history counts from RUNNING): a lease whose RUNNING
+    # has not come (its pods pend) ends no sooner than its prediction from now, and a
+    # backfilled one past its first prediction does not close the gap as a running one does.
+    eng, clock = _gap()
+    eng.enqueue(gpus("q1", "quick", 2))
+    [q1] = eng.tick()                        # sent; no RUNNING yet
+    clock.advance(2 * T10 / S)
+    eng.enqueue(gpus("q2", "quick", 2))
+    [q2] = eng.tick()                        # rule (a) stays open: q2 ends by the shadow
+    assert str(q2.action) == "acme/ml/prod/q2/a"
+    assert eng.explain("acme/ml/prod/g/a").eta_ns == T100
+    eng.complete(q2.action, q2.generation)
+    eng.mark_running(q1.action, q1.generation)
+    clock.advance(2 * T10 / S)               # now it runs past its prediction: an overrun
+    eng.enqueue(gpus("q3", "quick", 2))
+    assert eng.tick() == []
+    assert eng.explain("acme/ml/prod/q3/a").wait == WaitCode.HEAD_OF_LINE
+
+
 # ---------------------------------------------------------------------------------------------
 # Durability
 
