@@ -16,9 +16,10 @@ atomic with a small redo journal. ``commit(batch)``:
    group number in each (``meta/applied``) and writes the whole batch (msgpack) as one
    journal record, in a journal write transaction. (A single partition's group leaves
    ``meta/applied`` alone: nothing replays it, and not touching the meta database spares
-   its commit the pages: 28-29 us of a ~360 us synced commit here.) Nothing is committed yet; any failure here
-   (``StoreFull``, ``OwnershipError``, ``InvalidBatch``, an LMDB error, ``fail_next``,
-   ``KeyboardInterrupt``) aborts every transaction: **nothing is applied anywhere**.
+   its commit the pages: 28-29 us of a ~360 us synced commit here.) Nothing is committed
+   yet; any failure here (``StoreFull``, ``OwnershipError``, ``InvalidBatch``, an LMDB
+   error, ``fail_next``, ``KeyboardInterrupt``) aborts every transaction: **nothing is
+   applied anywhere**.
 2. *Commit point.* The journal transaction commits (and syncs). From here on the group is
    durable even if the process dies before the next step.
 3. *Apply.* Each partition transaction commits (its data pages synced, its meta page not
