@@ -137,11 +137,31 @@ class WatchLog:
         """:meth:`record` of each of ``actions`` (of one run) with the same non-terminal
         phase, attempt and time, in order (a fan-out's QUEUED); returns ``(events,
         watchers)``, events ``[]`` when none was new or the run is not watched."""
-        if _phase(phase) in TERMINAL_PHASES:
+        phase = _phase(phase)
+        if phase in TERMINAL_PHASES:
             raise ValueError(f"record_many takes non-terminal phases, not {phase}")
-        n = len(actions)
-        return self.record_changes(run, actions, itertools.repeat(phase, n),
-                                   itertools.repeat(attempt, n), time_ns)
+        r = self._runs.get(run)
+        if r is None:
+            return [], set()
+        # record_changes' loop for one non-terminal phase and attempt (a fan-out's QUEUED,
+        # every entry new): no per-entry phase lookup or terminal bookkeeping.
+        live, ring, max_live = r.live, r.ring, self.max_live
+        state, value = (phase, attempt), phase.value
+        seq = r.seq
+        events = []
+        for action in actions:
+            last = live.get(action)
+            if last is not None:
+                if last == state:
+                    continue
+                live[action] = state
+            elif len(live) < max_live:
+                live[action] = state
+            seq += 1
+            events.append((seq, action, value, attempt, time_ns, None))
+        ring.extend(events)
+        r.seq = seq
+        return events, r.watchers
 
     def record_changes(self, run, actions, phases, attempts, time_ns, details=None):
         """:meth:`record` of each ``(actions[i], phases[i], attempts[i], details[i])`` of
@@ -156,24 +176,35 @@ class WatchLog:
             details = itertools.repeat(None, len(actions))
         seq = r.seq
         events = []
-        for action, phase, attempt, detail in zip(actions, phases, attempts, details,
-                                                  strict=True):
-            phase = _PHASE_OF.get(phase) or _phase(phase)
+        given = phase = terminal = value = None
+        for action, p, attempt, detail in zip(actions, phases, attempts, details,
+                                              strict=True):
+            if p is not given:
+                # A batch repeats a few phases: each looked up once a run of equal ones (a
+                # Phase hashes in Python code, a cost per dict or set it is looked up in).
+                given = p
+                phase = _PHASE_OF.get(p) or _phase(p)
+                terminal, value = phase in TERMINAL_PHASES, phase.value
             last = live.get(action)
-            if last is not None and last == (phase, attempt):
-                continue
-            if phase in TERMINAL_PHASES:
-                if last is None and ended.get(action) == phase:
+            if terminal:
+                told = ended.get(action)
+                if last is None and told == phase:
                     continue        # already told (a second report, a re-check)
-                live.pop(action, None)
+                if last is not None:
+                    del live[action]
+                if told is not None:
+                    ended.move_to_end(action)   # a new key goes to the end by itself
                 ended[action] = phase
-                ended.move_to_end(action)
                 if len(ended) > kept:
                     ended.popitem(last=False)
-            elif last is not None or len(live) < max_live:
+            elif last is not None:
+                if last[1] == attempt and last[0] == phase:
+                    continue
+                live[action] = (phase, attempt)
+            elif len(live) < max_live:
                 live[action] = (phase, attempt)
             seq += 1
-            event = (seq, action, phase.value, attempt, time_ns, detail)
+            event = (seq, action, value, attempt, time_ns, detail)
             ring.append(event)
             events.append(event)
         r.seq = seq
