@@ -78,6 +78,9 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
 # Reported phases that are, once accepted, the action's phase (a failure may be a retry).
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
+# The same as phase codes: a report's loop tests its int codes (a Phase hashes in Python).
+_AS_REPORTED_CODES = frozenset(PHASE_CODE[p] for p in _AS_REPORTED)
+_TERMINAL_CODES = frozenset(PHASE_CODE[p] for p in TERMINAL_PHASES)
 
 
 def _code(exc):
@@ -792,7 +795,8 @@ class _Loop:
     def on_report(self, conn, c, peer, msg):
         worker = self._worker(conn, c, msg)
         n = msg.tokens.shape[0]
-        phases = [PHASES[int(x)] for x in msg.phases.tolist()]
+        codes = msg.phases.tolist()
+        phases = [PHASES[x] for x in codes]
         kw = {}
         if msg.details:
             cols = {k: [None] * n for k in ("error_kinds", "causes", "messages")}
@@ -807,7 +811,11 @@ class _Loop:
                     if d.get(wire) is not None:
                         cols[col][i] = d[wire]
             kw = cols
-        refused = self.eng.report_many(msg.tokens, phases, worker=worker, **kw)
+        # One phase for the whole batch (a worker's successes): given once, so the engine
+        # checks it once instead of per report.
+        same = not kw and n and codes.count(codes[0]) == n
+        refused = self.eng.report_many(msg.tokens, phases[0] if same else phases,
+                                       worker=worker, **kw)
         self.shard._status.record_refusals("report", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
@@ -819,18 +827,18 @@ class _Loop:
                 hit = self.leases.get(w)
                 if hit is None or (bad and msg.tokens[i].astype("<u8").tobytes() in bad):
                     continue
-                ph = phases[i]
-                if ph in _AS_REPORTED:
+                code = codes[i]
+                if code in _AS_REPORTED_CODES:
                     # An accepted report of these is the phase the action is now in: no
                     # need to ask the engine (which would give a lean row its record).
                     run, aid = hit
                     changes = by_run.get(run)
                     if changes is None:
                         changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
-                    changes.add(aid, ph, self.attempt_of(run, aid))
+                    changes.add(aid, phases[i], self.attempt_of(run, aid))
                 else:
                     self.check.add(hit)     # a failure may be a retry: ask after the turn
-                if ph in TERMINAL_PHASES:
+                if code in _TERMINAL_CODES:
                     del self.leases[w]
             self.records.extend(by_run.values())
 
