@@ -385,10 +385,14 @@ class Client:
                 run = self._resync.pop()
                 if run in self._watching:
                     self._resume(run)
-            for i, e in enumerate(self._events):
-                if runs is None or e.run in runs:
-                    del self._events[i]
-                    return e
+            if runs is None:
+                if self._events:
+                    return self._events.popleft()
+            else:
+                for i, e in enumerate(self._events):
+                    if e.run in runs:
+                        del self._events[i]
+                        return e
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise ShardTimeout(f"shard {self._watched_labels(runs)}: watch: no event "
@@ -535,11 +539,28 @@ class Client:
         except p.ProtocolError:
             return None
         if isinstance(msg, p.Events):
-            got = [e for e in msg.events() if self._take_event(e)]
+            got = self._take_events(msg)
             return got[-1] if got else None
         if isinstance(msg, p.Event) and not self._take_event(msg):
             return None
         return msg
+
+    def _take_events(self, msg):
+        """Queue the new events of an EVENTS message (consecutive seqs of one run, from
+        ``msg.seq``), as :meth:`_take_event` would one by one; returns those queued."""
+        last = self._watching.get(msg.run)
+        n = len(msg.actions)
+        if last is None or n == 0 or msg.seq + n - 1 <= last:
+            return []           # not watched, or every seq already seen
+        if last and msg.seq > last + 1:
+            self._resync.add(msg.run)   # a gap before it: replayed from the last seq seen
+            return []
+        events = msg.events()
+        if last and msg.seq <= last:
+            events = events[last + 1 - msg.seq:]
+        self._watching[msg.run] = msg.seq + n - 1
+        self._events.extend(events)
+        return events
 
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""
