@@ -614,6 +614,12 @@ def whoami(path):
         f.write(f"{os.getpid()}\\n")
 
 
+def which_thread(path):
+    import threading
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()} {threading.get_native_id()}\\n")
+
+
 def overlap(path, secs=0.15):
     global _running
     with _lock:
@@ -767,6 +773,24 @@ def test_python_warm_pool_respects_concurrency_slots(tmp_path, plugins, funcs):
     seen = [int(n) for n in path.read_text().split()]
     assert len(seen) == 6 and max(seen) == 2                # two at once, never three
     assert busiest == 2
+
+
+def test_python_follow_on_calls_reuse_the_pool_processes_threads(tmp_path, plugins, funcs):
+    # A pool process keeps the threads its calls ran on: follow-on calls start none (at
+    # most as many threads as calls ran at once, the pool's concurrency).
+    plugin = plugins(PythonPlugin)
+    path = tmp_path / "threads.txt"
+    reuse = warm(replicas=1, concurrency=2)
+    for _ in range(10):
+        batch = [make_attempt(tmp_path, funcs("which_thread", path=str(path)), reuse=reuse,
+                              env="E3") for _ in range(2)]
+        for att in batch:
+            plugin.start(att)
+        for changes in drive(plugin, [a.key for a in batch]).values():
+            assert outcome_of(changes).phase == Phase.SUCCEEDED
+    rows = [line.split() for line in path.read_text().splitlines()]
+    assert len(rows) == 20 and len({pid for pid, _tid in rows}) == 1
+    assert 1 <= len({tid for _pid, tid in rows}) <= 2
 
 
 def test_python_idle_ttl_frees_the_pool(tmp_path, plugins, funcs):

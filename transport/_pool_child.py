@@ -3,8 +3,9 @@
 Run as ``python <this file> <request fd> <result fd>`` (by path, not ``-m``: importing the
 ``transport`` package would load ZeroMQ and numpy, some 30 MB of resident memory charged to
 every pool process and its memory limit). It reads length-prefixed msgpack frames from the
-request pipe and runs each call in a thread of its own; the parent bounds how many run at
-once. It writes back:
+request pipe and runs each call on a thread of its own (threads are kept and reused: a
+follow-on call starts no thread unless every kept one is busy); the parent bounds how many
+run at once. It writes back:
 
 - ``{"op": "hello", "pid": pid}`` once, at start;
 - ``{"op": "started", "id": n}`` when call ``n``'s function is imported and about to run;
@@ -21,6 +22,7 @@ process.
 This file imports nothing of Leasehold, only the standard library and msgpack.
 """
 
+import collections
 import importlib
 import io
 import os
@@ -89,6 +91,10 @@ class _Child:
         self.functions = {}
         self.stdout = _Router(sys.stdout)
         self.stderr = _Router(sys.stderr)
+        # Calls waiting for a thread; threads kept, and how many of them run a call.
+        self._calls = collections.deque()
+        self._ready = threading.Condition()
+        self._threads = self._busy = 0
 
     def send(self, msg):
         data = msgpack.packb(msg)
@@ -133,20 +139,53 @@ class _Child:
                 break
             msg = msgpack.unpackb(body)
             if msg.get("op") == "call":
-                threading.Thread(target=self.call, args=(msg,), daemon=True,
-                                 name=f"call-{msg['id']}").start()
+                self._dispatch(msg)
         # The parent closed the pipe: it frees the pool (no call runs) or is gone (calls
         # that still run have no one to report to). Either way, end now.
         os._exit(0)
 
+    def _dispatch(self, msg):
+        # To a kept thread that is free, else to a new one (kept afterwards): as many
+        # threads as calls ever ran at once, each started once. A thread counts as free
+        # before its call's "done" leaves, so the parent's next call finds it free.
+        with self._ready:
+            self._calls.append(msg)
+            if len(self._calls) + self._busy <= self._threads:
+                self._ready.notify()
+                return
+            self._threads += 1
+        threading.Thread(target=self._serve, daemon=True, name="call").start()
+
+    def _serve(self):
+        while True:
+            with self._ready:
+                while not self._calls:
+                    self._ready.wait()
+                msg = self._calls.popleft()
+                self._busy += 1
+            try:
+                done = self.call(msg)
+            except BaseException as exc:    # its log could not be written: a done still
+                done = {"op": "done", "id": msg["id"], "ok": False, "kind": "log",
+                        "type": type(exc).__name__, "message": str(exc), "tail": ""}
+            with self._ready:
+                self._busy -= 1
+            try:
+                self.send(done)
+            except OSError:         # the parent is gone: this process ends at end of file
+                with self._ready:
+                    self._threads -= 1
+                return
+
     def call(self, msg):
+        """Run one call (its output to its log); returns its ``done`` message, sent by the
+        caller once the log is closed."""
         cid = msg["id"]
         try:
             logf = open(msg["log"], "a", buffering=1, encoding="utf-8", errors="replace")
         except OSError as exc:
-            self.send({"op": "done", "id": cid, "ok": False, "kind": "log",
-                       "type": type(exc).__name__, "message": str(exc), "tail": ""})
-            return
+            return {"op": "done", "id": cid, "ok": False, "kind": "log",
+                    "type": type(exc).__name__, "message": str(exc), "tail": ""}
         self.stdout.bind(logf)
         self.stderr.bind(logf)
         try:
@@ -155,8 +194,7 @@ class _Child:
             try:
                 fn = self.resolve(msg["function"])
             except BaseException as exc:    # reported, never re-raised
-                self._failed(cid, "import", exc, logf)
-                return
+                return self._failed(cid, "import", exc, logf)
             self.send({"op": "started", "id": cid})
             kwargs = dict(msg.get("args") or {})
             if msg.get("input") is not None:
@@ -164,13 +202,12 @@ class _Child:
             try:
                 result = fn(**kwargs)
             except BaseException as exc:    # SystemExit in a call fails it too
-                self._failed(cid, "raise", exc, logf)
-                return
+                return self._failed(cid, "raise", exc, logf)
             text = repr(result)
             if len(text) > REPR_CHARS:
                 text = text[:REPR_CHARS] + "..."
             logf.write(f"leasehold: returned {text}\n")
-            self.send({"op": "done", "id": cid, "ok": True})
+            return {"op": "done", "id": cid, "ok": True}
         finally:
             self.stdout.unbind()
             self.stderr.unbind()
@@ -190,8 +227,8 @@ class _Child:
         except (OSError, ValueError):
             pass
         tail = "\n".join(text.rstrip("\n").splitlines()[-TAIL_LINES:])[-TAIL_BYTES:]
-        self.send({"op": "done", "id": cid, "ok": False, "kind": kind,
-                   "type": type(exc).__qualname__, "message": str(exc), "tail": tail})
+        return {"op": "done", "id": cid, "ok": False, "kind": kind,
+                "type": type(exc).__qualname__, "message": str(exc), "tail": tail}
 
 
 def main(argv):
