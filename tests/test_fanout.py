@@ -449,6 +449,34 @@ def test_report_many_of_one_phase_for_all_equals_the_reports_one_by_one(phase, e
     assert_same_state(a, b)
 
 
+def test_a_report_that_changes_nothing_writes_nothing():
+    store = MemoryStore(4)                  # counts the groups committed to it
+    eng = engine(store=store)
+    eng.enqueue_fanout(template(), ["a", "b"])
+    with eng.turn():
+        eng.schedule()
+        batch = eng.drain_columns()
+    ids = ["acme/p/d/r/a", "acme/p/d/r/b"]
+    assert [eng.phase(x) for x in ids] == [Phase.INITIALIZING] * 2
+    n = store.commits
+    # The hand-out made them INITIALIZING: the worker's INITIALIZING is acknowledged as is.
+    assert eng.report_many(batch.tokens, Phase.INITIALIZING, worker="w") == []
+    assert store.commits == n
+    assert eng.report_many(batch.tokens[:1], Phase.RUNNING, worker="w") == []
+    assert store.commits == n + 1
+    # Mixed: a repeated RUNNING (no change) and a new RUNNING: one write, of the second.
+    assert eng.report_many(batch.tokens, [Phase.RUNNING, Phase.RUNNING], worker="w") == []
+    assert store.commits == n + 2
+    assert eng.report_many(batch.tokens, Phase.RUNNING, worker="w") == []
+    assert store.commits == n + 2
+    assert [eng.phase(x) for x in ids] == [Phase.RUNNING] * 2
+    assert eng.report_many(batch.tokens, Phase.SUCCEEDED, worker="w") == []
+    assert store.commits == n + 3
+    again = restart(eng)
+    assert [again.phase(x) for x in ids] == [Phase.SUCCEEDED] * 2
+    assert [h[-1] for x in ids for h in history(again, x)] == ["SUCCEEDED"] * 2
+
+
 def test_report_many_checks_every_argument_before_applying_any():
     eng = engine()
     eng.enqueue_fanout(template(), ["a", "b"])
