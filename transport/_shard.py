@@ -78,7 +78,7 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
 # Reported phases that are, once accepted, the action's phase (a failure may be a retry).
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
-# The same as phase codes: a report's loop tests its int codes (a Phase hashes in Python).
+# The same as phase codes: a report's loop tests the message's codes it has at hand.
 _AS_REPORTED_CODES = frozenset(PHASE_CODE[p] for p in _AS_REPORTED)
 _TERMINAL_CODES = frozenset(PHASE_CODE[p] for p in TERMINAL_PHASES)
 

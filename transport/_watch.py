@@ -181,7 +181,7 @@ class WatchLog:
                                               strict=True):
             if p is not given:
                 # A batch repeats a few phases: each looked up once a run of equal ones (a
-                # Phase hashes in Python code, a cost per dict or set it is looked up in).
+                # Phase's .value is an enum property, ~0.15 us of Python code a read).
                 given = p
                 phase = _PHASE_OF.get(p) or _phase(p)
                 terminal, value = phase in TERMINAL_PHASES, phase.value
