@@ -21,9 +21,8 @@ from engine._nodes import Nodes
 from engine._units import UNLIMITED
 from storage import MemoryStore
 from tests.conftest import ManualClock, make_engine
-from transport import Client, Shard, ShardError, Worker, WorkerConnection
+from transport import Client, Shard, ShardError, Worker, WorkerConnection, leases_of
 from transport._protocol import Leases, ProtocolError, decode, encode
-from transport._worker import leases_of
 
 # Four nodes of 8 GPUs and 8 cpu each.
 NODE = {"cpu": 8, "gpu:H100": 8}

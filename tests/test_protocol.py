@@ -607,8 +607,7 @@ def test_the_leases_of_a_message_equal_leases_built_by_their_constructor():
     # The worker builds its Lease entries without running __init__ (a cost per lease): they
     # must be the same frozen values the constructor makes.
     from engine._codes import LeaseKind
-    from transport import Lease
-    from transport._worker import leases_of
+    from transport import Lease, leases_of
 
     msg = Leases(tokens=toks(2), kind=np.array([0, 1], np.uint8),
                  attempt=np.array([1, 3], np.int32), group=np.array([0, 0], np.int32),

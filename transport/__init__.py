@@ -115,7 +115,7 @@ from transport._supervisor import (
     run_supervisor,
 )
 from transport._watch import WatchLog
-from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection
+from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection, leases_of
 
 __all__ = [
     "Supervisor",
@@ -154,6 +154,7 @@ __all__ = [
     "Client",
     "CrossShardBatch",
     "Lease",
+    "leases_of",
     "Shard",
     "ShardError",
     "ShardTimeout",

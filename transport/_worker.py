@@ -30,7 +30,7 @@ from transport import _protocol as p
 from transport._plugins import frozen_instance
 from transport._sockets import client_socket, send
 
-__all__ = ["WorkerConnection", "Lease", "ShardError", "ShardTimeout"]
+__all__ = ["WorkerConnection", "Lease", "ShardError", "ShardTimeout", "leases_of"]
 
 
 class ShardError(LeaseholdError):
