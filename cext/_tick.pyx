@@ -1214,15 +1214,15 @@ cdef class TickKernel:
         # backstop (a_runtime_due) when the attempt runs under one. Computed, not stored: the
         # same end every time for the same now, and nothing to write or allocate.
         cdef i64 end = self.a_pred_end[a]
-        cdef i64 cap = NEVER
+        cdef i64 cap = NEVER, rt
         cdef Py_ssize_t i
         if end >= now:
             return end
         if self.a_state[a] == ST_SENT:
             # Not running yet (its pods pend, or no RUNNING came): a prediction of running
             # time cannot have been overrun; it ends no sooner than that time from now.
-            cap = self._pred_rt(a)
-            return now + cap if cap < NEVER - now else NEVER
+            rt = self._pred_rt(a)
+            return now + rt if rt < NEVER - now else NEVER
         if self.a_state[a] == ST_RUNNING:
             cap = self.a_runtime_due[a]     # armed at RUNNING (a sent lease's is stale)
         if cap <= now:

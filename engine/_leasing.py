@@ -566,19 +566,20 @@ class LeasingMixin:
         st.a_start[rows] = np.where(fresh, now, start)
         if code == PH_SUCCEEDED:
             self._touch_many(rows)          # every row ends (a worker's batch of successes)
+            run = rows[:0]
         else:
             # Only rows a report changes are written: an INITIALIZING or RUNNING that
             # repeats what the row already says (the hand-out made it INITIALIZING) is
             # acknowledged without a write, so it costs its turn no commit.
             waiting = st.a_state[rows] != ST_RUNNING
-            changed = fresh | (codes == PH_SUCCEEDED) | ((codes == PH_RUNNING) & waiting)
+            starts = (codes == PH_RUNNING) & waiting
+            changed = fresh | (codes == PH_SUCCEEDED) | starts
             if code is None or code == PH_INIT:
                 init = (codes == PH_INIT) & waiting
                 changed |= init & (st.a_phase[rows] != PH_INIT)
                 st.a_phase[rows[init]] = PH_INIT
             self._touch_many(rows[changed])
-        run = rows[(codes == PH_RUNNING) & (st.a_state[rows] != ST_RUNNING)] \
-            if code is None or code == PH_RUNNING else rows[:0]
+            run = rows[starts]
         if run.size:
             set_state(st, run, ST_RUNNING)      # stops the queued-time clock
             st.a_running[run] = now

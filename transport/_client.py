@@ -547,32 +547,33 @@ class Client:
 
     def _take_events(self, msg):
         """Queue the new events of an EVENTS message (consecutive seqs of one run, from
-        ``msg.seq``), as :meth:`_take_event` would one by one; returns those queued."""
-        last = self._watching.get(msg.run)
-        n = len(msg.actions)
-        if last is None or n == 0 or msg.seq + n - 1 <= last:
-            return []           # not watched, or every seq already seen
-        if last and msg.seq > last + 1:
-            self._resync.add(msg.run)   # a gap before it: replayed from the last seq seen
+        ``msg.seq``); returns those queued."""
+        skip = self._new_events(msg.run, msg.seq, len(msg.actions))
+        if skip is None:
             return []
-        events = msg.events()
-        if last and msg.seq <= last:
-            events = events[last + 1 - msg.seq:]
-        self._watching[msg.run] = msg.seq + n - 1
+        events = msg.events()[skip:]
         self._events.extend(events)
         return events
 
+    def _new_events(self, run, seq, n):
+        """For ``n`` consecutive events of ``run`` from ``seq``: how many of them were seen
+        already (the rest are new: the run's last seq moves past them), or None when none
+        is to be taken: the run is not watched, every seq was seen, or a push was lost
+        before them (the shard drops a watcher it cannot send to): the run is then resumed
+        from the last seq seen instead of skipping the gap. At-least-once."""
+        last = self._watching.get(run)
+        if last is None or n == 0 or seq + n - 1 <= last:
+            return None
+        if last and seq > last + 1:
+            self._resync.add(run)
+            return None
+        self._watching[run] = seq + n - 1
+        return last + 1 - seq if last and seq <= last else 0
+
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""
-        last = self._watching.get(e.run)
-        if last is None or e.seq <= last:
-            return False        # at-least-once: a seq already seen, or not watched
-        if last and e.seq != last + 1:
-            # A push was lost (the shard drops a watcher it cannot send to): ask for the
-            # replay from the last seq seen instead of skipping the gap.
-            self._resync.add(e.run)
+        if self._new_events(e.run, e.seq, 1) is None:
             return False
-        self._watching[e.run] = e.seq
         self._events.append(e)
         return True
 

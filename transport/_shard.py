@@ -78,9 +78,6 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
 # Reported phases that are, once accepted, the action's phase (a failure may be a retry).
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
-# The same as phase codes: a report's loop tests the message's codes it has at hand.
-_AS_REPORTED_CODES = frozenset(PHASE_CODE[p] for p in _AS_REPORTED)
-_TERMINAL_CODES = frozenset(PHASE_CODE[p] for p in TERMINAL_PHASES)
 
 
 def _code(exc):
@@ -827,18 +824,18 @@ class _Loop:
                 hit = self.leases.get(w)
                 if hit is None or (bad and msg.tokens[i].astype("<u8").tobytes() in bad):
                     continue
-                code = codes[i]
-                if code in _AS_REPORTED_CODES:
+                ph = phases[i]
+                if ph in _AS_REPORTED:
                     # An accepted report of these is the phase the action is now in: no
                     # need to ask the engine (which would give a lean row its record).
                     run, aid = hit
                     changes = by_run.get(run)
                     if changes is None:
                         changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
-                    changes.add(aid, phases[i], self.attempt_of(run, aid))
+                    changes.add(aid, ph, self.attempt_of(run, aid))
                 else:
                     self.check.add(hit)     # a failure may be a retry: ask after the turn
-                if code in _TERMINAL_CODES:
+                if ph in TERMINAL_PHASES:
                     del self.leases[w]
             self.records.extend(by_run.values())
 
