@@ -108,8 +108,9 @@ class Shard:
         self.sockets.append(self.router)
         self.endpoint = self.router.last_endpoint.decode()
 
-    def dealer(self, name=None, keys=None, raw=False, **opts):
-        """A DEALER of key ``name`` (from the keys dir), explicit ``keys``, or plain."""
+    def dealer(self, name=None, keys=None, raw=False, connect=True, **opts):
+        """A DEALER of key ``name`` (from the keys dir), explicit ``keys``, or plain; a raw
+        one left unconnected with ``connect=False`` (to monitor it from its first try)."""
         if name is not None:
             keys = load_client_keys(self.keys_dir, name, "shard")
         if raw:     # no helper: messages queue before the handshake (no ZMQ_IMMEDIATE)
@@ -121,7 +122,8 @@ class Shard:
                 sock.curve_serverkey = keys.server_public
                 sock.curve_publickey = keys.public
                 sock.curve_secretkey = keys.secret
-            sock.connect(self.endpoint)
+            if connect:
+                sock.connect(self.endpoint)
         else:
             sock = client_socket(self.client_ctx, self.endpoint, keys)
         self.sockets.append(sock)
@@ -349,8 +351,9 @@ def handshake_events(sock):
 def test_an_unknown_key_is_refused_at_the_handshake_and_counted(shard, caplog):
     caplog.set_level(logging.WARNING, logger="leasehold.auth")
     stranger = load_client_keys(shard.keys_dir, "stranger", "shard")
-    sock = shard.dealer(keys=stranger, raw=True)    # queues messages: none may get through
-    mon, events = handshake_events(sock)
+    sock = shard.dealer(keys=stranger, raw=True, connect=False)   # queues messages: none
+    mon, events = handshake_events(sock)                            # may get through
+    sock.connect(shard.endpoint)
     try:
         sock.send_multipart(encode(Ping(rid=1)))
         send_raw(sock, encode(Enqueue(rid=2, specs=[spec()])))
@@ -377,8 +380,10 @@ def test_an_unknown_key_is_refused_at_the_handshake_and_counted(shard, caplog):
 
 
 def test_no_key_or_a_plain_socket_gets_nothing(shard):
-    plain = shard.dealer(raw=True)                   # NULL mechanism against a CURVE server
+    plain = shard.dealer(raw=True, connect=False)    # NULL mechanism against a CURVE server
+    # Monitored before it connects: a handshake that fails at once is seen, not missed.
     mon, events = handshake_events(plain)
+    plain.connect(shard.endpoint)
     try:
         send_raw(plain, encode(Ping(rid=1)))
         wait_for(lambda: any(e != zmq.EVENT_HANDSHAKE_SUCCEEDED for e in events()),
