@@ -333,12 +333,13 @@ class JournalMixin:
 
     def _encode_history(self, batch):
         """History key records (partition 0): new key rows always (action records name
-        them); runtime samples when a flush is due or the group writes partition 0 anyway.
-        Samples are predictions' input, not transitions: deferring them (at most
-        HISTORY_FLUSH_NS) keeps a turn that only reports successes on its tenant's
-        partition (one environment's syncs, not a journaled group over two)."""
+        them); runtime samples when a flush is due. Samples are predictions' input, not
+        transitions: deferring them (at most HISTORY_FLUSH_NS) keeps a turn that only
+        reports successes on its tenant's partition (one environment's syncs, not a
+        journaled group over two), and a busy key is written once a flush, not once a
+        turn."""
         tasks = self._history_dirty
-        if self._history_samples and (0 in batch or self._history_due()):
+        if self._history_due():
             tasks = tasks | self._history_samples
             self._history_samples = set()
         if not tasks:
