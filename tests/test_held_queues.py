@@ -195,6 +195,111 @@ def test_a_warm_pool_behind_a_held_head_still_takes_the_fast_lane():
         assert placed == ["acme/ml/prod/p/p1", "acme/ml/prod/p/p2"]
 
 
+def test_a_greedy_queue_whose_rest_fits_no_open_cluster_is_cut_short():
+    """A GREEDY_CAPACITY queue may use a cluster no head holds, but what is left of it there
+    fits none of its actions: the tick stops at its head, as when every cluster is held,
+    and resumes examining once one of them fits (an action small enough is still placed)."""
+    cut, full = pair()
+    ids = [f"acme/ml/prod/b{i}/one" for i in range(10)]
+    for eng in (cut, full):
+        eng.update_queue("batch", clusters=["gpu", "cpu"])
+        # 56 of the cpu cluster's 64 cpu in use: 8 free, no head holds it.
+        eng.enqueue(act("hog", "hog", "train", pods=(PodGroup("w", 2, {"cpu": 28}),)))
+        eng.update_queue("train", clusters=["cpu"])
+        [a] = eng.tick()
+        eng.mark_running(a.action, a.generation)
+        eng.update_queue("train", clusters=["gpu"])
+        blocked_gang(eng)
+        eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 16})
+                          for i in range(10)])
+        assert eng.tick() == []
+    assert examined(full, "batch") == 10
+    assert examined(cut, "batch") == 1
+    got = explanations(cut, ids)
+    assert got == explanations(full, ids)
+    assert {w for _p, w, _r in got} == {WaitCode.HEAD_OF_LINE}
+    # One that fits the 8 cpu left, behind the rest: examined, placed, the rest cut again.
+    placed = []
+    for eng in (cut, full):
+        eng.enqueue(act("small", "s", "batch", resources={"cpu": 4}))
+        placed.append([(str(x.action), x.cluster) for x in eng.tick()])
+    assert placed[0] == placed[1] == [("acme/ml/prod/small/s", "cpu")]
+    assert explanations(cut, ids) == explanations(full, ids)
+
+
+def test_a_greedy_queue_cut_short_rotates_as_if_examined():
+    """Runs of unequal length in a greedy queue with nothing placeable: the scan passes over
+    the rest instead of examining them, so its round robin ends where the exhaustive scan's
+    does, and when capacity frees the same actions go first."""
+    cut, full = pair()
+    for eng in (cut, full):
+        eng.update_queue("batch", clusters=["gpu", "cpu"])
+        eng.enqueue(act("hog", "hog", "train", pods=(PodGroup("w", 2, {"cpu": 28}),)))
+        eng.update_queue("train", clusters=["cpu"])
+        [a] = eng.tick()
+        eng.mark_running(a.action, a.generation)
+        eng.update_queue("train", clusters=["gpu"])
+        blocked_gang(eng)
+        eng.enqueue_many([act(f"r{r}", f"a{i}", "batch", resources={"cpu": 16})
+                          for r, n in ((0, 3), (1, 1), (2, 2), (3, 4)) for i in range(n)])
+    for _ in range(3):
+        assert cut.tick() == [] and full.tick() == []
+    assert examined(cut, "batch") == 1 < examined(full, "batch")
+    placed = []
+    for eng in (cut, full):
+        eng.complete("acme/ml/prod/hog/hog", 1)
+        placed.append([str(x.action) for x in eng.tick()])
+    assert len(placed[0]) == 4
+    assert placed[0] == placed[1]
+
+
+def test_a_greedy_queue_over_its_budget_is_cut_short_and_explained():
+    """An open cluster has room, but the queue's budget (max_resources less what it has in
+    flight) covers none of its actions: QUEUE_BUDGET for all, the tick stops at the first."""
+    cut, full = pair()
+    ids = [f"acme/ml/prod/b{i}/one" for i in range(6)]
+    for eng in (cut, full):
+        eng.update_queue("batch", clusters=["cpu"], max_resources={"cpu": 20})
+        eng.enqueue(act("big", "big", "batch", resources={"cpu": 16}))
+        [a] = eng.tick()
+        eng.mark_running(a.action, a.generation)
+        eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 8})
+                          for i in range(6)])
+        assert eng.tick() == []
+    assert examined(full, "batch") == 6
+    assert examined(cut, "batch") == 1
+    got = explanations(cut, ids)
+    assert got == explanations(full, ids)
+    assert {w for _p, w, _r in got} == {WaitCode.QUEUE_BUDGET}
+
+
+def test_a_greedy_queue_of_a_busy_warm_pool_is_cut_short_and_explained():
+    """Every action of a queue waits for its warm pool's one busy slot (POOL_BUSY): the
+    tick stops at the first, and explain says the same of the rest as examining them."""
+    cut, full = pair()
+    pool = dict(environment="env1", reuse=ReusePolicy(replicas=1, concurrency=1),
+                resources={"cpu": 1, "gpu": 1})
+    ids = [f"acme/ml/prod/p/p{i}" for i in range(1, 8)]
+    for eng in (cut, full):
+        eng.enqueue(act("p", "p0", "batch", **pool))
+        [a] = eng.tick()
+        eng.mark_running(a.action, a.generation)
+        blocked_gang(eng)
+        eng.enqueue_many([act("p", f"p{i}", "batch", **pool) for i in range(1, 8)])
+        assert eng.tick() == []
+    assert examined(full, "batch") == 7
+    assert examined(cut, "batch") == 1
+    got = explanations(cut, ids)
+    assert got == explanations(full, ids)
+    assert {w for _p, w, _r in got} == {WaitCode.POOL_BUSY}
+    # Its slot frees: the next one takes the fast lane in both.
+    placed = []
+    for eng in (cut, full):
+        eng.complete("acme/ml/prod/p/p0", 1)
+        placed.append([str(x.action) for x in eng.tick()])
+    assert placed[0] == placed[1] == ["acme/ml/prod/p/p1"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Property: cutting held queues short changes no decision. With one run per queue (one lane
 # per lane kind) the round robin has nothing to rotate, so the two engines must place, fail and
