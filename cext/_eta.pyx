@@ -263,7 +263,7 @@ cdef class EtaProjector:
         cdef i32* front = NULL
         cdef Py_ssize_t base = 0, bk = _bucket(rt), i
         cdef i64 start, end, t_lo = t_min
-        cdef bint leading
+        cdef bint leading, jumped = False
         if cls >= 0:
             front = &self.cls_ptr[cls * self.n_clusters + c]
             if front[0] >= 0:
@@ -275,7 +275,11 @@ cdef class EtaProjector:
                     return NEVER
                 if self.sg_t[self.lb_seg[base + bk]] > self.sg_t[s]:
                     s = self.lb_seg[base + bk]
-        leading = self.sg_t[s] >= t_lo
+                    jumped = True
+        # Leading: the scan starts at the class's front, so a segment it finds short is the
+        # first not known short. Not after the runtime bound's jump: the segments skipped
+        # are too early for this runtime, not short of the demand (a shorter one may fit).
+        leading = not jumped and self.sg_t[s] >= t_lo
         if not leading:
             j = self.c_hint[c]
             if j >= 0 and self.sg_t[j] > self.sg_t[s] and self.sg_t[j] <= t_lo:

@@ -4,7 +4,7 @@ predictions; non-decreasing in a STRICT_FIFO queue."""
 
 import heapq
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine import ActionSpec, Timeouts
@@ -200,6 +200,12 @@ def test_strict_fifo_etas_never_decrease_in_queue_order(queued, running):
        st.lists(st.tuples(st.integers(1, 8), st.integers(1, 500)), min_size=1, max_size=6),
        st.sampled_from([("STRICT_FIFO", True), ("STRICT_FIFO", False),
                         ("GREEDY_CAPACITY", False)]))
+# A search that jumped ahead by a longer runtime's bound once marked the segments it skipped
+# as short of the class for good, so a later, shorter action of the class (q09: 3 GPUs for
+# 1 s, which fits at 8 s) got no ETA.
+@example([(1, 1, False), (1, 1, False), (1, 1, False), (1, 1, True), (4, 1, False),
+          (5, 62, True), (4, 1, False), (3, 54, True), (3, 1, False), (3, 1, True)],
+         [(1, 1)], ("STRICT_FIFO", True))
 def test_search_bounds_change_no_answer(queued, running, policy):
     # The projector's per-demand search bounds are a shortcut, not an approximation: the
     # same ETAs as searching every action from scratch (some without a prediction).
