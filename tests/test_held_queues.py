@@ -195,6 +195,28 @@ def test_a_warm_pool_behind_a_held_head_still_takes_the_fast_lane():
         assert placed == ["acme/ml/prod/p/p1", "acme/ml/prod/p/p2"]
 
 
+def cpu_nearly_full_gpu_held(eng):
+    """``batch`` may use both clusters; 56 of the cpu cluster's 64 cpu are in use (8 free,
+    no head holds it) and a gang at the head of ``train`` holds the gpu cluster."""
+    eng.update_queue("batch", clusters=["gpu", "cpu"])
+    eng.enqueue(act("hog", "hog", "train", pods=(PodGroup("w", 2, {"cpu": 28}),)))
+    eng.update_queue("train", clusters=["cpu"])
+    [a] = eng.tick()
+    eng.mark_running(a.action, a.generation)
+    eng.update_queue("train", clusters=["gpu"])
+    blocked_gang(eng)
+
+
+def assert_cut_at_head(cut, full, ids, n, wait):
+    """The full scan examined all ``n`` of ``batch``, the cut one its head alone, and both
+    explain ``ids`` alike, every one waiting for ``wait``."""
+    assert examined(full, "batch") == n
+    assert examined(cut, "batch") == 1
+    got = explanations(cut, ids)
+    assert got == explanations(full, ids)
+    assert {w for _p, w, _r in got} == {wait}
+
+
 def test_a_greedy_queue_whose_rest_fits_no_open_cluster_is_cut_short():
     """A GREEDY_CAPACITY queue may use a cluster no head holds, but what is left of it there
     fits none of its actions: the tick stops at its head, as when every cluster is held,
@@ -202,22 +224,11 @@ def test_a_greedy_queue_whose_rest_fits_no_open_cluster_is_cut_short():
     cut, full = pair()
     ids = [f"acme/ml/prod/b{i}/one" for i in range(10)]
     for eng in (cut, full):
-        eng.update_queue("batch", clusters=["gpu", "cpu"])
-        # 56 of the cpu cluster's 64 cpu in use: 8 free, no head holds it.
-        eng.enqueue(act("hog", "hog", "train", pods=(PodGroup("w", 2, {"cpu": 28}),)))
-        eng.update_queue("train", clusters=["cpu"])
-        [a] = eng.tick()
-        eng.mark_running(a.action, a.generation)
-        eng.update_queue("train", clusters=["gpu"])
-        blocked_gang(eng)
+        cpu_nearly_full_gpu_held(eng)
         eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 16})
                           for i in range(10)])
         assert eng.tick() == []
-    assert examined(full, "batch") == 10
-    assert examined(cut, "batch") == 1
-    got = explanations(cut, ids)
-    assert got == explanations(full, ids)
-    assert {w for _p, w, _r in got} == {WaitCode.HEAD_OF_LINE}
+    assert_cut_at_head(cut, full, ids, 10, WaitCode.HEAD_OF_LINE)
     # One that fits the 8 cpu left, behind the rest: examined, placed, the rest cut again.
     placed = []
     for eng in (cut, full):
@@ -233,13 +244,7 @@ def test_a_greedy_queue_cut_short_rotates_as_if_examined():
     does, and when capacity frees the same actions go first."""
     cut, full = pair()
     for eng in (cut, full):
-        eng.update_queue("batch", clusters=["gpu", "cpu"])
-        eng.enqueue(act("hog", "hog", "train", pods=(PodGroup("w", 2, {"cpu": 28}),)))
-        eng.update_queue("train", clusters=["cpu"])
-        [a] = eng.tick()
-        eng.mark_running(a.action, a.generation)
-        eng.update_queue("train", clusters=["gpu"])
-        blocked_gang(eng)
+        cpu_nearly_full_gpu_held(eng)
         eng.enqueue_many([act(f"r{r}", f"a{i}", "batch", resources={"cpu": 16})
                           for r, n in ((0, 3), (1, 1), (2, 2), (3, 4)) for i in range(n)])
     for _ in range(3):
@@ -266,11 +271,7 @@ def test_a_greedy_queue_over_its_budget_is_cut_short_and_explained():
         eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 8})
                           for i in range(6)])
         assert eng.tick() == []
-    assert examined(full, "batch") == 6
-    assert examined(cut, "batch") == 1
-    got = explanations(cut, ids)
-    assert got == explanations(full, ids)
-    assert {w for _p, w, _r in got} == {WaitCode.QUEUE_BUDGET}
+    assert_cut_at_head(cut, full, ids, 6, WaitCode.QUEUE_BUDGET)
 
 
 def test_a_greedy_queue_of_a_busy_warm_pool_is_cut_short_and_explained():
@@ -287,11 +288,7 @@ def test_a_greedy_queue_of_a_busy_warm_pool_is_cut_short_and_explained():
         blocked_gang(eng)
         eng.enqueue_many([act("p", f"p{i}", "batch", **pool) for i in range(1, 8)])
         assert eng.tick() == []
-    assert examined(full, "batch") == 7
-    assert examined(cut, "batch") == 1
-    got = explanations(cut, ids)
-    assert got == explanations(full, ids)
-    assert {w for _p, w, _r in got} == {WaitCode.POOL_BUSY}
+    assert_cut_at_head(cut, full, ids, 7, WaitCode.POOL_BUSY)
     # Its slot frees: the next one takes the fast lane in both.
     placed = []
     for eng in (cut, full):
