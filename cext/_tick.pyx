@@ -1030,8 +1030,9 @@ cdef class TickKernel:
         cdef i32 u = self.a_run[a]
         cdef i32 t
         cdef u8 tcode
-        # Caps first: they are about counts, not resources.
-        if self.qr_adm[qr] == self.qr_rel[qr] and runs_left <= 0:
+        # Caps first: they are about counts, not resources. (The queue's runs left first: a
+        # local, so the run's counters are read only when that cap binds.)
+        if runs_left <= 0 and self.qr_adm[qr] == self.qr_rel[qr]:
             self._wait(a, W_QUEUE_RUNS, -1, -1, -1)
             return R_SKIP_LANE
         if self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
