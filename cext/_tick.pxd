@@ -251,10 +251,6 @@ cdef class TickKernel:
     cdef void _count_pending(self, i32 a, i64 k) noexcept nogil
     cdef bint _doomed(self, i32 q, i32 a) noexcept nogil
     cdef bint _queue_held(self, i32 q, u64 held, u64 avail) noexcept nogil
-    cdef u8 _pool_code(self, i32 a, int ec) noexcept nogil
-    cdef int _count_checks(self, i32 a, i64 runs_left) noexcept nogil
-    cdef bint _rest_unplaceable(self, i32 q, u64 held, u64 avail, i64 max_walk,
-                                i64* walked) noexcept nogil
     cdef u8 _held_resolved(self, i32 a) noexcept nogil
     cdef bint _release(self, i32 a, i64 now) noexcept nogil
     cdef void _push_finalize(self, i32 f) noexcept nogil

@@ -799,8 +799,6 @@ cdef class TickKernel:
         cdef i32 head = -1
         cdef u8 head_code = W_NONE
         cdef int stop_tick = 0
-        cdef i64 walked = -1   # d_tail when _rest_unplaceable last said no (-1: never asked)
-        cdef bint passing = False
 
         self.q_stop_code[q] = W_NONE
         self.q_stop_blocker[q] = -1
@@ -839,19 +837,12 @@ cdef class TickKernel:
             if cand >= self.max_candidates:
                 stop = W_CANDIDATE_LIMIT
                 break
-            if head >= 0 and not passing:
-                if self._queue_held(q, held[0], avail[0]):
-                    # Nothing more of this queue can be placed this tick, and examining the
-                    # rest would change nothing but their wait stamps (most of a saturated
-                    # tick's work): explain resolves those on demand (resolve_wait).
-                    stop = W_QUEUE_HELD
-                    break
-                if walked != self.d_tail and self._rest_unplaceable(
-                        q, held[0], avail[0], self.max_candidates - cand, &walked):
-                    # The same, for a greedy queue with a cluster left open: the rest are
-                    # passed over in the scan's own order, unstamped, so the round robin
-                    # ends where examining them would have left it.
-                    passing = True
+            if head >= 0 and self._queue_held(q, held[0], avail[0]):
+                # Nothing more of this queue can be placed this tick, and examining the rest
+                # would change nothing but their wait stamps (most of a saturated tick's
+                # work): explain resolves those on demand (resolve_wait).
+                stop = W_QUEUE_HELD
+                break
             lane = self.q_ring[q, kind]
             if self.ln_scan_tick[lane] != self.tick_no:
                 self.ln_scan_tick[lane] = self.tick_no
@@ -873,12 +864,7 @@ cdef class TickKernel:
                 self.q_ring[q, kind] = self.ln_next[lane]
                 continue
             cand += 1
-            if passing:
-                # Passed over, but for what parks its lane or stops the tick, on which the
-                # scan's order depends (R_SKIP_ACTION: passed, unstamped).
-                res = self._count_checks(a, runs_left)
-            else:
-                res = self._try_place(q, a, now, held, avail, &actions_left, &runs_left)
+            res = self._try_place(q, a, now, held, avail, &actions_left, &runs_left)
             if res == R_PLACED or res == R_FAILED:
                 self._unlink(a)
                 if self.ln_in_ring[lane]:
@@ -913,8 +899,6 @@ cdef class TickKernel:
                 break
             kind ^= 1
 
-        if passing and stop == W_NONE:
-            stop = W_QUEUE_HELD     # what the rest wait for is resolved when asked
         # Parked lanes rejoin at the end of the rotation, in the order they were parked.
         while park_head >= 0:
             lane = park_head
@@ -946,66 +930,6 @@ cdef class TickKernel:
             return False
         return (mine & self.bf_held & ~self.bf_contested) == 0
 
-    cdef bint _rest_unplaceable(self, i32 q, u64 held, u64 avail, i64 max_walk,
-                                i64* walked) noexcept nogil:
-        # GREEDY_CAPACITY, its head blocked: True when no action the scan has still to
-        # examine this tick could be placed: none takes the fast lane (its warm pool runs
-        # on a cluster open to the queue with a free worker and a free slot) and none is
-        # within the queue's budget left (s_budget, this scan's) and covers what is free on
-        # a cluster open to it that no head holds (avail & ~held & its fit), which the
-        # gate needs. Blocked greedy actions hold nothing, and what fails on sight keeps
-        # the queue from being cut (as in _queue_held), so the rest would only be stamped.
-        # Walks fewer than ``max_walk`` actions (the scan's own bound; else False). Free
-        # vectors, slots, pools and the budget only fill within a tick, so a No stands
-        # until the next placement (``walked`` = d_tail then).
-        cdef u64 open_, m
-        cdef i32 start, lane, a, e, ec
-        cdef int kind, c
-        cdef i64 seen = 0
-        walked[0] = self.d_tail
-        if (self.q_strict[q] or self.examine_all or not self.gate_on
-                or self.q_doomed[q] != 0):
-            return False
-        open_ = self.q_clusters[q] & avail & ~held
-        for kind in range(2):
-            start = self.q_ring[q, kind]
-            lane = start
-            while lane >= 0:
-                if self.ln_scan_tick[lane] == self.tick_no:
-                    a = self.ln_scan[lane]
-                else:
-                    a = self.ln_head[lane]
-                while a >= 0:
-                    seen += 1
-                    if seen >= max_walk:
-                        # Passing them all must end the scan before the candidate bound
-                        # would (else it stops there: CANDIDATE_LIMIT, stamps as they are).
-                        return False
-                    e = self.a_env[a]
-                    if e >= 0 and self.e_cluster[e] >= 0:
-                        ec = self.e_cluster[e]
-                        if ((self.q_clusters[q] >> ec) & 1 and (avail >> ec) & 1
-                                and <i64>(self.e_adm[e] - self.e_rel[e]) < self.e_slots[e]):
-                            return False
-                        a = self.a_next[a]
-                        continue
-                    if first_short_dim(&self.a_demand[a, 0], &self.s_budget[0],
-                                       self.n_res) >= 0:
-                        # Over what the queue's budget has left (QUEUE_BUDGET).
-                        a = self.a_next[a]
-                        continue
-                    m = open_ & self.a_fit[a]
-                    while m != 0:
-                        c = lowest_bit(m)
-                        m &= m - 1
-                        if covers(&self.a_demand[a, 0], &self.s_cfree[c, 0], self.n_res):
-                            return False
-                    a = self.a_next[a]
-                lane = self.ln_next[lane]
-                if lane == start:
-                    break
-        return True
-
     cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
                          u8 head_code) noexcept nogil:
         self.q_stop_code[q] = stop
@@ -1022,17 +946,23 @@ cdef class TickKernel:
         self.a_wait_dim[a] = dim
         self.a_wait_blocker[a] = blocker
 
-    cdef int _count_checks(self, i32 a, i64 runs_left) noexcept nogil:
-        # What _try_place decides of ``a`` before any resource: a count cap parks its lane
-        # (R_SKIP_LANE), a full dispatch channel stops the tick (R_STOP_TICK), both stamped;
-        # else R_SKIP_ACTION, nothing stamped (the resources decide).
+    cdef int _try_place(self, i32 q, i32 a, i64 now, u64* held, u64* avail,
+                        i64* actions_left, i64* runs_left) noexcept nogil:
         cdef i32 qr = self.a_qrun[a]
         cdef i32 u = self.a_run[a]
-        cdef i32 t
+        cdef i32 e = self.a_env[a]
+        cdef i32 ec
+        cdef u64 fit, open_, bit
+        cdef int c, dim, cap_dim
+        cdef u64 mine, cands
+        cdef bint bq = False
         cdef u8 tcode
+        cdef i32 h, t
+        cdef const i64* demand = &self.a_demand[a, 0]
+
         # Caps first: they are about counts, not resources. (The queue's runs left first: a
         # local, so the run's counters are read only when that cap binds.)
-        if runs_left <= 0 and self.qr_adm[qr] == self.qr_rel[qr]:
+        if runs_left[0] <= 0 and self.qr_adm[qr] == self.qr_rel[qr]:
             self._wait(a, W_QUEUE_RUNS, -1, -1, -1)
             return R_SKIP_LANE
         if self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
@@ -1052,22 +982,6 @@ cdef class TickKernel:
             # Checked before reserving, so a full channel never leaves a reservation behind.
             self._wait(a, W_DISPATCH_FULL, -1, -1, -1)
             return R_STOP_TICK
-        return R_SKIP_ACTION
-
-    cdef int _try_place(self, i32 q, i32 a, i64 now, u64* held, u64* avail,
-                        i64* actions_left, i64* runs_left) noexcept nogil:
-        cdef i32 e = self.a_env[a]
-        cdef i32 ec
-        cdef u64 fit, open_, bit
-        cdef int c, dim, cap_dim, res
-        cdef u64 mine, cands
-        cdef bint bq = False
-        cdef i32 h
-        cdef const i64* demand = &self.a_demand[a, 0]
-
-        res = self._count_checks(a, runs_left[0])
-        if res != R_SKIP_ACTION:
-            return res
 
         # Fast lane: a warm pool of its environment already runs; its footprint is charged.
         if e >= 0 and self.e_cluster[e] >= 0:
@@ -1716,9 +1630,6 @@ cdef class TickKernel:
                 code = W_RUN_ACTIONS
             elif self._tenant_capped(u) != W_NONE:
                 code = self._tenant_capped(u)
-            elif self.a_env[a] >= 0 and self.e_cluster[self.a_env[a]] >= 0:
-                c = self.e_cluster[self.a_env[a]]
-                code = self._pool_code(a, c)
             else:
                 self._queue_budget(q)
                 dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
@@ -2045,12 +1956,6 @@ cdef class TickKernel:
         cdef u64 fit = self.a_fit[a] & self.q_clusters[self.a_queue[a]] & self.s_prev_avail
         cdef u64 held = fit & self.s_prev_held
         cdef int c
-        cdef i32 e = self.a_env[a]
-        if e >= 0 and self.e_cluster[e] >= 0:
-            # Its pool ran then (a pool starts only in a tick): the fast lane's reason.
-            if not (self.q_clusters[self.a_queue[a]] >> self.e_cluster[e]) & 1:
-                return W_POOL_ELSEWHERE
-            return W_POOL_BUSY if (self.s_prev_avail >> self.e_cluster[e]) & 1 else W_NO_WORKER
         if fit == 0:
             return W_NO_WORKER
         while held != 0:
@@ -2059,19 +1964,6 @@ cdef class TickKernel:
             if covers(&self.a_demand[a, 0], &self.s_prev_cfree[c, 0], self.n_res):
                 return W_HEAD_OF_LINE
         return W_CLUSTER_CAPACITY
-
-    cdef u8 _pool_code(self, i32 a, int ec) noexcept nogil:
-        # resolve_wait for queued ``a`` whose warm pool runs on cluster ``ec``: why the fast
-        # lane did not take it in the last tick (as _try_place stamps it). Pools only fill
-        # within a tick, so one busy now was busy then; one with a slot free now, on a
-        # cluster that had a free worker then, can only have been busy then (the tick would
-        # have placed it otherwise).
-        cdef i32 e = self.a_env[a]
-        if not (self.q_clusters[self.a_queue[a]] >> ec) & 1:
-            return W_POOL_ELSEWHERE
-        if <i64>(self.e_adm[e] - self.e_rel[e]) >= self.e_slots[e]:
-            return W_POOL_BUSY
-        return W_POOL_BUSY if (self.s_avail >> ec) & 1 else W_NO_WORKER
 
     cdef void _push_dispatch(self, u8 kind, i32 row, i64 gen, int c, i32 w) noexcept nogil:
         cdef i64 slot = self.d_tail % self.d_action.shape[0]
