@@ -4,6 +4,7 @@
 A restart is simulated by opening a second Engine on the same backing (MemoryStore) or the
 same directory (LmdbStore) after the first stopped."""
 
+import copy
 import os
 import random
 import subprocess
@@ -585,3 +586,34 @@ class _Wall:
 
     def time_ns(self):
         return self.now
+
+
+def test_runtime_samples_reach_the_store_within_a_second_not_with_each_turn():
+    """A success's runtime sample waits for the flush a second after it (HISTORY_FLUSH_NS),
+    even when later turns write partition 0; the flush then writes the key once with every
+    sample since (docs/architecture.md, "Runtime history")."""
+    eng, clock = open_engine(MemoryStore(4))
+    eng.enqueue_many([spec(0, tenant="acme")])
+    key = eng.history_key(spec(0, tenant="acme"))
+
+    def stored_count():
+        store = MemoryStore(eng.store.partitions, backing=copy.deepcopy(eng.store.backing))
+        copy_ = Engine(parse_config(CONFIG), clock=clock, store=store)
+        try:
+            return copy_.history.count(key)
+        finally:
+            copy_.close()
+
+    [asg] = eng.tick()
+    eng.mark_running(asg.action, asg.generation)
+    clock.advance(5)
+    eng.complete(asg.action, asg.generation)
+    assert eng.history.count(key) == 1 and stored_count() == 0
+    # Turns that write every partition, within the second: the sample still waits.
+    clock.advance(0.5)
+    eng.enqueue_many([spec(i, tenant=t) for i, t in enumerate(("acme", "globex", "initech"), 1)])
+    eng.tick()
+    assert stored_count() == 0
+    clock.advance(0.6)
+    eng.tick()                      # the first turn past the second flushes it
+    assert stored_count() == 1
