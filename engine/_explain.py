@@ -28,6 +28,7 @@ from engine._units import format_quantity
 
 __all__ = ["ExplainMixin"]
 
+_CUT_SHORT = np.array([WaitCode.CANDIDATE_LIMIT, WaitCode.DISPATCH_FULL], np.int64)
 _RESOURCE_WAIT_CODES = np.array(sorted(int(c) for c in RESOURCE_WAITS), np.int64)
 
 
@@ -410,6 +411,16 @@ class ExplainMixin:
                 "projection": self._queue_projection(q),      # ETA projection (issue 14)
             }
         return out[name] if name is not None else out
+
+    def cut_short(self):
+        """How many actions the deepest queue holds whose scan the last tick stopped before
+        the end of its work (at its candidate budget, ``engine.max_candidates``, or with the
+        dispatch channel full); 0 when no queue was cut short. Work it did not reach may fit
+        now: a caller that ticks on events (the shard loop, the simulator) ticks again at
+        once rather than waiting for the next event (docs/shard.md, "Ticks")."""
+        st = self._state
+        cut = np.isin(st.q_stop_code, _CUT_SHORT)
+        return int(st.q_pending[cut].max()) if cut.any() else 0
 
     def cluster_in_flight(self, cluster):
         """In-flight resources charged to ``cluster`` as ``{resource: amount}``."""

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from engine._clock import ManualClock
-from engine._codes import WaitCode
 from engine._config import GREEDY_CAPACITY, STRICT_FIFO
 from engine._engine import Engine
 from engine._errors import ResourceExhausted, SpecError
@@ -367,7 +366,7 @@ def simulate(config, jobs, policy, *, resource=None, series=False, skip_unfit=Fa
             # Nothing placed: tick again only if a queue stopped at its candidate budget
             # (work it did not reach may fit), until its rotation has come round.
             idle += 1
-            if idle > -(-_cut_short(eng) // per_tick):
+            if idle > -(-eng.cut_short() // per_tick):
                 break
         if freed or admitted:      # else nothing that pends can fit now either
             for placer in placers.values():
@@ -416,15 +415,6 @@ def _eta_figures(out, eta_ns, start_ns, submit_ns):
             out.eta_abs_error_waiting_p50_s = float(np.percentile(werr, 50))
             out.eta_abs_error_waiting_p90_s = float(np.percentile(werr, 90))
         out.eta_early_share = float(np.mean(err < -1.0))
-
-
-def _cut_short(eng):
-    """How many actions the deepest queue that stopped its last tick at the candidate budget
-    (``engine.max_candidates``) holds; 0 when no queue did. Read from the queues' stop codes
-    and depths through the engine's inspection view (docs/architecture.md, "Wait reasons")."""
-    arrays = eng.inspect().arrays
-    cut = arrays.q_stop_code == WaitCode.CANDIDATE_LIMIT
-    return int(arrays.q_pending[cut].max()) if cut.any() else 0
 
 
 def _pending_figures(out, clusters, assign_ns, start_ns, pending, use, submit_ns, capacity):

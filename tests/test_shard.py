@@ -5,6 +5,7 @@ socket, thread and store is closed in teardown."""
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -291,6 +292,25 @@ def test_a_watch_that_reconnects_mid_run_misses_nothing(insecure):
     for e in seen:
         per.setdefault(e.action, []).append(e.phase)
     assert all(per[a] == ["QUEUED", "INITIALIZING", "SUCCEEDED"] for a in ids)
+
+
+def test_a_tick_cut_short_by_its_candidate_budget_is_followed_at_once_by_another(tmp_path):
+    """A fan-out deeper than ``engine.max_candidates`` is leased out over several ticks in a
+    row, not one tick per event or backstop (a minute here: nothing else would come)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0, max_candidates=16),
+                store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker(slots=1000)
+        assert c.enqueue_fanout(spec("x"), [f"a{i}" for i in range(50)]) == 50
+        leases = []
+        deadline = time.monotonic() + 5.0
+        while len(leases) < 50 and time.monotonic() < deadline:
+            leases += w.leases(timeout=0.5, want=50 - len(leases))
+        assert sorted(x.action for x in leases) == sorted(f"{RUN}/a{i}" for i in range(50))
+    finally:
+        h.close()
 
 
 def test_a_resume_from_a_seq_no_longer_kept_is_refused(tmp_path):

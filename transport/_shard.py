@@ -308,6 +308,12 @@ class _Loop:
         self.leases = {}            # lease id (token word 0) -> (run, action) of watched runs
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
+        # A tick that stopped a queue short of its work (candidate budget, full dispatch
+        # channel) is followed at once by another, not by the next event or the backstop;
+        # ticks that place nothing stop once the deepest such queue has come round.
+        self.retick = False
+        self.idle_reticks = 0
+        self.per_tick = max(1, cfg.engine.max_candidates - 1)
         self.reg = dict(heartbeat_interval=float(cfg.engine.heartbeat_interval),
                         lease_ttl=cfg.engine.lease_ttl_ns / 1e9,
                         max_tokens=cfg.transport.max_tokens)
@@ -330,7 +336,8 @@ class _Loop:
         poller.register(committer.fd, zmq.POLLIN)
         try:
             while not stop.is_set():
-                wait = max(0.0, min(self.next_backstop - time.monotonic(), 0.1))
+                wait = 0.0 if self.retick else \
+                    max(0.0, min(self.next_backstop - time.monotonic(), 0.1))
                 poller.poll(int(wait * 1000) + (0 if wait == 0 else 1))
                 self.settle_done()
                 msgs = []
@@ -342,7 +349,7 @@ class _Loop:
                     except zmq.Again:
                         break
                 backstop = time.monotonic() >= self.next_backstop
-                if msgs or backstop:
+                if msgs or backstop or self.retick:
                     self.room()
                     try:
                         self.turn(msgs, backstop)
@@ -458,7 +465,8 @@ class _Loop:
         # The handlers collect into the turn's outbox (sent after its commit).
         self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
             box.records
-        self.want_tick = backstop
+        self.want_tick = backstop or self.retick
+        self.retick = False
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
         try:
@@ -470,9 +478,10 @@ class _Loop:
                     self.handle(frames)
                 if self.want_tick:
                     t0 = time.perf_counter_ns()
-                    eng.schedule()
+                    placed = eng.schedule()
                     self.shard._status.record_tick(time.perf_counter_ns() - t0)
                     self.shard._count("ticks")
+                    self.cut_short(placed)
                 box.batch = eng.drain_columns()
                 if len(box.batch):
                     self.push_leases(box.batch)
@@ -505,6 +514,21 @@ class _Loop:
             self.conclude(box, eng.commit, group)
             return
         self.inflight.append(self.committer.submit(group, box))
+
+    def cut_short(self, placed):
+        """After a tick: tick again at once when it stopped a queue short of its work
+        (``Engine.cut_short``), while ticks place something, and after one that placed
+        nothing until the deepest such queue has been examined all the way round (its
+        depth / (``max_candidates`` - 1) ticks), as the simulator does."""
+        depth = self.eng.cut_short()
+        if not depth:
+            self.idle_reticks = 0
+        elif placed:
+            self.idle_reticks = 0
+            self.retick = True
+        else:
+            self.idle_reticks += 1
+            self.retick = self.idle_reticks <= -(-depth // self.per_tick)
 
     def flush(self, box):
         """Send what one committed turn decided, in order: answers, stops, leases, events."""
