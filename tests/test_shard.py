@@ -294,6 +294,50 @@ def test_a_watch_that_reconnects_mid_run_misses_nothing(insecure):
     assert all(per[a] == ["QUEUED", "INITIALIZING", "SUCCEEDED"] for a in ids)
 
 
+def test_every_completion_of_a_fanout_with_more_leases_out_than_100k_reaches_the_watch(
+        tmp_path):
+    """The shard maps the leases of watched runs to their actions so that a report names
+    its action; that map once dropped its oldest entries past 100,000, and the completions
+    of those leases were never recorded: a watcher (and ``Client.wait``) waited for events
+    of actions that had long succeeded. 120,000 leases out at once, then every SUCCEEDED."""
+    n = 120_000
+    cfg = parse_config({
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 1_000_000}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 200_000}},
+        "engine": {"default_queue": "q", "heartbeat_interval": 600.0},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"]},
+        "security": {"insecure": True},
+    })
+    h = Harness(cfg, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 60.0
+        w = h.worker(slots=n)
+        c.subscribe(RUN)
+        names = [f"a{i}" for i in range(n)]
+        for lo in range(0, n, 60_000):
+            assert c.enqueue_fanout(spec("x"), names[lo:lo + 60_000]) == 60_000
+        leases = []
+        while len(leases) < n:
+            got = w.leases(timeout=30, want=n - len(leases))
+            assert got, f"{len(leases)} of {n} leases arrived"
+            leases += got
+        tokens = [x.token for x in leases]
+        for lo in range(0, n, 10_000):
+            assert w.report(tokens[lo:lo + 10_000], Phase.SUCCEEDED, timeout=30) == []
+        done = set()
+        while len(done) < n:
+            e = c.next_event(timeout=30, runs=(RUN,))
+            if e.phase == "SUCCEEDED":
+                done.add(e.action)
+        assert done == {f"{RUN}/{x}" for x in names}
+    finally:
+        h.close()
+
+
 def test_a_tick_cut_short_by_its_candidate_budget_is_followed_at_once_by_another(tmp_path):
     """A fan-out deeper than ``engine.max_candidates`` is leased out over several ticks in a
     row, not one tick per event or backstop (a minute here: nothing else would come)."""

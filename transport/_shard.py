@@ -69,7 +69,6 @@ log = logging.getLogger("leasehold.shard")
 BATCH = 512
 _POLLIN = int(zmq.POLLIN)
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
-_MAX_LEASES = 100_000       # leases of watched runs mapped to their action (for reports)
 
 _CODE_OF = {  # engine error class name -> wire code, for errors without a ``code``
     "SpecError": "INVALID_ARGUMENT", "ConfigError": "INVALID_CONFIG",
@@ -305,7 +304,13 @@ class _Loop:
         # Spec maps as enqueued (by spec id), so a LEASES push need not rebuild them from the
         # compiled spec; bounded, oldest dropped (then the map is rebuilt).
         self.wire_specs = {}
-        self.leases = {}            # lease id (token word 0) -> (run, action) of watched runs
+        # Run leases of watched runs: lease id (token word 0: the action's row) ->
+        # (generation, run, action), so a report names its action without asking the engine.
+        # Not capped: one entry a row at most (a new lease of the row replaces it), so the
+        # map is bounded by the action table, which is bounded by live work. (A cap that
+        # dropped the oldest entries lost the completions of a fan-out with more leases out
+        # than it held: a watcher waited for events that were never recorded.)
+        self.leases = {}
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
         # A tick that stopped a queue short of its work (candidate budget, full dispatch
@@ -843,22 +848,26 @@ class _Loop:
         if self.leases:
             bad = {r.token for r in refused}
             words = msg.tokens[:, 0].tolist()
+            gens = msg.tokens[:, 1].tolist()
             by_run = {}
             for i, w in enumerate(words):
                 hit = self.leases.get(w)
-                if hit is None or (bad and msg.tokens[i].astype("<u8").tobytes() in bad):
+                # The entry is this lease's only if the generations agree (a stale token of
+                # the row, or an entry left by a lease that expired unreported, is not).
+                if (hit is None or hit[0] != gens[i]
+                        or (bad and msg.tokens[i].astype("<u8").tobytes() in bad)):
                     continue
                 ph = phases[i]
                 if ph in _AS_REPORTED:
                     # An accepted report of these is the phase the action is now in: no
                     # need to ask the engine (which would give a lean row its record).
-                    run, aid = hit
+                    _gen, run, aid = hit
                     changes = by_run.get(run)
                     if changes is None:
                         changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
                     changes.add(aid, ph, self.attempt_of(run, aid))
                 else:
-                    self.check.add(hit)     # a failure may be a retry: ask after the turn
+                    self.check.add(hit[1:])     # a failure may be a retry: ask after the turn
                 if ph in TERMINAL_PHASES:
                     del self.leases[w]
             self.records.extend(by_run.values())
@@ -900,10 +909,10 @@ class _Loop:
             runs = np.flatnonzero(batch.kind == 0)
             watched = {}            # group id -> (run key, names), None for an unwatched run
             by_run = {}
-            for i, gid, k, word, attempt in zip(
+            for i, gid, k, word, gen, attempt in zip(
                     runs.tolist(), batch.group[runs].tolist(), batch.index[runs].tolist(),
-                    batch.tokens[runs, 0].tolist(), batch.attempt[runs].tolist(),
-                    strict=True):
+                    batch.tokens[runs, 0].tolist(), batch.tokens[runs, 1].tolist(),
+                    batch.attempt[runs].tolist(), strict=True):
                 hit = watched.get(gid, False)
                 if hit is False:
                     g = batch.group_of(i)
@@ -913,11 +922,7 @@ class _Loop:
                     continue
                 run, names = hit
                 aid = f"{run}/{names[k]}"
-                if len(self.leases) >= _MAX_LEASES:
-                    # Expired leases are never reported: drop the oldest (a report on it is
-                    # then re-read at the backstop instead).
-                    self.leases.pop(next(iter(self.leases)))
-                self.leases[word] = (run, aid)
+                self.leases[word] = (gen, run, aid)
                 self.attempts[aid] = attempt
                 changes = by_run.get(run)
                 if changes is None:
