@@ -357,6 +357,25 @@ def test_a_tick_cut_short_by_its_candidate_budget_is_followed_at_once_by_another
         h.close()
 
 
+def test_a_resume_starts_after_the_last_event_seen_not_after_the_last_answer(insecure):
+    """A WATCH answered while its replay still waits unread in the socket, then the
+    connection goes (a reconnect): the watch resumes from the last event seen, so that
+    replay comes again, instead of from the answer's latest seq, which skipped it."""
+    c = insecure.client()
+    w = insecure.worker()
+    c.subscribe(RUN)
+    ids = c.enqueue_many([spec(f"a{i}") for i in range(4)])
+    w.leases(timeout=5, want=4)
+    seen = [c.next_event(timeout=5) for _ in range(8)]      # QUEUED, INITIALIZING each
+    late = insecure.client()
+    late.subscribe(RUN, seen[0].seq)    # answered; its replay of 7 waits in the socket
+    late.reconnect()                    # and goes with that socket
+    got = [late.next_event(timeout=5, refresh=0.5) for _ in range(7)]
+    assert [(e.seq, e.action, e.phase) for e in got] == \
+        [(e.seq, e.action, e.phase) for e in seen[1:]]
+    assert {e.action for e in got} == set(ids)
+
+
 def test_a_resume_from_a_seq_no_longer_kept_is_refused(tmp_path):
     h = Harness(base_config(tmp_path), store=MemoryStore())
     h.start()

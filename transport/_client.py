@@ -136,7 +136,6 @@ class Client:
         self._events = collections.deque()      # EVENTs received, not yet consumed
         self._watching = {}                     # run -> last seq seen (0: none)
         self._resync = set()                    # runs whose event stream had a gap
-        self._floor = {}                        # run -> latest seq at its last WATCH
 
     # ------------------------------------------------------------------ routing
 
@@ -352,18 +351,22 @@ class Client:
         self._events = collections.deque(e for e in self._events if e.run != run)
 
     def _resume(self, run):
-        # From the last seq seen, or the latest the shard had when we subscribed if no
-        # event came since: a shard that restarted meanwhile then refuses (WatchLost)
-        # instead of silently starting a new log past what we missed.
-        return self._subscribe(run, max(self._watching[run], self._floor.get(run, 0)))
+        # From the last seq accounted for: the last event taken, or the seq just before the
+        # first one a WATCH said it would replay. Never from an answer's latest seq: events
+        # up to it may still have been on their way (a reconnect drops them).
+        return self._subscribe(run, self._watching[run])
 
     def _subscribe(self, run, since):
         link = self._link_of(run)
         try:
-            latest = self._call(link, p.Watch(rid=next(self._rids), run=run, since=since),
-                                f"WATCH {run}")["seq"]
-            self._floor[run] = latest
-            return latest
+            body = self._call(link, p.Watch(rid=next(self._rids), run=run, since=since),
+                              f"WATCH {run}")
+            # What comes next is the replay's first seq (a seq is never 0 once known, so a
+            # gap before the first event is seen too, and a shard that restarted since
+            # refuses a resume from it: WatchLost).
+            if run in self._watching:
+                self._watching[run] = max(self._watching[run], body["first"] - 1)
+            return body["seq"]
         except ShardError as exc:
             if exc.code == "NOT_FOUND":
                 raise WatchLost(link.label, f"WATCH {run}", exc.code,
@@ -447,7 +450,7 @@ class Client:
                     # Fell behind the ring: watch from now on, and read what changed
                     # meanwhile (nothing is missed: status first, then new events).
                     for r in runs:
-                        self._watching[r] = self._floor[r] = 0
+                        self._watching[r] = 0
                         self._watching[r] = self._subscribe(r, 0)
                     self._resync.difference_update(runs)
                     self._events = collections.deque(
@@ -564,11 +567,13 @@ class Client:
         last = self._watching.get(run)
         if last is None or n == 0 or seq + n - 1 <= last:
             return None
-        if last and seq > last + 1:
+        if last == 0 or seq > last + 1:
+            # A gap, or pushed before the WATCH answer said where the replay starts (a
+            # turn committed just before it): resumed from the last seq accounted for.
             self._resync.add(run)
             return None
         self._watching[run] = seq + n - 1
-        return last + 1 - seq if last and seq <= last else 0
+        return last + 1 - seq if seq <= last else 0
 
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""

@@ -231,7 +231,8 @@ class QueueUpdate(Message):
 class Watch(Message):
     """Stream the state changes of ``run`` (``tenant/project/domain/run``) as EVENTs with
     sequence numbers greater than ``since`` (a reconnecting watcher passes the last it saw).
-    REPLY body: ``{"seq": the run's latest sequence number}``; EVENTs follow."""
+    REPLY body: ``{"seq": the run's latest sequence number, "first": the seq the replay
+    starts at (seq + 1 when nothing is replayed)}``; EVENTs follow."""
 
     rid: int
     run: str

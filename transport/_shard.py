@@ -779,7 +779,9 @@ class _Loop:
             # every log afresh) were not recorded: have the re-check follow what is live.
             for a in self.eng.live_actions(msg.run, self.watch.max_live):
                 self.watch.track(msg.run, a, self.eng.phase(a))
-        self.reply(conn, msg.rid, {"seq": latest})
+        # "first": the seq the replay starts at (latest + 1 when it is empty), so a watcher
+        # from since=0 knows which seq comes next and sees a gap even before its first event.
+        self.reply(conn, msg.rid, {"seq": latest, "first": events[0][0] if events else latest + 1})
         for batch in self._batches(msg.run, events):    # the replay, after the reply
             self.out.append((conn, batch, False))
 
