@@ -714,3 +714,48 @@ def test_a_worker_receives_leases_of_its_own_cluster_only(tmp_path, keys):
         assert east.leases(timeout=0.3) == []
     finally:
         h.close()
+
+
+class SlowStore(MemoryStore):
+    """A memory store whose commits take ``delay`` seconds (turns pile up in the pipeline)."""
+
+    delay = 0.3
+
+    def commit(self, batch):
+        time.sleep(self.delay)
+        return super().commit(batch)
+
+
+def test_a_watch_from_zero_keeps_events_pushed_before_its_answer(tmp_path):
+    """With turns in commit while a WATCH from since=0 is decided, the events of the turn
+    committed just before it reach the new watcher ahead of the answer and of the replay;
+    they are kept and delivered after the replay, in order, not dropped and fetched again
+    (which a small ring can no longer serve: WatchLost)."""
+    cfg = parse_config({
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 64}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY"}},
+        "engine": {"default_queue": "q"},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "idle_commit_inline": False},
+        "security": {"insecure": True},
+    })
+    h = Harness(cfg, store=SlowStore())
+    h.shard = Shard(h.config, store=h.store, watch_ring=8).start()
+    h.endpoint = h.shard.endpoint
+    try:
+        a = h.client()
+        b = h.client()
+        a.subscribe(RUN)                # the run has a log
+        t = threading.Thread(target=a.enqueue_fanout,
+                             args=(spec("x"), [f"a{i}" for i in range(50)]))
+        t.start()
+        time.sleep(0.1)
+        b.subscribe(RUN)
+        t.join(10)
+        got = [b.next_event(timeout=5, refresh=0.5) for _ in range(8)]
+        seqs = [e.seq for e in got]
+        assert seqs == list(range(seqs[0], seqs[0] + 8))
+        assert all(e.phase == "QUEUED" for e in got)
+    finally:
+        h.close()

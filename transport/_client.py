@@ -136,6 +136,11 @@ class Client:
         self._events = collections.deque()      # EVENTs received, not yet consumed
         self._watching = {}                     # run -> last seq seen (0: none)
         self._resync = set()                    # runs whose event stream had a gap
+        # Events pushed before a WATCH from since=0 was answered (a turn committed just
+        # before it: they come after the replay the answer announces), held until that
+        # replay has been taken: run -> events, and run -> the answer's latest seq.
+        self._early = {}
+        self._replay_end = {}
 
     # ------------------------------------------------------------------ routing
 
@@ -344,6 +349,8 @@ class Client:
 
     def unsubscribe(self, run):
         """Stop receiving EVENTs of ``run`` (best effort)."""
+        self._early.pop(run, None)
+        self._replay_end.pop(run, None)
         if self._watching.pop(run, None) is not None:
             link = self._link_of(run)
             if link.sock is not None:
@@ -354,6 +361,8 @@ class Client:
         # From the last seq accounted for: the last event taken, or the seq just before the
         # first one a WATCH said it would replay. Never from an answer's latest seq: events
         # up to it may still have been on their way (a reconnect drops them).
+        self._early.pop(run, None)          # the resume replays them
+        self._replay_end.pop(run, None)
         return self._subscribe(run, self._watching[run])
 
     def _subscribe(self, run, since):
@@ -366,6 +375,9 @@ class Client:
             # refuses a resume from it: WatchLost).
             if run in self._watching:
                 self._watching[run] = max(self._watching[run], body["first"] - 1)
+                if run in self._early:
+                    self._replay_end[run] = body["seq"]
+                    self._release_early(run)
             return body["seq"]
         except ShardError as exc:
             if exc.code == "NOT_FOUND":
@@ -452,6 +464,7 @@ class Client:
                     for r in runs:
                         self._watching[r] = 0
                         self._watching[r] = self._subscribe(r, 0)
+                        self._release_early(r)
                     self._resync.difference_update(runs)
                     self._events = collections.deque(
                         ev for ev in self._events if ev.run not in runs)
@@ -551,12 +564,28 @@ class Client:
     def _take_events(self, msg):
         """Queue the new events of an EVENTS message (consecutive seqs of one run, from
         ``msg.seq``); returns those queued."""
+        if self._watching.get(msg.run) == 0:
+            self._early.setdefault(msg.run, []).extend(msg.events())
+            return []
         skip = self._new_events(msg.run, msg.seq, len(msg.actions))
         if skip is None:
             return []
         events = msg.events()[skip:]
         self._events.extend(events)
+        if msg.run in self._replay_end:
+            self._release_early(msg.run)
         return events
+
+    def _release_early(self, run):
+        """Queue the events held back by :attr:`_early` once the replay before them has
+        been taken (a gap among them flags a resume, as any gap does)."""
+        end = self._replay_end.get(run)
+        if end is None or self._watching.get(run, 0) < end:
+            return
+        del self._replay_end[run]
+        for e in self._early.pop(run, ()):
+            if self._new_events(run, e.seq, 1) is not None:
+                self._events.append(e)
 
     def _new_events(self, run, seq, n):
         """For ``n`` consecutive events of ``run`` from ``seq``: how many of them were seen
@@ -567,9 +596,7 @@ class Client:
         last = self._watching.get(run)
         if last is None or n == 0 or seq + n - 1 <= last:
             return None
-        if last == 0 or seq > last + 1:
-            # A gap, or pushed before the WATCH answer said where the replay starts (a
-            # turn committed just before it): resumed from the last seq accounted for.
+        if seq > last + 1:
             self._resync.add(run)
             return None
         self._watching[run] = seq + n - 1
@@ -577,9 +604,14 @@ class Client:
 
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""
+        if self._watching.get(e.run) == 0:
+            self._early.setdefault(e.run, []).append(e)
+            return False
         if self._new_events(e.run, e.seq, 1) is None:
             return False
         self._events.append(e)
+        if e.run in self._replay_end:
+            self._release_early(e.run)
         return True
 
 
