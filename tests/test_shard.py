@@ -716,6 +716,54 @@ def test_a_worker_receives_leases_of_its_own_cluster_only(tmp_path, keys):
         h.close()
 
 
+def test_a_turn_whose_commit_failed_is_not_ticked_again_at_once(tmp_path):
+    """A tick that placed work and was cut short asks for another at once; if its commit
+    failed, memory was restored and the next tick would place the same work and fail the
+    same way: no re-tick then, only the next message or the backstop."""
+    store = FlakyStore()
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0, max_candidates=16),
+                store=store)
+    h.start()
+    try:
+        c = h.client()
+        assert c.enqueue_fanout(spec("x"), [f"a{i}" for i in range(50)]) == 50
+        store.failing = True
+        w = h.worker(connect=False)
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            w.connect()                 # the register turn ticks, places 16 and fails
+        before = h.shard.counters["ticks"]
+        time.sleep(1.0)
+        assert h.shard.counters["ticks"] - before < 5
+    finally:
+        h.close()
+
+
+def test_an_event_gives_a_queue_cut_short_its_idle_ticks_again(tmp_path):
+    """Ticks that place nothing stop once a queue cut short has come round; capacity that
+    frees later (a report: an event) starts that rotation again, so work at the far end of
+    the queue is placed then, not at the backstop (a minute away here)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0, max_candidates=4),
+                store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        c.enqueue(spec("hog", run="acme/ml/prod/hog1", resources={"cpu": 63}))
+        c.enqueue(spec("hog", run="acme/ml/prod/hog2", resources={"cpu": 1}))
+        hogs = {x.action: x for x in w.leases(timeout=5, want=2)}
+        assert len(hogs) == 2
+        c.enqueue_many([spec("wide", run=f"acme/ml/prod/s{i}", resources={"cpu": 2})
+                        for i in range(9)] +
+                       [spec("small", run="acme/ml/prod/s9", resources={"cpu": 1})])
+        time.sleep(0.5)                 # every idle re-tick has run by now
+        assert w.leases(timeout=0.2) == []
+        assert w.report([hogs["acme/ml/prod/hog2/hog"].token], Phase.SUCCEEDED) == []
+        got = w.leases(timeout=3, want=1)
+        assert [x.action for x in got] == ["acme/ml/prod/s9/small"]
+    finally:
+        h.close()
+
+
 class SlowStore(MemoryStore):
     """A memory store whose commits take ``delay`` seconds (turns pile up in the pipeline)."""
 
@@ -757,5 +805,32 @@ def test_a_watch_from_zero_keeps_events_pushed_before_its_answer(tmp_path):
         seqs = [e.seq for e in got]
         assert seqs == list(range(seqs[0], seqs[0] + 8))
         assert all(e.phase == "QUEUED" for e in got)
+    finally:
+        h.close()
+
+
+def test_a_lease_of_a_turn_whose_commit_failed_names_no_action_later(tmp_path):
+    """The map from watched leases to their actions takes a turn's entries only once its
+    commit returned: after a failed turn, the next action in the same row (another run's)
+    is not reported to the first run's watcher."""
+    store = FlakyStore()
+    h = Harness(base_config(tmp_path), store=store)
+    h.start()
+    try:
+        c = h.client()
+        watcher = h.client()
+        w = h.worker()
+        watcher.subscribe("acme/ml/prod/watched")
+        store.failing = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            c.enqueue(spec("x", run="acme/ml/prod/watched"))
+        store.failing = False
+        c.enqueue(spec("y", run="acme/ml/prod/other"))
+        (lease,) = w.leases(timeout=5)
+        assert lease.action == "acme/ml/prod/other/y"
+        assert w.report([lease.token], Phase.SUCCEEDED) == []
+        with pytest.raises(ShardTimeout):
+            e = watcher.next_event(timeout=1.0, refresh=0.5)
+            pytest.fail(f"an event of a run nobody enqueued into: {e}")
     finally:
         h.close()

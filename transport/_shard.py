@@ -311,6 +311,7 @@ class _Loop:
         # dropped the oldest entries lost the completions of a fan-out with more leases out
         # than it held: a watcher waited for events that were never recorded.)
         self.leases = {}
+        self.lease_map = []         # this turn's entries for it (joined at its flush)
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
         # A tick that stopped a queue short of its work (candidate budget, full dispatch
@@ -435,6 +436,9 @@ class _Loop:
 
     def unavailable(self, box, why):
         """Answer every request of a turn that will never leave UNAVAILABLE (retry)."""
+        # Memory was restored: what a re-tick would place, it placed in that turn, and the
+        # store just failed it; the next message or the backstop ticks again.
+        self.retick = False
         for rid_conn, msg, is_req in box.out:
             if is_req:
                 rid = getattr(msg, "rid", None)
@@ -470,8 +474,12 @@ class _Loop:
         # The handlers collect into the turn's outbox (sent after its commit).
         self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
             box.records
+        self.lease_map = box.leases
         self.want_tick = backstop or self.retick
-        self.retick = False
+        if msgs or backstop:
+            # Something happened (the simulator's event): a queue cut short gets its full
+            # rotation of idle ticks again.
+            self.idle_reticks = 0
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
         try:
@@ -528,6 +536,7 @@ class _Loop:
         depth = self.eng.cut_short()
         if not depth:
             self.idle_reticks = 0
+            self.retick = False
         elif placed:
             self.idle_reticks = 0
             self.retick = True
@@ -540,6 +549,11 @@ class _Loop:
         started = time.perf_counter_ns()
         for conn, msg, _ in box.out:
             self.send(conn, msg)
+        # Only now, committed, do this turn's watched leases name their actions (a turn
+        # that failed would leave entries naming actions memory no longer holds), and
+        # before the pushes leave: a report can only follow its push.
+        for word, gen, run, aid in box.leases:
+            self.leases[word] = (gen, run, aid)
         # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
@@ -924,7 +938,7 @@ class _Loop:
                     continue
                 run, names = hit
                 aid = f"{run}/{names[k]}"
-                self.leases[word] = (gen, run, aid)
+                self.lease_map.append((word, gen, run, aid))
                 self.attempts[aid] = attempt
                 changes = by_run.get(run)
                 if changes is None:
@@ -1108,13 +1122,14 @@ class _Outbox:
     the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
     (for the status)."""
 
-    __slots__ = ("out", "pushes", "stops", "records", "batch", "now_ns")
+    __slots__ = ("out", "pushes", "stops", "records", "leases", "batch", "now_ns")
 
     def __init__(self):
         self.out = []           # (routing id, message, request?)
         self.pushes = []        # (routing id, frames, leases)
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
+        self.leases = []        # (lease id, generation, run, action) of watched run leases
         self.batch = None
         self.now_ns = 0
 
