@@ -202,6 +202,11 @@ def test_a_warm_pool_behind_a_held_head_still_takes_the_fast_lane():
 # cut short resumes next tick from the lane where it stopped.
 
 
+_RESOLVED = {WaitCode.QUEUE_RUNS, WaitCode.RUN_ACTIONS, WaitCode.TENANT_ACTIONS,
+             WaitCode.TENANT_RUNS, WaitCode.QUEUE_BUDGET, WaitCode.NO_WORKER,
+             WaitCode.HEAD_OF_LINE, WaitCode.CLUSTER_CAPACITY}
+
+
 def _examined_itself(eng, action):
     """Whether ``action`` is not queued, or the last tick stamped it itself or skipped its
     lane: not resolved on demand behind a held queue (QUEUE_HELD)."""
@@ -302,4 +307,9 @@ def test_cutting_held_queues_short_changes_no_decision(seed):
         own = [i for i in ids if _examined_itself(cut, i)]
         assert explanations(cut, own) == explanations(full, own), f"tick {t}"
         checked += len(own)
+        # The rest are resolved on demand: a reason the resolution gives, never the cut
+        # itself, and worded.
+        for _phase, wait, reason in explanations(cut, [i for i in ids if i not in own]):
+            assert wait in _RESOLVED, (wait, reason)
+            assert reason and "QUEUE_HELD" not in reason
     assert checked > 0
