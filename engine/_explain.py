@@ -15,6 +15,7 @@ from engine._codes import (
     WaitCode,
 )
 from engine._errors import NotFound
+from engine._leases import KIND_BIT as _KIND_BIT
 from engine._model import ActionId
 from engine._records import name_hashes
 from engine._rows import (
@@ -411,6 +412,35 @@ class ExplainMixin:
                 "projection": self._queue_projection(q),      # ETA projection (issue 14)
             }
         return out[name] if name is not None else out
+
+    def lease_actions(self, tokens, runs):
+        """For each token of ``tokens`` (an n x 3 uint64 array: lease id, generation, MAC),
+        the id (text) of the action whose run lease it names, when that action belongs to
+        one of the run keys in ``runs`` and the token is of its row's current generation;
+        None otherwise. Not a validation (the MAC is not checked): the shard names the
+        actions of reports the engine has just accepted. Rows and runs are read in numpy
+        passes; an id is made only for a match."""
+        n = tokens.shape[0]
+        out = [None] * n
+        st = self._state
+        if not n or not runs:
+            return out
+        ids = tokens[:, 0]
+        rows = (ids & np.uint64(~_KIND_BIT & (2**64 - 1))).astype(np.int64)
+        ok = (ids & np.uint64(_KIND_BIT)) == 0
+        ok &= rows < self._next_row
+        rows = np.where(ok, rows, 0)
+        ok &= st.a_gen[rows].astype(np.uint64) == tokens[:, 1]
+        ok &= st.a_state[rows] != ST_FREE
+        cand = np.flatnonzero(ok)
+        if not cand.size:
+            return out
+        keys = self._run_keys
+        uniq, inv = np.unique(st.a_run[rows[cand]], return_inverse=True)
+        mine = np.array([keys[u] in runs for u in uniq.tolist()], bool)
+        for i in cand[mine[inv]].tolist():
+            out[i] = str(self._aid(int(rows[i])))
+        return out
 
     def cut_short(self):
         """How many actions the deepest queue holds whose scan the last tick stopped before

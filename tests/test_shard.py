@@ -834,3 +834,27 @@ def test_a_lease_of_a_turn_whose_commit_failed_names_no_action_later(tmp_path):
             pytest.fail(f"an event of a run nobody enqueued into: {e}")
     finally:
         h.close()
+
+
+def test_a_run_watched_after_its_leases_went_out_sees_their_reports_at_once(tmp_path):
+    """``Client.wait`` subscribes after the enqueue, by which time the tick may have pushed
+    the leases: their reports become events in the turn that takes them, not at the next
+    backstop re-check (a minute away here)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        ids = c.enqueue_many([spec(f"a{i}") for i in range(3)])
+        leases = w.leases(timeout=5, want=3)
+        assert len(leases) == 3
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        assert w.report([x.token for x in leases], Phase.SUCCEEDED) == []
+        got = {}
+        while len(got) < 3:
+            e = watcher.next_event(timeout=3, refresh=10)
+            got[e.action] = e.phase
+        assert got == {a: "SUCCEEDED" for a in ids}
+    finally:
+        h.close()

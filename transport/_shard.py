@@ -861,32 +861,47 @@ class _Loop:
         self.shard._status.record_refusals("report", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
-        if self.leases:
-            bad = {r.token for r in refused}
-            words = msg.tokens[:, 0].tolist()
-            gens = msg.tokens[:, 1].tolist()
-            by_run = {}
-            for i, w in enumerate(words):
-                hit = self.leases.get(w)
-                # The entry is this lease's only if the generations agree (a stale token of
-                # the row, or an entry left by a lease that expired unreported, is not).
-                if (hit is None or hit[0] != gens[i]
-                        or (bad and msg.tokens[i].astype("<u8").tobytes() in bad)):
-                    continue
-                ph = phases[i]
-                if ph in _AS_REPORTED:
-                    # An accepted report of these is the phase the action is now in: no
-                    # need to ask the engine (which would give a lean row its record).
-                    _gen, run, aid = hit
-                    changes = by_run.get(run)
-                    if changes is None:
-                        changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
-                    changes.add(aid, ph, self.attempt_of(run, aid))
-                else:
-                    self.check.add(hit[1:])     # a failure may be a retry: ask after the turn
-                if ph in TERMINAL_PHASES:
+        if len(self.watch):
+            self._watched_reports(msg.tokens, phases, refused)
+
+    def _watched_reports(self, tokens, phases, refused):
+        """The watch records of a report message's accepted reports of watched runs: each
+        named by the lease map, or, for a lease it does not hold (pushed before its run
+        was first watched), by the engine (``Engine.lease_actions``)."""
+        bad = {r.token for r in refused}
+        words = tokens[:, 0].tolist()
+        gens = tokens[:, 1].tolist()
+        by_run = {}
+        miss = []
+        named = []
+        for i, w in enumerate(words):
+            hit = self.leases.get(w)
+            # The entry is this lease's only if the generations agree (a stale token of
+            # the row, or an entry left by a lease that expired unreported, is not).
+            if hit is None or hit[0] != gens[i]:
+                miss.append(i)
+            elif not (bad and tokens[i].astype("<u8").tobytes() in bad):
+                named.append((i, hit[1], hit[2]))
+                if phases[i] in TERMINAL_PHASES:
                     del self.leases[w]
-            self.records.extend(by_run.values())
+        if miss:
+            for i, aid in zip(miss, self.eng.lease_actions(tokens[miss], self.watch),
+                              strict=True):
+                if aid is not None and not (bad and tokens[i].astype("<u8").tobytes() in bad):
+                    named.append((i, aid.rsplit("/", 1)[0], aid))
+            named.sort()                    # the message's order
+        for i, run, aid in named:
+            ph = phases[i]
+            if ph in _AS_REPORTED:
+                # An accepted report of these is the phase the action is now in: no need
+                # to ask the engine (which would give a lean row its record).
+                changes = by_run.get(run)
+                if changes is None:
+                    changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
+                changes.add(aid, ph, self.attempt_of(run, aid))
+            else:
+                self.check.add((run, aid))  # a failure may be a retry: ask after the turn
+        self.records.extend(by_run.values())
 
     def on_bye(self, conn, c, peer, msg):
         if msg.drain:
