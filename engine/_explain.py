@@ -19,6 +19,7 @@ from engine._leases import KIND_BIT as _KIND_BIT
 from engine._model import ActionId
 from engine._records import name_hashes
 from engine._rows import (
+    END_LIVE,
     LIVE_STATES,
     ST_BACKOFF,
     ST_DONE,
@@ -415,30 +416,27 @@ class ExplainMixin:
 
     def lease_actions(self, tokens, runs):
         """For each token of ``tokens`` (an n x 3 uint64 array: lease id, generation, MAC),
-        the id (text) of the action whose run lease it names, when that action belongs to
-        one of the run keys in ``runs`` and the token is of its row's current generation;
-        None otherwise. Not a validation (the MAC is not checked): the shard names the
-        actions of reports the engine has just accepted. Rows and runs are read in numpy
-        passes; an id is made only for a match."""
+        the id (text) of the action whose live run lease it names (the row's current
+        generation, not yet ended) when that action belongs to one of the run keys
+        ``runs`` (an iterable); None otherwise. Not a validation (the MAC is not checked):
+        the shard names the actions of a worker's reports before applying them. One numpy
+        pass over the tokens; an id is made only for a match."""
         n = tokens.shape[0]
         out = [None] * n
         st = self._state
-        if not n or not runs:
+        mine = [self._runs[k] for k in runs if k in self._runs]
+        if not n or not mine:
             return out
+        watched = np.zeros(len(self._run_keys), bool)
+        watched[mine] = True
         ids = tokens[:, 0]
         rows = (ids & np.uint64(~_KIND_BIT & (2**64 - 1))).astype(np.int64)
-        ok = (ids & np.uint64(_KIND_BIT)) == 0
-        ok &= rows < self._next_row
+        ok = ((ids & np.uint64(_KIND_BIT)) == 0) & (rows < self._next_row)
         rows = np.where(ok, rows, 0)
         ok &= st.a_gen[rows].astype(np.uint64) == tokens[:, 1]
-        ok &= st.a_state[rows] != ST_FREE
-        cand = np.flatnonzero(ok)
-        if not cand.size:
-            return out
-        keys = self._run_keys
-        uniq, inv = np.unique(st.a_run[rows[cand]], return_inverse=True)
-        mine = np.array([keys[u] in runs for u in uniq.tolist()], bool)
-        for i in cand[mine[inv]].tolist():
+        ok &= (st.a_state[rows] != ST_FREE) & (st.a_end[rows] == END_LIVE)
+        ok &= watched[st.a_run[rows]]
+        for i in np.flatnonzero(ok).tolist():
             out[i] = str(self._aid(int(rows[i])))
         return out
 

@@ -428,3 +428,39 @@ def test_a_drained_worker_keeps_its_session_and_gets_nothing_new_even_after_a_he
     assert [x for x in eng.tick() if x.kind == LeaseKind.RUN] == []
     eng.register_worker("A", "east", 10)             # a new session ends the drain
     assert {x.action.action for x in eng.tick() if x.kind == LeaseKind.RUN} >= {"b"}
+
+
+def _lease_cfg():
+    return {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
+            "queues": {"q": {}}, "engine": {"default_queue": "q"}}
+
+
+def test_lease_actions_names_live_run_leases_of_the_given_runs_only():
+    eng, _ = make_engine(_lease_cfg())
+    eng.enqueue(ActionSpec(id="acme/p/d/r1/a", task="t", resources={"cpu": 1}))
+    eng.enqueue(ActionSpec(id="acme/p/d/r2/b", task="t", resources={"cpu": 1}))
+    a, b = sorted(eng.tick(), key=lambda x: str(x.action))
+    toks = np.frombuffer(a.token + b.token, dtype="<u8").reshape(2, 3)
+    assert eng.lease_actions(toks, ["acme/p/d/r1", "acme/p/d/r2"]) == \
+        ["acme/p/d/r1/a", "acme/p/d/r2/b"]
+    assert eng.lease_actions(toks, ["acme/p/d/r2", "acme/p/d/nope"]) == [None, "acme/p/d/r2/b"]
+    assert eng.lease_actions(toks, []) == [None, None]
+    odd = toks.copy()
+    odd[0, 1] += 1                              # another generation of the row
+    odd[1, 0] |= np.uint64(1 << 63)             # a finalize lease id
+    assert eng.lease_actions(odd, ["acme/p/d/r1", "acme/p/d/r2"]) == [None, None]
+    far = toks[:1].copy()
+    far[0, 0] = np.uint64(10**9)                # a row past the table
+    assert eng.lease_actions(far, ["acme/p/d/r1"]) == [None]
+
+
+def test_lease_actions_names_no_action_for_a_token_of_an_ended_or_reclaimed_lease():
+    eng, _ = make_engine(_lease_cfg())
+    eng.enqueue(ActionSpec(id="acme/p/d/r1/a", task="t", resources={"cpu": 1}))
+    [a] = eng.tick()
+    tok = np.frombuffer(a.token, dtype="<u8").reshape(1, 3)
+    eng.report(a.token, Phase.SUCCEEDED)
+    assert eng.lease_actions(tok, ["acme/p/d/r1"]) == [None]     # ended
+    assert eng.reclaim() == 1
+    eng.enqueue(ActionSpec(id="acme/p/d/r2/b", task="t", resources={"cpu": 1}))
+    assert eng.lease_actions(tok, ["acme/p/d/r1", "acme/p/d/r2"]) == [None]

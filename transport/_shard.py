@@ -476,10 +476,6 @@ class _Loop:
             box.records
         self.lease_map = box.leases
         self.want_tick = backstop or self.retick
-        if msgs or backstop:
-            # Something happened (the simulator's event): a queue cut short gets its full
-            # rotation of idle ticks again.
-            self.idle_reticks = 0
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
         try:
@@ -532,7 +528,11 @@ class _Loop:
         """After a tick: tick again at once when it stopped a queue short of its work
         (``Engine.cut_short``), while ticks place something, and after one that placed
         nothing until the deepest such queue has been examined all the way round (its
-        depth / (``max_candidates`` - 1) ticks), as the simulator does."""
+        depth / (``max_candidates`` - 1) ticks). Unlike the simulator, a message does not
+        start another idle rotation: on a deep queue where nothing fits, with a small
+        ``max_candidates``, a rotation a heartbeat kept the loop ticking thousands of times
+        a second. Only a tick that places something, or one that cuts nothing short, ends
+        the count; later ticks each examine the next ``max_candidates`` of the queue."""
         depth = self.eng.cut_short()
         if not depth:
             self.idle_reticks = 0
@@ -856,41 +856,50 @@ class _Loop:
         # One phase for the whole batch (a worker's successes): given once, so the engine
         # checks it once instead of per report.
         same = not kw and n and codes.count(codes[0]) == n
+        names = self._lease_names(msg.tokens) if len(self.watch) else None
         refused = self.eng.report_many(msg.tokens, phases[0] if same else phases,
                                        worker=worker, **kw)
         self.shard._status.record_refusals("report", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
-        if len(self.watch):
-            self._watched_reports(msg.tokens, phases, refused)
+        if names is not None:
+            self._watched_reports(msg.tokens, names, phases, refused)
 
-    def _watched_reports(self, tokens, phases, refused):
-        """The watch records of a report message's accepted reports of watched runs: each
-        named by the lease map, or, for a lease it does not hold (pushed before its run
-        was first watched), by the engine (``Engine.lease_actions``)."""
-        bad = {r.token for r in refused}
+    def _lease_names(self, tokens):
+        """``(run, action)`` of each token's lease where its run is watched (None elsewhere),
+        read before the reports are applied (the engine names only live leases): from the
+        lease map, else, for a lease it does not hold (pushed before its run was first
+        watched: ``Client.wait`` subscribes after its enqueue), from the engine
+        (``Engine.lease_actions``)."""
         words = tokens[:, 0].tolist()
         gens = tokens[:, 1].tolist()
-        by_run = {}
+        names = [None] * len(words)
         miss = []
-        named = []
         for i, w in enumerate(words):
             hit = self.leases.get(w)
             # The entry is this lease's only if the generations agree (a stale token of
             # the row, or an entry left by a lease that expired unreported, is not).
-            if hit is None or hit[0] != gens[i]:
+            if hit is not None and hit[0] == gens[i]:
+                names[i] = (hit[1], hit[2])
+            else:
                 miss.append(i)
-            elif not (bad and tokens[i].astype("<u8").tobytes() in bad):
-                named.append((i, hit[1], hit[2]))
-                if phases[i] in TERMINAL_PHASES:
-                    del self.leases[w]
-        if miss:
-            for i, aid in zip(miss, self.eng.lease_actions(tokens[miss], self.watch),
+        watched = self.watch.watched() if miss else ()
+        if watched:
+            for i, aid in zip(miss, self.eng.lease_actions(tokens[miss], watched),
                               strict=True):
-                if aid is not None and not (bad and tokens[i].astype("<u8").tobytes() in bad):
-                    named.append((i, aid.rsplit("/", 1)[0], aid))
-            named.sort()                    # the message's order
-        for i, run, aid in named:
+                if aid is not None:
+                    names[i] = (aid.rsplit("/", 1)[0], aid)
+        return names
+
+    def _watched_reports(self, tokens, names, phases, refused):
+        """The watch records of a report message's accepted reports of watched runs
+        (``names`` from :meth:`_lease_names`), in the message's order."""
+        bad = {r.token for r in refused}
+        by_run = {}
+        for i, name in enumerate(names):
+            if name is None or (bad and tokens[i].astype("<u8").tobytes() in bad):
+                continue
+            run, aid = name
             ph = phases[i]
             if ph in _AS_REPORTED:
                 # An accepted report of these is the phase the action is now in: no need
@@ -901,6 +910,8 @@ class _Loop:
                 changes.add(aid, ph, self.attempt_of(run, aid))
             else:
                 self.check.add((run, aid))  # a failure may be a retry: ask after the turn
+            if ph in TERMINAL_PHASES:
+                self.leases.pop(int(tokens[i, 0]), None)
         self.records.extend(by_run.values())
 
     def on_bye(self, conn, c, peer, msg):

@@ -81,6 +81,10 @@ class WatchLog:
     def __len__(self):
         return len(self._runs)
 
+    def watched(self):
+        """The runs someone watches now (a log outlives its watchers)."""
+        return [run for run, r in self._runs.items() if r.watchers]
+
     def watch(self, run, conn, since):
         """Subscribe ``conn`` to ``run``; returns ``(latest seq, events after since)``.
         Raises :class:`WatchGap` when events after ``since`` were dropped or belong to an
