@@ -738,11 +738,10 @@ def test_a_turn_whose_commit_failed_is_not_ticked_again_at_once(tmp_path):
         h.close()
 
 
-def test_an_event_gives_a_queue_cut_short_its_idle_ticks_again(tmp_path):
-    """Ticks that place nothing stop once a queue cut short has come round; capacity that
-    frees later (a report: an event) starts that rotation again, so work at the far end of
-    the queue is placed then, not at the backstop (a minute away here)."""
-    h = Harness(base_config(tmp_path, heartbeat_interval=240.0, max_candidates=4),
+def test_an_idle_shard_with_a_deep_queue_cut_short_stops_ticking(tmp_path):
+    """A queue cut short where nothing fits gets one rotation of idle re-ticks, not one
+    per message: the worker's heartbeats do not keep the loop ticking."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=1.0, max_candidates=4),
                 store=MemoryStore())
     h.start()
     try:
@@ -750,16 +749,15 @@ def test_an_event_gives_a_queue_cut_short_its_idle_ticks_again(tmp_path):
         w = h.worker()
         c.enqueue(spec("hog", run="acme/ml/prod/hog1", resources={"cpu": 63}))
         c.enqueue(spec("hog", run="acme/ml/prod/hog2", resources={"cpu": 1}))
-        hogs = {x.action: x for x in w.leases(timeout=5, want=2)}
-        assert len(hogs) == 2
-        c.enqueue_many([spec("wide", run=f"acme/ml/prod/s{i}", resources={"cpu": 2})
-                        for i in range(9)] +
-                       [spec("small", run="acme/ml/prod/s9", resources={"cpu": 1})])
-        time.sleep(0.5)                 # every idle re-tick has run by now
-        assert w.leases(timeout=0.2) == []
-        assert w.report([hogs["acme/ml/prod/hog2/hog"].token], Phase.SUCCEEDED) == []
-        got = w.leases(timeout=3, want=1)
-        assert [x.action for x in got] == ["acme/ml/prod/s9/small"]
+        assert len(w.leases(timeout=5, want=2)) == 2
+        c.enqueue_fanout(spec("wide", run="acme/ml/prod/wide", resources={"cpu": 2}),
+                         [f"a{i}" for i in range(3000)])
+        time.sleep(2.0)
+        before = h.shard.counters["ticks"]
+        for _ in range(4):              # heartbeats carrying free capacity ask for ticks
+            w.heartbeat([], free={"cpu": 0})
+            time.sleep(0.25)
+        assert h.shard.counters["ticks"] - before < 100
     finally:
         h.close()
 
@@ -856,5 +854,47 @@ def test_a_run_watched_after_its_leases_went_out_sees_their_reports_at_once(tmp_
             e = watcher.next_event(timeout=3, refresh=10)
             got[e.action] = e.phase
         assert got == {a: "SUCCEEDED" for a in ids}
+    finally:
+        h.close()
+
+
+def test_events_of_a_watch_whose_answer_never_came_are_fetched_again(tmp_path):
+    """A WATCH from since=0 that timed out (its turn behind a slow commit) leaves the run
+    watched by the shard but not told where its log starts: its events flag a resume (which
+    replays them) instead of being held for an answer that never comes."""
+    store = SlowStore()
+    store.delay = 0.0
+    cfg = parse_config({
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 64}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY"}},
+        "engine": {"default_queue": "q"},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "idle_commit_inline": False},
+        "security": {"insecure": True},
+    })
+    h = Harness(cfg, store=store)
+    h.start()
+    ra, rb = "acme/ml/prod/ra", "acme/ml/prod/rb"
+    try:
+        p = h.client()
+        c = Client(endpoint=h.endpoint, timeout=0.2)
+        h.closing.append(c)
+        c.subscribe(ra)
+        store.delay = 0.8
+        t = threading.Thread(target=p.enqueue, args=(spec("slow", run=ra),))
+        t.start()
+        time.sleep(0.1)
+        with pytest.raises(ShardTimeout):
+            c.subscribe(rb)
+        t.join(5)
+        store.delay = 0.0
+        c.timeout = 5.0
+        p.enqueue(spec("y", run=rb))
+        deadline = time.monotonic() + 4.0
+        seen = []
+        while time.monotonic() < deadline and not any(e.run == rb for e in seen):
+            seen.append(c.next_event(timeout=2.0, refresh=10))
+        assert any(e.run == rb and e.action == f"{rb}/y" for e in seen)
     finally:
         h.close()

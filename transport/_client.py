@@ -141,6 +141,7 @@ class Client:
         # replay has been taken: run -> events, and run -> the answer's latest seq.
         self._early = {}
         self._replay_end = {}
+        self._answering = set()                 # runs whose WATCH answer is awaited now
 
     # ------------------------------------------------------------------ routing
 
@@ -367,6 +368,7 @@ class Client:
 
     def _subscribe(self, run, since):
         link = self._link_of(run)
+        self._answering.add(run)
         try:
             body = self._call(link, p.Watch(rid=next(self._rids), run=run, since=since),
                               f"WATCH {run}")
@@ -384,6 +386,13 @@ class Client:
                 raise WatchLost(link.label, f"WATCH {run}", exc.code,
                                 exc.error_message) from None
             raise
+        finally:
+            self._answering.discard(run)
+            if run in self._early and run not in self._replay_end:
+                # No answer came (timed out, refused): what was held is fetched again by
+                # the resume the next wait for an event makes.
+                del self._early[run]
+                self._resync.add(run)
 
     def _watched_labels(self, runs):
         runs = self._watching if runs is None else runs
@@ -565,7 +574,10 @@ class Client:
         """Queue the new events of an EVENTS message (consecutive seqs of one run, from
         ``msg.seq``); returns those queued."""
         if self._watching.get(msg.run) == 0:
-            self._early.setdefault(msg.run, []).extend(msg.events())
+            if msg.run in self._answering:
+                self._early.setdefault(msg.run, []).extend(msg.events())
+            else:
+                self._resync.add(msg.run)   # where the log starts was never told
             return []
         skip = self._new_events(msg.run, msg.seq, len(msg.actions))
         if skip is None:
@@ -605,7 +617,10 @@ class Client:
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""
         if self._watching.get(e.run) == 0:
-            self._early.setdefault(e.run, []).append(e)
+            if e.run in self._answering:
+                self._early.setdefault(e.run, []).append(e)
+            else:
+                self._resync.add(e.run)     # where the log starts was never told
             return False
         if self._new_events(e.run, e.seq, 1) is None:
             return False
