@@ -30,7 +30,7 @@ from engine._units import format_quantity
 
 __all__ = ["ExplainMixin"]
 
-_CUT_SHORT = np.array([WaitCode.CANDIDATE_LIMIT, WaitCode.DISPATCH_FULL], np.int64)
+_CANDIDATE_LIMIT, _DISPATCH_FULL = int(WaitCode.CANDIDATE_LIMIT), int(WaitCode.DISPATCH_FULL)
 _RESOURCE_WAIT_CODES = np.array(sorted(int(c) for c in RESOURCE_WAITS), np.int64)
 
 
@@ -446,9 +446,10 @@ class ExplainMixin:
         dispatch channel full); 0 when no queue was cut short. Work it did not reach may fit
         now: a caller that ticks on events (the shard loop, the simulator) ticks again at
         once rather than waiting for the next event (docs/shard.md, "Ticks")."""
-        st = self._state
-        cut = np.isin(st.q_stop_code, _CUT_SHORT)
-        return int(st.q_pending[cut].max()) if cut.any() else 0
+        # Two compares, not np.isin (20 us a call here: the shard asks after every tick).
+        codes = self._state.q_stop_code
+        cut = (codes == _CANDIDATE_LIMIT) | (codes == _DISPATCH_FULL)
+        return int(self._state.q_pending[cut].max()) if cut.any() else 0
 
     def cluster_in_flight(self, cluster):
         """In-flight resources charged to ``cluster`` as ``{resource: amount}``."""
