@@ -762,6 +762,20 @@ def test_an_idle_shard_with_a_deep_queue_cut_short_stops_ticking(tmp_path):
         h.close()
 
 
+def pipelined_config(tmp_path):
+    """base_config's shard, but every turn that writes goes through the committer thread
+    (``transport.idle_commit_inline = false``): turns wait in the commit pipeline."""
+    return parse_config({
+        "resources": ["cpu"],
+        "clusters": {"east": {"capacity": {"cpu": 64}}},
+        "queues": {"q": {"scheduling": "GREEDY_CAPACITY"}},
+        "engine": {"default_queue": "q"},
+        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "idle_commit_inline": False},
+        "security": {"insecure": True},
+    })
+
+
 class SlowStore(MemoryStore):
     """A memory store whose commits take ``delay`` seconds (turns pile up in the pipeline)."""
 
@@ -777,15 +791,7 @@ def test_a_watch_from_zero_keeps_events_pushed_before_its_answer(tmp_path):
     committed just before it reach the new watcher ahead of the answer and of the replay;
     they are kept and delivered after the replay, in order, not dropped and fetched again
     (which a small ring can no longer serve: WatchLost)."""
-    cfg = parse_config({
-        "resources": ["cpu"],
-        "clusters": {"east": {"capacity": {"cpu": 64}}},
-        "queues": {"q": {"scheduling": "GREEDY_CAPACITY"}},
-        "engine": {"default_queue": "q"},
-        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
-        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "idle_commit_inline": False},
-        "security": {"insecure": True},
-    })
+    cfg = pipelined_config(tmp_path)
     h = Harness(cfg, store=SlowStore())
     h.shard = Shard(h.config, store=h.store, watch_ring=8).start()
     h.endpoint = h.shard.endpoint
@@ -864,15 +870,7 @@ def test_events_of_a_watch_whose_answer_never_came_are_fetched_again(tmp_path):
     replays them) instead of being held for an answer that never comes."""
     store = SlowStore()
     store.delay = 0.0
-    cfg = parse_config({
-        "resources": ["cpu"],
-        "clusters": {"east": {"capacity": {"cpu": 64}}},
-        "queues": {"q": {"scheduling": "GREEDY_CAPACITY"}},
-        "engine": {"default_queue": "q"},
-        "storage": {"path": str(tmp_path / "data"), "partitions": 2},
-        "transport": {"endpoints": ["tcp://127.0.0.1:0"], "idle_commit_inline": False},
-        "security": {"insecure": True},
-    })
+    cfg = pipelined_config(tmp_path)
     h = Harness(cfg, store=store)
     h.start()
     ra, rb = "acme/ml/prod/ra", "acme/ml/prod/rb"
