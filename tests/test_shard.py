@@ -896,3 +896,27 @@ def test_events_of_a_watch_whose_answer_never_came_are_fetched_again(tmp_path):
         assert any(e.run == rb and e.action == f"{rb}/y" for e in seen)
     finally:
         h.close()
+
+
+def test_a_report_sent_twice_in_one_message_still_becomes_its_event(tmp_path):
+    """The second copy of a report in one message is refused (COMPLETED); the first applied,
+    and the watcher sees its SUCCEEDED at once (the refusal drops that copy only), not at
+    the backstop re-check (a minute away here)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        [aid] = c.enqueue_many([spec("twice")])
+        [lease] = w.leases(timeout=5)
+        refused = w.report([lease.token, lease.token], Phase.SUCCEEDED)
+        assert [v for _t, v in refused] == [Verdict.COMPLETED]
+        phases = []
+        while "SUCCEEDED" not in phases:
+            e = c.next_event(timeout=3, refresh=10)
+            assert e.action == aid
+            phases.append(e.phase)
+        assert phases == ["QUEUED", "INITIALIZING", "SUCCEEDED"]
+    finally:
+        h.close()

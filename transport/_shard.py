@@ -894,10 +894,10 @@ class _Loop:
     def _watched_reports(self, tokens, names, phases, refused):
         """The watch records of a report message's accepted reports of watched runs
         (``names`` from :meth:`_lease_names`), in the message's order."""
-        bad = {r.token for r in refused}
+        skip = _refused_copies(tokens, names, refused) if refused else ()
         by_run = {}
         for i, name in enumerate(names):
-            if name is None or (bad and tokens[i].astype("<u8").tobytes() in bad):
+            if name is None or i in skip:
                 continue
             run, aid = name
             ph = phases[i]
@@ -1115,6 +1115,22 @@ class _Loop:
                         # Gone or too slow: it resumes with WATCH since=its last seq.
                         self.shard._count("events_unsent", len(msg.actions))
                         watchers.discard(conn)
+
+
+def _refused_copies(tokens, names, refused):
+    """Indexes of the refused reports among the named ones: for a token refused r times,
+    its last r copies (a message may carry a token twice: the first copy applies, a later
+    one is refused as COMPLETED, and only that one is dropped)."""
+    left = collections.Counter(r.token for r in refused)
+    skip = set()
+    for i in range(len(names) - 1, -1, -1):
+        if names[i] is None:
+            continue
+        tb = tokens[i].astype("<u8").tobytes()
+        if left.get(tb, 0) > 0:
+            left[tb] -= 1
+            skip.add(i)
+    return skip
 
 
 class _Changes:
