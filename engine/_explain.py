@@ -15,11 +15,9 @@ from engine._codes import (
     WaitCode,
 )
 from engine._errors import NotFound
-from engine._leases import KIND_BIT as _KIND_BIT
 from engine._model import ActionId
 from engine._records import name_hashes
 from engine._rows import (
-    END_LIVE,
     LIVE_STATES,
     ST_BACKOFF,
     ST_DONE,
@@ -413,32 +411,6 @@ class ExplainMixin:
                 "projection": self._queue_projection(q),      # ETA projection (issue 14)
             }
         return out[name] if name is not None else out
-
-    def lease_actions(self, tokens, runs):
-        """For each token of ``tokens`` (an n x 3 uint64 array: lease id, generation, MAC),
-        the id (text) of the action whose live run lease it names (the row's current
-        generation, not yet ended) when that action belongs to one of the run keys
-        ``runs`` (an iterable); None otherwise. Not a validation (the MAC is not checked):
-        the shard names the actions of a worker's reports before applying them. One numpy
-        pass over the tokens; an id is made only for a match."""
-        n = tokens.shape[0]
-        out = [None] * n
-        st = self._state
-        mine = [self._runs[k] for k in runs if k in self._runs]
-        if not n or not mine:
-            return out
-        watched = np.zeros(len(self._run_keys), bool)
-        watched[mine] = True
-        ids = tokens[:, 0]
-        rows = (ids & np.uint64(~_KIND_BIT & (2**64 - 1))).astype(np.int64)
-        ok = ((ids & np.uint64(_KIND_BIT)) == 0) & (rows < self._next_row)
-        rows = np.where(ok, rows, 0)
-        ok &= st.a_gen[rows].astype(np.uint64) == tokens[:, 1]
-        ok &= (st.a_state[rows] != ST_FREE) & (st.a_end[rows] == END_LIVE)
-        ok &= watched[st.a_run[rows]]
-        for i in np.flatnonzero(ok).tolist():
-            out[i] = str(self._aid(int(rows[i])))
-        return out
 
     def cut_short(self):
         """How many actions the deepest queue holds whose scan the last tick stopped before

@@ -21,6 +21,7 @@ from engine._codes import (
 )
 from engine._dispatch import DispatchBatch
 from engine._errors import NotFound, SpecError
+from engine._leases import KIND_BIT as _KIND_BIT
 from engine._leases import ErrorKind
 from engine._nodes import node_index, unknown_node
 from engine._records import (
@@ -39,6 +40,7 @@ from engine._rows import (
     PH_RUNNING,
     PH_SUCCEEDED,
     ST_DONE,
+    ST_FREE,
     ST_QUEUED,
     ST_RUNNING,
     ST_SENT,
@@ -272,6 +274,32 @@ class LeasingMixin:
             att.start_ns = self.clock.now_ns()
             self._touch(rec.row)
         return att
+
+    def lease_actions(self, tokens, runs):
+        """For each token of ``tokens`` (an n x 3 uint64 array: lease id, generation, MAC),
+        the id (text) of the action whose live run lease it names (the row's current
+        generation, not yet ended) when that action belongs to one of the run keys
+        ``runs`` (an iterable); None otherwise. Not a validation (the MAC is not checked):
+        the shard names the actions of a worker's reports before applying them. One numpy
+        pass over the tokens; an id is made only for a match."""
+        n = tokens.shape[0]
+        out = [None] * n
+        st = self._state
+        mine = [self._runs[k] for k in runs if k in self._runs]
+        if not n or not mine:
+            return out
+        watched = np.zeros(len(self._run_keys), bool)
+        watched[mine] = True
+        ids = tokens[:, 0]
+        rows = (ids & np.uint64(~_KIND_BIT & (2**64 - 1))).astype(np.int64)
+        ok = ((ids & np.uint64(_KIND_BIT)) == 0) & (rows < self._next_row)
+        rows = np.where(ok, rows, 0)
+        ok &= st.a_gen[rows].astype(np.uint64) == tokens[:, 1]
+        ok &= (st.a_state[rows] != ST_FREE) & (st.a_end[rows] == END_LIVE)
+        ok &= watched[st.a_run[rows]]
+        for i in np.flatnonzero(ok).tolist():
+            out[i] = str(self._aid(int(rows[i])))
+        return out
 
     def expired_leases(self, now=None):
         """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``.

@@ -350,8 +350,7 @@ class Client:
 
     def unsubscribe(self, run):
         """Stop receiving EVENTs of ``run`` (best effort)."""
-        self._early.pop(run, None)
-        self._replay_end.pop(run, None)
+        self._forget_early(run)
         if self._watching.pop(run, None) is not None:
             link = self._link_of(run)
             if link.sock is not None:
@@ -362,8 +361,7 @@ class Client:
         # From the last seq accounted for: the last event taken, or the seq just before the
         # first one a WATCH said it would replay. Never from an answer's latest seq: events
         # up to it may still have been on their way (a reconnect drops them).
-        self._early.pop(run, None)          # the resume replays them
-        self._replay_end.pop(run, None)
+        self._forget_early(run)             # the resume replays them
         return self._subscribe(run, self._watching[run])
 
     def _subscribe(self, run, since):
@@ -574,10 +572,7 @@ class Client:
         """Queue the new events of an EVENTS message (consecutive seqs of one run, from
         ``msg.seq``); returns those queued."""
         if self._watching.get(msg.run) == 0:
-            if msg.run in self._answering:
-                self._early.setdefault(msg.run, []).extend(msg.events())
-            else:
-                self._resync.add(msg.run)   # where the log starts was never told
+            self._hold(msg.run, msg.events())
             return []
         skip = self._new_events(msg.run, msg.seq, len(msg.actions))
         if skip is None:
@@ -587,6 +582,18 @@ class Client:
         if msg.run in self._replay_end:
             self._release_early(msg.run)
         return events
+
+    def _hold(self, run, events):
+        """Events of a run not yet told where its log starts (``_watching`` 0): held for
+        after the replay while its WATCH answer is awaited, else a resume is flagged."""
+        if run in self._answering:
+            self._early.setdefault(run, []).extend(events)
+        else:
+            self._resync.add(run)
+
+    def _forget_early(self, run):
+        self._early.pop(run, None)
+        self._replay_end.pop(run, None)
 
     def _release_early(self, run):
         """Queue the events held back by :attr:`_early` once the replay before them has
@@ -617,10 +624,7 @@ class Client:
     def _take_event(self, e):
         """Queue ``e`` if it is the next new event of a watched run."""
         if self._watching.get(e.run) == 0:
-            if e.run in self._answering:
-                self._early.setdefault(e.run, []).append(e)
-            else:
-                self._resync.add(e.run)     # where the log starts was never told
+            self._hold(e.run, (e,))
             return False
         if self._new_events(e.run, e.seq, 1) is None:
             return False

@@ -311,7 +311,7 @@ class _Loop:
         # dropped the oldest entries lost the completions of a fan-out with more leases out
         # than it held: a watcher waited for events that were never recorded.)
         self.leases = {}
-        self.lease_map = []         # this turn's entries for it (joined at its flush)
+        self.new_leases = []         # this turn's entries for it (joined at its flush)
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
         # A tick that stopped a queue short of its work (candidate budget, full dispatch
@@ -474,7 +474,7 @@ class _Loop:
         # The handlers collect into the turn's outbox (sent after its commit).
         self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
             box.records
-        self.lease_map = box.leases
+        self.new_leases = box.leases
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
@@ -490,7 +490,7 @@ class _Loop:
                     placed = eng.schedule()
                     self.shard._status.record_tick(time.perf_counter_ns() - t0)
                     self.shard._count("ticks")
-                    self.cut_short(placed)
+                    self.plan_retick(placed)
                 box.batch = eng.drain_columns()
                 if len(box.batch):
                     self.push_leases(box.batch)
@@ -524,7 +524,7 @@ class _Loop:
             return
         self.inflight.append(self.committer.submit(group, box))
 
-    def cut_short(self, placed):
+    def plan_retick(self, placed):
         """After a tick: tick again at once when it stopped a queue short of its work
         (``Engine.cut_short``), while ticks place something, and after one that placed
         nothing until the deepest such queue has been examined all the way round (its
@@ -964,7 +964,7 @@ class _Loop:
                     continue
                 run, names = hit
                 aid = f"{run}/{names[k]}"
-                self.lease_map.append((word, gen, run, aid))
+                self.new_leases.append((word, gen, run, aid))
                 self.attempts[aid] = attempt
                 changes = by_run.get(run)
                 if changes is None:
