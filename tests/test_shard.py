@@ -24,6 +24,7 @@ from transport import (
     Shard,
     ShardError,
     ShardTimeout,
+    Watch,
     WatchLost,
     WorkerConnection,
     decode,
@@ -919,4 +920,54 @@ def test_a_report_sent_twice_in_one_message_still_becomes_its_event(tmp_path):
             phases.append(e.phase)
         assert phases == ["QUEUED", "INITIALIZING", "SUCCEEDED"]
     finally:
+        h.close()
+
+
+def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
+    """A WATCH's replay to a watcher whose queue is full is not silently lost: its events
+    count as unsent, and that watch ends (the client resumes from its last seq) instead of
+    receiving the later events of the run over a gap."""
+    data = {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
+            "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
+            "engine": {"default_queue": "q", "heartbeat_interval": 1.0},
+            "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+            # One event per EVENTS message and short queues per peer, over a unix socket
+            # (small kernel buffers): a replay of 10,000 to a peer that reads nothing
+            # overflows, while a client that reads its answers never nears the mark.
+            "transport": {"endpoints": [f"ipc://{tmp_path}/shard.sock"], "hwm": 100,
+                          "max_batch": 1, "max_outstanding": 64},
+            "security": {"insecure": True}}
+    h = Harness(parse_config(data), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_ring=20000).start()   # holds all 10,000
+    h.endpoint = h.shard.endpoint
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.rcvhwm = 1
+    try:
+        a = h.client()
+        a.subscribe(RUN)                # the run has a log (kept once nobody watches)
+        a.unsubscribe(RUN)
+        a.enqueue_fanout(spec("x"), [f"a{i}" for i in range(10000)])
+        assert a.ping()["counters"]["events_unsent"] == 0
+        raw.connect(h.endpoint)
+        raw.send_multipart(encode(Watch(rid=1, run=RUN, since=0)))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            counters = a.ping()["counters"]
+            if counters["events"] + counters["events_unsent"] >= 10000:
+                break
+            time.sleep(0.05)
+        # Every replayed event is accounted for, sent or not, and some could not go.
+        assert counters["events"] + counters["events_unsent"] == 10000
+        assert counters["events_unsent"] > 0
+        # The watch ended: a new event of the run is not pushed to that peer (pushed, it
+        # would be counted unsent too: its queue is still full). Its push is part of the
+        # turn the enqueue's answer leaves with.
+        unsent = counters["events_unsent"]
+        a.enqueue(spec("later"))
+        assert a.ping()["counters"]["events_unsent"] == unsent
+    finally:
+        raw.close(0)
+        ctx.term()
         h.close()

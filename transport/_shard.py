@@ -256,14 +256,15 @@ class Shard:
                 sc = cfg.storage
                 store = LmdbStore(sc.path, partitions=sc.partitions, map_size=sc.map_size,
                                   sync=sc.sync, claim_ttl_s=sc.claim_ttl)
-            kw = {"store": CommitterStore(store, self._on_commit)}
+            committed = CommitterStore(store, self._on_commit)
+            kw = {"store": committed}
             if self._clock is not None:
                 kw["clock"] = self._clock
             self._status = StatusWriter(cfg, self.shard_index)
             loading = time.perf_counter()
             eng = Engine(cfg, **kw)
             self._status.set_reload(time.perf_counter() - loading)
-            self._loop = _Loop(self, eng, sock, keyring)
+            self._loop = _Loop(self, eng, committed, sock, keyring)
             # numpy imports numpy.ma on the first plain np.unique() (~50 ms here): done now,
             # not inside whichever loop turn first deduplicates something.
             importlib.import_module("numpy.ma")
@@ -289,9 +290,10 @@ class Shard:
 class _Loop:
     """The decision thread's state: the engine, the socket, sessions, watches."""
 
-    def __init__(self, shard, eng, sock, keyring):
+    def __init__(self, shard, eng, store, sock, keyring):
         self.shard = shard
         self.eng = eng
+        self.store = store          # the engine's store (a CommitterStore), for the committer
         self.sock = sock
         self.keyring = keyring
         cfg = shard.config
@@ -338,7 +340,7 @@ class _Loop:
     def run(self, stop):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        committer = self.committer = Committer(self.eng._store, f"{self.shard.name} committer")
+        committer = self.committer = Committer(self.store, f"{self.shard.name} committer")
         poller.register(committer.fd, zmq.POLLIN)
         try:
             while not stop.is_set():
@@ -547,7 +549,22 @@ class _Loop:
     def flush(self, box):
         """Send what one committed turn decided, in order: answers, stops, leases, events."""
         started = time.perf_counter_ns()
+        dropped = None
         for conn, msg, _ in box.out:
+            if type(msg) is p.Events:
+                # A WATCH's replay: counted as events, and one that cannot go (the
+                # watcher's queue is full, or it is gone) ends that watch here, as a
+                # dropped push does; the client resumes from its last seq (its refresh).
+                if dropped is not None and (conn, msg.run) in dropped:
+                    self.shard._count("events_unsent", len(msg.actions))
+                elif send(self.sock, p.encode(msg), conn):
+                    self.shard._count("events", len(msg.actions))
+                else:
+                    self.shard._count("events_unsent", len(msg.actions))
+                    self.watch.unwatch(msg.run, conn)
+                    dropped = dropped or set()
+                    dropped.add((conn, msg.run))
+                continue
             self.send(conn, msg)
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
