@@ -582,22 +582,29 @@ class _Loop:
                               else "leases_unsent", n)
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone); after the leases, which wait for nothing here.
-        events = []
+        by_run = {}     # run -> (watchers, its events in seq order)
         for args in box.records:
             if type(args) is _Queued:
-                hits, watchers = self.watch.record_many(args.run, args.ids, Phase.QUEUED, 0,
+                run = args.run
+                hits, watchers = self.watch.record_many(run, args.ids, Phase.QUEUED, 0,
                                                         args.now_ns)
-                events += [(e, args.run, watchers) for e in hits]
-                continue
-            if type(args) is _Changes:
-                hits, watchers = self.watch.record_changes(args.run, args.actions, args.phases,
+            elif type(args) is _Changes:
+                run = args.run
+                hits, watchers = self.watch.record_changes(run, args.actions, args.phases,
                                                            args.attempts, args.now_ns)
-                events += [(e, args.run, watchers) for e in hits]
-                continue
-            hit = self.watch.record(*args)
-            if hit is not None:
-                events.append((hit[0], args[0], hit[1]))
-        self.push_events(events)
+            else:
+                run = args[0]
+                hit = self.watch.record(*args)
+                if hit is None:
+                    continue
+                hits, watchers = [hit[0]], hit[1]
+            if hits and watchers:
+                got = by_run.get(run)
+                if got is None:
+                    by_run[run] = (watchers, hits)
+                else:
+                    got[1].extend(hits)
+        self.push_events(by_run)
         for c in self.conns.values():
             c.outstanding = 0
         if box.batch is not None:
@@ -1108,20 +1115,17 @@ class _Loop:
         step = self.settings.max_batch
         for lo in range(0, len(events), step):
             part = events[lo:lo + step]
-            details = [e[5] or None for e in part]
-            yield p.Events(run=run, seq=part[0][0], actions=[e[1] for e in part],
-                           phases=np.array([PHASE_CODE[e[2]] for e in part], np.uint8),
-                           attempts=np.array([e[3] for e in part], np.int32),
-                           time_ns=np.array([e[4] for e in part], np.int64),
-                           details=details if any(details) else None)
+            # (seq, action, phase value, attempt, time, detail) tuples to columns, once.
+            _seqs, actions, values, attempts, times, details = zip(*part, strict=True)
+            yield p.Events(run=run, seq=part[0][0], actions=list(actions),
+                           phases=np.array([PHASE_CODE[v] for v in values], np.uint8),
+                           attempts=np.array(attempts, np.int32),
+                           time_ns=np.array(times, np.int64),
+                           details=[d or None for d in details] if any(details) else None)
 
-    def push_events(self, events):
-        # One EVENTS message a run a turn (its events are consecutive: nothing else
-        # numbers them), to each of its watchers.
-        by_run = {}
-        for e, run, watchers in events:
-            if watchers:
-                by_run.setdefault(run, (watchers, []))[1].append(e)
+    def push_events(self, by_run):
+        """Push ``{run: (watchers, events)}``: one EVENTS message a run a turn (its events
+        are consecutive: nothing else numbers them), to each of its watchers."""
         for run, (watchers, events) in by_run.items():
             for msg in self._batches(run, events):
                 frames = p.encode(msg)
