@@ -354,6 +354,9 @@ def load_config(path):
         raise ConfigError(f"{source}: cannot read the config file: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None
     return parse_config(data, source)
 
 

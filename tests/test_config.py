@@ -495,6 +495,15 @@ def test_load_bad_toml(tmp_path):
     assert str(info.value).startswith(f"{path}: invalid TOML")
 
 
+def test_load_a_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b'resources = ["cpu"]\n\xff\xfe\x00')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: invalid TOML: not UTF-8 text (invalid start byte "
+                               f"at byte 20)")
+
+
 def test_load_errors_name_the_file(tmp_path):
     path = tmp_path / "leasehold.toml"
     path.write_text(BASE + '[queues.gpu]\npriority = "HIGH"\n')
