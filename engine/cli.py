@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
+from engine._commands import guard
 from engine._commands import register as register_commands
 from engine._config import load_config
 from engine._engine import Engine
@@ -544,11 +545,9 @@ def main(argv=None):
     p.set_defaults(func=_keys_generate)
     register_commands(sub)      # config check, submit, status, explain, abort, top, watch, queue
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except LeaseholdError as exc:
-        print(f"leasehold: {exc.code}: {exc}", file=sys.stderr)
-        return 2
+    # Every command behind the user commands' guard: an error is one line
+    # ``leasehold: CODE: message`` and its exit code, Ctrl-C is 130, never a traceback.
+    return guard(args.func)(args)
 
 
 if __name__ == "__main__":

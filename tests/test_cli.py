@@ -1,5 +1,8 @@
 """The leasehold command line: it works on the example and fails loudly on bad input."""
 
+import pytest
+
+import engine.cli
 from engine.cli import main
 
 
@@ -29,3 +32,21 @@ def test_demo_runs_the_real_tick_and_explains_the_waits(capsys):
     assert "0 refused" in out and "refused ['ABORTED', 'COMPLETED'] x2" in out
     assert "[finalize] -> cpu-pool/worker-cpu-pool (generation 1)" in out
     assert "etl0/step0 attempt 1: cluster cpu-pool, worker worker-cpu-pool, FAILED OOM" in out
+
+
+@pytest.mark.parametrize("exc, code, status", [
+    (RuntimeError("boom"), "INTERNAL: RuntimeError: boom (a bug", 2),
+    (FileNotFoundError(2, "No such file or directory", "/x"), "UNAVAILABLE: ", 2),
+    (KeyboardInterrupt(), "INTERRUPTED: stopped (Ctrl-C)", 130),
+])
+def test_every_command_fails_in_one_line_without_a_traceback(monkeypatch, capsys, exc, code,
+                                                            status):
+    # The commands of engine/cli.py (check-config, simulate, shard, serve, keys, ...) go
+    # through the same guard as the user commands: no traceback reaches the user.
+    def fail(args):
+        raise exc
+    monkeypatch.delenv("LEASEHOLD_TRACEBACK", raising=False)
+    monkeypatch.setattr(engine.cli, "_check_config", fail)
+    assert main(["check-config"]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: {code}") and err.count("\n") == 1, err
