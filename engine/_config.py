@@ -531,7 +531,15 @@ def _parse_engine(source, table):
     if "pause_on_expiry" in table:
         values["pause_on_expiry"] = _parse_bool(source, "engine.pause_on_expiry",
                                                 table["pause_on_expiry"])
-    return replace(EngineSettings(), **values)
+    out = replace(EngineSettings(), **values)
+    ttl = out.heartbeat_interval * out.expiry_missed_beats + out.expiry_jitter
+    if ttl > MAX_SECONDS:
+        key = next(k for k in ("expiry_missed_beats", "heartbeat_interval", "expiry_jitter")
+                   if k in table)
+        raise _invalid(source, f"engine.{key}", table[key],
+                       f"heartbeat_interval x expiry_missed_beats + expiry_jitter (the lease "
+                       f"ttl, {ttl}s here) {_MAX_SECONDS_RULE}")
+    return out
 
 
 def _parse_storage(source, table):
@@ -618,9 +626,11 @@ def _duration(source, path, value):
             number = float(text[:-1]) if unit else None
         except ValueError:
             number = None
-        if unit is None or number is None or not math.isfinite(number) or number < 0:
+        if (unit is None or number is None or not math.isfinite(number) or number < 0
+                or number * unit > MAX_SECONDS):
             raise _invalid(source, path, value,
-                           'a duration such as "7d", "12h", "30m" or "45s", or seconds')
+                           'a duration such as "7d", "12h", "30m" or "45s", or seconds, '
+                           f"{_MAX_SECONDS_RULE}")
         return number * unit
     return _seconds(source, path, value, False)
 
@@ -772,12 +782,20 @@ def _parse_peer(source, name, table, cluster_names):
                       public_key=public_key)
 
 
+#: The longest duration a config may give (10 years): times become int64 nanoseconds added
+#: to the clock (a deadline is now + ttl), so a longer one would overflow, not wait longer.
+MAX_SECONDS = 10 * 365 * 86400
+_MAX_SECONDS_RULE = f"at most {MAX_SECONDS} (10 years)"
+
+
 def _seconds(source, path, value, positive):
     ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value > 0 if positive else value >= 0))
+          and math.isfinite(value) and (value > 0 if positive else value >= 0)
+          and value <= MAX_SECONDS)
     if not ok:
         raise _invalid(source, path, value,
-                       "a number of seconds " + ("> 0" if positive else ">= 0"))
+                       "a number of seconds " + ("> 0" if positive else ">= 0")
+                       + f" and {_MAX_SECONDS_RULE}")
     return float(value)
 
 

@@ -817,3 +817,30 @@ def test_tenant_errors_name_the_key(snippet, fragments):
     # A top-level key goes before the tables (after them it would be [clusters.west]'s).
     text = BASE + snippet + "\n" if snippet.startswith("[") else snippet + "\n" + BASE
     config_error(text, *fragments)
+
+
+@pytest.mark.parametrize("snippet, fragments", [
+    ("[engine]\nheartbeat_interval = 1e300\n",
+     ["engine.heartbeat_interval: 1e+300 is invalid; allowed: a number of seconds > 0 and "
+      "at most 315360000 (10 years)"]),
+    ("[engine]\nfinalize_timeout = 1e10\n", ["engine.finalize_timeout: 10000000000.0"]),
+    ("[engine]\nexpiry_jitter = 1e12\n", ["engine.expiry_jitter", "10 years"]),
+    ("[storage]\nclaim_ttl = 1e300\n", ["storage.claim_ttl", "10 years"]),
+    ("[storage]\nretention = 1e300\n", ["storage.retention", "10 years"]),
+    ('[storage]\nretention = "4000d"\n', ["storage.retention: '4000d' is invalid", "10 years"]),
+    ("[supervisor]\nstart_timeout = 1e300\n", ["supervisor.start_timeout", "10 years"]),
+    ("[engine]\nheartbeat_interval = 1e6\nexpiry_missed_beats = 1000\n",
+     ["engine.expiry_missed_beats: 1000 is invalid; allowed: heartbeat_interval x "
+      "expiry_missed_beats + expiry_jitter (the lease ttl, 1000000002.0s here) at most "
+      "315360000 (10 years)"]),
+    ("[engine]\nexpiry_missed_beats = 4611686018427387904\n", ["engine.expiry_missed_beats"]),
+])
+def test_absurd_durations_are_refused_before_they_overflow_the_clock(snippet, fragments):
+    # Times become int64 nanoseconds on the clock (now + ttl): 1e300 seconds used to pass
+    # the check and fail the engine's start with an OverflowError.
+    config_error(BASE + snippet, *fragments)
+
+
+def test_ten_years_is_the_longest_duration():
+    cfg = parse(BASE + '[storage]\nretention = "3650d"\nclaim_ttl = 315360000\n')
+    assert cfg.storage.retention == cfg.storage.claim_ttl == 315360000.0
