@@ -53,6 +53,7 @@ PRIORITY_NAMES = {"MIN": 0, "MEDIUM": 500, "MAX": 1000}
 MAX_PRIORITY = 1000
 # Clusters are a uint64 bitmask in the tick.
 MAX_CLUSTERS = 64
+MAX_INT32 = 2**31 - 1
 RESOURCE_GATES = ("enforce", "off")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -512,10 +513,14 @@ def _parse_engine(source, table):
         values["default_queue"] = _check_name(
             source, "engine.default_queue", table["default_queue"], key_is_name=False
         )
-    for key, minimum in (("max_candidates", 1), ("dispatch_capacity", 1), ("initial_capacity", 16),
-                         ("eta_horizon", 1)):
+    for key, minimum in (("max_candidates", 1), ("eta_horizon", 1)):
         if key in table:
             values[key] = _int(source, f"engine.{key}", table[key], minimum)
+    # Rows of the action table and of the dispatch channel are int32 indices.
+    for key, minimum in (("dispatch_capacity", 1), ("initial_capacity", 16)):
+        if key in table:
+            values[key] = _int(source, f"engine.{key}", table[key], minimum,
+                               maximum=(MAX_INT32, "rows are int32"))
     if "resource_gate" in table:
         values["resource_gate"] = _choice(
             source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
@@ -648,6 +653,9 @@ def _parse_transport(source, table):
     _check_keys(source, "transport", table, (*minimums, "endpoints", "idle_commit_inline"))
     values = {key: _int(source, f"transport.{key}", table[key], minimums[key])
               for key in minimums if key in table}
+    if "hwm" in table:
+        values["hwm"] = _int(source, "transport.hwm", table["hwm"], 1,
+                             maximum=(MAX_INT32, "a ZeroMQ int"))
     if "idle_commit_inline" in table:
         values["idle_commit_inline"] = _parse_bool(source, "transport.idle_commit_inline",
                                                    table["idle_commit_inline"])
@@ -1052,11 +1060,15 @@ def _check_name(source, path, name, key_is_name=True):
     return name
 
 
-def _int(source, path, value, minimum):
+def _int(source, path, value, minimum, maximum=None):
+    """An integer >= ``minimum``; ``maximum``, when given, is ``(bound, why)``."""
+    allowed = (f"an integer >= {minimum}" if maximum is None
+               else f"an integer from {minimum} to {maximum[0]} ({maximum[1]})")
+    top = UNLIMITED if maximum is None else maximum[0]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(source, path, value, f"an integer >= {minimum}")
-    if value < minimum or value > UNLIMITED:
-        raise _invalid(source, path, value, f"an integer >= {minimum}")
+        raise _invalid(source, path, value, allowed)
+    if value < minimum or value > top:
+        raise _invalid(source, path, value, allowed)
     return value
 
 

@@ -346,9 +346,9 @@ def test_max_accelerators_needs_a_configured_device(key):
         ("[engine]\nmax_candidates = 0\n",
          ["engine.max_candidates", "0 is invalid", "allowed: an integer >= 1"]),
         ("[engine]\ndispatch_capacity = -1\n",
-         ["engine.dispatch_capacity", "-1", "allowed: an integer >= 1"]),
+         ["engine.dispatch_capacity", "-1", "allowed: an integer from 1 to 2147483647"]),
         ("[engine]\ninitial_capacity = 8\n",
-         ["engine.initial_capacity", "8 is invalid", "allowed: an integer >= 16"]),
+         ["engine.initial_capacity", "8 is invalid", "allowed: an integer from 16 to 2147483647"]),
         ('[engine]\nresource_gate = "on"\n',
          ["engine.resource_gate", "'on'", "allowed: enforce, off"]),
         ("[engine]\ndefault_queue = 3\n", ["engine.default_queue", "3 is invalid", "allowed:"]),
@@ -844,3 +844,26 @@ def test_absurd_durations_are_refused_before_they_overflow_the_clock(snippet, fr
 def test_ten_years_is_the_longest_duration():
     cfg = parse(BASE + '[storage]\nretention = "3650d"\nclaim_ttl = 315360000\n')
     assert cfg.storage.retention == cfg.storage.claim_ttl == 315360000.0
+
+
+@pytest.mark.parametrize("snippet, fragment", [
+    ("[engine]\ninitial_capacity = 4611686018427387904\n",
+     "engine.initial_capacity: 4611686018427387904 is invalid; allowed: an integer from 16 "
+     "to 2147483647 (rows are int32)"),
+    ("[engine]\ndispatch_capacity = 2147483648\n",
+     "engine.dispatch_capacity: 2147483648 is invalid; allowed: an integer from 1 to "
+     "2147483647 (rows are int32)"),
+    ("[transport]\nhwm = 4611686018427387904\n",
+     "transport.hwm: 4611686018427387904 is invalid; allowed: an integer from 1 to "
+     "2147483647 (a ZeroMQ int)"),
+])
+def test_sizes_past_their_type_are_refused_naming_the_key(snippet, fragment):
+    # They used to pass the check, then fail the engine's or the socket's start with a
+    # MemoryError, a ValueError ("array is too big") or an OverflowError.
+    config_error(BASE + snippet, fragment)
+
+
+def test_the_largest_sizes_are_accepted():
+    cfg = parse(BASE + "[engine]\ndispatch_capacity = 2147483647\n"
+                "[transport]\nhwm = 2147483647\n")
+    assert cfg.engine.dispatch_capacity == cfg.transport.hwm == 2**31 - 1
