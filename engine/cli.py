@@ -8,9 +8,9 @@ from pathlib import Path
 
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
-from engine._commands import guard
+from engine._commands import CommandError, guard
 from engine._commands import register as register_commands
-from engine._config import load_config
+from engine._config import MAX_SECONDS, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
@@ -394,6 +394,17 @@ def _positive_int(text):
     return value
 
 
+def _positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 and at "
+                                         f"most {MAX_SECONDS} (10 years)")
+    return value
+
+
 def _worker(args):
     """Run a cluster worker until SIGTERM (drain) or SIGINT (docs/worker.md)."""
     import logging
@@ -415,10 +426,15 @@ def _shard(args):
 
     from transport._shard import run_shard  # here: no ZeroMQ import for the other commands
 
+    cfg = load_config(args.config)
+    eps = cfg.transport.endpoints
+    if not 0 <= args.shard < len(eps):
+        raise CommandError("INVALID_ARGUMENT", f"--shard {args.shard}: {cfg.source} has "
+                           f"{len(eps)} endpoint(s) in transport.endpoints (0..{len(eps) - 1})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     try:
-        return run_shard(args.config, args.shard)
+        return run_shard(cfg, args.shard)
     except OSError as exc:
         raise SpecError(f"shard {args.shard}: {exc}") from None
 
@@ -512,10 +528,10 @@ def main(argv=None):
                        "restarted when it dies, metrics; until SIGTERM/SIGINT "
                        "(docs/operations.md)")
     p.add_argument("--config", required=True, help="the config file")
-    p.add_argument("--start-timeout", type=float,
+    p.add_argument("--start-timeout", type=_positive_seconds,
                    help="seconds a shard may take to serve after its start (default: "
                    "supervisor.start_timeout, 60)")
-    p.add_argument("--stop-timeout", type=float,
+    p.add_argument("--stop-timeout", type=_positive_seconds,
                    help="seconds the shards get after SIGTERM before SIGKILL (default: "
                    "supervisor.stop_timeout, 15)")
     p.set_defaults(func=_serve)

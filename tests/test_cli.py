@@ -50,3 +50,33 @@ def test_every_command_fails_in_one_line_without_a_traceback(monkeypatch, capsys
     assert main(["check-config"]) == status
     err = capsys.readouterr().err
     assert err.startswith(f"leasehold: {code}") and err.count("\n") == 1, err
+
+
+def _insecure_config(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'resources = ["cpu"]\n[clusters.a]\n[storage]\npath = "{tmp_path}/data"\n'
+                   f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
+                   f"[security]\ninsecure = true\n")
+    return cfg
+
+
+@pytest.mark.parametrize("index", ["1", "-1"])
+def test_shard_index_out_of_range_names_the_flag(tmp_path, capsys, index):
+    cfg = _insecure_config(tmp_path)
+    assert main(["shard", "--config", str(cfg), "--shard", index]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"leasehold: INVALID_ARGUMENT: --shard {index}: {cfg} has 1 endpoint(s) in "
+                   f"transport.endpoints (0..0)\n")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("flag", ["--start-timeout", "--stop-timeout"])
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e300", "7x"])
+def test_serve_refuses_a_bad_timeout_flag(tmp_path, capsys, flag, value):
+    cfg = _insecure_config(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--config", str(cfg), flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value!r} is not a number of seconds > 0 and at most " \
+        f"315360000 (10 years)" in err
