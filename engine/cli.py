@@ -10,6 +10,8 @@ from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
 from engine._commands import CommandError, guard
 from engine._commands import register as register_commands
+from engine._config import _NAME as _CLUSTER_NAME
+from engine._config import _TENANT as _TENANT_PREFIX
 from engine._config import MAX_SECONDS, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError, SpecError
@@ -361,6 +363,14 @@ def _keys_generate(args):
         raise SpecError("--cluster is for --role worker only")
     if args.tenant and args.role != "client":
         raise SpecError("--tenant is for --role client only")
+    # The rules of [security.peers] (engine/_config.py): the printed lines must load.
+    if args.cluster and not _CLUSTER_NAME.match(args.cluster):
+        raise SpecError(f"--cluster {args.cluster!r}: a cluster name of letters, digits, '_', "
+                        f"'.', '-'")
+    for t in args.tenant:
+        if not _TENANT_PREFIX.match(t):
+            raise SpecError(f"--tenant {t!r}: a tenant prefix org, org/project or "
+                            f"org/project/domain")
     meta = {"role": args.role or "shard"}
     if args.cluster:
         meta["cluster"] = args.cluster
@@ -368,8 +378,13 @@ def _keys_generate(args):
         meta["tenants"] = ",".join(args.tenant)
     try:
         public, secret = generate_keypair(args.dir, args.name, metadata=meta, force=args.force)
-    except (FileExistsError, ValueError) as exc:
+    except ValueError as exc:
         raise SpecError(str(exc)) from None
+    except OSError as exc:
+        if exc.errno is None:       # the pair exists (without --force)
+            raise SpecError(str(exc)) from None
+        raise SpecError(f"--dir {args.dir}: cannot write the key pair there: "
+                        f"{exc.strerror}") from None
     print(f"wrote {public} (public: give it to the other side) and {secret} (secret, mode 0600:"
           f" keep it where the key's owner runs)")
     print("# the shard's config:")

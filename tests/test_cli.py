@@ -80,3 +80,28 @@ def test_serve_refuses_a_bad_timeout_flag(tmp_path, capsys, flag, value):
     err = capsys.readouterr().err
     assert f"argument {flag}: {value!r} is not a number of seconds > 0 and at most " \
         f"315360000 (10 years)" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--role", "worker", "--cluster", "bad name"],
+     "--cluster 'bad name': a cluster name of letters, digits, '_', '.', '-'"),
+    (["--role", "client", "--tenant", "acme", "--tenant", "a b"],
+     "--tenant 'a b': a tenant prefix org, org/project or org/project/domain"),
+    (["--role", "client", "--tenant", "a/b/c/d"],
+     "--tenant 'a/b/c/d': a tenant prefix org, org/project or org/project/domain"),
+])
+def test_keys_generate_refuses_what_the_config_would_refuse(tmp_path, capsys, extra, message):
+    # The printed [security.peers] lines must load: a bad cluster or tenant is refused
+    # before any key is written.
+    assert main(["keys", "generate", "--dir", str(tmp_path / "k"), "--name", "x", *extra]) == 2
+    assert capsys.readouterr().err == f"leasehold: INVALID_ARGUMENT: {message}\n"
+    assert not (tmp_path / "k").exists()
+
+
+def test_keys_generate_names_a_dir_it_cannot_use(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for d, why in ((afile, "File exists"), (afile / "sub", "Not a directory")):
+        assert main(["keys", "generate", "--dir", str(d), "--name", "x"]) == 2
+        assert capsys.readouterr().err == (f"leasehold: INVALID_ARGUMENT: --dir {d}: cannot "
+                                           f"write the key pair there: {why}\n")
