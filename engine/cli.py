@@ -201,8 +201,22 @@ def _simulate(args):
               f"{', '.join(unknown) or 'empty list'}; allowed: {', '.join(POLICIES)}",
               file=sys.stderr)
         return 2
-    swf = SwfMapping(resource=args.swf_resource, per_processor=_qty(args.swf_per_proc),
-                     queue=args.swf_queue)
+    fmt = args.format or ("swf" if Path(args.trace).suffix.lower() == ".swf" else "jsonl")
+    for flag, value in (("--swf-resource", args.swf_resource),
+                        ("--swf-per-proc", args.swf_per_proc), ("--swf-queue", args.swf_queue)):
+        if value is not None and fmt != "swf":
+            raise CommandError("INVALID_ARGUMENT", f"{flag} is for SWF traces; {args.trace} is "
+                               f"read as JSON lines (--format swf, or a .swf file)")
+    if args.plot is not None:
+        # Before the runs, not after them.
+        plot = Path(args.plot)
+        if plot.is_dir():
+            raise CommandError("INVALID_ARGUMENT", f"--plot {plot}: a directory, not a file")
+        if not plot.resolve().parent.is_dir():
+            raise CommandError("INVALID_ARGUMENT", f"--plot {plot}: its directory does not "
+                               f"exist")
+    swf = SwfMapping(resource=args.swf_resource or "cpu",
+                     per_processor=_qty(args.swf_per_proc or "1"), queue=args.swf_queue)
     trace = load_trace(args.trace, fmt=args.format, swf=swf)
     nodes = not args.no_nodes
     prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit, nodes=nodes)
@@ -247,6 +261,9 @@ def _simulate(args):
     if args.plot and results:
         try:
             _plot(results, args.plot, trace.source)
+        except OSError as exc:
+            raise CommandError("INVALID_ARGUMENT", f"--plot {args.plot}: cannot write it: "
+                               f"{exc.strerror or exc}") from None
         except ImportError:
             print("leasehold: UNAVAILABLE: --plot needs matplotlib: install it with "
                   "`pip install matplotlib` (or `pip install -e '.[test]'` in a checkout)",
@@ -502,9 +519,9 @@ def main(argv=None):
                    help="trace format (default: .swf files are SWF, others JSON lines)")
     p.add_argument("--resource", help="utilisation on this resource (default: all gpu:*, "
                    "else cpu)")
-    p.add_argument("--swf-resource", default="cpu",
+    p.add_argument("--swf-resource",
                    help="SWF: the resource one processor asks for (default cpu)")
-    p.add_argument("--swf-per-proc", default="1",
+    p.add_argument("--swf-per-proc",
                    help="SWF: quantity of --swf-resource per processor (default 1)")
     p.add_argument("--swf-queue", help="SWF: queue of every job (default: the default queue)")
     p.add_argument("--skip-unfit", action="store_true",
