@@ -580,7 +580,11 @@ def _parse_storage(source, table):
         values["retention"] = _duration(source, "storage.retention", table["retention"])
     out = replace(StorageSettings(), **values)
     if out.max_map_size < out.map_size:
-        raise _invalid(source, "storage.max_map_size", table.get("max_map_size"),
+        if "max_map_size" not in table:
+            raise _invalid(source, "storage.map_size", table["map_size"],
+                           f"a size <= storage.max_map_size ({out.max_map_size} bytes, its "
+                           f"default)")
+        raise _invalid(source, "storage.max_map_size", table["max_map_size"],
                        f"a size >= storage.map_size ({out.map_size} bytes)")
     return out
 

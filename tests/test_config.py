@@ -867,3 +867,12 @@ def test_the_largest_sizes_are_accepted():
     cfg = parse(BASE + "[engine]\ndispatch_capacity = 2147483647\n"
                 "[transport]\nhwm = 2147483647\n")
     assert cfg.engine.dispatch_capacity == cfg.transport.hwm == 2**31 - 1
+
+
+def test_a_map_size_above_the_default_max_names_map_size():
+    # It used to say "storage.max_map_size: None is invalid" (a key the file does not set).
+    config_error(BASE + '[storage]\nmap_size = "128Gi"\n',
+                 "storage.map_size: '128Gi' is invalid; allowed: a size <= "
+                 "storage.max_map_size (68719476736 bytes, its default)")
+    config_error(BASE + '[storage]\nmap_size = "2Gi"\nmax_map_size = "1Gi"\n',
+                 "storage.max_map_size: '1Gi' is invalid; allowed: a size >= storage.map_size")
