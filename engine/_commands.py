@@ -102,6 +102,16 @@ def _seconds(text):
     return value
 
 
+def _positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def _count(text):
     try:
         value = int(text)
@@ -136,7 +146,7 @@ def _shard_options(p, needs_key=True, shard_help=_ROUTED):
         p.add_argument("--key", default=os.environ.get("LEASEHOLD_KEY"),
                        help="the client key's name (keys_dir/NAME.key_secret); needed unless "
                             "security.insecure (default: $LEASEHOLD_KEY)")
-        p.add_argument("--request-timeout", type=_seconds, default=10.0, metavar="S",
+        p.add_argument("--request-timeout", type=_positive_seconds, default=10.0, metavar="S",
                        help="seconds to wait for each answer of the shard (default 10)")
 
 

@@ -105,3 +105,14 @@ def test_keys_generate_names_a_dir_it_cannot_use(tmp_path, capsys):
         assert main(["keys", "generate", "--dir", str(d), "--name", "x"]) == 2
         assert capsys.readouterr().err == (f"leasehold: INVALID_ARGUMENT: --dir {d}: cannot "
                                            f"write the key pair there: {why}\n")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "7x"])
+def test_a_request_timeout_must_be_positive(tmp_path, capsys, value):
+    # 0 used to be taken: every request then failed "not connected within 0.0s".
+    cfg = _insecure_config(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["status", "a/b/c/d/e", "--config", str(cfg), "--request-timeout", value])
+    assert info.value.code == 2
+    assert f"argument --request-timeout: {value!r} is not a number of seconds > 0" in \
+        capsys.readouterr().err
