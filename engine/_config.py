@@ -673,6 +673,15 @@ def _parse_transport(source, table):
             raise _invalid(source, "transport.endpoints", eps,
                            "a non-empty list of ZeroMQ endpoints (tcp://HOST:PORT or "
                            "ipc://PATH), one per shard")
+        for i, e in enumerate(eps):
+            port = e.rpartition(":")[2] if e.startswith("tcp://") else None
+            if port is not None and int(port) > 65535:
+                raise _invalid(source, "transport.endpoints", e, "a tcp port 0..65535")
+            # Port 0 binds an ephemeral port: each shard gets its own.
+            if eps.index(e) < i and port not in ("0",):
+                raise _invalid(source, "transport.endpoints", e,
+                               f"each endpoint once (shards {eps.index(e)} and {i} would bind "
+                               f"the same one)")
         values["endpoints"] = tuple(eps)
     return replace(TransportSettings(), **values)
 

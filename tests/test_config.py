@@ -876,3 +876,23 @@ def test_a_map_size_above_the_default_max_names_map_size():
                  "storage.max_map_size (68719476736 bytes, its default)")
     config_error(BASE + '[storage]\nmap_size = "2Gi"\nmax_map_size = "1Gi"\n',
                  "storage.max_map_size: '1Gi' is invalid; allowed: a size >= storage.map_size")
+
+
+@pytest.mark.parametrize("endpoints, fragment", [
+    ('["tcp://127.0.0.1:7700", "tcp://127.0.0.1:7700"]',
+     "transport.endpoints: 'tcp://127.0.0.1:7700' is invalid; allowed: each endpoint once "
+     "(shards 0 and 1 would bind the same one)"),
+    ('["ipc:///tmp/s", "tcp://h:1", "ipc:///tmp/s"]', "(shards 0 and 2 would bind the same one)"),
+    ('["tcp://127.0.0.1:99999"]',
+     "transport.endpoints: 'tcp://127.0.0.1:99999' is invalid; allowed: a tcp port 0..65535"),
+])
+def test_endpoints_that_cannot_all_bind_are_refused(endpoints, fragment):
+    # They passed the check; the second shard then failed "Address already in use" at its
+    # start (and the supervisor restarted it), a port past 65535 failed every bind.
+    config_error(BASE + f"[transport]\nendpoints = {endpoints}\n", fragment)
+
+
+def test_ephemeral_endpoints_may_repeat():
+    eps = ["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]
+    assert parse(BASE + f"[transport]\nendpoints = {eps!r}\n".replace("'", '"')
+                 ).transport.endpoints == tuple(eps)
