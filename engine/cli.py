@@ -504,7 +504,7 @@ def main(argv=None):
     p.set_defaults(func=_check_config)
     p = sub.add_parser("demo", help="run a small workload through the real tick and explain it")
     p.add_argument("--config", default=str(EXAMPLE_CONFIG))
-    p.add_argument("--ticks", type=int, default=2)
+    p.add_argument("--ticks", type=_positive_int, default=2)
     p.set_defaults(func=_demo)
     p = sub.add_parser("simulate", help="run a workload trace through the real tick on a "
                        "virtual clock and compare scheduling policies")

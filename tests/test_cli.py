@@ -116,3 +116,12 @@ def test_a_request_timeout_must_be_positive(tmp_path, capsys, value):
     assert info.value.code == 2
     assert f"argument --request-timeout: {value!r} is not a number of seconds > 0" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ticks", ["0", "-5", "x"])
+def test_demo_needs_at_least_one_tick(capsys, ticks):
+    # -5 used to run no tick and print the waits as if that were the demo.
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--ticks", ticks])
+    assert info.value.code == 2
+    assert f"argument --ticks: {ticks!r} is not an integer >= 1" in capsys.readouterr().err
