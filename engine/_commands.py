@@ -19,7 +19,7 @@ import sys
 
 from engine._errors import LeaseholdError
 
-__all__ = ["register", "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
+__all__ = ["register", "guard", "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
 
 OK, NO, ERROR, INTERRUPTED = 0, 1, 2, 130
 
@@ -33,7 +33,9 @@ class CommandError(LeaseholdError):
         self.exit_code = exit_code
 
 
-def _guard(fn):
+def guard(fn):
+    """``fn(args)`` with every error as one line ``leasehold: CODE: message`` on stderr and
+    its exit code (module docstring); ``LEASEHOLD_TRACEBACK=1`` lets the unexpected through."""
     def run(args):
         try:
             return fn(args)
@@ -67,7 +69,7 @@ def _lazy(module, name):
     """The command ``name`` of ``module``, imported when it runs (not when the CLI starts)."""
     def run(args):
         return getattr(importlib.import_module(module), name)(args)
-    return _guard(run)
+    return guard(run)
 
 
 # ------------------------------------------------------------------------------ config check
@@ -97,6 +99,16 @@ def _seconds(text):
         value = -1.0
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
     return value
 
 
@@ -134,7 +146,7 @@ def _shard_options(p, needs_key=True, shard_help=_ROUTED):
         p.add_argument("--key", default=os.environ.get("LEASEHOLD_KEY"),
                        help="the client key's name (keys_dir/NAME.key_secret); needed unless "
                             "security.insecure (default: $LEASEHOLD_KEY)")
-        p.add_argument("--request-timeout", type=_seconds, default=10.0, metavar="S",
+        p.add_argument("--request-timeout", type=_positive_seconds, default=10.0, metavar="S",
                        help="seconds to wait for each answer of the shard (default 10)")
 
 
@@ -173,7 +185,7 @@ def register(sub):
                       "every section and key, defaults filled in")
     p.add_argument("file", help="the config file")
     _json(p, "print the effective config as JSON")
-    p.set_defaults(func=_guard(config_check))
+    p.set_defaults(func=guard(config_check))
 
     p = sub.add_parser("submit", help="enqueue actions from a file or flags; print their ids")
     p.add_argument("file", nargs="?", help="a .json, .jsonl or .toml file of action specs, or "

@@ -53,6 +53,7 @@ PRIORITY_NAMES = {"MIN": 0, "MEDIUM": 500, "MAX": 1000}
 MAX_PRIORITY = 1000
 # Clusters are a uint64 bitmask in the tick.
 MAX_CLUSTERS = 64
+MAX_INT32 = 2**31 - 1
 RESOURCE_GATES = ("enforce", "off")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -354,6 +355,9 @@ def load_config(path):
         raise ConfigError(f"{source}: cannot read the config file: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None
     return parse_config(data, source)
 
 
@@ -509,10 +513,14 @@ def _parse_engine(source, table):
         values["default_queue"] = _check_name(
             source, "engine.default_queue", table["default_queue"], key_is_name=False
         )
-    for key, minimum in (("max_candidates", 1), ("dispatch_capacity", 1), ("initial_capacity", 16),
-                         ("eta_horizon", 1)):
+    for key, minimum in (("max_candidates", 1), ("eta_horizon", 1)):
         if key in table:
             values[key] = _int(source, f"engine.{key}", table[key], minimum)
+    # Rows of the action table and of the dispatch channel are int32 indices.
+    for key, minimum in (("dispatch_capacity", 1), ("initial_capacity", 16)):
+        if key in table:
+            values[key] = _int(source, f"engine.{key}", table[key], minimum,
+                               maximum=(MAX_INT32, "rows are int32"))
     if "resource_gate" in table:
         values["resource_gate"] = _choice(
             source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
@@ -528,7 +536,15 @@ def _parse_engine(source, table):
     if "pause_on_expiry" in table:
         values["pause_on_expiry"] = _parse_bool(source, "engine.pause_on_expiry",
                                                 table["pause_on_expiry"])
-    return replace(EngineSettings(), **values)
+    out = replace(EngineSettings(), **values)
+    ttl = out.heartbeat_interval * out.expiry_missed_beats + out.expiry_jitter
+    if ttl > MAX_SECONDS:
+        key = next(k for k in ("expiry_missed_beats", "heartbeat_interval", "expiry_jitter")
+                   if k in table)
+        raise _invalid(source, f"engine.{key}", table[key],
+                       f"heartbeat_interval x expiry_missed_beats + expiry_jitter (the lease "
+                       f"ttl, {ttl}s here) {_MAX_SECONDS_RULE}")
+    return out
 
 
 def _parse_storage(source, table):
@@ -564,7 +580,11 @@ def _parse_storage(source, table):
         values["retention"] = _duration(source, "storage.retention", table["retention"])
     out = replace(StorageSettings(), **values)
     if out.max_map_size < out.map_size:
-        raise _invalid(source, "storage.max_map_size", table.get("max_map_size"),
+        if "max_map_size" not in table:
+            raise _invalid(source, "storage.map_size", table["map_size"],
+                           f"a size <= storage.max_map_size ({out.max_map_size} bytes, its "
+                           f"default)")
+        raise _invalid(source, "storage.max_map_size", table["max_map_size"],
                        f"a size >= storage.map_size ({out.map_size} bytes)")
     return out
 
@@ -615,9 +635,11 @@ def _duration(source, path, value):
             number = float(text[:-1]) if unit else None
         except ValueError:
             number = None
-        if unit is None or number is None or not math.isfinite(number) or number < 0:
+        if (unit is None or number is None or not math.isfinite(number) or number < 0
+                or number * unit > MAX_SECONDS):
             raise _invalid(source, path, value,
-                           'a duration such as "7d", "12h", "30m" or "45s", or seconds')
+                           'a duration such as "7d", "12h", "30m" or "45s", or seconds, '
+                           f"{_MAX_SECONDS_RULE}")
         return number * unit
     return _seconds(source, path, value, False)
 
@@ -635,6 +657,9 @@ def _parse_transport(source, table):
     _check_keys(source, "transport", table, (*minimums, "endpoints", "idle_commit_inline"))
     values = {key: _int(source, f"transport.{key}", table[key], minimums[key])
               for key in minimums if key in table}
+    if "hwm" in table:
+        values["hwm"] = _int(source, "transport.hwm", table["hwm"], 1,
+                             maximum=(MAX_INT32, "a ZeroMQ int"))
     if "idle_commit_inline" in table:
         values["idle_commit_inline"] = _parse_bool(source, "transport.idle_commit_inline",
                                                    table["idle_commit_inline"])
@@ -648,6 +673,15 @@ def _parse_transport(source, table):
             raise _invalid(source, "transport.endpoints", eps,
                            "a non-empty list of ZeroMQ endpoints (tcp://HOST:PORT or "
                            "ipc://PATH), one per shard")
+        for i, e in enumerate(eps):
+            port = e.rpartition(":")[2] if e.startswith("tcp://") else None
+            if port is not None and int(port) > 65535:
+                raise _invalid(source, "transport.endpoints", e, "a tcp port 0..65535")
+            # Port 0 binds an ephemeral port: each shard gets its own.
+            if eps.index(e) < i and port not in ("0",):
+                raise _invalid(source, "transport.endpoints", e,
+                               f"each endpoint once (shards {eps.index(e)} and {i} would bind "
+                               f"the same one)")
         values["endpoints"] = tuple(eps)
     return replace(TransportSettings(), **values)
 
@@ -769,12 +803,20 @@ def _parse_peer(source, name, table, cluster_names):
                       public_key=public_key)
 
 
+#: The longest duration a config may give (10 years): times become int64 nanoseconds added
+#: to the clock (a deadline is now + ttl), so a longer one would overflow, not wait longer.
+MAX_SECONDS = 10 * 365 * 86400
+_MAX_SECONDS_RULE = f"at most {MAX_SECONDS} (10 years)"
+
+
 def _seconds(source, path, value, positive):
     ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value > 0 if positive else value >= 0))
+          and math.isfinite(value) and (value > 0 if positive else value >= 0)
+          and value <= MAX_SECONDS)
     if not ok:
         raise _invalid(source, path, value,
-                       "a number of seconds " + ("> 0" if positive else ">= 0"))
+                       "a number of seconds " + ("> 0" if positive else ">= 0")
+                       + f" and {_MAX_SECONDS_RULE}")
     return float(value)
 
 
@@ -1031,11 +1073,15 @@ def _check_name(source, path, name, key_is_name=True):
     return name
 
 
-def _int(source, path, value, minimum):
+def _int(source, path, value, minimum, maximum=None):
+    """An integer >= ``minimum``; ``maximum``, when given, is ``(bound, why)``."""
+    allowed = (f"an integer >= {minimum}" if maximum is None
+               else f"an integer from {minimum} to {maximum[0]} ({maximum[1]})")
+    top = UNLIMITED if maximum is None else maximum[0]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(source, path, value, f"an integer >= {minimum}")
-    if value < minimum or value > UNLIMITED:
-        raise _invalid(source, path, value, f"an integer >= {minimum}")
+        raise _invalid(source, path, value, allowed)
+    if value < minimum or value > top:
+        raise _invalid(source, path, value, allowed)
     return value
 
 

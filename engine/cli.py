@@ -8,8 +8,11 @@ from pathlib import Path
 
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
+from engine._commands import CommandError, guard
 from engine._commands import register as register_commands
-from engine._config import load_config
+from engine._config import _NAME as _CLUSTER_NAME
+from engine._config import _TENANT as _TENANT_PREFIX
+from engine._config import MAX_SECONDS, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
@@ -198,8 +201,22 @@ def _simulate(args):
               f"{', '.join(unknown) or 'empty list'}; allowed: {', '.join(POLICIES)}",
               file=sys.stderr)
         return 2
-    swf = SwfMapping(resource=args.swf_resource, per_processor=_qty(args.swf_per_proc),
-                     queue=args.swf_queue)
+    fmt = args.format or ("swf" if Path(args.trace).suffix.lower() == ".swf" else "jsonl")
+    for flag, value in (("--swf-resource", args.swf_resource),
+                        ("--swf-per-proc", args.swf_per_proc), ("--swf-queue", args.swf_queue)):
+        if value is not None and fmt != "swf":
+            raise CommandError("INVALID_ARGUMENT", f"{flag} is for SWF traces; {args.trace} is "
+                               f"read as JSON lines (--format swf, or a .swf file)")
+    if args.plot is not None:
+        # Before the runs, not after them.
+        plot = Path(args.plot)
+        if plot.is_dir():
+            raise CommandError("INVALID_ARGUMENT", f"--plot {plot}: a directory, not a file")
+        if not plot.resolve().parent.is_dir():
+            raise CommandError("INVALID_ARGUMENT", f"--plot {plot}: its directory does not "
+                               f"exist")
+    swf = SwfMapping(resource=args.swf_resource or "cpu",
+                     per_processor=_qty(args.swf_per_proc or "1"), queue=args.swf_queue)
     trace = load_trace(args.trace, fmt=args.format, swf=swf)
     nodes = not args.no_nodes
     prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit, nodes=nodes)
@@ -244,6 +261,9 @@ def _simulate(args):
     if args.plot and results:
         try:
             _plot(results, args.plot, trace.source)
+        except OSError as exc:
+            raise CommandError("INVALID_ARGUMENT", f"--plot {args.plot}: cannot write it: "
+                               f"{exc.strerror or exc}") from None
         except ImportError:
             print("leasehold: UNAVAILABLE: --plot needs matplotlib: install it with "
                   "`pip install matplotlib` (or `pip install -e '.[test]'` in a checkout)",
@@ -360,6 +380,14 @@ def _keys_generate(args):
         raise SpecError("--cluster is for --role worker only")
     if args.tenant and args.role != "client":
         raise SpecError("--tenant is for --role client only")
+    # The rules of [security.peers] (engine/_config.py): the printed lines must load.
+    if args.cluster and not _CLUSTER_NAME.match(args.cluster):
+        raise SpecError(f"--cluster {args.cluster!r}: a cluster name of letters, digits, '_', "
+                        f"'.', '-'")
+    for t in args.tenant:
+        if not _TENANT_PREFIX.match(t):
+            raise SpecError(f"--tenant {t!r}: a tenant prefix org, org/project or "
+                            f"org/project/domain")
     meta = {"role": args.role or "shard"}
     if args.cluster:
         meta["cluster"] = args.cluster
@@ -367,8 +395,13 @@ def _keys_generate(args):
         meta["tenants"] = ",".join(args.tenant)
     try:
         public, secret = generate_keypair(args.dir, args.name, metadata=meta, force=args.force)
-    except (FileExistsError, ValueError) as exc:
+    except ValueError as exc:
         raise SpecError(str(exc)) from None
+    except OSError as exc:
+        if exc.errno is None:       # the pair exists (without --force)
+            raise SpecError(str(exc)) from None
+        raise SpecError(f"--dir {args.dir}: cannot write the key pair there: "
+                        f"{exc.strerror}") from None
     print(f"wrote {public} (public: give it to the other side) and {secret} (secret, mode 0600:"
           f" keep it where the key's owner runs)")
     print("# the shard's config:")
@@ -393,6 +426,17 @@ def _positive_int(text):
     return value
 
 
+def _positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 and at "
+                                         f"most {MAX_SECONDS} (10 years)")
+    return value
+
+
 def _worker(args):
     """Run a cluster worker until SIGTERM (drain) or SIGINT (docs/worker.md)."""
     import logging
@@ -414,10 +458,15 @@ def _shard(args):
 
     from transport._shard import run_shard  # here: no ZeroMQ import for the other commands
 
+    cfg = load_config(args.config)
+    eps = cfg.transport.endpoints
+    if not 0 <= args.shard < len(eps):
+        raise CommandError("INVALID_ARGUMENT", f"--shard {args.shard}: {cfg.source} has "
+                           f"{len(eps)} endpoint(s) in transport.endpoints (0..{len(eps) - 1})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     try:
-        return run_shard(args.config, args.shard)
+        return run_shard(cfg, args.shard)
     except OSError as exc:
         raise SpecError(f"shard {args.shard}: {exc}") from None
 
@@ -455,7 +504,7 @@ def main(argv=None):
     p.set_defaults(func=_check_config)
     p = sub.add_parser("demo", help="run a small workload through the real tick and explain it")
     p.add_argument("--config", default=str(EXAMPLE_CONFIG))
-    p.add_argument("--ticks", type=int, default=2)
+    p.add_argument("--ticks", type=_positive_int, default=2)
     p.set_defaults(func=_demo)
     p = sub.add_parser("simulate", help="run a workload trace through the real tick on a "
                        "virtual clock and compare scheduling policies")
@@ -470,9 +519,9 @@ def main(argv=None):
                    help="trace format (default: .swf files are SWF, others JSON lines)")
     p.add_argument("--resource", help="utilisation on this resource (default: all gpu:*, "
                    "else cpu)")
-    p.add_argument("--swf-resource", default="cpu",
+    p.add_argument("--swf-resource",
                    help="SWF: the resource one processor asks for (default cpu)")
-    p.add_argument("--swf-per-proc", default="1",
+    p.add_argument("--swf-per-proc",
                    help="SWF: quantity of --swf-resource per processor (default 1)")
     p.add_argument("--swf-queue", help="SWF: queue of every job (default: the default queue)")
     p.add_argument("--skip-unfit", action="store_true",
@@ -511,10 +560,10 @@ def main(argv=None):
                        "restarted when it dies, metrics; until SIGTERM/SIGINT "
                        "(docs/operations.md)")
     p.add_argument("--config", required=True, help="the config file")
-    p.add_argument("--start-timeout", type=float,
+    p.add_argument("--start-timeout", type=_positive_seconds,
                    help="seconds a shard may take to serve after its start (default: "
                    "supervisor.start_timeout, 60)")
-    p.add_argument("--stop-timeout", type=float,
+    p.add_argument("--stop-timeout", type=_positive_seconds,
                    help="seconds the shards get after SIGTERM before SIGKILL (default: "
                    "supervisor.stop_timeout, 15)")
     p.set_defaults(func=_serve)
@@ -544,11 +593,9 @@ def main(argv=None):
     p.set_defaults(func=_keys_generate)
     register_commands(sub)      # config check, submit, status, explain, abort, top, watch, queue
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except LeaseholdError as exc:
-        print(f"leasehold: {exc.code}: {exc}", file=sys.stderr)
-        return 2
+    # Every command behind the user commands' guard: an error is one line
+    # ``leasehold: CODE: message`` and its exit code, Ctrl-C is 130, never a traceback.
+    return guard(args.func)(args)
 
 
 if __name__ == "__main__":

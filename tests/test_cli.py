@@ -1,5 +1,8 @@
 """The leasehold command line: it works on the example and fails loudly on bad input."""
 
+import pytest
+
+import engine.cli
 from engine.cli import main
 
 
@@ -29,3 +32,96 @@ def test_demo_runs_the_real_tick_and_explains_the_waits(capsys):
     assert "0 refused" in out and "refused ['ABORTED', 'COMPLETED'] x2" in out
     assert "[finalize] -> cpu-pool/worker-cpu-pool (generation 1)" in out
     assert "etl0/step0 attempt 1: cluster cpu-pool, worker worker-cpu-pool, FAILED OOM" in out
+
+
+@pytest.mark.parametrize("exc, code, status", [
+    (RuntimeError("boom"), "INTERNAL: RuntimeError: boom (a bug", 2),
+    (FileNotFoundError(2, "No such file or directory", "/x"), "UNAVAILABLE: ", 2),
+    (KeyboardInterrupt(), "INTERRUPTED: stopped (Ctrl-C)", 130),
+])
+def test_every_command_fails_in_one_line_without_a_traceback(monkeypatch, capsys, exc, code,
+                                                            status):
+    # The commands of engine/cli.py (check-config, simulate, shard, serve, keys, ...) go
+    # through the same guard as the user commands: no traceback reaches the user.
+    def fail(args):
+        raise exc
+    monkeypatch.delenv("LEASEHOLD_TRACEBACK", raising=False)
+    monkeypatch.setattr(engine.cli, "_check_config", fail)
+    assert main(["check-config"]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: {code}") and err.count("\n") == 1, err
+
+
+def _insecure_config(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'resources = ["cpu"]\n[clusters.a]\n[storage]\npath = "{tmp_path}/data"\n'
+                   f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
+                   f"[security]\ninsecure = true\n")
+    return cfg
+
+
+@pytest.mark.parametrize("index", ["1", "-1"])
+def test_shard_index_out_of_range_names_the_flag(tmp_path, capsys, index):
+    cfg = _insecure_config(tmp_path)
+    assert main(["shard", "--config", str(cfg), "--shard", index]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"leasehold: INVALID_ARGUMENT: --shard {index}: {cfg} has 1 endpoint(s) in "
+                   f"transport.endpoints (0..0)\n")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("flag", ["--start-timeout", "--stop-timeout"])
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e300", "7x"])
+def test_serve_refuses_a_bad_timeout_flag(tmp_path, capsys, flag, value):
+    cfg = _insecure_config(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--config", str(cfg), flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value!r} is not a number of seconds > 0 and at most " \
+        f"315360000 (10 years)" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--role", "worker", "--cluster", "bad name"],
+     "--cluster 'bad name': a cluster name of letters, digits, '_', '.', '-'"),
+    (["--role", "client", "--tenant", "acme", "--tenant", "a b"],
+     "--tenant 'a b': a tenant prefix org, org/project or org/project/domain"),
+    (["--role", "client", "--tenant", "a/b/c/d"],
+     "--tenant 'a/b/c/d': a tenant prefix org, org/project or org/project/domain"),
+])
+def test_keys_generate_refuses_what_the_config_would_refuse(tmp_path, capsys, extra, message):
+    # The printed [security.peers] lines must load: a bad cluster or tenant is refused
+    # before any key is written.
+    assert main(["keys", "generate", "--dir", str(tmp_path / "k"), "--name", "x", *extra]) == 2
+    assert capsys.readouterr().err == f"leasehold: INVALID_ARGUMENT: {message}\n"
+    assert not (tmp_path / "k").exists()
+
+
+def test_keys_generate_names_a_dir_it_cannot_use(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for d, why in ((afile, "File exists"), (afile / "sub", "Not a directory")):
+        assert main(["keys", "generate", "--dir", str(d), "--name", "x"]) == 2
+        assert capsys.readouterr().err == (f"leasehold: INVALID_ARGUMENT: --dir {d}: cannot "
+                                           f"write the key pair there: {why}\n")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "7x"])
+def test_a_request_timeout_must_be_positive(tmp_path, capsys, value):
+    # 0 used to be taken: every request then failed "not connected within 0.0s".
+    cfg = _insecure_config(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["status", "a/b/c/d/e", "--config", str(cfg), "--request-timeout", value])
+    assert info.value.code == 2
+    assert f"argument --request-timeout: {value!r} is not a number of seconds > 0" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ticks", ["0", "-5", "x"])
+def test_demo_needs_at_least_one_tick(capsys, ticks):
+    # -5 used to run no tick and print the waits as if that were the demo.
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--ticks", ticks])
+    assert info.value.code == 2
+    assert f"argument --ticks: {ticks!r} is not an integer >= 1" in capsys.readouterr().err

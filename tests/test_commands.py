@@ -500,6 +500,19 @@ def test_an_unreachable_shard_is_one_line_and_exit_2(tmp_path):
     assert "within 0.5s" in one_error_line(out, "UNAVAILABLE")
 
 
+def test_a_spec_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(tmp=tmp_path, port=_free_port(),
+                                 security="[security]\ninsecure = true"))
+    specs = tmp_path / "specs.jsonl"
+    specs.write_bytes(b'{"id": "a/b/c/d/e"}\n\xff\n')
+    out = cli("submit", specs, "--config", cfg, "--request-timeout", "0.5")
+    assert out.returncode == 2
+    assert one_error_line(out, "INVALID_ARGUMENT") == (
+        f"leasehold: INVALID_ARGUMENT: {specs}: not UTF-8 text (invalid start byte at "
+        f"byte 20)")
+
+
 def test_an_idle_workers_heartbeat_refreshes_the_free_capacity_it_reports(env):
     # A worker reported 2 cpu free while a 6-cpu action ran; once idle, its empty
     # heartbeats say 8 again, and the gang that needs all 8 is placed.

@@ -346,9 +346,9 @@ def test_max_accelerators_needs_a_configured_device(key):
         ("[engine]\nmax_candidates = 0\n",
          ["engine.max_candidates", "0 is invalid", "allowed: an integer >= 1"]),
         ("[engine]\ndispatch_capacity = -1\n",
-         ["engine.dispatch_capacity", "-1", "allowed: an integer >= 1"]),
+         ["engine.dispatch_capacity", "-1", "allowed: an integer from 1 to 2147483647"]),
         ("[engine]\ninitial_capacity = 8\n",
-         ["engine.initial_capacity", "8 is invalid", "allowed: an integer >= 16"]),
+         ["engine.initial_capacity", "8 is invalid", "allowed: an integer from 16 to 2147483647"]),
         ('[engine]\nresource_gate = "on"\n',
          ["engine.resource_gate", "'on'", "allowed: enforce, off"]),
         ("[engine]\ndefault_queue = 3\n", ["engine.default_queue", "3 is invalid", "allowed:"]),
@@ -493,6 +493,15 @@ def test_load_bad_toml(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(info.value).startswith(f"{path}: invalid TOML")
+
+
+def test_load_a_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b'resources = ["cpu"]\n\xff\xfe\x00')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: invalid TOML: not UTF-8 text (invalid start byte "
+                               f"at byte 20)")
 
 
 def test_load_errors_name_the_file(tmp_path):
@@ -808,3 +817,82 @@ def test_tenant_errors_name_the_key(snippet, fragments):
     # A top-level key goes before the tables (after them it would be [clusters.west]'s).
     text = BASE + snippet + "\n" if snippet.startswith("[") else snippet + "\n" + BASE
     config_error(text, *fragments)
+
+
+@pytest.mark.parametrize("snippet, fragments", [
+    ("[engine]\nheartbeat_interval = 1e300\n",
+     ["engine.heartbeat_interval: 1e+300 is invalid; allowed: a number of seconds > 0 and "
+      "at most 315360000 (10 years)"]),
+    ("[engine]\nfinalize_timeout = 1e10\n", ["engine.finalize_timeout: 10000000000.0"]),
+    ("[engine]\nexpiry_jitter = 1e12\n", ["engine.expiry_jitter", "10 years"]),
+    ("[storage]\nclaim_ttl = 1e300\n", ["storage.claim_ttl", "10 years"]),
+    ("[storage]\nretention = 1e300\n", ["storage.retention", "10 years"]),
+    ('[storage]\nretention = "4000d"\n', ["storage.retention: '4000d' is invalid", "10 years"]),
+    ("[supervisor]\nstart_timeout = 1e300\n", ["supervisor.start_timeout", "10 years"]),
+    ("[engine]\nheartbeat_interval = 1e6\nexpiry_missed_beats = 1000\n",
+     ["engine.expiry_missed_beats: 1000 is invalid; allowed: heartbeat_interval x "
+      "expiry_missed_beats + expiry_jitter (the lease ttl, 1000000002.0s here) at most "
+      "315360000 (10 years)"]),
+    ("[engine]\nexpiry_missed_beats = 4611686018427387904\n", ["engine.expiry_missed_beats"]),
+])
+def test_absurd_durations_are_refused_before_they_overflow_the_clock(snippet, fragments):
+    # Times become int64 nanoseconds on the clock (now + ttl): 1e300 seconds used to pass
+    # the check and fail the engine's start with an OverflowError.
+    config_error(BASE + snippet, *fragments)
+
+
+def test_ten_years_is_the_longest_duration():
+    cfg = parse(BASE + '[storage]\nretention = "3650d"\nclaim_ttl = 315360000\n')
+    assert cfg.storage.retention == cfg.storage.claim_ttl == 315360000.0
+
+
+@pytest.mark.parametrize("snippet, fragment", [
+    ("[engine]\ninitial_capacity = 4611686018427387904\n",
+     "engine.initial_capacity: 4611686018427387904 is invalid; allowed: an integer from 16 "
+     "to 2147483647 (rows are int32)"),
+    ("[engine]\ndispatch_capacity = 2147483648\n",
+     "engine.dispatch_capacity: 2147483648 is invalid; allowed: an integer from 1 to "
+     "2147483647 (rows are int32)"),
+    ("[transport]\nhwm = 4611686018427387904\n",
+     "transport.hwm: 4611686018427387904 is invalid; allowed: an integer from 1 to "
+     "2147483647 (a ZeroMQ int)"),
+])
+def test_sizes_past_their_type_are_refused_naming_the_key(snippet, fragment):
+    # They used to pass the check, then fail the engine's or the socket's start with a
+    # MemoryError, a ValueError ("array is too big") or an OverflowError.
+    config_error(BASE + snippet, fragment)
+
+
+def test_the_largest_sizes_are_accepted():
+    cfg = parse(BASE + "[engine]\ndispatch_capacity = 2147483647\n"
+                "[transport]\nhwm = 2147483647\n")
+    assert cfg.engine.dispatch_capacity == cfg.transport.hwm == 2**31 - 1
+
+
+def test_a_map_size_above_the_default_max_names_map_size():
+    # It used to say "storage.max_map_size: None is invalid" (a key the file does not set).
+    config_error(BASE + '[storage]\nmap_size = "128Gi"\n',
+                 "storage.map_size: '128Gi' is invalid; allowed: a size <= "
+                 "storage.max_map_size (68719476736 bytes, its default)")
+    config_error(BASE + '[storage]\nmap_size = "2Gi"\nmax_map_size = "1Gi"\n',
+                 "storage.max_map_size: '1Gi' is invalid; allowed: a size >= storage.map_size")
+
+
+@pytest.mark.parametrize("endpoints, fragment", [
+    ('["tcp://127.0.0.1:7700", "tcp://127.0.0.1:7700"]',
+     "transport.endpoints: 'tcp://127.0.0.1:7700' is invalid; allowed: each endpoint once "
+     "(shards 0 and 1 would bind the same one)"),
+    ('["ipc:///tmp/s", "tcp://h:1", "ipc:///tmp/s"]', "(shards 0 and 2 would bind the same one)"),
+    ('["tcp://127.0.0.1:99999"]',
+     "transport.endpoints: 'tcp://127.0.0.1:99999' is invalid; allowed: a tcp port 0..65535"),
+])
+def test_endpoints_that_cannot_all_bind_are_refused(endpoints, fragment):
+    # They passed the check; the second shard then failed "Address already in use" at its
+    # start (and the supervisor restarted it), a port past 65535 failed every bind.
+    config_error(BASE + f"[transport]\nendpoints = {endpoints}\n", fragment)
+
+
+def test_ephemeral_endpoints_may_repeat():
+    eps = ["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]
+    assert parse(BASE + f"[transport]\nendpoints = {eps!r}\n".replace("'", '"')
+                 ).transport.endpoints == tuple(eps)

@@ -433,3 +433,14 @@ def test_the_devbox_runs_its_example_workload_end_to_end(tmp_path):
     # Everything it started is gone, and its directory stays (it was given).
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert (box / "leasehold.toml").exists() and (box / "logs" / "worker.log").exists()
+
+
+def test_the_devbox_names_a_dir_it_cannot_use(tmp_path, capsys):
+    from engine.cli import main
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for d, why in ((afile, "not a directory"),
+                   (afile / "sub", "cannot make it: Not a directory")):
+        assert main(["devbox", "--dir", str(d)]) == 2
+        assert capsys.readouterr().err == f"leasehold: INVALID_ARGUMENT: --dir {d}: {why}\n"
+    assert afile.read_text() == ""

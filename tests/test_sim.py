@@ -316,3 +316,24 @@ def test_an_instant_cut_short_by_the_candidate_budget_is_ticked_again():
     assert r.series["queued"][1] == 2                   # only the GPU jobs still queued at 1
     # Waits: 0, 99 and 109 (the GPU jobs after job 0, one after the other), 0 (the CPU job).
     assert r.mean_wait_s == pytest.approx((0 + 99 + 109 + 0) / 4)
+
+
+@pytest.mark.parametrize("flag, value", [("--swf-resource", "gpu:H100"),
+                                         ("--swf-per-proc", "2"), ("--swf-queue", "batch")])
+def test_cli_refuses_swf_flags_for_a_json_lines_trace(tmp_path, capsys, flag, value):
+    # They used to be ignored without a word: the run was not what was asked for.
+    path = _trace_file(tmp_path)
+    assert main(["simulate", str(path), *EXAMPLE, flag, value]) == 2
+    assert capsys.readouterr().err == (
+        f"leasehold: INVALID_ARGUMENT: {flag} is for SWF traces; {path} is read as JSON lines "
+        f"(--format swf, or a .swf file)\n")
+
+
+def test_cli_checks_the_plot_path_before_simulating(tmp_path, capsys, monkeypatch):
+    path = _trace_file(tmp_path)
+    monkeypatch.setattr("engine.cli.simulate", lambda *a, **k: pytest.fail("simulated"))
+    for plot, why in ((tmp_path / "none" / "x.png", "its directory does not exist"),
+                      (tmp_path, "a directory, not a file")):
+        assert main(["simulate", str(path), *EXAMPLE, "--plot", str(plot)]) == 2
+        assert capsys.readouterr().err == (f"leasehold: INVALID_ARGUMENT: --plot {plot}: "
+                                           f"{why}\n")

@@ -363,10 +363,13 @@ def _load_file(path):
         raise CommandError("INVALID_ARGUMENT", f"{path}: a .json, .jsonl or .toml file of "
                            f"action specs (docs/cli.md), not {kind or 'no suffix'}")
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise CommandError("INVALID_ARGUMENT", f"cannot read {path}: "
                            f"{exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CommandError("INVALID_ARGUMENT", f"{path}: not UTF-8 text ({exc.reason} at "
+                           f"byte {exc.start})") from None
     try:
         if kind == ".toml":
             data = tomllib.loads(text)

@@ -104,11 +104,17 @@ class Devbox:
     def prepare(self):
         """Write the config (sized from this machine) and the keys."""
         if not self.temporary:
+            if self.dir.exists() and not self.dir.is_dir():
+                raise SpecError(f"--dir {self.dir}: not a directory")
             if self.dir.exists() and any(self.dir.iterdir()):
                 raise DevboxError(f"--dir {self.dir} is not empty: give a new or empty "
                                   f"directory (the devbox makes its store, keys and config "
                                   f"there)")
-            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SpecError(f"--dir {self.dir}: cannot make it: "
+                                f"{exc.strerror or exc}") from None
         self.logs.mkdir()
         keys = self.dir / "keys"
         generate_keypair(keys, "shard")

@@ -263,7 +263,9 @@ def status_path(config, shard_index):
 
 
 class StatusError(LeaseholdError):
-    """A status file cannot be read (missing, not a status file, cut short)."""
+    """A status file cannot be read (missing, not a status file, cut short) or made."""
+
+    code = "UNAVAILABLE"
 
 
 class StatusLayoutError(StatusError):
