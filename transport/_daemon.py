@@ -216,7 +216,10 @@ class Worker:
         self._held = {}             # token -> _Held
         self._timers = []           # (due monotonic, seq, token, bound)
         self._seq = 0
-        self._reports = {}          # shard index -> [(token, code, detail)]
+        # The turn's reports, shard index -> ({token: code}, {token: detail}): one row a
+        # token, the latest (a RUNNING and the outcome of one attempt in one turn: the
+        # outcome says both), in the order of those latest reports.
+        self._reports = {}
         self._inflight = {}         # (shard index, rid) -> REPORT message sent
         # A LEASES message's groups share one spec map per group: parsed once, and each
         # ActionSpec's pods and demand made once (by identity, the last ones seen kept).
@@ -692,31 +695,38 @@ class Worker:
     # ------------------------------------------------------------------ reports
 
     def _report(self, h, code, detail=None):
-        self._reports.setdefault(h.shard, []).append((h.token, code, detail))
+        rows = self._reports.get(h.shard)
+        if rows is None:
+            rows = self._reports[h.shard] = ({}, {})
+        codes, details = rows
+        token = h.token
+        if token in codes:
+            if code == _INITIALIZING:
+                return          # it says no more than what was reported already
+            del codes[token]    # the latest goes last
+            details.pop(token, None)
+        codes[token] = code
+        if detail is not None:
+            details[token] = detail
 
     def _flush_reports(self):
-        for index, rows in self._reports.items():
-            if not rows:
+        for index, (codes, details) in self._reports.items():
+            if not codes:
                 continue
             sh = self._shards[index]
-            # A RUNNING and the outcome of one attempt in one turn: the outcome says both.
-            last = {}
-            for k, (token, code, _d) in enumerate(rows):
-                if code != _INITIALIZING or token not in last:
-                    last[token] = k
-            keep = [r for k, r in enumerate(rows) if last[r[0]] == k]
-            tokens = b"".join(r[0] for r in keep)
-            codes = np.fromiter((r[1] for r in keep), np.uint8, len(keep))
-            details = {k: r[2] for k, r in enumerate(keep) if r[2] is not None}
-            self._reports[index] = []
+            tokens = b"".join(codes)
+            phases = np.fromiter(codes.values(), np.uint8, len(codes))
+            rows = {k: details[t] for k, t in enumerate(codes) if t in details} \
+                if details else None
+            self._reports[index] = ({}, {})
             if sh.lost_at is not None:
                 continue        # the shard was lost: it expired these leases itself
             try:
-                msgs = sh.conn.send_report(tokens, codes, details or None)
+                msgs = sh.conn.send_report(tokens, phases, rows)
             except ShardTimeout as exc:
                 log.error("worker %s: %s", self.name, exc)
                 continue
-            self._count("reports", len(keep))
+            self._count("reports", len(codes))
             self._track(sh, msgs)
 
     def _track(self, sh, msgs):
