@@ -45,7 +45,7 @@ from transport._plugins import (
     PluginError,
     Pod,
     UserError,
-    frozen_instance,
+    make_attempt,
 )
 from transport._worker import ShardError, ShardTimeout, WorkerConnection, lease_rows
 
@@ -551,10 +551,8 @@ class Worker:
                 workdir.mkdir(parents=True, exist_ok=True)
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-        return frozen_instance(Attempt, {
-            "key": h.token, "action": h.action, "attempt": h.number, "spec": spec,
-            "execute": ex, "pods": pods, "workdir": workdir, "log_path": log_path,
-            "input_ref": h.input_ref, "env": h.env})
+        return make_attempt(h.token, h.action, h.number, spec, ex, pods, workdir, log_path,
+                            h.input_ref, h.env)
 
     def _paths(self, action, attempt):
         # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.
