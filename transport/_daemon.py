@@ -45,9 +45,9 @@ from transport._plugins import (
     PluginError,
     Pod,
     UserError,
-    frozen_instance,
+    make_attempt,
 )
-from transport._worker import ShardError, ShardTimeout, WorkerConnection, leases_of
+from transport._worker import ShardError, ShardTimeout, WorkerConnection, lease_rows
 
 __all__ = ["Worker", "measured_capacity", "run_worker"]
 
@@ -55,6 +55,12 @@ log = logging.getLogger("leasehold.worker")
 
 _RUNNING = PHASE_CODE[Phase.RUNNING]
 _INITIALIZING = PHASE_CODE[Phase.INITIALIZING]
+# Enum members read once: ``Phase.RUNNING`` is a metaclass lookup (~0.2 us), paid several
+# times an action on the hot path otherwise.
+_PHASE_INITIALIZING = Phase.INITIALIZING
+_PHASE_RUNNING = Phase.RUNNING
+_PHASE_SUCCEEDED = Phase.SUCCEEDED
+_FINALIZE = LeaseKind.FINALIZE
 _SPEC_CACHE = 256           # parsed specs kept, by the identity of their wire map
 _OUTCOME_COUNTER = {Phase.SUCCEEDED: "succeeded", Phase.FAILED: "failed",
                     Phase.TIMED_OUT: "timed_out"}
@@ -79,21 +85,31 @@ def measured_capacity(resources, work_dir="."):
 
 
 class _Held:
-    """One lease this worker holds."""
+    """One lease this worker holds: the fields of its lease (``transport.Lease``: ``number``
+    is its attempt number, ``spec`` its spec map; the worker makes no Lease object, one a
+    lease was ~1 us and two objects for the garbage collector to trace) and its attempt."""
 
-    __slots__ = ("lease", "shard", "attempt", "plugin", "phase", "started", "demand",
-                 "cleanup", "finalize")
+    __slots__ = ("token", "action", "number", "spec", "input_ref", "env", "deadline_ns",
+                 "queued_deadline_ns", "finalize", "shard", "attempt", "plugin", "phase",
+                 "demand", "cleanup")
 
-    def __init__(self, lease, shard):
-        self.lease = lease
+    def __init__(self, shard, action, token, kind, number, spec, input_ref, deadline_ns,
+                 queued_deadline_ns, env):
+        self.token = token
+        self.action = action
+        self.number = number
+        self.spec = spec
+        self.input_ref = input_ref
+        self.env = env
+        self.deadline_ns = deadline_ns
+        self.queued_deadline_ns = queued_deadline_ns
+        self.finalize = kind == _FINALIZE
         self.shard = shard
         self.attempt = None
         self.plugin = None
-        self.phase = Phase.INITIALIZING
-        self.started = time.monotonic()
+        self.phase = _PHASE_INITIALIZING
         self.demand = None
         self.cleanup = False
-        self.finalize = lease.kind == LeaseKind.FINALIZE
 
 
 @dataclass
@@ -200,7 +216,10 @@ class Worker:
         self._held = {}             # token -> _Held
         self._timers = []           # (due monotonic, seq, token, bound)
         self._seq = 0
-        self._reports = {}          # shard index -> [(token, code, detail)]
+        # The turn's reports, shard index -> ({token: code}, {token: detail}): one row a
+        # token, the latest (a RUNNING and the outcome of one attempt in one turn: the
+        # outcome says both), in the order of those latest reports.
+        self._reports = {}
         self._inflight = {}         # (shard index, rid) -> REPORT message sent
         # A LEASES message's groups share one spec map per group: parsed once, and each
         # ActionSpec's pods and demand made once (by identity, the last ones seen kept).
@@ -393,8 +412,7 @@ class Worker:
 
     def _on_message(self, sh, msg, now):
         if isinstance(msg, p.Leases):
-            for lease in leases_of(msg):
-                self._on_lease(sh, lease, now)
+            self._on_leases(sh, msg, now)
         elif isinstance(msg, p.Refused):
             sent, at = self._inflight.pop((sh.index, msg.rid), (None, 0.0)) \
                 if msg.rid is not None else (None, 0.0)
@@ -440,43 +458,64 @@ class Worker:
                 continue
             self._count("refused")
             log.info("worker %s: shard refused %s attempt %s (%s): stopping it", self.name,
-                     h.lease.action, h.lease.attempt, verdict.name)
+                     h.action, h.number, verdict.name)
             self._stop_attempt(h, f"token refused ({verdict.name})")
             self._forget(h)
 
-    def _on_lease(self, sh, lease, now):
-        if lease.token in self._held:
-            return              # a duplicate push of a lease we run
-        h = _Held(lease, sh.index)
-        self._held[lease.token] = h
-        if h.finalize:
-            self._count("finalize")
-            self._finalize(h)
-            return
-        self._count("leases")
-        if self._drain.is_set():
-            self._end(h, Outcome.system("EVICTED", f"worker {self.name} is draining"), now)
-            return
+    def _on_leases(self, sh, msg, now):
+        """Hold and start the leases of a LEASES message, in order. What starting one needs
+        of its spec (parsed, its plugin, demand and pods) is worked out once a group."""
+        held = self._held
+        counts = self._counts
+        index = sh.index
+        made = {}                   # id(spec map) -> what _how returned
+        for action, token, kind, number, spec, ref, d, q, env, _nodes in lease_rows(msg):
+            if token in held:
+                continue            # a duplicate push of a lease we run
+            h = _Held(index, action, token, kind, number, spec, ref, d, q, env)
+            held[token] = h
+            if h.finalize:
+                counts["finalize"] += 1
+                self._finalize(h)
+                continue
+            counts["leases"] += 1
+            if self._drain.is_set():
+                self._end(h, Outcome.system("EVICTED", f"worker {self.name} is draining"),
+                          now)
+                continue
+            self._start(h, made, now)
+
+    def _how(self, h):
+        """``(spec, execute, plugin, demand, pods)`` of a lease: raises UserError,
+        PluginError or SpecError when it cannot start."""
+        spec = self._spec(h.spec)
+        ex = spec.execute
+        name = ex.plugin if ex is not None else self.settings.default_plugin
+        if name is None:
+            raise UserError(f"action {h.action} declares no execute and worker "
+                            f"{self.name} has no worker.default_plugin")
+        plugin = self.plugins.get(name)
+        if plugin is None:
+            raise PluginError(f"worker {self.name} has no {name} plugin "
+                              f"(it has {', '.join(self.plugins)})", cause="NO_PLUGIN")
+        if ex is None:
+            ex = Execution(plugin=name)
+        demand, pods = self._shape(spec)
+        return spec, ex, plugin, demand, pods
+
+    def _start(self, h, made, now):
         try:
-            spec = self._spec(lease.spec)
-            ex = spec.execute
-            name = ex.plugin if ex is not None else self.settings.default_plugin
-            if name is None:
-                raise UserError(f"action {lease.action} declares no execute and worker "
-                                f"{self.name} has no worker.default_plugin")
-            plugin = self.plugins.get(name)
-            if plugin is None:
-                raise PluginError(f"worker {self.name} has no {name} plugin "
-                                  f"(it has {', '.join(self.plugins)})", cause="NO_PLUGIN")
-            if ex is None:
-                ex = Execution(plugin=name)
-            h.demand, pods = self._shape(spec)
-            att = self._attempt(lease, spec, ex, plugin, pods)
+            how = made.get(id(h.spec))
+            if how is None:         # a failure is not kept: each lease reports its own
+                how = made[id(h.spec)] = self._how(h)
+            spec, ex, plugin, demand, pods = how
+            h.demand = demand
+            att = self._attempt(h, spec, ex, plugin, pods)
             h.attempt, h.plugin = att, plugin
             h.cleanup = plugin.finalizes
-            held = self._held_shapes.get(id(h.demand))
+            held = self._held_shapes.get(id(demand))
             if held is None:
-                self._held_shapes[id(h.demand)] = [h.demand, 1]
+                self._held_shapes[id(demand)] = [demand, 1]
             else:
                 held[1] += 1
             self._arm(h, spec, now)
@@ -491,20 +530,20 @@ class Worker:
             self._end(h, Outcome.user(f"the lease's spec: {exc}", recoverable=False), now)
             return
         except Exception as exc:    # a plugin's bug: this attempt fails, the worker goes on
-            log.exception("worker %s: starting %s failed", self.name, lease.action)
-            self._count("plugin_errors")
+            log.exception("worker %s: starting %s failed", self.name, h.action)
+            self._counts["plugin_errors"] += 1
             self._end(h, Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}"), now)
             return
-        self._count("started")
+        self._counts["started"] += 1
         self._report(h, _INITIALIZING)
 
     def _spec(self, wire):
         return self._specs.get(wire, ActionSpec.from_dict)
 
-    def _attempt(self, lease, spec, ex, plugin, pods):
+    def _attempt(self, h, spec, ex, plugin, pods):
         workdir = log_path = None
         if plugin.finalizes or plugin.logs:
-            workdir, log_path = self._paths(lease.action, lease.attempt)
+            workdir, log_path = self._paths(h.action, h.number)
             # A workdir only where a finalize lease will remove it.
             workdir = workdir if plugin.finalizes else None
             log_path = log_path if plugin.logs else None
@@ -512,10 +551,8 @@ class Worker:
                 workdir.mkdir(parents=True, exist_ok=True)
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-        return frozen_instance(Attempt, {
-            "key": lease.token, "action": lease.action, "attempt": lease.attempt, "spec": spec,
-            "execute": ex, "pods": pods, "workdir": workdir, "log_path": log_path,
-            "input_ref": lease.input_ref, "env": lease.env})
+        return make_attempt(h.token, h.action, h.number, spec, ex, pods, workdir, log_path,
+                            h.input_ref, h.env)
 
     def _paths(self, action, attempt):
         # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.
@@ -548,14 +585,15 @@ class Worker:
 
     def _arm(self, h, spec, now):
         t = spec.timeouts
-        wall = time.time_ns()
         if t.max_runtime is not None:
-            self._timer(now + float(t.max_runtime), h.lease.token, "max_runtime")
-        if h.lease.queued_deadline_ns is not None:
-            self._timer(now + (h.lease.queued_deadline_ns - wall) / 1e9, h.lease.token,
-                        "max_queued_time")
-        if h.lease.deadline_ns is not None:
-            self._timer(now + (h.lease.deadline_ns - wall) / 1e9, h.lease.token, "deadline")
+            self._timer(now + float(t.max_runtime), h.token, "max_runtime")
+        if h.queued_deadline_ns is None and h.deadline_ns is None:
+            return
+        wall = time.time_ns()
+        if h.queued_deadline_ns is not None:
+            self._timer(now + (h.queued_deadline_ns - wall) / 1e9, h.token, "max_queued_time")
+        if h.deadline_ns is not None:
+            self._timer(now + (h.deadline_ns - wall) / 1e9, h.token, "deadline")
 
     def _timer(self, due, token, bound):
         self._seq += 1
@@ -584,8 +622,8 @@ class Worker:
         if h is None:
             return              # stopped or refused meanwhile
         if ch.outcome is None:
-            if ch.phase == Phase.RUNNING and h.phase != Phase.RUNNING:
-                h.phase = Phase.RUNNING
+            if ch.phase == _PHASE_RUNNING and h.phase != _PHASE_RUNNING:
+                h.phase = _PHASE_RUNNING
                 self._report(h, _RUNNING)
             return
         self._end(h, ch.outcome, now)
@@ -593,17 +631,17 @@ class Worker:
     def _end(self, h, outcome, now):
         """Report ``outcome`` for ``h`` and let it go (its cleanup comes as a finalize)."""
         detail = None
-        if outcome.phase != Phase.SUCCEEDED:
+        if outcome.phase != _PHASE_SUCCEEDED:
             detail = {"error_kind": outcome.error_kind, "cause": outcome.cause,
                       "message": _message(outcome), "recoverable": outcome.recoverable}
-        self._count(_OUTCOME_COUNTER[outcome.phase])
+        self._counts[_OUTCOME_COUNTER[outcome.phase]] += 1
         if h.cleanup:
             detail = dict(detail or {}, cleanup=True)
         self._report(h, PHASE_CODE[outcome.phase], detail)
         self._forget(h)
 
     def _forget(self, h):
-        if self._held.pop(h.lease.token, None) is not None and h.demand is not None:
+        if self._held.pop(h.token, None) is not None and h.demand is not None:
             held = self._held_shapes[id(h.demand)]
             held[1] -= 1
             if not held[1]:
@@ -612,75 +650,81 @@ class Worker:
     def _stop_attempt(self, h, reason):
         if h.plugin is not None and h.attempt is not None:
             try:
-                h.plugin.stop(h.lease.token, reason)
+                h.plugin.stop(h.token, reason)
             except Exception:   # a plugin bug must not stop the worker
-                log.exception("worker %s: stopping %s failed", self.name, h.lease.action)
+                log.exception("worker %s: stopping %s failed", self.name, h.action)
             self._count("stopped")
 
     # ------------------------------------------------------------------ finalize
 
     def _finalize(self, h):
-        lease = h.lease
         for other in list(self._held.values()):
-            if (not other.finalize and other.lease.action == lease.action
-                    and other.lease.attempt == lease.attempt):
+            if (not other.finalize and other.action == h.action
+                    and other.number == h.number):
                 self._stop_attempt(other, "cleanup of an ended attempt")
                 self._forget(other)
-        workdir, _log = self._paths(lease.action, lease.attempt)
+        workdir, _log = self._paths(h.action, h.number)
         try:
-            spec = self._spec(lease.spec)
+            spec = self._spec(h.spec)
             name = spec.execute.plugin if spec.execute is not None \
                 else self.settings.default_plugin
             plugin = self.plugins.get(name) if name else None
             if plugin is not None and spec.execute is not None:
-                plugin.cleanup(self._attempt_for_cleanup(lease, spec))
+                plugin.cleanup(self._attempt_for_cleanup(h, spec))
             if workdir.exists():
                 shutil.rmtree(workdir)
             self._count("cleanups")
             outcome = Outcome.succeeded()
         except (PluginError, OSError, SpecError) as exc:
-            outcome = Outcome.system("CLEANUP_FAILED", f"cleanup of {lease.action} attempt "
-                                     f"{lease.attempt}: {exc}")
+            outcome = Outcome.system("CLEANUP_FAILED", f"cleanup of {h.action} attempt "
+                                     f"{h.number}: {exc}")
         detail = None if outcome.phase == Phase.SUCCEEDED else {
             "error_kind": outcome.error_kind, "cause": outcome.cause,
             "message": outcome.message}
         self._report(h, PHASE_CODE[outcome.phase], detail)
         self._forget(h)
 
-    def _attempt_for_cleanup(self, lease, spec):
-        workdir, log_path = self._paths(lease.action, lease.attempt)
-        return Attempt(key=lease.token, action=lease.action, attempt=lease.attempt,
+    def _attempt_for_cleanup(self, h, spec):
+        workdir, log_path = self._paths(h.action, h.number)
+        return Attempt(key=h.token, action=h.action, attempt=h.number,
                        spec=spec, execute=spec.execute, pods=(), workdir=workdir,
-                       log_path=log_path, input_ref=lease.input_ref, env=lease.env)
+                       log_path=log_path, input_ref=h.input_ref, env=h.env)
 
     # ------------------------------------------------------------------ reports
 
     def _report(self, h, code, detail=None):
-        self._reports.setdefault(h.shard, []).append((h.lease.token, code, detail))
+        rows = self._reports.get(h.shard)
+        if rows is None:
+            rows = self._reports[h.shard] = ({}, {})
+        codes, details = rows
+        token = h.token
+        if token in codes:
+            if code == _INITIALIZING:
+                return          # it says no more than what was reported already
+            del codes[token]    # the latest goes last
+            details.pop(token, None)
+        codes[token] = code
+        if detail is not None:
+            details[token] = detail
 
     def _flush_reports(self):
-        for index, rows in self._reports.items():
-            if not rows:
+        for index, (codes, details) in self._reports.items():
+            if not codes:
                 continue
             sh = self._shards[index]
-            # A RUNNING and the outcome of one attempt in one turn: the outcome says both.
-            last = {}
-            for k, (token, code, _d) in enumerate(rows):
-                if code != _INITIALIZING or token not in last:
-                    last[token] = k
-            keep = [r for k, r in enumerate(rows) if last[r[0]] == k]
-            tokens = b"".join(r[0] for r in keep)
-            codes = np.fromiter((r[1] for r in keep), np.uint8, len(keep))
-            details = {k: r[2] for k, r in enumerate(keep) if r[2] is not None}
-            self._reports[index] = []
+            tokens = b"".join(codes)
+            phases = np.fromiter(codes.values(), np.uint8, len(codes))
+            rows = {k: details[t] for k, t in enumerate(codes) if t in details} \
+                if details else None
+            self._reports[index] = ({}, {})
             if sh.lost_at is not None:
                 continue        # the shard was lost: it expired these leases itself
             try:
-                msgs = sh.conn.send_report(tokens, codes, details or None)
+                msgs = sh.conn.send_report(tokens, phases, rows)
             except ShardTimeout as exc:
                 log.error("worker %s: %s", self.name, exc)
                 continue
-            self._count("reports", len(keep))
+            self._count("reports", len(codes))
             self._track(sh, msgs)
 
     def _track(self, sh, msgs):

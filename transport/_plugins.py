@@ -53,6 +53,21 @@ def frozen_instance(cls, values):
     return obj
 
 
+def frozen_maker(cls):
+    """A function making an instance of the frozen dataclass ``cls`` from its fields, given
+    positionally in their order, without running ``__init__`` (as :func:`frozen_instance`).
+    Each field is stored in the instance's own values (no ``__dict__`` made): one object for
+    the garbage collector to trace, not two, for the objects made a lease (an attempt, its
+    changes)."""
+    names = [f.name for f in fields(cls)]
+    lines = [f"def make_{cls.__name__}({', '.join(names)}):", "    obj = _new(cls)"]
+    lines += [f"    _set(obj, {n!r}, {n})" for n in names]
+    lines.append("    return obj")
+    scope = {"_new": object.__new__, "_set": object.__setattr__, "cls": cls}
+    exec("\n".join(lines), scope)      # noqa: S102 (the source is made of field names)
+    return scope[f"make_{cls.__name__}"]
+
+
 class PluginError(LeaseholdError):
     """An attempt could not be started or run for a reason of the system (reported FAILED,
     SYSTEM, with ``cause``)."""
@@ -206,3 +221,7 @@ def make_plugins(options=None):
             plugin.close(0)
         raise
     return plugins
+
+
+make_attempt = frozen_maker(Attempt)
+make_change = frozen_maker(Change)

@@ -11,7 +11,7 @@ import random
 import time
 
 from engine._codes import Phase
-from transport._plugins import Change, Outcome, Plugin, PluginError, frozen_instance
+from transport._plugins import Outcome, Plugin, PluginError, make_change
 
 __all__ = ["SimPlugin"]
 
@@ -80,8 +80,7 @@ class SimPlugin(Plugin):
         changes = []
         live = self._live
         if self._new:
-            changes = [frozen_instance(Change, {"key": k, "phase": _RUNNING, "outcome": None})
-                       for k in self._new if k in live]
+            changes = [make_change(k, _RUNNING, None) for k in self._new if k in live]
             self._new = []
         heap = self._heap
         if heap:
@@ -94,8 +93,7 @@ class SimPlugin(Plugin):
                     continue
                 del live[key]
                 outcome = entry[1] or _SUCCEEDED
-                changes.append(frozen_instance(Change, {"key": key, "phase": outcome.phase,
-                                                        "outcome": outcome}))
+                changes.append(make_change(key, outcome.phase, outcome))
         return changes
 
     def due(self):

@@ -30,7 +30,7 @@ from transport import _protocol as p
 from transport._plugins import frozen_instance
 from transport._sockets import client_socket, send
 
-__all__ = ["WorkerConnection", "Lease", "ShardError", "ShardTimeout", "leases_of"]
+__all__ = ["WorkerConnection", "Lease", "ShardError", "ShardTimeout", "lease_rows", "leases_of"]
 
 
 class ShardError(LeaseholdError):
@@ -74,22 +74,31 @@ class Lease:
 
 def leases_of(msg):
     """The :class:`Lease` entries of a decoded LEASES message."""
+    return [frozen_instance(Lease, {
+                "action": action, "token": token, "kind": kind, "attempt": attempt,
+                "spec": spec, "input_ref": ref, "deadline_ns": d, "queued_deadline_ns": q,
+                "env": env, "nodes": hint})
+            for action, token, kind, attempt, spec, ref, d, q, env, hint in lease_rows(msg)]
+
+
+def lease_rows(msg):
+    """The leases of a decoded LEASES message as tuples of the fields of :class:`Lease`, in
+    its order: what :func:`leases_of` makes its objects of, for a caller (the worker's loop)
+    that keeps the fields without a Lease object."""
     n = msg.tokens.shape[0]
     raw = msg.tokens.astype("<u8", copy=False).tobytes()
     inputs = msg.inputs or itertools.repeat(None, n)
     nodes = msg.nodes or itertools.repeat(None, n)
     # Columns to Python lists in one call each (an element of an array read one at a
-    # time costs a numpy scalar, and the kind an enum call).
-    return [frozen_instance(Lease, {
-                "action": f"{g['run']}/{name}", "token": raw[24 * i:24 * i + 24],
-                "kind": _LEASE_KINDS[kind], "attempt": attempt, "spec": g["spec"],
-                "input_ref": ref, "deadline_ns": d if d >= 0 else None,
-                "queued_deadline_ns": q if q >= 0 else None, "env": g.get("env"),
-                "nodes": tuple(hint) if hint is not None else None})
-            for i, g, name, kind, attempt, d, q, ref, hint in zip(
-                range(n), [msg.groups[k] for k in msg.group.tolist()], msg.names,
+    # time costs a numpy scalar, and the kind an enum call); each group's fields read once.
+    groups = [(g["run"], g["spec"], g.get("env")) for g in msg.groups]
+    return ((f"{run}/{name}", raw[24 * i:24 * i + 24], _LEASE_KINDS[kind], attempt, spec,
+             ref, d if d >= 0 else None, q if q >= 0 else None, env,
+             tuple(hint) if hint is not None else None)
+            for i, (run, spec, env), name, kind, attempt, d, q, ref, hint in zip(
+                range(n), [groups[k] for k in msg.group.tolist()], msg.names,
                 msg.kind.tolist(), msg.attempt.tolist(), msg.deadline_ns.tolist(),
-                msg.queued_deadline_ns.tolist(), inputs, nodes, strict=True)]
+                msg.queued_deadline_ns.tolist(), inputs, nodes, strict=True))
 
 
 _LEASE_KINDS = {int(k): k for k in LeaseKind}
