@@ -1,5 +1,7 @@
 """The leasehold command line: it works on the example and fails loudly on bad input."""
 
+import time
+
 import pytest
 
 import engine.cli
@@ -125,3 +127,15 @@ def test_demo_needs_at_least_one_tick(capsys, ticks):
         main(["demo", "--ticks", ticks])
     assert info.value.code == 2
     assert f"argument --ticks: {ticks!r} is not an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_worker_with_no_shard_to_register_with_says_unavailable(tmp_path, capsys):
+    # No shard listens: the worker's REGISTER is not answered. That is the shard being
+    # unavailable (retry), not an internal error.
+    cfg = _insecure_config(tmp_path)
+    t0 = time.monotonic()
+    assert main(["worker", "--config", str(cfg), "--cluster", "a"]) == 2
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert err.startswith("leasehold: UNAVAILABLE: worker ") and "REGISTER" in err, err
+    assert err.count("\n") == 1, err

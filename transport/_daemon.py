@@ -31,8 +31,9 @@ import psutil
 import zmq
 
 from engine._codes import PHASE_CODE, LeaseKind, Phase, Verdict
+from engine._commands import CommandError
 from engine._config import Config, load_config
-from engine._errors import ConfigError, LeaseholdError, SpecError
+from engine._errors import ConfigError, SpecError
 from engine._execution import Execution
 from engine._model import ActionSpec
 from engine._nodes import node_index, unknown_node
@@ -875,4 +876,5 @@ def run_worker(config_path, cluster, name=None, slots=None, node=None):
     try:
         return w.serve()
     except (ShardTimeout, ShardError) as exc:
-        raise LeaseholdError(f"worker {w.name}: {exc}") from None
+        # The shard's code stays (UNAVAILABLE: no answer), not INTERNAL as if a bug.
+        raise CommandError(exc.code, f"worker {w.name}: {exc}") from None
