@@ -971,3 +971,29 @@ def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
         raw.close(0)
         ctx.term()
         h.close()
+
+
+def test_a_watch_of_an_evicted_log_is_lost_not_resumed_into_the_new_log(tmp_path):
+    """More runs watched than ``watch_runs`` evicts the least recently watched log; a later
+    WATCH of that run makes a new one. The first log's watcher, resuming from its last seq,
+    is told its events are gone (WatchLost) instead of being handed the new log's events
+    after that seq (the new log numbered from the same start: it missed the ones before)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_runs=1).start()
+    h.endpoint = h.shard.endpoint
+    try:
+        old = h.client()
+        old.subscribe(RUN)
+        old.enqueue(spec("a"))
+        assert old.next_event(timeout=3, refresh=10).action == f"{RUN}/a"
+        h.client().subscribe("acme/ml/prod/other")      # evicts RUN's log
+        new = h.client()
+        new.subscribe(RUN)                              # a new log of RUN
+        new.enqueue_many([spec("b"), spec("c")])
+        assert [new.next_event(timeout=3, refresh=10).action for _ in range(2)] == [
+            f"{RUN}/b", f"{RUN}/c"]
+        with pytest.raises(WatchLost, match="evicted"):
+            e = old.next_event(timeout=3, refresh=0.3)     # silence: it resumes
+            pytest.fail(f"resumed into the new log, over b's event: {e}")
+    finally:
+        h.close()
