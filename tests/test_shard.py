@@ -997,3 +997,40 @@ def test_a_watch_of_an_evicted_log_is_lost_not_resumed_into_the_new_log(tmp_path
             pytest.fail(f"resumed into the new log, over b's event: {e}")
     finally:
         h.close()
+
+
+class BuggyStore(MemoryStore):
+    """A memory store whose next commit raises something that is not a StoreError (a bug in
+    the store, a MemoryError) while ``broken`` is set, once."""
+
+    broken = False
+
+    def commit(self, batch):
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("injected: a bug in the store")
+        return super().commit(batch)
+
+
+def test_a_commit_failing_with_an_unexpected_error_on_the_committer_does_not_stop_the_shard(
+        tmp_path):
+    """A group commit on the committer thread that raises something other than a store
+    error (memory is restored all the same) fails its turn: UNAVAILABLE, and the shard
+    serves on, as it does when the same commit runs inline. It used to escape the loop
+    from the settling of the turn, and the shard thread died."""
+    store = BuggyStore()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 3.0
+        store.broken = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            c.enqueue(spec("a"))
+        assert c.enqueue(spec("b")) == f"{RUN}/b"
+        with pytest.raises(ShardError, match="NOT_FOUND"):
+            c.status(f"{RUN}/a")      # memory was restored: that enqueue never happened
+        assert h.shard.counters["failed_commits"] == 1
+    finally:
+        h.close()
+

@@ -434,6 +434,16 @@ class _Loop:
                       self.shard.name, exc)
             self.unavailable(box, f"the commit failed ({exc})")
             return
+        except Exception as exc:
+            # Anything else the store's commit raised (a bug in it, a MemoryError): the
+            # engine restored memory all the same, so it fails this turn like a store
+            # error. Raised here, it escaped the loop from settle_done (a commit on the
+            # committer thread is settled outside any turn) and the shard thread died.
+            self.shard._count("failed_commits")
+            log.exception("shard %s: commit failed, nothing of its turn sent",
+                          self.shard.name)
+            self.unavailable(box, f"the commit failed ({type(exc).__name__}: {exc})")
+            return
         self.flush(box)
 
     def unavailable(self, box, why):
