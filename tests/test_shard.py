@@ -1034,3 +1034,37 @@ def test_a_commit_failing_with_an_unexpected_error_on_the_committer_does_not_sto
     finally:
         h.close()
 
+
+def test_every_pushed_event_counts_as_sent_or_unsent_when_a_watcher_drops_mid_turn(tmp_path):
+    """A turn's events of one run go in several EVENTS messages (max_batch each); a watcher
+    whose queue fills on one of them is dropped, and its share of the later ones counts as
+    unsent too (it was counted for the first only: events + events_unsent fell short of
+    what the turn recorded)."""
+    data = {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
+            "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
+            "engine": {"default_queue": "q", "heartbeat_interval": 240.0},
+            "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+            "transport": {"endpoints": [f"ipc://{tmp_path}/shard.sock"], "hwm": 100,
+                          "max_batch": 1, "max_outstanding": 64},
+            "security": {"insecure": True}}
+    h = Harness(parse_config(data), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_ring=20000).start()
+    h.endpoint = h.shard.endpoint
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.rcvhwm = 1
+    try:
+        a = h.client()
+        raw.connect(h.endpoint)
+        raw.send_multipart(encode(Watch(rid=1, run=RUN, since=0)))
+        assert raw.poll(5000, zmq.POLLIN)       # answered: it watches (and reads no more)
+        raw.recv_multipart()
+        a.enqueue_fanout(spec("x"), [f"a{i}" for i in range(10000)])    # one turn
+        counters = a.ping()["counters"]
+        assert counters["events_unsent"] > 0
+        assert counters["events"] + counters["events_unsent"] == 10000
+    finally:
+        raw.close(0)
+        ctx.term()
+        h.close()

@@ -1137,8 +1137,12 @@ class _Loop:
         """Push ``{run: (watchers, events)}``: one EVENTS message a run a turn (its events
         are consecutive: nothing else numbers them), to each of its watchers."""
         for run, (watchers, events) in by_run.items():
+            dropped = 0         # watchers of the run dropped on an earlier message of it
             for msg in self._batches(run, events):
                 frames = p.encode(msg)
+                if dropped:
+                    # Their share of this message is unsent too (every event counts).
+                    self.shard._count("events_unsent", dropped * len(msg.actions))
                 for conn in list(watchers):
                     if send(self.sock, frames, conn):
                         self.shard._count("events", len(msg.actions))
@@ -1146,6 +1150,7 @@ class _Loop:
                         # Gone or too slow: it resumes with WATCH since=its last seq.
                         self.shard._count("events_unsent", len(msg.actions))
                         watchers.discard(conn)
+                        dropped += 1
 
 
 def _refused_copies(tokens, names, refused):
