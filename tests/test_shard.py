@@ -1068,3 +1068,44 @@ def test_every_pushed_event_counts_as_sent_or_unsent_when_a_watcher_drops_mid_tu
         raw.close(0)
         ctx.term()
         h.close()
+
+
+class SlowFlakyStore(MemoryStore):
+    """A memory store whose commits take ``delay`` seconds and fail while ``failing``."""
+
+    delay = 0.0
+    failing = False
+
+    def commit(self, batch):
+        time.sleep(self.delay)
+        if self.failing:
+            raise StoreError("injected: the disk said no")
+        return super().commit(batch)
+
+
+def test_a_watch_resume_answered_unavailable_keeps_the_watch_going(tmp_path):
+    """The WATCH a watcher re-sends after silence lands in a turn behind a commit that
+    fails: it is answered UNAVAILABLE (retry). That is no reason to end the watch (nor
+    ``Client.wait``): the watcher retries at its next refresh and sees the later events;
+    the ShardError used to escape from ``next_event``."""
+    store = SlowFlakyStore()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    try:
+        p = h.client()
+        c = h.client()
+        c.subscribe(RUN)
+        store.delay, store.failing = 1.0, True
+        t = threading.Thread(target=lambda: pytest.raises(ShardError, p.enqueue, spec("x")))
+        t.start()
+        try:
+            with pytest.raises(ShardTimeout):       # its refreshes meet the failing commit
+                c.next_event(timeout=1.5, refresh=0.2)
+        finally:
+            t.join(10)
+        store.delay, store.failing = 0.0, False
+        p.enqueue(spec("y"))
+        e = c.next_event(timeout=5, refresh=0.3)
+        assert (e.action, e.phase) == (f"{RUN}/y", "QUEUED")
+    finally:
+        h.close()

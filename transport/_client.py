@@ -406,7 +406,7 @@ class Client:
             while self._resync:
                 run = self._resync.pop()
                 if run in self._watching:
-                    self._resume(run)
+                    self._resume_or_retry(run)
             if runs is None:
                 if self._events:
                     return self._events.popleft()
@@ -430,10 +430,20 @@ class Client:
                     if run not in self._watching or id(link) in redone:
                         continue
                     try:
-                        self._resume(run)
+                        self._resume_or_retry(run)
                     except ShardTimeout:
                         redone.add(id(link))
                         self._reconnect_link(link)
+
+    def _resume_or_retry(self, run):
+        """:meth:`_resume`, where an UNAVAILABLE answer (the WATCH's turn was undone with a
+        failed commit: retry) leaves the watch as it was, to be resumed at the next silence;
+        it ended ``next_event`` (and ``wait``) with a ShardError."""
+        try:
+            self._resume(run)
+        except ShardError as exc:
+            if exc.code != "UNAVAILABLE":
+                raise
 
     def wait(self, actions, timeout=60.0):
         """Wait until every action (ids, one run or several, on one shard or several) is
