@@ -331,8 +331,8 @@ class _Loop:
         self.committer = None
         self.inflight = collections.deque()
         self.depth = cfg.transport.commit_pipeline
-        # Attempts recorded by turns whose records have not joined the watch log yet
-        # (cleared once nothing is in commit).
+        # Attempts recorded by this turn, whose records have not joined the watch log yet
+        # (the turn's outbox's; those of the turns in commit are in theirs, see attempt_of).
         self.attempts = {}
 
     # ------------------------------------------------------------------ the loop
@@ -406,7 +406,6 @@ class _Loop:
             self.settle(job)
         if not self.inflight:
             self.committer.resume()     # after a failure, once every skipped turn is back
-            self.attempts.clear()
 
     def settle(self, job):
         group, box = job.group, job.outbox
@@ -487,6 +486,10 @@ class _Loop:
         self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
             box.records
         self.new_leases = box.leases
+        # Per turn, so they go with its outbox once its records are in the log (one map for
+        # all turns, cleared only when no turn was in commit, grew without bound on a shard
+        # whose pipeline never emptied: an entry for every action of a watched run).
+        self.attempts = box.attempts
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
@@ -1072,10 +1075,18 @@ class _Loop:
         self.records.append((run, action, phase, attempt, now, detail))
 
     def attempt_of(self, run, action):
-        # The log learns this turn's records only after the commit: an attempt assigned
-        # earlier in the turn is in self.attempts, not yet in the log.
+        # The log learns a turn's records only after its commit: an attempt assigned earlier
+        # in this turn is in self.attempts, one of a turn still in commit in its outbox's
+        # (newest first; a discarded turn's do not count), not yet in the log.
         att = self.attempts.get(action)
-        return att if att is not None else self.watch.attempt_of(run, action)
+        if att is not None:
+            return att
+        for job in reversed(self.inflight):
+            if job.group.state == "pending":
+                att = job.outbox.attempts.get(action)
+                if att is not None:
+                    return att
+        return self.watch.attempt_of(run, action)
 
     def recheck(self):
         """Re-read the phase of actions the turn may have changed (reports, aborts) and,
@@ -1200,7 +1211,7 @@ class _Outbox:
     the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
     (for the status)."""
 
-    __slots__ = ("out", "pushes", "stops", "records", "leases", "batch", "now_ns")
+    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns")
 
     def __init__(self):
         self.out = []           # (routing id, message, request?)
@@ -1208,6 +1219,7 @@ class _Outbox:
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
         self.leases = []        # (lease id, generation, run, action) of watched run leases
+        self.attempts = {}      # action -> attempt of its records (until they join the log)
         self.batch = None
         self.now_ns = 0
 
