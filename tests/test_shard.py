@@ -18,6 +18,7 @@ from tests.conftest import free_port as _free_port
 from transport import (
     Client,
     ClientKeys,
+    Enqueue,
     Error,
     Ping,
     Refused,
@@ -1147,3 +1148,52 @@ def test_the_attempts_of_turns_in_commit_are_forgotten_once_their_turn_is_sent(t
         for t in threads:
             t.join(30)
         h.close()
+
+
+class ReadFailStore(MemoryStore):
+    """A memory store whose next read of a retained outcome fails while ``failing``, once."""
+
+    failing = False
+
+    def get(self, partition, db, key):
+        if self.failing and db == "retained":
+            self.failing = False
+            raise StoreError("injected: a read failed")
+        return super().get(partition, db, key)
+
+
+def test_the_request_a_turn_failed_on_and_those_after_it_are_answered_unavailable(tmp_path):
+    """A store error while a request is applied fails the whole turn; every request of it
+    is answered UNAVAILABLE (retry), the one that hit the error and those the turn had not
+    reached included. Only those already answered in the turn were: the others got
+    nothing, and their senders waited out their timeout."""
+    store = ReadFailStore()
+    h = Harness(base_config(tmp_path), store=store)
+    h.start()
+    ctx = zmq.Context()
+    try:
+        c = h.client()
+        c.timeout = 2.0
+        c.enqueue(spec("a"))
+        store.failing = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            c.enqueue(spec("b"))        # its retained-outcome check reads the store
+        assert c.enqueue(spec("b")) == f"{RUN}/b"
+        # A request behind the failing one in the same turn (when they arrive together) is
+        # answered too: UNAVAILABLE then, its answer otherwise.
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(h.endpoint)
+        store.failing = True
+        raw.send_multipart(encode(Enqueue(rid=1, specs=[spec("c")])))
+        raw.send_multipart(encode(Ping(rid=2)))
+        got = {}
+        while len(got) < 2 and raw.poll(3000, zmq.POLLIN):
+            msg = decode(raw.recv_multipart())
+            got[msg.rid] = msg
+        raw.close(0)
+        assert sorted(got) == [1, 2]
+        assert isinstance(got[1], Error) and got[1].code == "UNAVAILABLE"
+    finally:
+        h.close()
+        ctx.term()

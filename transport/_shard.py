@@ -458,6 +458,23 @@ class _Loop:
         for c in self.conns.values():
             c.outstanding = 0
 
+    def unreached(self, msgs, why):
+        """Answer UNAVAILABLE (retry) the requests among ``msgs`` that a failed turn did not
+        reach (nothing of them was applied)."""
+        for frames in msgs:
+            if len(frames) < 2:
+                continue
+            try:
+                msg = self.decoder.decode(frames[1:])
+            except p.ProtocolError as exc:
+                rid = exc.rid
+            else:
+                if msg.TYPE == p.MsgType.BYE:
+                    continue
+                rid = getattr(msg, "rid", None)
+            self.send(frames[0].bytes, p.Error(
+                rid=rid, code="UNAVAILABLE", message=f"shard {self.shard.name}: {why}; retry"))
+
     def publish_status(self):
         """The shared-memory status (transport/_status.py), after the turn's sends."""
         try:
@@ -493,13 +510,15 @@ class _Loop:
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
+        self.index = None           # the message being applied (None: none is)
         try:
             # Draining hands out this turn's own decisions: its leases wait in the outbox
             # until this group (which holds both the decisions and their hand-out) commits.
             with eng.deferred_turn(hand_out_own=True) as group:
                 for i, frames in enumerate(msgs):
-                    self.index = i
+                    self.index, self.answered = i, len(box.out)
                     self.handle(frames)
+                self.index = None
                 if self.want_tick:
                     t0 = time.perf_counter_ns()
                     placed = eng.schedule()
@@ -521,6 +540,13 @@ class _Loop:
             self.shard._count("failed_commits")
             log.error("shard %s: turn failed, nothing of it sent: %s", self.shard.name, exc)
             self.unavailable(box, f"the turn failed ({exc})")
+            if self.index is not None:
+                # It failed applying a message: that one (unless it was answered before it
+                # failed) and those after it are not in the outbox, yet are requests of
+                # this turn too (they went unanswered, their senders waited out a timeout).
+                failed_on = msgs[self.index + any(
+                    is_req for _c, _m, is_req in box.out[self.answered:]):]
+                self.unreached(failed_on, f"the turn failed ({exc})")
             return
         finally:
             if backstop:
