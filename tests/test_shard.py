@@ -13,6 +13,7 @@ import zmq
 
 from engine import Phase, parse_config
 from engine._codes import LeaseKind, Verdict
+from engine._retain import retained_key
 from storage import LmdbStore, MemoryStore, StoreError
 from tests.conftest import free_port as _free_port
 from transport import (
@@ -25,6 +26,7 @@ from transport import (
     Shard,
     ShardError,
     ShardTimeout,
+    Status,
     Watch,
     WatchLost,
     WorkerConnection,
@@ -1197,3 +1199,78 @@ def test_the_request_a_turn_failed_on_and_those_after_it_are_answered_unavailabl
     finally:
         h.close()
         ctx.term()
+
+
+def test_a_turn_in_commit_when_a_later_turn_fails_is_sent_once_it_is_written(tmp_path):
+    """A turn that fails before its commit (a store read failing while a request is applied)
+    restores memory from the store, discarding the turns still in commit; one the committer
+    had already written is in the store, and so in memory again. It is sent as committed:
+    it was answered UNAVAILABLE (its enqueue durable all the same) and its watch records
+    were never numbered (the watcher never saw those actions QUEUED)."""
+    bad = f"{RUN}/nosuch"
+
+    class ReadFailSlowStore(SlowStore):
+        delay = 0.0
+
+        def get(self, partition, db, key):
+            if db == "retained" and key == retained_key(bad):
+                raise StoreError("injected: a read failed")
+            return super().get(partition, db, key)
+
+    store = ReadFailSlowStore()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    try:
+        cs = [h.client() for _ in range(3)]
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        raw.connect(h.endpoint)
+        raw.send_multipart(encode(Ping(rid=1)))
+        assert raw.poll(5000, zmq.POLLIN)
+        raw.recv_multipart()
+        store.delay = 0.5
+        got = {}
+
+        def enqueue(c, name):
+            try:
+                got[name] = c.enqueue(spec(name))
+            except ShardError as exc:
+                got[name] = exc.code
+
+        # Two turns in commit, a third waiting for room; then a turn that enqueues and
+        # fails (both raw messages arrive while the loop waits), with the third in commit.
+        threads = []
+        for c, name in zip(cs, ("a1", "a2", "a3"), strict=True):
+            threads.append(threading.Thread(target=enqueue, args=(c, name)))
+            threads[-1].start()
+            time.sleep(0.05)
+        time.sleep(0.1)
+        raw.send_multipart(encode(Enqueue(rid=2, specs=[spec("b")])))
+        raw.send_multipart(encode(Status(rid=3, actions=[bad])))
+        for t in threads:
+            t.join(10)
+        store.delay = 0.0
+        seen = set()
+        try:
+            while True:
+                e = watcher.next_event(timeout=1.0, refresh=0.5)
+                if e.phase == "QUEUED":
+                    seen.add(e.action)
+        except ShardTimeout:
+            pass
+        for name in ("a1", "a2", "a3"):
+            aid = f"{RUN}/{name}"
+            try:
+                cs[0].status(aid)
+            except ShardError:
+                assert got[name] == "UNAVAILABLE"   # undone with the failed turn
+                continue
+            assert got[name] == aid, f"{name} is durable, yet was answered {got[name]}"
+            assert aid in seen, f"{name} is durable, yet its watcher never saw it QUEUED"
+    finally:
+        raw.close(0)
+        ctx.term()
+        h.close()

@@ -410,9 +410,17 @@ class _Loop:
     def settle(self, job):
         group, box = job.group, job.outbox
         if group.state != "pending":
-            # The engine discarded it (a later turn failed and memory was restored): its
-            # answers say so; whatever of it the store holds is what memory now holds.
-            self.unavailable(box, "a later turn failed and memory was restored")
+            if job.written:
+                # Discarded by a later turn that failed before its commit, after the
+                # committer had written it: memory was restored from the store, which holds
+                # it, so what it decided is true and is sent as committed. (Answered
+                # UNAVAILABLE, its changes were durable yet never became events, and its
+                # leases, handed out in the store, were never pushed.)
+                self.flush(box)
+                return
+            # The engine discarded it (a turn failed and memory was restored) before it was
+            # written: its answers say so; memory holds what the store holds.
+            self.unavailable(box, "another turn failed and memory was restored")
             return
         if job.skipped:
             # An earlier commit failed and was mended (its store grew): the committer
