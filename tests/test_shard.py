@@ -1274,3 +1274,29 @@ def test_a_turn_in_commit_when_a_later_turn_fails_is_sent_once_it_is_written(tmp
         raw.close(0)
         ctx.term()
         h.close()
+
+
+def test_a_refused_first_watch_does_not_stop_the_next_from_following_live_actions(tmp_path):
+    """A run's first WATCH has the re-check follow its live actions (those assigned before
+    it, whose changes the log never saw). A first WATCH refused (a since from before a
+    restart, or past the latest) made the run's log all the same, so the WATCH after it was
+    not the first: the running action was never followed, and its expiry never became an
+    event (the watcher waited for it for ever)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=0.2, expiry_missed_beats=1,
+                            expiry_jitter=0.0, system_retries=0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        aid = c.enqueue(spec("x"))
+        (lease,) = w.leases(timeout=5)      # assigned before anyone watches the run
+        watcher = h.client()
+        with pytest.raises(WatchLost):
+            watcher.subscribe(RUN, 1 << 62)     # past the latest: refused
+        watcher.subscribe(RUN, 0)
+        # The worker sends no heartbeat: the lease expires, and with no retry left the
+        # action ends; only the backstop re-check can see it.
+        e = watcher.next_event(timeout=5, refresh=10)
+        assert e.action == aid and e.phase in ("FAILED", "TIMED_OUT"), e
+    finally:
+        h.close()

@@ -97,12 +97,12 @@ class WatchLog:
         Raises :class:`WatchGap` when events after ``since`` were dropped or belong to an
         earlier shard process."""
         r = self._runs.get(run)
-        if r is None:
-            r = self._runs[run] = _Run(self.ring, self._floor)
-            while len(self._runs) > self.max_runs:
-                _gone, old = self._runs.popitem(last=False)
-                self._floor = max(self._floor, old.seq + 1)
-                self.evicted += 1
+        new = r is None
+        if new:
+            # Kept only once the watch is accepted: a refused first WATCH that made the log
+            # left the next one not the first, and the shard has the re-check follow a run's
+            # live actions at its first WATCH only (its expiries never became events).
+            r = _Run(self.ring, self._floor)
         else:
             self._runs.move_to_end(run)
         first = r.ring[0][0] if r.ring else r.seq + 1
@@ -118,6 +118,12 @@ class WatchLog:
         if since and since + 1 < first:
             raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
                            f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
+        if new:
+            self._runs[run] = r
+            while len(self._runs) > self.max_runs:
+                _gone, old = self._runs.popitem(last=False)
+                self._floor = max(self._floor, old.seq + 1)
+                self.evicted += 1
         r.watchers.add(conn)
         return r.seq, [e for e in r.ring if e[0] > since]
 
