@@ -1300,3 +1300,28 @@ def test_a_refused_first_watch_does_not_stop_the_next_from_following_live_action
         assert e.action == aid and e.phase in ("FAILED", "TIMED_OUT"), e
     finally:
         h.close()
+
+
+def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path):
+    """A client watching two runs waits for events of one (``next_event(runs=...)``, which
+    ``watch`` and ``wait`` use): a silence resumes that run, not the other. It resumed every
+    run, so the other's WatchLost (its log evicted) ended the wait for this one (and a
+    ``watch`` iterator of this run) instead of waiting for the caller to ask for the other."""
+    other = "acme/ml/prod/other"
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_runs=2).start()
+    h.endpoint = h.shard.endpoint
+    try:
+        c = h.client()
+        c.subscribe(other)
+        c.subscribe(RUN)
+        h.client().subscribe("acme/ml/prod/third")      # evicts the other run's log
+        with pytest.raises(ShardTimeout):
+            c.next_event(timeout=1.0, refresh=0.3, runs=(RUN,))    # silence: resumes
+        aid = c.enqueue(spec("x"))
+        e = c.next_event(timeout=3, refresh=0.3, runs=(RUN,))
+        assert (e.action, e.phase) == (aid, "QUEUED")
+        with pytest.raises(WatchLost, match="other"):
+            c.next_event(timeout=3, refresh=0.3, runs=(other,))
+    finally:
+        h.close()
