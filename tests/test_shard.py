@@ -13,17 +13,20 @@ import zmq
 
 from engine import Phase, parse_config
 from engine._codes import LeaseKind, Verdict
+from engine._retain import retained_key
 from storage import LmdbStore, MemoryStore, StoreError
 from tests.conftest import free_port as _free_port
 from transport import (
     Client,
     ClientKeys,
+    Enqueue,
     Error,
     Ping,
     Refused,
     Shard,
     ShardError,
     ShardTimeout,
+    Status,
     Watch,
     WatchLost,
     WorkerConnection,
@@ -929,7 +932,10 @@ def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
     receiving the later events of the run over a gap."""
     data = {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
             "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
-            "engine": {"default_queue": "q", "heartbeat_interval": 1.0},
+            # No backstop re-check during the test: one after the fan-out records each
+            # action's WAITING_FOR_RESOURCES too, and the replay (or a push racing the
+            # WATCH) then counts more than the 10,000 below (a flake on a busy machine).
+            "engine": {"default_queue": "q", "heartbeat_interval": 240.0},
             "storage": {"path": str(tmp_path / "data"), "partitions": 2},
             # One event per EVENTS message and short queues per peer, over a unix socket
             # (small kernel buffers): a replay of 10,000 to a peer that reads nothing
@@ -970,4 +976,355 @@ def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
     finally:
         raw.close(0)
         ctx.term()
+        h.close()
+
+
+def test_a_watch_of_an_evicted_log_is_lost_not_resumed_into_the_new_log(tmp_path):
+    """More runs watched than ``watch_runs`` evicts the least recently watched log; a later
+    WATCH of that run makes a new one. The first log's watcher, resuming from its last seq,
+    is told its events are gone (WatchLost) instead of being handed the new log's events
+    after that seq (the new log numbered from the same start: it missed the ones before)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_runs=1).start()
+    h.endpoint = h.shard.endpoint
+    try:
+        old = h.client()
+        old.subscribe(RUN)
+        old.enqueue(spec("a"))
+        assert old.next_event(timeout=3, refresh=10).action == f"{RUN}/a"
+        h.client().subscribe("acme/ml/prod/other")      # evicts RUN's log
+        new = h.client()
+        new.subscribe(RUN)                              # a new log of RUN
+        new.enqueue_many([spec("b"), spec("c")])
+        assert [new.next_event(timeout=3, refresh=10).action for _ in range(2)] == [
+            f"{RUN}/b", f"{RUN}/c"]
+        with pytest.raises(WatchLost, match="evicted"):
+            e = old.next_event(timeout=3, refresh=0.3)     # silence: it resumes
+            pytest.fail(f"resumed into the new log, over b's event: {e}")
+    finally:
+        h.close()
+
+
+class BuggyStore(MemoryStore):
+    """A memory store whose next commit raises something that is not a StoreError (a bug in
+    the store, a MemoryError) while ``broken`` is set, once."""
+
+    broken = False
+
+    def commit(self, batch):
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("injected: a bug in the store")
+        return super().commit(batch)
+
+
+def test_a_commit_failing_with_an_unexpected_error_on_the_committer_does_not_stop_the_shard(
+        tmp_path):
+    """A group commit on the committer thread that raises something other than a store
+    error (memory is restored all the same) fails its turn: UNAVAILABLE, and the shard
+    serves on, as it does when the same commit runs inline. It used to escape the loop
+    from the settling of the turn, and the shard thread died."""
+    store = BuggyStore()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 3.0
+        store.broken = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            c.enqueue(spec("a"))
+        assert c.enqueue(spec("b")) == f"{RUN}/b"
+        with pytest.raises(ShardError, match="NOT_FOUND"):
+            c.status(f"{RUN}/a")      # memory was restored: that enqueue never happened
+        assert h.shard.counters["failed_commits"] == 1
+    finally:
+        h.close()
+
+
+def test_every_pushed_event_counts_as_sent_or_unsent_when_a_watcher_drops_mid_turn(tmp_path):
+    """A turn's events of one run go in several EVENTS messages (max_batch each); a watcher
+    whose queue fills on one of them is dropped, and its share of the later ones counts as
+    unsent too (it was counted for the first only: events + events_unsent fell short of
+    what the turn recorded)."""
+    data = {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
+            "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
+            "engine": {"default_queue": "q", "heartbeat_interval": 240.0},
+            "storage": {"path": str(tmp_path / "data"), "partitions": 2},
+            "transport": {"endpoints": [f"ipc://{tmp_path}/shard.sock"], "hwm": 100,
+                          "max_batch": 1, "max_outstanding": 64},
+            "security": {"insecure": True}}
+    h = Harness(parse_config(data), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_ring=20000).start()
+    h.endpoint = h.shard.endpoint
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.rcvhwm = 1
+    try:
+        a = h.client()
+        raw.connect(h.endpoint)
+        raw.send_multipart(encode(Watch(rid=1, run=RUN, since=0)))
+        assert raw.poll(5000, zmq.POLLIN)       # answered: it watches (and reads no more)
+        raw.recv_multipart()
+        a.enqueue_fanout(spec("x"), [f"a{i}" for i in range(10000)])    # one turn
+        counters = a.ping()["counters"]
+        assert counters["events_unsent"] > 0
+        assert counters["events"] + counters["events_unsent"] == 10000
+    finally:
+        raw.close(0)
+        ctx.term()
+        h.close()
+
+
+class SlowFlakyStore(MemoryStore):
+    """A memory store whose commits take ``delay`` seconds and fail while ``failing``."""
+
+    delay = 0.0
+    failing = False
+
+    def commit(self, batch):
+        time.sleep(self.delay)
+        if self.failing:
+            raise StoreError("injected: the disk said no")
+        return super().commit(batch)
+
+
+def test_a_watch_resume_answered_unavailable_keeps_the_watch_going(tmp_path):
+    """The WATCH a watcher re-sends after silence lands in a turn behind a commit that
+    fails: it is answered UNAVAILABLE (retry). That is no reason to end the watch (nor
+    ``Client.wait``): the watcher retries at its next refresh and sees the later events;
+    the ShardError used to escape from ``next_event``."""
+    store = SlowFlakyStore()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    try:
+        p = h.client()
+        c = h.client()
+        c.subscribe(RUN)
+        store.delay, store.failing = 1.0, True
+        t = threading.Thread(target=lambda: pytest.raises(ShardError, p.enqueue, spec("x")))
+        t.start()
+        try:
+            with pytest.raises(ShardTimeout):       # its refreshes meet the failing commit
+                c.next_event(timeout=1.5, refresh=0.2)
+        finally:
+            t.join(10)
+        store.delay, store.failing = 0.0, False
+        p.enqueue(spec("y"))
+        e = c.next_event(timeout=5, refresh=0.3)
+        assert (e.action, e.phase) == (f"{RUN}/y", "QUEUED")
+    finally:
+        h.close()
+
+
+def test_the_attempts_of_turns_in_commit_are_forgotten_once_their_turn_is_sent(tmp_path):
+    """The loop keeps the attempts its turns recorded until their records join the watch
+    log. Those were forgotten only once no turn at all was in commit: on a shard whose
+    pipeline never emptied (requests overlapping every commit), the map held an entry for
+    every action of a watched run ever enqueued or leased."""
+    store = SlowStore()
+    store.delay = 0.01
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    loop = h.shard._loop
+    clients = [h.client() for _ in range(4)]
+    clients[0].subscribe(RUN)               # the run has a log: its changes are recorded
+    sizes = []
+    stop = threading.Event()
+
+    def load(k, c):
+        for i in range(40):
+            if stop.is_set():
+                return
+            c.enqueue_fanout(spec(f"t{k}-{i}"), [f"t{k}-{i}-{j}" for j in range(20)])
+
+    threads = [threading.Thread(target=load, args=(k, c)) for k, c in enumerate(clients)]
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            held = len(loop.attempts) + sum(len(getattr(job.outbox, "attempts", ()))
+                                            for job in list(loop.inflight))
+            sizes.append(held)
+            time.sleep(0.005)
+        assert max(sizes) < 1000, max(sizes)    # 3,200 actions were enqueued
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        h.close()
+
+
+class ReadFailStore(MemoryStore):
+    """A memory store whose next read of a retained outcome fails while ``failing``, once."""
+
+    failing = False
+
+    def get(self, partition, db, key):
+        if self.failing and db == "retained":
+            self.failing = False
+            raise StoreError("injected: a read failed")
+        return super().get(partition, db, key)
+
+
+def test_the_request_a_turn_failed_on_and_those_after_it_are_answered_unavailable(tmp_path):
+    """A store error while a request is applied fails the whole turn; every request of it
+    is answered UNAVAILABLE (retry), the one that hit the error and those the turn had not
+    reached included. Only those already answered in the turn were: the others got
+    nothing, and their senders waited out their timeout."""
+    store = ReadFailStore()
+    h = Harness(base_config(tmp_path), store=store)
+    h.start()
+    ctx = zmq.Context()
+    try:
+        c = h.client()
+        c.timeout = 2.0
+        c.enqueue(spec("a"))
+        store.failing = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            c.enqueue(spec("b"))        # its retained-outcome check reads the store
+        assert c.enqueue(spec("b")) == f"{RUN}/b"
+        # A request behind the failing one in the same turn (when they arrive together) is
+        # answered too: UNAVAILABLE then, its answer otherwise.
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(h.endpoint)
+        store.failing = True
+        raw.send_multipart(encode(Enqueue(rid=1, specs=[spec("c")])))
+        raw.send_multipart(encode(Ping(rid=2)))
+        got = {}
+        while len(got) < 2 and raw.poll(3000, zmq.POLLIN):
+            msg = decode(raw.recv_multipart())
+            got[msg.rid] = msg
+        raw.close(0)
+        assert sorted(got) == [1, 2]
+        assert isinstance(got[1], Error) and got[1].code == "UNAVAILABLE"
+    finally:
+        h.close()
+        ctx.term()
+
+
+def test_a_turn_in_commit_when_a_later_turn_fails_is_sent_once_it_is_written(tmp_path):
+    """A turn that fails before its commit (a store read failing while a request is applied)
+    restores memory from the store, discarding the turns still in commit; one the committer
+    had already written is in the store, and so in memory again. It is sent as committed:
+    it was answered UNAVAILABLE (its enqueue durable all the same) and its watch records
+    were never numbered (the watcher never saw those actions QUEUED)."""
+    bad = f"{RUN}/nosuch"
+
+    class ReadFailSlowStore(SlowStore):
+        delay = 0.0
+
+        def get(self, partition, db, key):
+            if db == "retained" and key == retained_key(bad):
+                raise StoreError("injected: a read failed")
+            return super().get(partition, db, key)
+
+    store = ReadFailSlowStore()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    h.start()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    try:
+        cs = [h.client() for _ in range(3)]
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        raw.connect(h.endpoint)
+        raw.send_multipart(encode(Ping(rid=1)))
+        assert raw.poll(5000, zmq.POLLIN)
+        raw.recv_multipart()
+        store.delay = 0.5
+        got = {}
+
+        def enqueue(c, name):
+            try:
+                got[name] = c.enqueue(spec(name))
+            except ShardError as exc:
+                got[name] = exc.code
+
+        # Two turns in commit, a third waiting for room; then a turn that enqueues and
+        # fails (both raw messages arrive while the loop waits), with the third in commit.
+        threads = []
+        for c, name in zip(cs, ("a1", "a2", "a3"), strict=True):
+            threads.append(threading.Thread(target=enqueue, args=(c, name)))
+            threads[-1].start()
+            time.sleep(0.05)
+        time.sleep(0.1)
+        raw.send_multipart(encode(Enqueue(rid=2, specs=[spec("b")])))
+        raw.send_multipart(encode(Status(rid=3, actions=[bad])))
+        for t in threads:
+            t.join(10)
+        store.delay = 0.0
+        seen = set()
+        try:
+            while True:
+                e = watcher.next_event(timeout=1.0, refresh=0.5)
+                if e.phase == "QUEUED":
+                    seen.add(e.action)
+        except ShardTimeout:
+            pass
+        for name in ("a1", "a2", "a3"):
+            aid = f"{RUN}/{name}"
+            try:
+                cs[0].status(aid)
+            except ShardError:
+                assert got[name] == "UNAVAILABLE"   # undone with the failed turn
+                continue
+            assert got[name] == aid, f"{name} is durable, yet was answered {got[name]}"
+            assert aid in seen, f"{name} is durable, yet its watcher never saw it QUEUED"
+    finally:
+        raw.close(0)
+        ctx.term()
+        h.close()
+
+
+def test_a_refused_first_watch_does_not_stop_the_next_from_following_live_actions(tmp_path):
+    """A run's first WATCH has the re-check follow its live actions (those assigned before
+    it, whose changes the log never saw). A first WATCH refused (a since from before a
+    restart, or past the latest) made the run's log all the same, so the WATCH after it was
+    not the first: the running action was never followed, and its expiry never became an
+    event (the watcher waited for it for ever)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=0.2, expiry_missed_beats=1,
+                            expiry_jitter=0.0, system_retries=0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        aid = c.enqueue(spec("x"))
+        (lease,) = w.leases(timeout=5)      # assigned before anyone watches the run
+        watcher = h.client()
+        with pytest.raises(WatchLost):
+            watcher.subscribe(RUN, 1 << 62)     # past the latest: refused
+        watcher.subscribe(RUN, 0)
+        # The worker sends no heartbeat: the lease expires, and with no retry left the
+        # action ends; only the backstop re-check can see it.
+        e = watcher.next_event(timeout=5, refresh=10)
+        assert e.action == aid and e.phase in ("FAILED", "TIMED_OUT"), e
+    finally:
+        h.close()
+
+
+def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path):
+    """A client watching two runs waits for events of one (``next_event(runs=...)``, which
+    ``watch`` and ``wait`` use): a silence resumes that run, not the other. It resumed every
+    run, so the other's WatchLost (its log evicted) ended the wait for this one (and a
+    ``watch`` iterator of this run) instead of waiting for the caller to ask for the other."""
+    other = "acme/ml/prod/other"
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.shard = Shard(h.config, store=h.store, watch_runs=2).start()
+    h.endpoint = h.shard.endpoint
+    try:
+        c = h.client()
+        c.subscribe(other)
+        c.subscribe(RUN)
+        h.client().subscribe("acme/ml/prod/third")      # evicts the other run's log
+        with pytest.raises(ShardTimeout):
+            c.next_event(timeout=1.0, refresh=0.3, runs=(RUN,))    # silence: resumes
+        aid = c.enqueue(spec("x"))
+        e = c.next_event(timeout=3, refresh=0.3, runs=(RUN,))
+        assert (e.action, e.phase) == (aid, "QUEUED")
+        with pytest.raises(WatchLost, match="other"):
+            c.next_event(timeout=3, refresh=0.3, runs=(other,))
+    finally:
         h.close()

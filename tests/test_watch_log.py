@@ -83,3 +83,31 @@ def test_record_changes_suppresses_repeats_and_bounds_live_tracking():
     assert log.record_changes("acme/p/d/other", [a], [Phase.RUNNING], [1], 5) == ([], set())
     with pytest.raises(ValueError):
         log.record_changes(RUN, [a], ["NOT_A_PHASE"], [1], 5)
+
+
+def test_a_resume_into_a_log_made_again_after_its_eviction_is_refused():
+    """A run's log evicted (more than ``max_runs`` runs watched) and made again by a later
+    WATCH numbers its events afresh: a watcher of the first log resuming from its last seq
+    must be refused (WatchGap), not handed the new log's later events as if they followed
+    it (it would silently miss the changes between, and those the new log numbered up to
+    its seq)."""
+    from transport._watch import WatchGap
+
+    log = WatchLog(ring=64, max_runs=1, epoch=1000)
+    other = "acme/p/d/other"
+    log.watch(RUN, "old", 0)
+    first, _ = log.record_changes(RUN, [f"{RUN}/a", f"{RUN}/b"], [Phase.QUEUED] * 2,
+                                  [0, 0], 5)
+    last_seen = first[-1][0]
+    log.watch(other, "x", 0)                    # evicts RUN's log
+    assert RUN not in log
+    log.watch(RUN, "new", 0)                    # a new log of the same run
+    log.record_changes(RUN, [f"{RUN}/c", f"{RUN}/d", f"{RUN}/e"], [Phase.QUEUED] * 3,
+                       [0, 0, 0], 6)
+    with pytest.raises(WatchGap):
+        log.watch(RUN, "old", last_seen)
+    # The new log's own watcher resumes as usual, from the seq before its first event.
+    latest, events = log.watch(RUN, "new", 0)
+    assert [e[1] for e in events] == [f"{RUN}/c", f"{RUN}/d", f"{RUN}/e"]
+    assert log.watch(RUN, "new", events[0][0] - 1)[1] == events
+    assert log.watch(RUN, "new", latest) == (latest, [])

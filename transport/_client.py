@@ -192,10 +192,13 @@ class Client:
         for run in list(self._watching):
             self._resume(run)
 
-    def _reconnect_link(self, link):
+    def _reconnect_link(self, link, runs=None):
         self._drop(link)
         for run in [r for r in self._watching if self._link_of(r) is link]:
-            self._resume(run)
+            if runs is None or run in runs:
+                self._resume(run)
+            else:
+                self._resync.add(run)       # resumed when asked for (next_event)
 
     def close(self):
         """Close the sockets (and the context this client made)."""
@@ -403,10 +406,12 @@ class Client:
         shard pushes it (every open connection is polled); see :meth:`watch`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            while self._resync:
-                run = self._resync.pop()
+            # Only the runs asked for (all when ``runs`` is None): another run's resume waits
+            # until it is asked for, so its WatchLost cannot end a wait for these.
+            for run in [r for r in self._resync if runs is None or r in runs]:
+                self._resync.discard(run)
                 if run in self._watching:
-                    self._resume(run)
+                    self._resume_or_retry(run)
             if runs is None:
                 if self._events:
                     return self._events.popleft()
@@ -426,14 +431,26 @@ class Client:
                 # missed); a shard that cannot answer gets a new connection.
                 redone = set()          # links reconnected (their runs resumed) just now
                 for run in list(self._watching):
+                    if runs is not None and run not in runs:
+                        continue        # resumed when asked for (see the top of the loop)
                     link = self._link_of(run)
                     if run not in self._watching or id(link) in redone:
                         continue
                     try:
-                        self._resume(run)
+                        self._resume_or_retry(run)
                     except ShardTimeout:
                         redone.add(id(link))
-                        self._reconnect_link(link)
+                        self._reconnect_link(link, runs)
+
+    def _resume_or_retry(self, run):
+        """:meth:`_resume`, where an UNAVAILABLE answer (the WATCH's turn was undone with a
+        failed commit: retry) leaves the watch as it was, to be resumed at the next silence;
+        it ended ``next_event`` (and ``wait``) with a ShardError."""
+        try:
+            self._resume(run)
+        except ShardError as exc:
+            if exc.code != "UNAVAILABLE":
+                raise
 
     def wait(self, actions, timeout=60.0):
         """Wait until every action (ids, one run or several, on one shard or several) is

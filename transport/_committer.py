@@ -78,13 +78,16 @@ class CommitterStore:
 
 
 class _Job:
-    __slots__ = ("group", "outbox", "error", "skipped")
+    __slots__ = ("group", "outbox", "error", "skipped", "written")
 
     def __init__(self, group, outbox):
         self.group = group
         self.outbox = outbox
         self.error = None           # the exception the commit raised
         self.skipped = False        # not written: an earlier commit failed, or discarded
+        # Its batch is in the store (a group the engine discarded while it was written is
+        # still there once the engine's restore has read the store back).
+        self.written = False
 
 
 class Committer:
@@ -181,11 +184,13 @@ class Committer:
             # discarded while it is written is in the store when the engine reads it back
             # (its restore waits for quiesce), so memory and store agree either way.
             with store._lock:
+                batch = group.batch         # read once: a discard sets it None meanwhile
                 if self._failed or group.state != "pending":
                     job.skipped = True
-                elif group.batch:
+                elif batch:
                     try:
-                        store._commit(group.batch)     # timed and counted there
+                        store._commit(batch)     # timed and counted there
+                        job.written = True
                     except BaseException as exc:    # handed to the decision thread
                         job.error = exc
                         self._failed = True

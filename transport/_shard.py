@@ -331,8 +331,8 @@ class _Loop:
         self.committer = None
         self.inflight = collections.deque()
         self.depth = cfg.transport.commit_pipeline
-        # Attempts recorded by turns whose records have not joined the watch log yet
-        # (cleared once nothing is in commit).
+        # Attempts recorded by this turn, whose records have not joined the watch log yet
+        # (the turn's outbox's; those of the turns in commit are in theirs, see attempt_of).
         self.attempts = {}
 
     # ------------------------------------------------------------------ the loop
@@ -406,14 +406,21 @@ class _Loop:
             self.settle(job)
         if not self.inflight:
             self.committer.resume()     # after a failure, once every skipped turn is back
-            self.attempts.clear()
 
     def settle(self, job):
         group, box = job.group, job.outbox
         if group.state != "pending":
-            # The engine discarded it (a later turn failed and memory was restored): its
-            # answers say so; whatever of it the store holds is what memory now holds.
-            self.unavailable(box, "a later turn failed and memory was restored")
+            if job.written:
+                # Discarded by a later turn that failed before its commit, after the
+                # committer had written it: memory was restored from the store, which holds
+                # it, so what it decided is true and is sent as committed. (Answered
+                # UNAVAILABLE, its changes were durable yet never became events, and its
+                # leases, handed out in the store, were never pushed.)
+                self.flush(box)
+                return
+            # The engine discarded it (a turn failed and memory was restored) before it was
+            # written: its answers say so; memory holds what the store holds.
+            self.unavailable(box, "another turn failed and memory was restored")
             return
         if job.skipped:
             # An earlier commit failed and was mended (its store grew): the committer
@@ -434,6 +441,16 @@ class _Loop:
                       self.shard.name, exc)
             self.unavailable(box, f"the commit failed ({exc})")
             return
+        except Exception as exc:
+            # Anything else the store's commit raised (a bug in it, a MemoryError): the
+            # engine restored memory all the same, so it fails this turn like a store
+            # error. Raised here, it escaped the loop from settle_done (a commit on the
+            # committer thread is settled outside any turn) and the shard thread died.
+            self.shard._count("failed_commits")
+            log.exception("shard %s: commit failed, nothing of its turn sent",
+                          self.shard.name)
+            self.unavailable(box, f"the commit failed ({type(exc).__name__}: {exc})")
+            return
         self.flush(box)
 
     def unavailable(self, box, why):
@@ -448,6 +465,23 @@ class _Loop:
                                             message=f"shard {self.shard.name}: {why}; retry"))
         for c in self.conns.values():
             c.outstanding = 0
+
+    def unreached(self, msgs, why):
+        """Answer UNAVAILABLE (retry) the requests among ``msgs`` that a failed turn did not
+        reach (nothing of them was applied)."""
+        for frames in msgs:
+            if len(frames) < 2:
+                continue
+            try:
+                msg = self.decoder.decode(frames[1:])
+            except p.ProtocolError as exc:
+                rid = exc.rid
+            else:
+                if msg.TYPE == p.MsgType.BYE:
+                    continue
+                rid = getattr(msg, "rid", None)
+            self.send(frames[0].bytes, p.Error(
+                rid=rid, code="UNAVAILABLE", message=f"shard {self.shard.name}: {why}; retry"))
 
     def publish_status(self):
         """The shared-memory status (transport/_status.py), after the turn's sends."""
@@ -477,16 +511,22 @@ class _Loop:
         self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
             box.records
         self.new_leases = box.leases
+        # Per turn, so they go with its outbox once its records are in the log (one map for
+        # all turns, cleared only when no turn was in commit, grew without bound on a shard
+        # whose pipeline never emptied: an entry for every action of a watched run).
+        self.attempts = box.attempts
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = backstop
+        self.index = None           # the message being applied (None: none is)
         try:
             # Draining hands out this turn's own decisions: its leases wait in the outbox
             # until this group (which holds both the decisions and their hand-out) commits.
             with eng.deferred_turn(hand_out_own=True) as group:
                 for i, frames in enumerate(msgs):
-                    self.index = i
+                    self.index, self.answered = i, len(box.out)
                     self.handle(frames)
+                self.index = None
                 if self.want_tick:
                     t0 = time.perf_counter_ns()
                     placed = eng.schedule()
@@ -508,6 +548,13 @@ class _Loop:
             self.shard._count("failed_commits")
             log.error("shard %s: turn failed, nothing of it sent: %s", self.shard.name, exc)
             self.unavailable(box, f"the turn failed ({exc})")
+            if self.index is not None:
+                # It failed applying a message: that one (unless it was answered before it
+                # failed) and those after it are not in the outbox, yet are requests of
+                # this turn too (they went unanswered, their senders waited out a timeout).
+                failed_on = msgs[self.index + any(
+                    is_req for _c, _m, is_req in box.out[self.answered:]):]
+                self.unreached(failed_on, f"the turn failed ({exc})")
             return
         finally:
             if backstop:
@@ -1062,10 +1109,18 @@ class _Loop:
         self.records.append((run, action, phase, attempt, now, detail))
 
     def attempt_of(self, run, action):
-        # The log learns this turn's records only after the commit: an attempt assigned
-        # earlier in the turn is in self.attempts, not yet in the log.
+        # The log learns a turn's records only after its commit: an attempt assigned earlier
+        # in this turn is in self.attempts, one of a turn still in commit in its outbox's
+        # (newest first; a discarded turn's do not count), not yet in the log.
         att = self.attempts.get(action)
-        return att if att is not None else self.watch.attempt_of(run, action)
+        if att is not None:
+            return att
+        for job in reversed(self.inflight):
+            if job.group.state == "pending":
+                att = job.outbox.attempts.get(action)
+                if att is not None:
+                    return att
+        return self.watch.attempt_of(run, action)
 
     def recheck(self):
         """Re-read the phase of actions the turn may have changed (reports, aborts) and,
@@ -1127,8 +1182,12 @@ class _Loop:
         """Push ``{run: (watchers, events)}``: one EVENTS message a run a turn (its events
         are consecutive: nothing else numbers them), to each of its watchers."""
         for run, (watchers, events) in by_run.items():
+            dropped = 0         # watchers of the run dropped on an earlier message of it
             for msg in self._batches(run, events):
                 frames = p.encode(msg)
+                if dropped:
+                    # Their share of this message is unsent too (every event counts).
+                    self.shard._count("events_unsent", dropped * len(msg.actions))
                 for conn in list(watchers):
                     if send(self.sock, frames, conn):
                         self.shard._count("events", len(msg.actions))
@@ -1136,6 +1195,7 @@ class _Loop:
                         # Gone or too slow: it resumes with WATCH since=its last seq.
                         self.shard._count("events_unsent", len(msg.actions))
                         watchers.discard(conn)
+                        dropped += 1
 
 
 def _refused_copies(tokens, names, refused):
@@ -1185,7 +1245,7 @@ class _Outbox:
     the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
     (for the status)."""
 
-    __slots__ = ("out", "pushes", "stops", "records", "leases", "batch", "now_ns")
+    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns")
 
     def __init__(self):
         self.out = []           # (routing id, message, request?)
@@ -1193,6 +1253,7 @@ class _Outbox:
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
         self.leases = []        # (lease id, generation, run, action) of watched run leases
+        self.attempts = {}      # action -> attempt of its records (until they join the log)
         self.batch = None
         self.now_ns = 0
 

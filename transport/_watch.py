@@ -16,7 +16,9 @@ changes.
 Sequence numbers start, per run, at ``epoch + 1`` where ``epoch`` is the shard's start time
 in microseconds shifted left 10 bits: gap-free within one shard process, and always larger after
 a restart, so a watcher holding a ``seq`` from before the restart is told its events are gone
-instead of being handed new events it would drop as already seen.
+instead of being handed new events it would drop as already seen. A log made again for a
+run whose log was evicted starts above every seq an evicted log reached, so a watcher of the
+evicted log is refused too, not resumed into the new log's numbering.
 """
 
 import collections
@@ -49,11 +51,12 @@ class WatchGap(Exception):
 
 
 class _Run:
-    __slots__ = ("ring", "seq", "watchers", "live", "ended")
+    __slots__ = ("ring", "base", "seq", "watchers", "live", "ended")
 
-    def __init__(self, ring, epoch):
+    def __init__(self, ring, base):
         self.ring = collections.deque(maxlen=ring)   # (seq, action, phase, attempt, t, detail)
-        self.seq = epoch
+        self.base = base            # the seq before this log's first event
+        self.seq = base
         self.watchers = set()       # routing ids
         self.live = {}              # action id -> (phase, attempt), non-terminal only
         # action id -> terminal phase, of the last ``ring`` actions that ended: a repeat
@@ -74,6 +77,10 @@ class WatchLog:
         self.epoch = ((time.time_ns() // 1000) << 10) if epoch is None else epoch
         self._runs = collections.OrderedDict()
         self.evicted = 0
+        # Where a new log starts: above every seq an evicted log handed out, so a watcher of
+        # an evicted log is refused when it resumes (WatchGap) from a log of the same run
+        # made again later, instead of being handed that log's events from its old seq on.
+        self._floor = self.epoch
 
     def __contains__(self, run):
         return run in self._runs
@@ -90,22 +97,33 @@ class WatchLog:
         Raises :class:`WatchGap` when events after ``since`` were dropped or belong to an
         earlier shard process."""
         r = self._runs.get(run)
-        if r is None:
-            r = self._runs[run] = _Run(self.ring, self.epoch)
-            while len(self._runs) > self.max_runs:
-                self._runs.popitem(last=False)
-                self.evicted += 1
+        new = r is None
+        if new:
+            # Kept only once the watch is accepted: a refused first WATCH that made the log
+            # left the next one not the first, and the shard has the re-check follow a run's
+            # live actions at its first WATCH only (its expiries never became events).
+            r = _Run(self.ring, self._floor)
         else:
             self._runs.move_to_end(run)
         first = r.ring[0][0] if r.ring else r.seq + 1
         if since and since < self.epoch:
             raise WatchGap(f"watch {run}: seq {since} is from before the shard restarted; "
                            f"the changes since are not kept (re-read the status)")
+        if since and since < r.base:
+            raise WatchGap(f"watch {run}: seq {since} is from a log of this run that was "
+                           f"evicted (more than {self.max_runs} runs watched); the changes "
+                           f"since are not kept (re-read the status)")
         if since > r.seq:
             raise WatchGap(f"watch {run}: seq {since} is past the latest ({r.seq})")
         if since and since + 1 < first:
             raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
                            f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
+        if new:
+            self._runs[run] = r
+            while len(self._runs) > self.max_runs:
+                _gone, old = self._runs.popitem(last=False)
+                self._floor = max(self._floor, old.seq + 1)
+                self.evicted += 1
         r.watchers.add(conn)
         return r.seq, [e for e in r.ring if e[0] > since]
 
