@@ -139,3 +139,24 @@ def test_a_worker_with_no_shard_to_register_with_says_unavailable(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("leasehold: UNAVAILABLE: worker ") and "REGISTER" in err, err
     assert err.count("\n") == 1, err
+
+
+def test_a_shard_whose_endpoint_is_taken_says_unavailable(tmp_path, capsys):
+    # Another socket holds the endpoint: the shard cannot serve here now (UNAVAILABLE),
+    # which is not a bug of the shard (INTERNAL).
+    import zmq
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    taken.linger = 0
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    cfg = _insecure_config(tmp_path)
+    cfg.write_text(cfg.read_text().replace(f"ipc://{tmp_path}/s0", f"tcp://127.0.0.1:{port}"))
+    try:
+        t0 = time.monotonic()
+        assert main(["shard", "--config", str(cfg)]) == 2
+        assert time.monotonic() - t0 < 30
+    finally:
+        taken.close(0)
+        ctx.term()
+    err = capsys.readouterr().err
+    assert err.startswith("leasehold: UNAVAILABLE: shard ") and err.count("\n") == 1, err

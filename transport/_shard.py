@@ -37,6 +37,7 @@ import numpy as np
 import zmq
 
 from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase, Verdict
+from engine._commands import CommandError
 from engine._config import Config, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
@@ -1290,7 +1291,9 @@ def run_shard(config_path, shard_index):
     try:
         shard.serve()
     except (zmq.ZMQError, StoreError) as exc:
-        raise LeaseholdError(f"shard {shard.name}: {exc}") from None
+        # It cannot serve here now (its endpoint is taken, its store is held or broken):
+        # UNAVAILABLE, not INTERNAL as if a bug.
+        raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
     return 0
 
 
