@@ -88,9 +88,11 @@ class Harness:
         self.shard = None
         self.endpoint = None
 
-    def start(self, endpoint=None):
+    def start(self, endpoint=None, **shard):
+        """Start the shard (``shard``: more arguments of :class:`Shard`, e.g. its watch
+        log's sizes)."""
         store = self.store() if callable(self.store) else self.store
-        self.shard = Shard(self.config, endpoint=endpoint, store=store).start()
+        self.shard = Shard(self.config, endpoint=endpoint, store=store, **shard).start()
         self.endpoint = self.shard.endpoint
         return self.shard
 
@@ -115,10 +117,28 @@ class Harness:
             w.connect()
         return w
 
+    def silent_peer(self):
+        """A raw DEALER connected to the shard that reads only what a test asks it to (its
+        queue holds one message): a watcher too slow for its pushes. Closed at the end."""
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.rcvhwm = 1
+        raw.connect(self.endpoint)
+        self.closing.append(_Closing(lambda: (raw.close(0), ctx.term())))
+        return raw
+
     def close(self):
         for c in reversed(self.closing):
             c.close()
         self.stop()
+
+
+class _Closing:
+    """Something a Harness closes at the end, by a function."""
+
+    def __init__(self, close):
+        self.close = close
 
 
 @pytest.fixture
@@ -797,8 +817,7 @@ def test_a_watch_from_zero_keeps_events_pushed_before_its_answer(tmp_path):
     (which a small ring can no longer serve: WatchLost)."""
     cfg = pipelined_config(tmp_path)
     h = Harness(cfg, store=SlowStore())
-    h.shard = Shard(h.config, store=h.store, watch_ring=8).start()
-    h.endpoint = h.shard.endpoint
+    h.start(watch_ring=8)
     try:
         a = h.client()
         b = h.client()
@@ -926,37 +945,37 @@ def test_a_report_sent_twice_in_one_message_still_becomes_its_event(tmp_path):
         h.close()
 
 
-def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
-    """A WATCH's replay to a watcher whose queue is full is not silently lost: its events
-    count as unsent, and that watch ends (the client resumes from its last seq) instead of
-    receiving the later events of the run over a gap."""
+def overflowing_shard(tmp_path):
+    """A started shard (Harness) whose peers' queues overflow on a burst of events: one event
+    per EVENTS message and short queues per peer, over a unix socket (small kernel buffers),
+    so 10,000 events to a peer that reads nothing overflow, while a client that reads its
+    answers never nears the mark. Its watch ring holds 20,000 events. No backstop re-check
+    runs during a test: one after a fan-out records each action's WAITING_FOR_RESOURCES
+    too, and counts of events then exceed what a test enqueued (a flake on a busy machine)."""
     data = {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
             "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
-            # No backstop re-check during the test: one after the fan-out records each
-            # action's WAITING_FOR_RESOURCES too, and the replay (or a push racing the
-            # WATCH) then counts more than the 10,000 below (a flake on a busy machine).
             "engine": {"default_queue": "q", "heartbeat_interval": 240.0},
             "storage": {"path": str(tmp_path / "data"), "partitions": 2},
-            # One event per EVENTS message and short queues per peer, over a unix socket
-            # (small kernel buffers): a replay of 10,000 to a peer that reads nothing
-            # overflows, while a client that reads its answers never nears the mark.
             "transport": {"endpoints": [f"ipc://{tmp_path}/shard.sock"], "hwm": 100,
                           "max_batch": 1, "max_outstanding": 64},
             "security": {"insecure": True}}
     h = Harness(parse_config(data), store=MemoryStore())
-    h.shard = Shard(h.config, store=h.store, watch_ring=20000).start()   # holds all 10,000
-    h.endpoint = h.shard.endpoint
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.linger = 0
-    raw.rcvhwm = 1
+    h.start(watch_ring=20000)
+    return h
+
+
+def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
+    """A WATCH's replay to a watcher whose queue is full is not silently lost: its events
+    count as unsent, and that watch ends (the client resumes from its last seq) instead of
+    receiving the later events of the run over a gap."""
+    h = overflowing_shard(tmp_path)
     try:
         a = h.client()
         a.subscribe(RUN)                # the run has a log (kept once nobody watches)
         a.unsubscribe(RUN)
         a.enqueue_fanout(spec("x"), [f"a{i}" for i in range(10000)])
         assert a.ping()["counters"]["events_unsent"] == 0
-        raw.connect(h.endpoint)
+        raw = h.silent_peer()
         raw.send_multipart(encode(Watch(rid=1, run=RUN, since=0)))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -974,8 +993,6 @@ def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
         a.enqueue(spec("later"))
         assert a.ping()["counters"]["events_unsent"] == unsent
     finally:
-        raw.close(0)
-        ctx.term()
         h.close()
 
 
@@ -985,8 +1002,7 @@ def test_a_watch_of_an_evicted_log_is_lost_not_resumed_into_the_new_log(tmp_path
     is told its events are gone (WatchLost) instead of being handed the new log's events
     after that seq (the new log numbered from the same start: it missed the ones before)."""
     h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
-    h.shard = Shard(h.config, store=h.store, watch_runs=1).start()
-    h.endpoint = h.shard.endpoint
+    h.start(watch_runs=1)
     try:
         old = h.client()
         old.subscribe(RUN)
@@ -1046,23 +1062,10 @@ def test_every_pushed_event_counts_as_sent_or_unsent_when_a_watcher_drops_mid_tu
     whose queue fills on one of them is dropped, and its share of the later ones counts as
     unsent too (it was counted for the first only: events + events_unsent fell short of
     what the turn recorded)."""
-    data = {"resources": ["cpu"], "clusters": {"east": {"capacity": {"cpu": 64}}},
-            "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
-            "engine": {"default_queue": "q", "heartbeat_interval": 240.0},
-            "storage": {"path": str(tmp_path / "data"), "partitions": 2},
-            "transport": {"endpoints": [f"ipc://{tmp_path}/shard.sock"], "hwm": 100,
-                          "max_batch": 1, "max_outstanding": 64},
-            "security": {"insecure": True}}
-    h = Harness(parse_config(data), store=MemoryStore())
-    h.shard = Shard(h.config, store=h.store, watch_ring=20000).start()
-    h.endpoint = h.shard.endpoint
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.linger = 0
-    raw.rcvhwm = 1
+    h = overflowing_shard(tmp_path)
     try:
         a = h.client()
-        raw.connect(h.endpoint)
+        raw = h.silent_peer()
         raw.send_multipart(encode(Watch(rid=1, run=RUN, since=0)))
         assert raw.poll(5000, zmq.POLLIN)       # answered: it watches (and reads no more)
         raw.recv_multipart()
@@ -1071,8 +1074,6 @@ def test_every_pushed_event_counts_as_sent_or_unsent_when_a_watcher_drops_mid_tu
         assert counters["events_unsent"] > 0
         assert counters["events"] + counters["events_unsent"] == 10000
     finally:
-        raw.close(0)
-        ctx.term()
         h.close()
 
 
@@ -1312,8 +1313,7 @@ def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path
     ``watch`` iterator of this run) instead of waiting for the caller to ask for the other."""
     other = "acme/ml/prod/other"
     h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
-    h.shard = Shard(h.config, store=h.store, watch_runs=2).start()
-    h.endpoint = h.shard.endpoint
+    h.start(watch_runs=2)
     try:
         c = h.client()
         c.subscribe(other)
