@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
 __all__ = ["register", "guard", "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
@@ -103,12 +104,14 @@ def _seconds(text):
 
 
 def _positive_seconds(text):
+    # At most 10 years, as every duration of the config (a longer wait is a typo).
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 "
+                                         f"(at most {MAX_SECONDS:g}: 10 years)")
     return value
 
 
@@ -258,8 +261,8 @@ def register(sub):
     p.add_argument("--all-shards", action="store_true",
                    help="every shard of transport.endpoints (default: --shard only)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
-    p.add_argument("--interval", type=_seconds, default=0.5, metavar="S",
-                   help="seconds between frames (default 0.5)")
+    p.add_argument("--interval", type=_positive_seconds, default=0.5, metavar="S",
+                   help="seconds between frames, > 0 (default 0.5)")
     _json(p, "print one snapshot as JSON and exit")
     p.set_defaults(func=_lazy("transport._top", "top"))
 

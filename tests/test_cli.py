@@ -109,14 +109,17 @@ def test_keys_generate_names_a_dir_it_cannot_use(tmp_path, capsys):
                                            f"write the key pair there: {why}\n")
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "7x"])
-def test_a_request_timeout_must_be_positive(tmp_path, capsys, value):
-    # 0 used to be taken: every request then failed "not connected within 0.0s".
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "7x", "1e300", "inf"])
+@pytest.mark.parametrize("command, flag", [(["status", "a/b/c/d/e"], "--request-timeout"),
+                                           (["top", "--once"], "--interval")])
+def test_a_wait_flag_must_be_positive_and_bounded(tmp_path, capsys, value, command, flag):
+    # A request timeout of 0 used to be taken (every request then failed "not connected
+    # within 0.0s"), 1e300 waited for ever; top --interval 0 redrew in a busy loop.
     cfg = _insecure_config(tmp_path)
     with pytest.raises(SystemExit) as info:
-        main(["status", "a/b/c/d/e", "--config", str(cfg), "--request-timeout", value])
+        main([*command, "--config", str(cfg), flag, value])
     assert info.value.code == 2
-    assert f"argument --request-timeout: {value!r} is not a number of seconds > 0" in \
+    assert f"argument {flag}: {value!r} is not a number of seconds > 0" in \
         capsys.readouterr().err
 
 
