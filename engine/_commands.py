@@ -20,7 +20,8 @@ import sys
 from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
-__all__ = ["register", "guard", "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
+__all__ = ["register", "guard", "positive_seconds", "CommandError", "OK", "NO", "ERROR",
+           "INTERRUPTED"]
 
 OK, NO, ERROR, INTERRUPTED = 0, 1, 2, 130
 
@@ -103,15 +104,16 @@ def _seconds(text):
     return value
 
 
-def _positive_seconds(text):
+def positive_seconds(text):
+    """An argparse type: seconds > 0, at most 10 years."""
     # At most 10 years, as every duration of the config (a longer wait is a typo).
     try:
         value = float(text)
     except ValueError:
         value = 0.0
     if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 "
-                                         f"(at most {MAX_SECONDS:g}: 10 years)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 and at "
+                                         f"most {MAX_SECONDS} (10 years)")
     return value
 
 
@@ -149,7 +151,7 @@ def _shard_options(p, needs_key=True, shard_help=_ROUTED):
         p.add_argument("--key", default=os.environ.get("LEASEHOLD_KEY"),
                        help="the client key's name (keys_dir/NAME.key_secret); needed unless "
                             "security.insecure (default: $LEASEHOLD_KEY)")
-        p.add_argument("--request-timeout", type=_positive_seconds, default=10.0, metavar="S",
+        p.add_argument("--request-timeout", type=positive_seconds, default=10.0, metavar="S",
                        help="seconds to wait for each answer of the shard (default 10)")
 
 
@@ -261,7 +263,7 @@ def register(sub):
     p.add_argument("--all-shards", action="store_true",
                    help="every shard of transport.endpoints (default: --shard only)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
-    p.add_argument("--interval", type=_positive_seconds, default=0.5, metavar="S",
+    p.add_argument("--interval", type=positive_seconds, default=0.5, metavar="S",
                    help="seconds between frames, > 0 (default 0.5)")
     _json(p, "print one snapshot as JSON and exit")
     p.set_defaults(func=_lazy("transport._top", "top"))

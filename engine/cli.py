@@ -8,11 +8,11 @@ from pathlib import Path
 
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
-from engine._commands import CommandError, guard
+from engine._commands import CommandError, guard, positive_seconds
 from engine._commands import register as register_commands
 from engine._config import _NAME as _CLUSTER_NAME
 from engine._config import _TENANT as _TENANT_PREFIX
-from engine._config import MAX_SECONDS, load_config
+from engine._config import load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
@@ -426,17 +426,6 @@ def _positive_int(text):
     return value
 
 
-def _positive_seconds(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 and at "
-                                         f"most {MAX_SECONDS} (10 years)")
-    return value
-
-
 def _worker(args):
     """Run a cluster worker until SIGTERM (drain) or SIGINT (docs/worker.md)."""
     import logging
@@ -560,10 +549,10 @@ def main(argv=None):
                        "restarted when it dies, metrics; until SIGTERM/SIGINT "
                        "(docs/operations.md)")
     p.add_argument("--config", required=True, help="the config file")
-    p.add_argument("--start-timeout", type=_positive_seconds,
+    p.add_argument("--start-timeout", type=positive_seconds,
                    help="seconds a shard may take to serve after its start (default: "
                    "supervisor.start_timeout, 60)")
-    p.add_argument("--stop-timeout", type=_positive_seconds,
+    p.add_argument("--stop-timeout", type=positive_seconds,
                    help="seconds the shards get after SIGTERM before SIGKILL (default: "
                    "supervisor.stop_timeout, 15)")
     p.set_defaults(func=_serve)
