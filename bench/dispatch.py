@@ -101,6 +101,7 @@ def worker_main(config, receipts_path):
     also notes when each lease arrived (written out at SIGTERM)."""
     import signal
 
+    from engine._commands import freeze_heap
     from transport import Worker, make_plugins
 
     plugins = make_plugins()
@@ -114,6 +115,7 @@ def worker_main(config, receipts_path):
 
     sim.start = start_noting
     w = Worker(config, "east", name="east-1", slots=1_000_000, plugins=plugins)
+    freeze_heap()               # as `leasehold worker` does once started
     ending = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: ending.set())
     w.start()                   # returns once registered

@@ -31,7 +31,7 @@ import psutil
 import zmq
 
 from engine._codes import PHASE_CODE, LeaseKind, Phase, Verdict
-from engine._commands import CommandError
+from engine._commands import CommandError, freeze_heap
 from engine._config import Config, load_config
 from engine._errors import ConfigError, SpecError
 from engine._execution import Execution
@@ -873,6 +873,7 @@ def run_worker(config_path, cluster, name=None, slots=None, node=None):
     """``leasehold worker``: serve until SIGTERM (drain) or SIGINT; returns the exit code."""
     w = Worker(config_path, cluster, name=name, slots=slots, node=node)
     w.install_signal_handlers()
+    freeze_heap()       # its own process: start-up objects leave the collector's view
     try:
         return w.serve()
     except (ShardTimeout, ShardError) as exc:

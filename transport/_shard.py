@@ -37,7 +37,7 @@ import numpy as np
 import zmq
 
 from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase, Verdict
-from engine._commands import CommandError
+from engine._commands import CommandError, freeze_heap
 from engine._config import Config, load_config
 from engine._engine import Engine
 from engine._errors import LeaseholdError
@@ -125,13 +125,16 @@ class Shard:
     binds an ephemeral port: read :attr:`endpoint` after :meth:`start`). ``store`` and
     ``clock`` go to the :class:`~engine.Engine` (default: the config's LMDB store, the wall
     clock). ``watch_ring``/``watch_runs`` bound the watch log (``transport._watch``).
+``freeze_heap`` freezes the heap once the engine is loaded (``engine._commands.freeze_heap``:
+for a process of its own, as ``leasehold shard`` runs it).
 
     :meth:`start` runs the loop on a thread of its own and returns once the socket is bound
     (or raises what stopped it); :meth:`serve` runs it on the calling thread until
     :meth:`stop`. Either way the engine lives on the loop's thread only."""
 
     def __init__(self, config, shard_index=0, *, endpoint=None, store=None, clock=None,
-                 context=None, heartbeat=None, watch_ring=None, watch_runs=None):
+                 context=None, heartbeat=None, watch_ring=None, watch_runs=None,
+                 freeze_heap=False):
         config = config if isinstance(config, Config) else load_config(config)
         eps = config.transport.endpoints
         if endpoint is None:
@@ -153,6 +156,7 @@ class Shard:
         self._clock = clock
         self._context = context
         self._heartbeat = heartbeat
+        self._freeze_heap = freeze_heap     # once loaded: a process of its own (run_shard)
         self._watch_kw = {k: v for k, v in (("ring", watch_ring), ("max_runs", watch_runs))
                           if v is not None}
         self._stop = threading.Event()
@@ -269,6 +273,8 @@ class Shard:
             # numpy imports numpy.ma on the first plain np.unique() (~50 ms here): done now,
             # not inside whichever loop turn first deduplicates something.
             importlib.import_module("numpy.ma")
+            if self._freeze_heap:
+                freeze_heap()
             log.info("shard %s serving on %s", cfg.storage.shard, self.endpoint)
             self._ready.set()
             self._loop.run(self._stop)
@@ -1286,7 +1292,7 @@ def _refused(rid, refused):
 
 def run_shard(config_path, shard_index):
     """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0."""
-    shard = Shard(config_path, shard_index)
+    shard = Shard(config_path, shard_index, freeze_heap=True)
     shard.install_signal_handlers()
     try:
         shard.serve()
