@@ -40,7 +40,7 @@ def freeze_heap():
     """Collect once, then take every object alive now out of the cyclic collector's view
     (``gc.freeze``): what a server process holds from start-up (modules, config, a shard's
     reloaded state) is kept for its life, and a full collection would otherwise walk all of
-    it again, ~20 ms a time here, as a pause inside a loop turn. Only for a process the
+    it again, ~30 ms a time here, as a pause inside a loop turn. Only for a process the
     command owns (``leasehold shard``, ``leasehold worker``), never inside a user's process."""
     gc.collect()
     gc.freeze()

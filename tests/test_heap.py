@@ -1,6 +1,6 @@
 """A server process's heap once started (``engine._commands.freeze_heap``): ``leasehold
 shard`` and ``leasehold worker`` freeze what they hold after start-up, so full collections
-(~20 ms each over it here) stop walking it; a ``Shard`` inside someone else's process does not.
+(~30 ms each over it here) stop walking it; a ``Shard`` inside someone else's process does not.
 """
 
 import gc
