@@ -7,8 +7,10 @@ A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_en
 import msgpack
 import numpy as np
 
+from cext import DEBUG
 from cext._bulk import remove_many
 from cext._tree import descendants
+from engine._aborts import abort_rows_key, encode_abort_rows, ranges_of, rows_of
 from engine._codes import (
     T_QUEUED,
     T_RETRY,
@@ -97,7 +99,6 @@ class AttemptsMixin:
                 st.a_phase[q] = PH_ABORTED
                 st.a_done[q] = now
                 st.a_abort[q] = root
-                self._touch_many(q)
             # Lean rows in flight end in their columns too; their cleanup is a finalize
             # lease each, made in one pass.
             state = st.a_state[rows]
@@ -108,13 +109,14 @@ class AttemptsMixin:
                 st.a_start[live] = np.where(st.a_start[live] == NEVER, now, st.a_start[live])
                 self._end_leases_lean(live, END_ABORTED, PH_ABORTED, now)
                 st.a_abort[live] = root
-                self._touch_many(live)
                 self._new_finalize_lean(live)
             if q.size or live.size:
-                # Lean rows read the reason from one record per abort.
-                self._op(int(st.a_part[root]), "attempts", abort_key(root),
-                         msgpack.packb(reason))
+                # Lean rows read the reason from one record per abort, and their records are
+                # not rewritten: one abort record lists them (reload applies it).
+                part = int(st.a_part[root])
+                self._op(part, "attempts", abort_key(root), msgpack.packb(reason))
                 self._abort_reasons[root] = reason
+                self._note_abort_rows(root, part, np.sort(np.concatenate([q, live])), now)
             # The rest one by one.
             done = lean & ~quick & ~flying & np.isin(phase, LEAN_TERMINAL)
             ended = quick | flying
@@ -137,6 +139,41 @@ class AttemptsMixin:
                 *np.unique(gids, return_index=True), strict=True)}
             return ActionIds.of_rows({int(g): v for g, v in groups.items()}, gids,
                                      st.a_gidx[hit])
+
+    def _note_abort_rows(self, root, part, rows, now):
+        # The abort record of ``root`` lists ``rows`` (ascending) too, ended at ``now``.
+        if DEBUG and (self._state.a_part[rows] != part).any():
+            raise AssertionError(f"abort of row {root}: its tree spans partitions")
+        _, entries = self._abort_rows.get(root, (part, []))
+        entries = [*entries, (now, *ranges_of(rows))]
+        self._abort_rows[root] = (part, entries)
+        self._op(part, "attempts", abort_rows_key(root), encode_abort_rows(entries))
+
+    def _prune_abort_rows(self, rows):
+        """Rows among ``rows`` (being reclaimed) leave the abort records that list them, in
+        the reclaim's group: a record lists only rows its aborted actions still hold, so a
+        reload never aborts the next action of a reused row. A record left empty goes."""
+        if not self._abort_rows:
+            return
+        roots = self._state.a_abort[rows]
+        for root in np.unique(roots[roots >= 0]).tolist():
+            held = self._abort_rows.get(root)
+            if held is None:
+                continue
+            part, entries = held
+            gone = rows[roots == root]
+            left = []
+            for done, starts, lengths in entries:
+                listed = rows_of(starts, lengths)
+                keep = listed[~np.isin(listed, gone)]
+                if keep.size:
+                    left.append((done, *ranges_of(keep)))
+            if left:
+                self._abort_rows[root] = (part, left)
+                self._op(part, "attempts", abort_rows_key(root), encode_abort_rows(left))
+            else:
+                del self._abort_rows[root]
+                self._op(part, "attempts", abort_rows_key(root), None)
 
     def _abort_reason(self, row):
         # The reason of the abort that ended lean row ``row`` (stored once per abort).

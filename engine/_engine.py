@@ -147,6 +147,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._collided = {}         # ActionId -> row, for the rare hash taken by another id
         self._groups = {}           # group id -> EnqueueGroup (loaded on first use)
         self._abort_reasons = {}    # row an abort was called on -> its reason (lean rows)
+        # Row an abort was called on -> (partition, [(done_ns, starts, lengths)]): the lean
+        # rows it ended whose records it did not rewrite (engine/_aborts.py).
+        self._abort_rows = restored.abort_rows
         self._next_gid = restored.next_gid
         self._idx_hash = np.zeros(0, dtype=np.uint64)   # restored rows: sorted name hashes
         self._idx_row = np.zeros(0, dtype=np.int64)     # ... and their rows

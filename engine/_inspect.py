@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cext._lease import validate
+from engine._aborts import rows_of
 from engine._codes import LeaseKind, Phase, RowState
 from engine._errors import NotFound
 from engine._model import ActionId
@@ -129,6 +130,16 @@ class Inspection:
         """Freed finalize rows (their action's row was reclaimed), ascending: new finalize
         leases take them first."""
         return self._engine._free_fz.copy()
+
+    def abort_rows(self):
+        """The abort records held (engine/_aborts.py): ``{row an abort was called on:
+        ascending rows it lists}``, the lean rows whose stored records a reload brings to
+        ABORTED. A reclaimed row leaves its record at once."""
+        out = {}
+        for root, (_part, entries) in self._engine._abort_rows.items():
+            rows = [rows_of(s, n) for _t, s, n in entries]
+            out[root] = np.unique(np.concatenate(rows)) if len(rows) > 1 else rows[0]
+        return out
 
     @property
     def worker_sessions(self):

@@ -18,6 +18,13 @@ import msgpack
 import numpy as np
 
 from cext import RecordCodec
+from engine._aborts import (
+    ABORT_ROWS_START,
+    ABORT_ROWS_STOP,
+    apply_abort,
+    decode_abort_rows,
+    rows_of,
+)
 from engine._codes import (
     T_DEADLINE,
     T_FINALIZE,
@@ -68,6 +75,7 @@ class Restored:
     fz_queued: np.ndarray   # finalize leases waiting for a worker
     fz_redispatch: np.ndarray  # finalize leases decided but never handed out
     timers: tuple           # (due, kind, row, ref), sorted by due
+    abort_rows: dict        # root -> (partition, [(done_ns, starts, lengths)]): engine/_aborts.py
 
 
 def _unpack(part, db, key, raw):
@@ -145,7 +153,7 @@ def load(store, config, now):
     """Read the shard's memory from ``store`` (a :class:`storage.Store`) for ``config`` at
     engine time ``now``: a :class:`Restored`. :class:`CorruptRecord` names a record that
     cannot be part of it; ``ConfigError`` a stored record the config no longer allows."""
-    progress = _Progress(7)
+    progress = _Progress(8)
     progress.step("actions")
     recs, rows, parts = _fixed(store, "actions", action_dtype(len(config.resources),
                                                                State.pods_of(config)))
@@ -156,6 +164,8 @@ def load(store, config, now):
     _load_small(ld, store)
     progress.step("action columns")
     edges = _fill_actions(ld, recs, rows, parts, n) if n else None
+    progress.step("aborts")
+    aborts = _apply_aborts(ld, store, n)
     progress.step("finalize leases")
     _load_finalize(ld, store, n)
     progress.step("lanes and counters")
@@ -173,7 +183,7 @@ def load(store, config, now):
         history=ld.history, task_names=ld.task_names, queue_changes=ld.queue_changes,
         rows=n, free_rows=free_rows, next_gid=next_gid, next_seq=next_seq,
         group_rows=group_rows, name_hashes=hashes, name_rows=held, finalize_rows=ld.n_fz,
-        fz_free=ld.fz_free, timers=timers, **out)
+        fz_free=ld.fz_free, timers=timers, abort_rows=aborts, **out)
 
 
 def _load_small(ld, store):
@@ -238,6 +248,26 @@ def _load_small(ld, store):
         qname = key.decode()
         if qname in queue_index:
             ld.queue_changes[qname] = _unpack(p, "queues", key, raw)
+
+
+def _apply_aborts(ld, store, n):
+    """Apply every abort record (engine/_aborts.py) to the rows it lists whose loaded record
+    is still their pre-abort one, before anything is derived from the columns (lanes,
+    counters, timers, dispatch). Returns the records: root -> (partition, entries)."""
+    aborts = {}
+    for part in range(store.partitions):
+        for key, raw in store.scan_range(part, "attempts", ABORT_ROWS_START, ABORT_ROWS_STOP):
+            if len(key) != 9:
+                continue        # (no other attempts key starts with b"r")
+            root = int.from_bytes(key[1:], "big")
+            entries = decode_abort_rows(part, key, raw)
+            if root >= n:
+                raise CorruptRecord(part, "attempts", key, f"abort of row {root}, past the "
+                                                          f"table ({n})")
+            for done, starts, lengths in entries:
+                apply_abort(ld.st, n, part, root, done, rows_of(starts, lengths))
+            aborts[root] = (part, entries)
+    return aborts
 
 
 def _one_per_row(recs, rows, parts, db):

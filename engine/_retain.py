@@ -174,6 +174,7 @@ class RetentionMixin:
         now = self.clock.now_ns()
         expire = (now + int(self.config.storage.retention * 1e9)).to_bytes(8, "big")
         self._retain_outcomes(rows, expire, now)
+        self._prune_abort_rows(rows)
         self._free_finalize(rows)
         # Out of the children lists of parents still in the table.
         mark = np.zeros(self._next_row, dtype=np.uint8)
