@@ -120,7 +120,10 @@ DBS: tuple[str, ...] = (
 #: with another version is refused (:class:`CorruptRecord`), never converted in place.
 #: Version 2 (issue 14, predictions): action records carry the spec's runtime estimate and
 #: max_runtime, and runtime history records are per (task, shape) with recent successes.
-SCHEMA_VERSION = 2
+#: Version 3: an abort lists the lean rows it ended in one record (``attempts``, ``r`` + the
+#: root's row; engine/_aborts.py) instead of rewriting their action records, so older code
+#: would read those rows as still queued or running and run them again.
+SCHEMA_VERSION = 3
 #: LMDB's default key size limit, enforced by every store so that a batch accepted by
 #: ``MemoryStore`` is also accepted by ``LmdbStore``.
 MAX_KEY_SIZE = 511

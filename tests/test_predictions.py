@@ -19,7 +19,7 @@ from engine._errors import SpecError
 from engine._model import ActionSpec, Timeouts
 from engine._sim import prepare, simulate
 from engine._trace import Job
-from storage import CorruptRecord, MemoryStore
+from storage import SCHEMA_VERSION, CorruptRecord, MemoryStore
 from storage._store import check_schema
 
 S = 1_000_000_000
@@ -213,7 +213,7 @@ def test_estimates_bounds_and_history_keys_survive_a_restart():
 
 
 def test_an_older_store_is_refused_by_its_schema():
-    check_schema(0, msgpack.packb(2))
+    check_schema(0, msgpack.packb(SCHEMA_VERSION))
     with pytest.raises(CorruptRecord, match="schema 1: a store written by older code"):
         check_schema(0, msgpack.packb(1))
 
