@@ -152,7 +152,8 @@ class AttemptsMixin:
     def _prune_abort_rows(self, rows):
         """Rows among ``rows`` (being reclaimed) leave the abort records that list them, in
         the reclaim's group: a record lists only rows its aborted actions still hold, so a
-        reload never aborts the next action of a reused row. A record left empty goes."""
+        reload never aborts the next action of a reused row. A record left empty goes, and
+        the abort's reason with it (only the rows it lists read the reason)."""
         if not self._abort_rows:
             return
         roots = self._state.a_abort[rows]
@@ -172,8 +173,12 @@ class AttemptsMixin:
                 self._abort_rows[root] = (part, left)
                 self._op(part, "attempts", abort_rows_key(root), encode_abort_rows(left))
             else:
+                # No row reads the reason any more (each reclaimed row took its message
+                # into its retained outcome): it goes with the list.
                 del self._abort_rows[root]
                 self._op(part, "attempts", abort_rows_key(root), None)
+                self._op(part, "attempts", abort_key(root), None)
+                self._abort_reasons.pop(root, None)
 
     def _abort_reason(self, row):
         # The reason of the abort that ended lean row ``row`` (stored once per abort).

@@ -34,7 +34,7 @@ from cext import DEBUG
 from cext._retained import ATTEMPT_LAYOUT, pack_lean_retained
 from cext._tree import unlink_children
 from engine._codes import PHASES, TERMINAL_PHASES, Phase
-from engine._groups import abort_key, group_key
+from engine._groups import group_key
 from engine._index import ActionEdges
 from engine._records import (
     ATTEMPT_FIELDS,
@@ -269,10 +269,6 @@ class RetentionMixin:
         for part in np.unique(parts).tolist():
             block = entries[parts == part]
             ops.setdefault(part, []).append(Records("expiry", block.reshape(-1), b"", 24, 0))
-        aborted = rows[st.a_abort[rows] == rows].tolist()
-        for r in set(aborted).union(self._abort_reasons.keys() & set(rows.tolist())):
-            self._op(int(st.a_part[r]), "attempts", abort_key(r), None)
-            self._abort_reasons.pop(r, None)
 
     def _retire_runs(self, runs, parts):
         """Runs among ``runs`` (run rows of just reclaimed actions, their records in

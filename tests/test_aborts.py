@@ -260,3 +260,38 @@ def test_a_store_of_the_schema_before_abort_records_is_refused_by_name():
     with pytest.raises(CorruptRecord, match="schema 2: a store written by older code"):
         check_schema(0, msgpack.packb(2))
     assert SCHEMA_VERSION == 3
+
+
+def abort_keys(store):
+    """The keys of abort records (``a`` + row: the reason; ``r`` + row: the rows) held."""
+    return [key for p in range(store.partitions)
+            for key, _ in store.scan_range(p, "attempts", b"a", b"s")
+            if len(key) == 9 and key[:1] in (b"a", b"r")]
+
+
+@pytest.mark.parametrize("reload_at", [None, "before_reclaim", "between_reclaims"])
+def test_an_aborts_records_leave_the_store_with_its_last_row(reload_at):
+    # The root has a Python record (its attempts were read), so it ends one by one and its
+    # own row does not point at the abort: only the lean children do.
+    eng = engine(slots=2)
+    [root] = eng.enqueue_many([spec("root")])
+    kids = eng.enqueue_fanout(spec("k", root), [f"k{i}" for i in range(6)])
+    eng.clock.advance(1)
+    eng.tick()
+    eng.attempts(root)
+    eng.clock.advance(1)
+    eng.abort(root, reason="enough")
+    assert len(abort_keys(eng.store)) == 2
+    if reload_at == "before_reclaim":
+        eng = reopen(eng, slots=2, crash=True)
+    for a in eng.tick():    # the cleanup of what ran
+        assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+    assert eng.attempts(kids[3])[0].message == "enough"
+    assert eng.reclaim() == 6           # the children first, then their parent
+    if reload_at == "between_reclaims":     # the reason cached in memory is gone
+        eng = reopen(eng, slots=2, crash=True)
+    assert eng.reclaim() == 1
+    assert eng.inspect().abort_rows() == {}
+    assert abort_keys(eng.store) == []
+    eng = reopen(eng, slots=2, crash=True)
+    assert abort_keys(eng.store) == []
