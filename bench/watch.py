@@ -26,7 +26,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,8 +35,7 @@ if str(ROOT) not in sys.path:
 
 from engine import parse_config  # noqa: E402
 from storage import MemoryStore  # noqa: E402
-from transport import Client, Shard  # noqa: E402
-from transport import _shard  # noqa: E402
+from transport import Client, Shard, _shard  # noqa: E402
 
 
 def main():
@@ -134,7 +132,6 @@ def main():
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
     }
     print(json.dumps(out))
-    threading.Event().set()
 
 
 if __name__ == "__main__":

@@ -597,21 +597,11 @@ class _Loop:
     def flush(self, box):
         """Send what one committed turn decided, in order: answers, stops, leases, events."""
         started = time.perf_counter_ns()
-        dropped = None
+        dropped = set()     # (watcher, run) that could not take an EVENTS message of this turn
         for conn, msg, _ in box.out:
             if type(msg) is p.Events:
-                # A WATCH's replay: counted as events, and one that cannot go (the
-                # watcher's queue is full, or it is gone) ends that watch here, as a
-                # dropped push does; the client resumes from its last seq (its refresh).
-                if dropped is not None and (conn, msg.run) in dropped:
-                    self.shard._count("events_unsent", len(msg.actions))
-                elif send(self.sock, p.encode(msg), conn):
-                    self.shard._count("events", len(msg.actions))
-                else:
-                    self.shard._count("events_unsent", len(msg.actions))
-                    self.watch.unwatch(msg.run, conn)
-                    dropped = dropped or set()
-                    dropped.add((conn, msg.run))
+                # A WATCH's replay, sent as a push is.
+                self.send_events(conn, msg, p.encode(msg), dropped)
                 continue
             self.send(conn, msg)
         # Only now, committed, do this turn's watched leases name their actions (a turn
@@ -652,7 +642,7 @@ class _Loop:
                     by_run[run] = (watchers, hits)
                 else:
                     got[1].extend(hits)
-        self.push_events(by_run)
+        self.push_events(by_run, dropped)
         for c in self.conns.values():
             c.outstanding = 0
         if box.batch is not None:
@@ -1179,24 +1169,36 @@ class _Loop:
                            time_ns=np.array(times, np.int64),
                            details=[d or None for d in details] if any(details) else None)
 
-    def push_events(self, by_run):
+    def push_events(self, by_run, dropped):
         """Push ``{run: (watchers, events)}``: one EVENTS message a run a turn (its events
-        are consecutive: nothing else numbers them), to each of its watchers."""
+        are consecutive: nothing else numbers them), to each of its watchers (those of the
+        turn's first message of it: one dropped on the way counts its share of the later
+        ones unsent)."""
         for run, (watchers, events) in by_run.items():
-            dropped = 0         # watchers of the run dropped on an earlier message of it
+            targets = list(watchers)
             for msg in self._batches(run, events):
                 frames = p.encode(msg)
-                if dropped:
-                    # Their share of this message is unsent too (every event counts).
-                    self.shard._count("events_unsent", dropped * len(msg.actions))
-                for conn in list(watchers):
-                    if send(self.sock, frames, conn):
-                        self.shard._count("events", len(msg.actions))
-                    else:
-                        # Gone or too slow: it resumes with WATCH since=its last seq.
-                        self.shard._count("events_unsent", len(msg.actions))
-                        watchers.discard(conn)
-                        dropped += 1
+                for conn in targets:
+                    self.send_events(conn, msg, frames, dropped)
+
+    def send_events(self, conn, msg, frames, dropped):
+        """Send EVENTS ``msg`` (``frames``, encoded once for every watcher) to watcher
+        ``conn``, a WATCH's replay or a push: its events count as sent (``events``) or not
+        (``events_unsent``). One that cannot go (the watcher is gone, or its queue is full)
+        ends that watch (its log stays: the client resumes with WATCH since=its last seq,
+        at its refresh); it is noted in ``dropped`` (``(conn, run)``, one turn's sends), and
+        the later messages of the run to that watcher in the turn count as unsent without
+        being tried (one would arrive after a gap). Returns whether it went."""
+        n = len(msg.actions)
+        key = (conn, msg.run)
+        if key not in dropped:
+            if send(self.sock, frames, conn):
+                self.shard._count("events", n)
+                return True
+            self.watch.unwatch(msg.run, conn)
+            dropped.add(key)
+        self.shard._count("events_unsent", n)
+        return False
 
 
 def _refused_copies(tokens, names, refused):
