@@ -1328,3 +1328,26 @@ def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path
             c.next_event(timeout=3, refresh=0.3, runs=(other,))
     finally:
         h.close()
+
+
+def test_events_of_an_action_assigned_before_the_watch_carry_its_attempt(tmp_path):
+    """A run's first WATCH has the log follow its live actions from their phase and attempt
+    now: the reports of an action assigned before it are events of attempt 1, as its lease
+    said (they carried attempt 0 until its next assignment)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        aid = c.enqueue(spec("x"))
+        (lease,) = w.leases(timeout=5)
+        assert lease.attempt == 1
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        assert w.report([lease.token], Phase.RUNNING) == []
+        assert w.report([lease.token], Phase.SUCCEEDED) == []
+        got = [watcher.next_event(timeout=3, refresh=10) for _ in range(2)]
+        assert [(e.action, e.phase, e.attempt) for e in got] == [
+            (aid, "RUNNING", 1), (aid, "SUCCEEDED", 1)]
+    finally:
+        h.close()

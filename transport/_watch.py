@@ -148,6 +148,27 @@ class WatchLog:
                 and len(r.live) < self.max_live):
             r.live[action] = (phase, 0)
 
+    def track_many(self, run, actions, phases, attempts):
+        """:meth:`track` of each of ``actions`` (of ``run``), in order, with its phase and
+        attempt as the events of its later changes will number it (until 2026-12-04 every
+        one was tracked at attempt 0: the events of an action assigned before its run was
+        first watched said attempt 0 until its next assignment)."""
+        r = self._runs.get(run)
+        if r is None:
+            return
+        live, room = r.live, self.max_live - len(r.live)
+        given = phase = terminal = None
+        for action, p, attempt in zip(actions, phases, attempts, strict=True):
+            if room <= 0:
+                break
+            if p is not given:      # looked up once a run of equal phases (as record_changes)
+                given = p
+                phase = _phase(p)
+                terminal = phase in TERMINAL_PHASES
+            if not terminal and action not in live:
+                live[action] = (phase, attempt)
+                room -= 1
+
     def record(self, run, action, phase, attempt, time_ns, detail=None):
         """Append a change of ``action`` (in a watched run) unless it repeats the last one
         seen for it; returns ``(event tuple, watchers)`` or None."""
