@@ -1351,3 +1351,32 @@ def test_events_of_an_action_assigned_before_the_watch_carry_its_attempt(tmp_pat
             (aid, "RUNNING", 1), (aid, "SUCCEEDED", 1)]
     finally:
         h.close()
+
+
+def test_a_retry_leased_again_in_the_turn_of_its_failure_is_seen_queued_in_between(tmp_path):
+    """A retryable failure whose retry is due at once is leased again by the tick of the
+    turn that took the report. The watcher is promised the phase each change entered
+    (docs/protocol.md: QUEUED on a retry), so it sees the retry: RUNNING of attempt 1, QUEUED
+    (the failure of attempt 1, its message the detail), INITIALIZING of attempt 2. The
+    re-read after the turn found the action assigned again, and attempt 1's failure never
+    became an event."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        aid = c.enqueue(spec("x", retries={"count": 1, "backoff_base": 0}))
+        (lease,) = w.leases(timeout=5)
+        assert w.report([lease.token], Phase.RUNNING) == []
+        assert w.report([lease.token], Phase.FAILED, {0: {
+            "error_kind": "USER", "message": "boom", "recoverable": True}}) == []
+        (again,) = w.leases(timeout=5)
+        assert again.attempt == 2
+        got = [c.next_event(timeout=3, refresh=10) for _ in range(5)]
+        assert [(e.action, e.phase, e.attempt) for e in got] == [
+            (aid, "QUEUED", 0), (aid, "INITIALIZING", 1), (aid, "RUNNING", 1),
+            (aid, "QUEUED", 1), (aid, "INITIALIZING", 2)]
+        assert "boom" in got[3].detail
+    finally:
+        h.close()

@@ -80,6 +80,8 @@ _KNOWN_CODES = frozenset(p.ERROR_CODES)
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
 # Phases of an action that waits for an assignment.
 _WAITING = frozenset({Phase.QUEUED, Phase.WAITING_FOR_RESOURCES})
+# Endings whose event carries the engine's reason as its detail.
+_FAILURES = frozenset({Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED})
 
 
 def _code(exc):
@@ -929,7 +931,7 @@ class _Loop:
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
         if names is not None:
-            self._watched_reports(msg.tokens, names, phases, refused)
+            self._watched_reports(msg.tokens, names, phases, refused, msg.details)
 
     def _lease_names(self, tokens):
         """``(run, action)`` of each token's lease where its run is watched (None elsewhere),
@@ -957,11 +959,14 @@ class _Loop:
                     names[i] = (aid.rsplit("/", 1)[0], aid)
         return names
 
-    def _watched_reports(self, tokens, names, phases, refused):
+    def _watched_reports(self, tokens, names, phases, refused, details=None):
         """The watch records of a report message's accepted reports of watched runs
-        (``names`` from :meth:`_lease_names`), in the message's order."""
+        (``names`` from :meth:`_lease_names`), in the message's order; a failure's (it may
+        be a retry) from the phase the engine shows at once, before this turn's tick may
+        lease a retry again (``details``: the message's, for the failure's text)."""
         skip = _refused_copies(tokens, names, refused) if refused else ()
         by_run = {}
+        failed = []
         for i, name in enumerate(names):
             if name is None or i in skip:
                 continue
@@ -975,10 +980,22 @@ class _Loop:
                     changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
                 changes.add(aid, ph, self.attempt_of(run, aid))
             else:
-                self.check.add((run, aid))  # a failure may be a retry: ask after the turn
+                failed.append((run, aid))
+                self.check.add((run, aid))  # and after the turn (an abort's cleanup)
             if ph in TERMINAL_PHASES:
                 self.leases.pop(int(tokens[i, 0]), None)
         self.records.extend(by_run.values())
+        if failed:
+            # Read now: a retry due at once is leased again by this turn's tick, and read
+            # after it the action was INITIALIZING again, so the failure of the attempt
+            # before never became an event (docs/protocol.md promises QUEUED on a retry).
+            why = {}
+            for d in details or ():
+                text = ": ".join(x for x in (d.get("cause"), d.get("message")) if x)
+                name = names[d["i"]]
+                if text and name is not None:
+                    why[name[1]] = text
+            self.reread(failed, self.eng.clock.now_ns(), why)
 
     def on_bye(self, conn, c, peer, msg):
         if msg.drain:
@@ -1134,8 +1151,13 @@ class _Loop:
             todo.update((run, a) for run, a, _ph, _at in self.watch.live() if a not in ended)
         if not todo:
             return
-        now = self.eng.clock.now_ns()
-        todo = list(todo)
+        self.reread(list(todo), self.eng.clock.now_ns())
+
+    def reread(self, todo, now, why=None):
+        """Record the phase the engine shows now of each ``(run, action)`` of ``todo`` (a
+        repeat of the last recorded is dropped when the records join the log); the detail
+        of an ending is its reason, that of a retry (QUEUED again) its failure's text when
+        ``why`` (action -> text) has it."""
         # The phases alone, in one pass (explain's reason and queue position are not needed,
         # and a queued action's position is a scan of the table); the reason of an ending.
         try:
@@ -1145,11 +1167,14 @@ class _Loop:
         for (run, action), phase in zip(todo, phases, strict=True):
             if phase is None:
                 continue
-            try:
-                detail = (self.eng.explain(action).reason
-                          if phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) else None)
-            except LeaseholdError:
-                continue
+            detail = None
+            if phase in _FAILURES:
+                try:
+                    detail = self.eng.explain(action).reason
+                except LeaseholdError:
+                    continue
+            elif why and phase in _WAITING:
+                detail = why.get(action)
             att = self.attempt_of(run, action)
             self.record(run, action, phase, att, now,
                         detail[:self.settings.max_text] if detail else None)
