@@ -1380,3 +1380,85 @@ def test_a_retry_leased_again_in_the_turn_of_its_failure_is_seen_queued_in_betwe
         assert "boom" in got[3].detail
     finally:
         h.close()
+
+
+def _bug_once(monkeypatch, cls, name, when=lambda *a: True):
+    """Make ``cls.name`` raise RuntimeError("injected bug") on its first call that ``when``
+    accepts (a bug in the shard), and behave as before afterwards."""
+    real = getattr(cls, name)
+    armed = [True]
+
+    def buggy(self, *args, **kw):
+        if armed[0] and when(*args):
+            armed[0] = False
+            raise RuntimeError("injected bug")
+        return real(self, *args, **kw)
+    monkeypatch.setattr(cls, name, buggy)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["inline", "committer"])
+def test_a_bug_while_a_turns_events_are_recorded_loses_the_watch_not_the_shard(
+        tmp_path, monkeypatch, caplog, pipelined):
+    """A bug while a committed turn's watch records join the log (after its answers left)
+    is logged with its traceback; the shard serves on, and the run's watchers are told
+    their events are gone (WatchLost at their resume) instead of missing the change
+    silently. On the committer's path the exception escaped the loop and stopped the
+    shard; inline, the log numbered on and the watcher never saw the enqueue."""
+    from transport import WatchLog
+
+    cfg = pipelined_config(tmp_path) if pipelined else base_config(
+        tmp_path, heartbeat_interval=240.0)
+    h = Harness(cfg, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 3.0
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        _bug_once(monkeypatch, WatchLog, "record_many")
+        with caplog.at_level("ERROR", logger="leasehold.shard"):
+            aid = c.enqueue(spec("a"))          # answered before the records join the log
+            assert c.ping()["shard"]            # the shard serves on
+        assert any(r.exc_info and "injected bug" in str(r.exc_info[1])
+                   for r in caplog.records), caplog.text
+        with pytest.raises(WatchLost):
+            e = watcher.next_event(timeout=3, refresh=0.3)
+            pytest.fail(f"an event after the lost one, over the gap: {e}")
+        watcher.subscribe(RUN)                  # from now on (it re-reads the status)
+        assert c.status(aid) in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES)   # durable
+        bid = c.enqueue(spec("b"))
+        e = watcher.next_event(timeout=3, refresh=10)
+        assert (e.action, e.phase) == (bid, "QUEUED")
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["inline", "committer"])
+def test_a_bug_while_a_committed_turn_is_answered_answers_internal_and_serves_on(
+        tmp_path, monkeypatch, caplog, pipelined):
+    """A bug while a committed turn's answers are sent leaves no request unanswered: the
+    ones not answered yet get INTERNAL (their changes are durable: the enqueue is there),
+    the traceback goes to the shard's log, and the shard serves on. On the committer's path
+    the exception stopped the shard and the client waited out its timeout."""
+    from transport import _shard as shard_module
+    from transport._protocol import Reply
+
+    cfg = pipelined_config(tmp_path) if pipelined else base_config(
+        tmp_path, heartbeat_interval=240.0)
+    h = Harness(cfg, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 3.0
+        _bug_once(monkeypatch, shard_module._Loop, "send",
+                  when=lambda conn, msg: type(msg) is Reply)
+        with caplog.at_level("ERROR", logger="leasehold.shard"):
+            with pytest.raises(ShardError, match="INTERNAL") as err:
+                c.enqueue(spec("a"))
+            assert "durable" in str(err.value)
+            assert c.status(f"{RUN}/a") in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES)
+            assert c.ping()["shard"]
+        assert any(r.exc_info and "injected bug" in str(r.exc_info[1])
+                   for r in caplog.records), caplog.text
+    finally:
+        h.close()

@@ -408,7 +408,15 @@ class _Loop:
         for job in self.committer.done():
             head = self.inflight.popleft()
             assert head is job, "the committer finished jobs out of order"
-            self.settle(job)
+            try:
+                self.settle(job)
+            except Exception as exc:
+                # A bug (flush has its own guard: this is the rest of settling). Raised
+                # here, it would escape the loop (a turn settled outside any turn) and stop
+                # the shard, and the jobs after it, taken from the committer already, would
+                # never be settled.
+                log.exception("shard %s: settling a turn failed", self.shard.name)
+                self.salvage(job.outbox, exc)
         if not self.inflight:
             self.committer.resume()     # after a failure, once every skipped turn is back
 
@@ -463,11 +471,15 @@ class _Loop:
         # Memory was restored: what a re-tick would place, it placed in that turn, and the
         # store just failed it; the next message or the backstop ticks again.
         self.retick = False
-        for rid_conn, msg, is_req in box.out:
+        box.recorded = True         # none of its records is true: none joins the log
+        for i, (rid_conn, msg, is_req) in enumerate(box.out):
+            box.sent = i
             if is_req:
                 rid = getattr(msg, "rid", None)
                 self.send(rid_conn, p.Error(rid=rid, code="UNAVAILABLE",
                                             message=f"shard {self.shard.name}: {why}; retry"))
+        box.sent = len(box.out)
+        box.pushed = len(box.pushes)    # never pushed: their hand-out was undone
         for c in self.conns.values():
             c.outstanding = 0
 
@@ -599,15 +611,59 @@ class _Loop:
             self.retick = self.idle_reticks <= -(-depth // self.per_tick)
 
     def flush(self, box):
-        """Send what one committed turn decided, in order: answers, stops, leases, events."""
+        """Send what one committed turn decided, in order: answers, stops, leases, events.
+        A bug on the way (an unexpected exception) is logged with its traceback and the
+        rest of the turn salvaged (:meth:`salvage`); the loop serves on."""
+        try:
+            self._flush(box)
+        except Exception as exc:
+            log.exception("shard %s: sending a committed turn failed", self.shard.name)
+            self.salvage(box, exc)
+
+    def salvage(self, box, exc):
+        """After a bug while a turn was settled or sent (``exc``, logged): what it committed
+        stays; each request of it not answered yet is answered INTERNAL, each of its lease
+        pushes not sent counts as unsent (the lease expires and is assigned again, as after
+        a push that cannot go), each WATCH replay not sent ends that watch (the watcher
+        resumes), and if its watch records had not all joined the log, the logs of their
+        runs are dropped: their watchers are refused when they resume (``WatchLost``) and
+        re-read the status, instead of missing those changes silently. Never raises."""
+        why = (f"shard {self.shard.name}: internal error while sending a committed turn "
+               f"(its changes are durable; the shard's log has the traceback): "
+               f"{type(exc).__name__}: {exc}")[:self.settings.max_text]
+        try:
+            for conn, msg, is_req in box.out[box.sent:]:
+                if type(msg) is p.Events:
+                    self.shard._count("events_unsent", len(msg.actions))
+                    self.watch.unwatch(msg.run, conn)
+                elif is_req:
+                    self.send(conn, p.Error(rid=getattr(msg, "rid", None), code="INTERNAL",
+                                            message=why))
+            box.sent = len(box.out)
+            for _conn, _frames, n in box.pushes[box.pushed:]:
+                self.shard._count("leases_unsent", n)
+            box.pushed = len(box.pushes)
+            if not box.recorded:
+                box.recorded = True
+                for args in box.records:
+                    run = args[0] if type(args) is tuple else args.run
+                    self.watch.forget(run)
+            for c in self.conns.values():
+                c.outstanding = 0
+        except Exception:
+            log.exception("shard %s: salvaging a turn after an error failed", self.shard.name)
+
+    def _flush(self, box):
         started = time.perf_counter_ns()
         dropped = set()     # (watcher, run) that could not take an EVENTS message of this turn
-        for conn, msg, _ in box.out:
+        for i, (conn, msg, _) in enumerate(box.out):
+            box.sent = i                # (what salvage answers if this send raises)
             if type(msg) is p.Events:
                 # A WATCH's replay, sent as a push is.
                 self.send_events(conn, msg, p.encode(msg), dropped)
                 continue
             self.send(conn, msg)
+        box.sent = len(box.out)
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
         # before the pushes leave: a report can only follow its push.
@@ -617,11 +673,13 @@ class _Loop:
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
                               else "stops_unsent", n)
-        for conn, frames, n in box.pushes:
+        for i, (conn, frames, n) in enumerate(box.pushes):
             # A push that cannot go (peer gone, queue full) is not retried under this
             # generation: the lease misses its heartbeats and is assigned again.
+            box.pushed = i
             self.shard._count("leases_pushed" if send(self.sock, frames, conn)
                               else "leases_unsent", n)
+        box.pushed = len(box.pushes)
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone); after the leases, which wait for nothing here.
         by_run = {}     # run -> (watchers, its events in seq order)
@@ -646,6 +704,7 @@ class _Loop:
                     by_run[run] = (watchers, hits)
                 else:
                     got[1].extend(hits)
+        box.recorded = True
         self.push_events(by_run, dropped)
         for c in self.conns.values():
             c.outstanding = 0
@@ -1292,7 +1351,8 @@ class _Outbox:
     the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
     (for the status)."""
 
-    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns")
+    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns",
+                 "sent", "pushed", "recorded")
 
     def __init__(self):
         self.out = []           # (routing id, message, request?)
@@ -1303,6 +1363,11 @@ class _Outbox:
         self.attempts = {}      # action -> attempt of its records (until they join the log)
         self.batch = None
         self.now_ns = 0
+        # How far its sending got (for salvage, after a bug): answers sent (box.out[:sent]),
+        # lease pushes sent, whether its watch records joined the log.
+        self.sent = 0
+        self.pushed = 0
+        self.recorded = False
 
 
 class _Poison(Exception):

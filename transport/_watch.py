@@ -111,8 +111,9 @@ class WatchLog:
                            f"the changes since are not kept (re-read the status)")
         if since and since < r.base:
             raise WatchGap(f"watch {run}: seq {since} is from a log of this run that was "
-                           f"evicted (more than {self.max_runs} runs watched); the changes "
-                           f"since are not kept (re-read the status)")
+                           f"evicted (more than {self.max_runs} runs watched, or an error in "
+                           f"the shard lost its events); the changes since are not kept "
+                           f"(re-read the status)")
         if since > r.seq:
             raise WatchGap(f"watch {run}: seq {since} is past the latest ({r.seq})")
         if since and since + 1 < first:
@@ -126,6 +127,16 @@ class WatchLog:
                 self.evicted += 1
         r.watchers.add(conn)
         return r.seq, [e for e in r.ring if e[0] > since]
+
+    def forget(self, run):
+        """Drop ``run``'s log as an eviction does (its watchers stop; one resuming is
+        refused, :class:`WatchGap`): the shard does so when the events of a change may have
+        been lost (a bug while a turn's records joined the log), so that none of its
+        watchers misses them silently."""
+        r = self._runs.pop(run, None)
+        if r is not None:
+            self._floor = max(self._floor, r.seq + 1)
+            self.evicted += 1
 
     def unwatch(self, run, conn):
         """Stop pushing ``run`` to ``conn`` (its log stays, for a resume)."""
