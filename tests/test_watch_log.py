@@ -111,3 +111,22 @@ def test_a_resume_into_a_log_made_again_after_its_eviction_is_refused():
     assert [e[1] for e in events] == [f"{RUN}/c", f"{RUN}/d", f"{RUN}/e"]
     assert log.watch(RUN, "new", events[0][0] - 1)[1] == events
     assert log.watch(RUN, "new", latest) == (latest, [])
+
+
+def test_eviction_takes_a_log_nobody_watches_before_a_watched_one():
+    """More than ``max_runs`` logs evicts the least recently watched log nobody watches now,
+    not a run whose watcher is taking its events (it sends no WATCH while they come, so its
+    log was the least recently watched and went first: the watcher stopped receiving and
+    learnt it only at its next resume)."""
+    log = WatchLog(ring=64, max_runs=2, epoch=1000)
+    busy, idle, new = "acme/p/d/busy", "acme/p/d/idle", "acme/p/d/new"
+    log.watch(busy, "a", 0)
+    log.watch(idle, "b", 0)
+    log.unwatch(idle, "b")                      # its log stays, for a resume
+    log.watch(new, "c", 0)
+    assert busy in log and new in log and idle not in log
+    events, watchers = log.record_changes(busy, [f"{busy}/x"], [Phase.QUEUED], [0], 5)
+    assert len(events) == 1 and watchers == {"a"}
+    # Every log watched: the least recently watched goes.
+    log.watch("acme/p/d/fourth", "d", 0)
+    assert busy not in log and new in log and log.evicted == 2

@@ -5,8 +5,9 @@ A run gets a log when someone first WATCHes it; from then on every state change 
 actions the shard sees (enqueue, assignment, running, terminal, abort, and what the backstop
 re-check finds: expiry, retry, timeout) is appended with the next sequence number and pushed
 to the connections watching it. The log stays after its watchers leave (a watcher that
-reconnects resumes from the last ``seq`` it saw) until the run is evicted, oldest watched
-first, when more than ``max_runs`` runs have logs.
+reconnects resumes from the last ``seq`` it saw) until the run is evicted when more than
+``max_runs`` runs have logs: the least recently watched of those nobody watches now, else the
+least recently watched.
 
 Bounds: ``ring`` events a run (the oldest are dropped), ``max_runs`` runs, ``max_live``
 actions tracked a run for the backstop re-check. A resume from a ``seq`` the ring no longer
@@ -119,14 +120,22 @@ class WatchLog:
         if since and since + 1 < first:
             raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
                            f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
+        r.watchers.add(conn)        # (first: a new log is watched, so never the victim)
         if new:
             self._runs[run] = r
             while len(self._runs) > self.max_runs:
-                _gone, old = self._runs.popitem(last=False)
-                self._floor = max(self._floor, old.seq + 1)
-                self.evicted += 1
-        r.watchers.add(conn)
+                self.forget(self._victim())
         return r.seq, [e for e in r.ring if e[0] > since]
+
+    def _victim(self):
+        """The log to evict: the least recently watched of those nobody watches now, else
+        the least recently watched (until 2026-12-04 always that one: a run watched by a
+        client taking its events, which sends no WATCH while they come, went before runs
+        nobody watched any more, and its watcher learnt it only at its next resume)."""
+        for run, r in self._runs.items():
+            if not r.watchers:
+                return run
+        return next(iter(self._runs))
 
     def forget(self, run):
         """Drop ``run``'s log as an eviction does (its watchers stop; one resuming is
