@@ -8,10 +8,12 @@ a fresh WATCH finds every one of them live), then one client WATCHes each run.
 
 * ``fresh_watch_ms``: the decision thread's time in the handler of one fresh WATCH (the
   run's live actions read and tracked for the re-check), median over the runs.
-* ``backstop_recheck_ms``: the re-check of one backstop turn (reads of tracked live actions,
-  their records), median over ``--backstops`` turns; ``backstop_turn_ms`` the whole of such a
-  turn on the decision thread (decided, committed, sent); ``..._max`` the largest.
-* ``recheck_reads_per_turn``: tracked live actions re-read in one backstop turn (median).
+* ``backstop_recheck_ms``: the re-check of one turn that re-reads tracked live actions (a
+  backstop turn, or one going on with the re-check's round), median over ``--backstops`` such
+  turns; ``backstop_turn_ms`` the whole of such a turn on the decision thread (decided,
+  committed, sent); ``..._max`` the largest.
+* ``recheck_reads_per_turn``: tracked live actions re-read in one such turn (median; null
+  before the re-check read in rounds: every one, each backstop turn).
 * ``ping_ms_p50`` / ``ping_ms_max``: a client's PING round trip while the backstop turns run
   (the latency every other client of the shard sees).
 
@@ -35,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 from engine import parse_config  # noqa: E402
 from storage import MemoryStore  # noqa: E402
-from transport import Client, Shard, _shard  # noqa: E402
+from transport import Client, Shard, WatchLog, _shard  # noqa: E402
 
 
 def main():
@@ -61,27 +63,32 @@ def main():
     def recheck(self):
         t0 = time.perf_counter_ns()
         backstop = self.check_all
-        reads = getattr(self.watch, "reads", None)
-        before = reads() if reads else None
         try:
             return orig_recheck(self)
         finally:
             if backstop and state["counting"]:
                 times["recheck"].append(time.perf_counter_ns() - t0)
-                if before is not None:
-                    times["reads"].append(reads() - before)
 
     def turn(self, msgs, backstop):
         t0 = time.perf_counter_ns()
+        rechecks = backstop or getattr(self, "sweep_due", False)
         try:
             return orig_turn(self, msgs, backstop)
         finally:
-            if backstop and state["counting"]:
+            if rechecks and state["counting"]:
                 # (inline commits: the turn's commit and sends are inside; pipelined ones
                 # are settled later, so this is its decision only)
                 times["turn"].append(time.perf_counter_ns() - t0)
 
     loop_cls.on_watch, loop_cls.recheck, loop_cls._turn = on_watch, recheck, turn
+    orig_sweep = getattr(WatchLog, "sweep", None)
+    if orig_sweep is not None:          # (the re-check in rounds, read a part a turn)
+        def sweep(self, *a):
+            part, done = orig_sweep(self, *a)
+            if state["counting"]:
+                times["reads"].append(len(part))
+            return part, done
+        WatchLog.sweep = sweep
     pings = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_config({

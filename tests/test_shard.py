@@ -1462,3 +1462,36 @@ def test_a_bug_while_a_committed_turn_is_answered_answers_internal_and_serves_on
                    for r in caplog.records), caplog.text
     finally:
         h.close()
+
+
+def test_the_recheck_spread_over_turns_still_sees_every_expiry(tmp_path, monkeypatch):
+    """The backstop re-check reads ``RECHECK`` tracked actions a turn, its round going on in
+    the next turns (reading every one in one turn held the loop for seconds at scale): with
+    a budget of 4, each of 30 leases that expire (assigned before the WATCH: only the
+    re-check sees them end) still becomes its event."""
+    from transport import _shard as shard_module
+
+    monkeypatch.setattr(shard_module, "RECHECK", 4)
+    h = Harness(base_config(tmp_path, heartbeat_interval=0.2, expiry_missed_beats=1,
+                            expiry_jitter=0.0, system_retries=0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        ids = c.enqueue_many([spec(f"a{i}") for i in range(30)])
+        leases = w.leases(timeout=5, want=30)
+        assert len(leases) == 30
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        # The worker sends no heartbeat: every lease expires, and with no retry left each
+        # action ends; only the re-check can see it.
+        ended = {}
+        deadline = time.monotonic() + 15
+        while len(ended) < 30 and time.monotonic() < deadline:
+            e = watcher.next_event(timeout=5, refresh=10)
+            assert e.attempt == 1, e
+            if e.phase in ("FAILED", "TIMED_OUT"):
+                ended[e.action] = e.phase
+        assert sorted(ended) == sorted(ids)
+    finally:
+        h.close()

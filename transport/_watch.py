@@ -37,7 +37,7 @@ def _phase(phase):
     found = _PHASE_OF.get(phase)
     return found if found is not None else Phase(phase)    # else: ValueError naming it
 
-__all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE"]
+__all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE", "RECHECK"]
 
 #: Events kept a run.
 RING = 4096
@@ -45,6 +45,8 @@ RING = 4096
 MAX_RUNS = 1024
 #: Non-terminal actions a run tracks for the backstop re-check.
 MAX_LIVE = 10_000
+#: Tracked actions the re-check reads in one loop turn (:meth:`WatchLog.sweep`).
+RECHECK = 4096
 
 
 class WatchGap(Exception):
@@ -82,6 +84,12 @@ class WatchLog:
         # an evicted log is refused when it resumes (WatchGap) from a log of the same run
         # made again later, instead of being handed that log's events from its old seq on.
         self._floor = self.epoch
+        # The re-check's round over every log's tracked actions (sweep): the runs left, and
+        # the one being read (its actions as they were when the round reached it).
+        self._round = collections.deque()
+        self._keys = ()
+        self._at = 0
+        self._run = None
 
     def __contains__(self, run):
         return run in self._runs
@@ -278,6 +286,45 @@ class WatchLog:
         for run, r in self._runs.items():
             for action, (phase, attempt) in r.live.items():
                 yield run, action, phase, attempt
+
+    def sweep(self, budget=RECHECK):
+        """The next ``budget`` (at most) tracked live actions ``(run, action)`` of a round
+        over every log's, continuing where the last call stopped, and whether the round
+        ended with them (the next call starts a new one). Each action tracked when the
+        round reached its run comes once a round; one tracked later waits for the next
+        round (its changes since are events already: it was recorded to be tracked)."""
+        out = []
+        if not self._round and self._at >= len(self._keys):
+            self._round.extend(self._runs)      # a new round
+        while True:
+            if self._at < len(self._keys):
+                r = self._runs.get(self._run)
+                if r is None:                   # evicted meanwhile
+                    self._keys = ()
+                    continue
+                take = self._keys[self._at:self._at + budget - len(out)]
+                self._at += len(take)
+                live, run = r.live, self._run
+                out.extend((run, a) for a in take if a in live)
+                if len(out) >= budget:
+                    return out, not self._round and self._at >= len(self._keys)
+                continue
+            if not self._round:
+                return out, True
+            self._run = self._round.popleft()
+            r = self._runs.get(self._run)
+            self._keys = list(r.live) if r is not None else ()
+            self._at = 0
+
+    def last(self, run, action):
+        """The last ``(phase, attempt)`` recorded for tracked live ``action``, or None."""
+        r = self._runs.get(run)
+        return r.live.get(action) if r is not None else None
+
+    def tracked(self, run):
+        """The tracked live actions of ``run`` (a list)."""
+        r = self._runs.get(run)
+        return list(r.live) if r is not None else []
 
     def attempt_of(self, run, action):
         """The last attempt recorded for ``action`` (0 when none)."""
