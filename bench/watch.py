@@ -50,7 +50,7 @@ def main():
     times = {"watch": [], "recheck": [], "turn": [], "reads": []}
     loop_cls = _shard._Loop
     orig_watch, orig_recheck, orig_turn = (loop_cls.on_watch, loop_cls.recheck,
-                                           loop_cls._turn)
+                                           loop_cls.turn)
     state = {"counting": False}
 
     def on_watch(self, *a):
@@ -80,7 +80,7 @@ def main():
                 # are settled later, so this is its decision only)
                 times["turn"].append(time.perf_counter_ns() - t0)
 
-    loop_cls.on_watch, loop_cls.recheck, loop_cls._turn = on_watch, recheck, turn
+    loop_cls.on_watch, loop_cls.recheck, loop_cls.turn = on_watch, recheck, turn
     orig_sweep = getattr(WatchLog, "sweep", None)
     if orig_sweep is not None:          # (the re-check in rounds, read a part a turn)
         def sweep(self, *a):
