@@ -130,3 +130,38 @@ def test_phases_after_a_reload_reads_the_restored_rows(tmp_path):
         assert after[3:] == [Phase.QUEUED] * 3
     finally:
         eng.close()
+
+
+def each_live_state(eng, run):
+    """``Engine.live_states`` asked one action at a time: the live actions, each one's phase
+    and current attempt number."""
+    ids = eng.live_actions(run)
+    return ids, [eng.phase(a) for a in ids], [len(eng.attempts(a)) for a in ids]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_live_states_is_live_actions_with_the_phase_and_attempt_of_each(ops):
+    eng, clock = make_engine(config(), workers={"w": ("east", 100)})
+    ids = drive(eng, clock, ops)
+    for run in sorted({a.rsplit("/", 1)[0] for a in ids}):
+        assert eng.live_states(run) == each_live_state(eng, run)
+    assert eng.live_states("acme/p/d/nowhere") == ([], [], [])
+
+
+def test_live_states_of_a_retry_counts_its_next_attempt_and_bounds_by_limit():
+    eng, clock = make_engine(config(), workers={"w": ("east", 100)})
+    [retrying] = [str(a) for a in eng.enqueue_many([spec("r", retries=1)])]
+    fan = [str(a) for a in eng.enqueue_fanout(spec("r", queue="side"), ["a0", "a1", "a2"])]
+    tokens = {str(a.action): a.token for a in eng.tick()}
+    assert eng.report(tokens[retrying], Phase.RUNNING) == Verdict.OK
+    assert eng.live_states("acme/p/d/r")[1:] == (
+        [Phase.RUNNING, Phase.INITIALIZING, Phase.INITIALIZING, Phase.WAITING_FOR_RESOURCES],
+        [1, 1, 1, 1])
+    assert eng.report(tokens[retrying], Phase.FAILED, error_kind="USER", message="boom",
+                      recoverable=True) == Verdict.OK
+    ids, phases, attempts = eng.live_states("acme/p/d/r")
+    assert (ids[0], phases[0], attempts[0]) == (retrying, Phase.QUEUED, 2)   # in backoff
+    assert eng.live_states("acme/p/d/r", limit=2) == (ids[:2], phases[:2], attempts[:2])
+    assert ids == [retrying] + fan and (ids, phases, attempts) == each_live_state(
+        eng, "acme/p/d/r")

@@ -1328,3 +1328,170 @@ def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path
             c.next_event(timeout=3, refresh=0.3, runs=(other,))
     finally:
         h.close()
+
+
+def test_events_of_an_action_assigned_before_the_watch_carry_its_attempt(tmp_path):
+    """A run's first WATCH has the log follow its live actions from their phase and attempt
+    now: the reports of an action assigned before it are events of attempt 1, as its lease
+    said (they carried attempt 0 until its next assignment)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        aid = c.enqueue(spec("x"))
+        (lease,) = w.leases(timeout=5)
+        assert lease.attempt == 1
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        assert w.report([lease.token], Phase.RUNNING) == []
+        assert w.report([lease.token], Phase.SUCCEEDED) == []
+        got = [watcher.next_event(timeout=3, refresh=10) for _ in range(2)]
+        assert [(e.action, e.phase, e.attempt) for e in got] == [
+            (aid, "RUNNING", 1), (aid, "SUCCEEDED", 1)]
+    finally:
+        h.close()
+
+
+def test_a_retry_leased_again_in_the_turn_of_its_failure_is_seen_queued_in_between(tmp_path):
+    """A retryable failure whose retry is due at once is leased again by the tick of the
+    turn that took the report. The watcher is promised the phase each change entered
+    (docs/protocol.md: QUEUED on a retry), so it sees the retry: RUNNING of attempt 1, QUEUED
+    (the failure of attempt 1, its message the detail), INITIALIZING of attempt 2. The
+    re-read after the turn found the action assigned again, and attempt 1's failure never
+    became an event."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        aid = c.enqueue(spec("x", retries={"count": 1, "backoff_base": 0}))
+        (lease,) = w.leases(timeout=5)
+        assert w.report([lease.token], Phase.RUNNING) == []
+        assert w.report([lease.token], Phase.FAILED, {0: {
+            "error_kind": "USER", "message": "boom", "recoverable": True}}) == []
+        (again,) = w.leases(timeout=5)
+        assert again.attempt == 2
+        got = [c.next_event(timeout=3, refresh=10) for _ in range(5)]
+        assert [(e.action, e.phase, e.attempt) for e in got] == [
+            (aid, "QUEUED", 0), (aid, "INITIALIZING", 1), (aid, "RUNNING", 1),
+            (aid, "QUEUED", 1), (aid, "INITIALIZING", 2)]
+        assert "boom" in got[3].detail
+    finally:
+        h.close()
+
+
+def _bug_once(monkeypatch, cls, name, when=lambda *a: True):
+    """Make ``cls.name`` raise RuntimeError("injected bug") on its first call that ``when``
+    accepts (a bug in the shard), and behave as before afterwards."""
+    real = getattr(cls, name)
+    armed = [True]
+
+    def buggy(self, *args, **kw):
+        if armed[0] and when(*args):
+            armed[0] = False
+            raise RuntimeError("injected bug")
+        return real(self, *args, **kw)
+    monkeypatch.setattr(cls, name, buggy)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["inline", "committer"])
+def test_a_bug_while_a_turns_events_are_recorded_loses_the_watch_not_the_shard(
+        tmp_path, monkeypatch, caplog, pipelined):
+    """A bug while a committed turn's watch records join the log (after its answers left)
+    is logged with its traceback; the shard serves on, and the run's watchers are told
+    their events are gone (WatchLost at their resume) instead of missing the change
+    silently. On the committer's path the exception escaped the loop and stopped the
+    shard; inline, the log numbered on and the watcher never saw the enqueue."""
+    from transport import WatchLog
+
+    cfg = pipelined_config(tmp_path) if pipelined else base_config(
+        tmp_path, heartbeat_interval=240.0)
+    h = Harness(cfg, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 3.0
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        _bug_once(monkeypatch, WatchLog, "record_many")
+        with caplog.at_level("ERROR", logger="leasehold.shard"):
+            aid = c.enqueue(spec("a"))          # answered before the records join the log
+            assert c.ping()["shard"]            # the shard serves on
+        assert any(r.exc_info and "injected bug" in str(r.exc_info[1])
+                   for r in caplog.records), caplog.text
+        with pytest.raises(WatchLost):
+            e = watcher.next_event(timeout=3, refresh=0.3)
+            pytest.fail(f"an event after the lost one, over the gap: {e}")
+        watcher.subscribe(RUN)                  # from now on (it re-reads the status)
+        assert c.status(aid) in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES)   # durable
+        bid = c.enqueue(spec("b"))
+        e = watcher.next_event(timeout=3, refresh=10)
+        assert (e.action, e.phase) == (bid, "QUEUED")
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["inline", "committer"])
+def test_a_bug_while_a_committed_turn_is_answered_answers_internal_and_serves_on(
+        tmp_path, monkeypatch, caplog, pipelined):
+    """A bug while a committed turn's answers are sent leaves no request unanswered: the
+    ones not answered yet get INTERNAL (their changes are durable: the enqueue is there),
+    the traceback goes to the shard's log, and the shard serves on. On the committer's path
+    the exception stopped the shard and the client waited out its timeout."""
+    from transport import _shard as shard_module
+    from transport._protocol import Reply
+
+    cfg = pipelined_config(tmp_path) if pipelined else base_config(
+        tmp_path, heartbeat_interval=240.0)
+    h = Harness(cfg, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        c.timeout = 3.0
+        _bug_once(monkeypatch, shard_module._Loop, "send",
+                  when=lambda conn, msg: type(msg) is Reply)
+        with caplog.at_level("ERROR", logger="leasehold.shard"):
+            with pytest.raises(ShardError, match="INTERNAL") as err:
+                c.enqueue(spec("a"))
+            assert "durable" in str(err.value)
+            assert c.status(f"{RUN}/a") in (Phase.QUEUED, Phase.WAITING_FOR_RESOURCES)
+            assert c.ping()["shard"]
+        assert any(r.exc_info and "injected bug" in str(r.exc_info[1])
+                   for r in caplog.records), caplog.text
+    finally:
+        h.close()
+
+
+def test_the_recheck_spread_over_turns_still_sees_every_expiry(tmp_path, monkeypatch):
+    """The backstop re-check reads ``RECHECK`` tracked actions a turn, its round going on in
+    the next turns (reading every one in one turn held the loop for seconds at scale): with
+    a budget of 4, each of 30 leases that expire (assigned before the WATCH: only the
+    re-check sees them end) still becomes its event."""
+    from transport import _shard as shard_module
+
+    monkeypatch.setattr(shard_module, "RECHECK", 4)
+    h = Harness(base_config(tmp_path, heartbeat_interval=0.2, expiry_missed_beats=1,
+                            expiry_jitter=0.0, system_retries=0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        ids = c.enqueue_many([spec(f"a{i}") for i in range(30)])
+        leases = w.leases(timeout=5, want=30)
+        assert len(leases) == 30
+        watcher = h.client()
+        watcher.subscribe(RUN)
+        # The worker sends no heartbeat: every lease expires, and with no retry left each
+        # action ends; only the re-check can see it.
+        ended = {}
+        deadline = time.monotonic() + 15
+        while len(ended) < 30 and time.monotonic() < deadline:
+            e = watcher.next_event(timeout=5, refresh=10)
+            assert e.attempt == 1, e
+            if e.phase in ("FAILED", "TIMED_OUT"):
+                ended[e.action] = e.phase
+        assert sorted(ended) == sorted(ids)
+    finally:
+        h.close()

@@ -111,3 +111,65 @@ def test_a_resume_into_a_log_made_again_after_its_eviction_is_refused():
     assert [e[1] for e in events] == [f"{RUN}/c", f"{RUN}/d", f"{RUN}/e"]
     assert log.watch(RUN, "new", events[0][0] - 1)[1] == events
     assert log.watch(RUN, "new", latest) == (latest, [])
+
+
+def test_eviction_takes_a_log_nobody_watches_before_a_watched_one():
+    """More than ``max_runs`` logs evicts the least recently watched log nobody watches now,
+    not a run whose watcher is taking its events (it sends no WATCH while they come, so its
+    log was the least recently watched and went first: the watcher stopped receiving and
+    learnt it only at its next resume)."""
+    log = WatchLog(ring=64, max_runs=2, epoch=1000)
+    busy, idle, new = "acme/p/d/busy", "acme/p/d/idle", "acme/p/d/new"
+    log.watch(busy, "a", 0)
+    log.watch(idle, "b", 0)
+    log.unwatch(idle, "b")                      # its log stays, for a resume
+    log.watch(new, "c", 0)
+    assert busy in log and new in log and idle not in log
+    events, watchers = log.record_changes(busy, [f"{busy}/x"], [Phase.QUEUED], [0], 5)
+    assert len(events) == 1 and watchers == {"a"}
+    # Every log watched: the least recently watched goes.
+    log.watch("acme/p/d/fourth", "d", 0)
+    assert busy not in log and new in log and log.evicted == 2
+
+
+def test_sweep_reads_every_tracked_action_once_a_round_a_bounded_number_a_call():
+    """The backstop re-check reads the tracked live actions of every log in rounds of
+    ``budget`` a call (reading them all in one loop turn held the shard for seconds): each
+    action tracked when the round reached its run comes once a round, in calls of at most
+    ``budget``; one that ended meanwhile is skipped, a log evicted meanwhile too."""
+    log = WatchLog(ring=64, max_runs=3, epoch=1000)
+    runs = [f"acme/p/d/r{i}" for i in range(3)]
+    for k, run in enumerate(runs):
+        log.watch(run, "c", 0)
+        log.record_many(run, [f"{run}/a{i}" for i in range(5 + k)], Phase.QUEUED, 0, 1)
+    every = sorted((run, a) for run, a, _ph, _at in log.live())
+    assert len(every) == 18
+    for _round in range(2):
+        got, done, calls = [], False, 0
+        while not done:
+            part, done = log.sweep(4)
+            assert len(part) <= 4
+            got += part
+            calls += 1
+        assert sorted(got) == every and calls == 5     # 18 in calls of 4
+    # Changes meanwhile: an action ends, a log is evicted, an action is tracked.
+    part, done = log.sweep(4)
+    assert part == [(runs[0], f"{runs[0]}/a{i}") for i in range(4)] and not done
+    log.record(runs[0], f"{runs[0]}/a4", Phase.SUCCEEDED, 1, 2)     # ended: skipped
+    log.record(runs[2], f"{runs[2]}/new", Phase.QUEUED, 0, 2)       # not reached yet
+    log.forget(runs[1])                                             # gone: skipped
+    log.record(runs[0], f"{runs[0]}/new", Phase.QUEUED, 0, 2)       # the next round
+    rest = []
+    while not done:
+        part, done = log.sweep(4)
+        assert len(part) <= 4
+        rest += part
+    assert rest == [(runs[2], f"{runs[2]}/a{i}") for i in range(7)] + [
+        (runs[2], f"{runs[2]}/new")]
+    got = []
+    done = False
+    while not done:
+        part, done = log.sweep(100)
+        got += part
+    assert (runs[0], f"{runs[0]}/new") in got and len(got) == 5 + 8
+    assert WatchLog().sweep(10) == ([], True)

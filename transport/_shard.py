@@ -60,7 +60,7 @@ from transport._keys import load_keyring
 from transport._shards import check_owned, shard_config
 from transport._sockets import send, server_socket
 from transport._status import StatusWriter
-from transport._watch import WatchGap, WatchLog
+from transport._watch import RECHECK, WatchGap, WatchLog
 
 __all__ = ["Shard", "BATCH"]
 
@@ -78,6 +78,10 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
 # Reported phases that are, once accepted, the action's phase (a failure may be a retry).
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
+# Phases of an action that waits for an assignment.
+_WAITING = frozenset({Phase.QUEUED, Phase.WAITING_FOR_RESOURCES})
+# Endings whose event carries the engine's reason as its detail.
+_FAILURES = frozenset({Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED})
 
 
 def _code(exc):
@@ -323,6 +327,12 @@ class _Loop:
         self.new_leases = []         # this turn's entries for it (joined at its flush)
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
+        # The re-check of tracked live actions (expiry, retry, timeouts) reads RECHECK of
+        # them a turn (WatchLog.sweep): a round starts at a backstop tick and, while it has
+        # more, goes on in turns of its own, paced to at most a third of the loop's time.
+        self.sweep_more = False
+        self.next_sweep = 0.0
+        self.sweep_due = False
         # A tick that stopped a queue short of its work (candidate budget, full dispatch
         # channel) is followed at once by another, not by the next event or the backstop;
         # ticks that place nothing stop once the deepest such queue has come round.
@@ -351,8 +361,9 @@ class _Loop:
         poller.register(committer.fd, zmq.POLLIN)
         try:
             while not stop.is_set():
-                wait = 0.0 if self.retick else \
-                    max(0.0, min(self.next_backstop - time.monotonic(), 0.1))
+                due = min(self.next_backstop, self.next_sweep) if self.sweep_more else \
+                    self.next_backstop
+                wait = 0.0 if self.retick else max(0.0, min(due - time.monotonic(), 0.1))
                 poller.poll(int(wait * 1000) + (0 if wait == 0 else 1))
                 self.settle_done()
                 msgs = []
@@ -363,8 +374,10 @@ class _Loop:
                         msgs.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
                         break
-                backstop = time.monotonic() >= self.next_backstop
-                if msgs or backstop or self.retick:
+                now = time.monotonic()
+                backstop = now >= self.next_backstop
+                self.sweep_due = backstop or (self.sweep_more and now >= self.next_sweep)
+                if msgs or self.sweep_due or self.retick:
                     self.room()
                     try:
                         self.turn(msgs, backstop)
@@ -410,7 +423,15 @@ class _Loop:
         for job in self.committer.done():
             head = self.inflight.popleft()
             assert head is job, "the committer finished jobs out of order"
-            self.settle(job)
+            try:
+                self.settle(job)
+            except Exception as exc:
+                # A bug (flush has its own guard: this is the rest of settling). Raised
+                # here, it would escape the loop (a turn settled outside any turn) and stop
+                # the shard, and the jobs after it, taken from the committer already, would
+                # never be settled.
+                log.exception("shard %s: settling a turn failed", self.shard.name)
+                self.salvage(job.outbox, exc)
         if not self.inflight:
             self.committer.resume()     # after a failure, once every skipped turn is back
 
@@ -465,11 +486,15 @@ class _Loop:
         # Memory was restored: what a re-tick would place, it placed in that turn, and the
         # store just failed it; the next message or the backstop ticks again.
         self.retick = False
-        for rid_conn, msg, is_req in box.out:
+        box.recorded = True         # none of its records is true: none joins the log
+        for i, (rid_conn, msg, is_req) in enumerate(box.out):
+            box.sent = i
             if is_req:
                 rid = getattr(msg, "rid", None)
                 self.send(rid_conn, p.Error(rid=rid, code="UNAVAILABLE",
                                             message=f"shard {self.shard.name}: {why}; retry"))
+        box.sent = len(box.out)
+        box.pushed = len(box.pushes)    # never pushed: their hand-out was undone
         for c in self.conns.values():
             c.outstanding = 0
 
@@ -524,7 +549,8 @@ class _Loop:
         self.attempts = box.attempts
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
-        self.check_all = backstop
+        self.check_all = self.sweep_due or backstop
+        self.sweep_due = False
         self.index = None           # the message being applied (None: none is)
         try:
             # Draining hands out this turn's own decisions: its leases wait in the outbox
@@ -601,25 +627,59 @@ class _Loop:
             self.retick = self.idle_reticks <= -(-depth // self.per_tick)
 
     def flush(self, box):
-        """Send what one committed turn decided, in order: answers, stops, leases, events."""
-        started = time.perf_counter_ns()
-        dropped = None
-        for conn, msg, _ in box.out:
-            if type(msg) is p.Events:
-                # A WATCH's replay: counted as events, and one that cannot go (the
-                # watcher's queue is full, or it is gone) ends that watch here, as a
-                # dropped push does; the client resumes from its last seq (its refresh).
-                if dropped is not None and (conn, msg.run) in dropped:
-                    self.shard._count("events_unsent", len(msg.actions))
-                elif send(self.sock, p.encode(msg), conn):
-                    self.shard._count("events", len(msg.actions))
-                else:
+        """Send what one committed turn decided, in order: answers, stops, leases, events.
+        A bug on the way (an unexpected exception) is logged with its traceback and the
+        rest of the turn salvaged (:meth:`salvage`); the loop serves on."""
+        try:
+            self._flush(box)
+        except Exception as exc:
+            log.exception("shard %s: sending a committed turn failed", self.shard.name)
+            self.salvage(box, exc)
+
+    def salvage(self, box, exc):
+        """After a bug while a turn was settled or sent (``exc``, logged): what it committed
+        stays; each request of it not answered yet is answered INTERNAL, each of its lease
+        pushes not sent counts as unsent (the lease expires and is assigned again, as after
+        a push that cannot go), each WATCH replay not sent ends that watch (the watcher
+        resumes), and if its watch records had not all joined the log, the logs of their
+        runs are dropped: their watchers are refused when they resume (``WatchLost``) and
+        re-read the status, instead of missing those changes silently. Never raises."""
+        why = (f"shard {self.shard.name}: internal error while sending a committed turn "
+               f"(its changes are durable; the shard's log has the traceback): "
+               f"{type(exc).__name__}: {exc}")[:self.settings.max_text]
+        try:
+            for conn, msg, is_req in box.out[box.sent:]:
+                if type(msg) is p.Events:
                     self.shard._count("events_unsent", len(msg.actions))
                     self.watch.unwatch(msg.run, conn)
-                    dropped = dropped or set()
-                    dropped.add((conn, msg.run))
+                elif is_req:
+                    self.send(conn, p.Error(rid=getattr(msg, "rid", None), code="INTERNAL",
+                                            message=why))
+            box.sent = len(box.out)
+            for _conn, _frames, n in box.pushes[box.pushed:]:
+                self.shard._count("leases_unsent", n)
+            box.pushed = len(box.pushes)
+            if not box.recorded:
+                box.recorded = True
+                for args in box.records:
+                    run = args[0] if type(args) is tuple else args.run
+                    self.watch.forget(run)
+            for c in self.conns.values():
+                c.outstanding = 0
+        except Exception:
+            log.exception("shard %s: salvaging a turn after an error failed", self.shard.name)
+
+    def _flush(self, box):
+        started = time.perf_counter_ns()
+        dropped = set()     # (watcher, run) that could not take an EVENTS message of this turn
+        for i, (conn, msg, _) in enumerate(box.out):
+            box.sent = i                # (what salvage answers if this send raises)
+            if type(msg) is p.Events:
+                # A WATCH's replay, sent as a push is.
+                self.send_events(conn, msg, p.encode(msg), dropped)
                 continue
             self.send(conn, msg)
+        box.sent = len(box.out)
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
         # before the pushes leave: a report can only follow its push.
@@ -629,11 +689,13 @@ class _Loop:
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
                               else "stops_unsent", n)
-        for conn, frames, n in box.pushes:
+        for i, (conn, frames, n) in enumerate(box.pushes):
             # A push that cannot go (peer gone, queue full) is not retried under this
             # generation: the lease misses its heartbeats and is assigned again.
+            box.pushed = i
             self.shard._count("leases_pushed" if send(self.sock, frames, conn)
                               else "leases_unsent", n)
+        box.pushed = len(box.pushes)
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone); after the leases, which wait for nothing here.
         by_run = {}     # run -> (watchers, its events in seq order)
@@ -658,7 +720,8 @@ class _Loop:
                     by_run[run] = (watchers, hits)
                 else:
                     got[1].extend(hits)
-        self.push_events(by_run)
+        box.recorded = True
+        self.push_events(by_run, dropped)
         for c in self.conns.values():
             c.outstanding = 0
         if box.batch is not None:
@@ -831,7 +894,8 @@ class _Loop:
         run = msg.action.rsplit("/", 1)[0]
         if run in self.watch:
             self.check.update((a.rsplit("/", 1)[0], a) for a in ended)
-            self.check_all = True   # the running ones end at their next heartbeat
+            # The run's other tracked actions too (a cleanup ends, a queued one is gone).
+            self.check.update((run, a) for a in self.watch.tracked(run))
 
     def on_status(self, conn, c, peer, msg):
         phases = [self.eng.phase(a) for a in msg.actions]
@@ -868,9 +932,11 @@ class _Loop:
             return
         if fresh:
             # The run's changes before its first WATCH (in this process: a restart starts
-            # every log afresh) were not recorded: have the re-check follow what is live.
-            for a in self.eng.live_actions(msg.run, self.watch.max_live):
-                self.watch.track(msg.run, a, self.eng.phase(a))
+            # every log afresh) were not recorded: have the re-check follow what is live,
+            # from its phase and attempt now (read in one pass: one by one, a run of 10,000
+            # live actions held the loop for 230 ms).
+            ids, phases, attempts = self.eng.live_states(msg.run, self.watch.max_live)
+            self.watch.track_many(msg.run, ids, phases, _wire_attempts(phases, attempts))
         # "first": the seq the replay starts at (latest + 1 when it is empty), so a watcher
         # from since=0 knows which seq comes next and sees a gap even before its first event.
         self.reply(conn, msg.rid, {"seq": latest, "first": events[0][0] if events else latest + 1})
@@ -941,7 +1007,7 @@ class _Loop:
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
         if names is not None:
-            self._watched_reports(msg.tokens, names, phases, refused)
+            self._watched_reports(msg.tokens, names, phases, refused, msg.details)
 
     def _lease_names(self, tokens):
         """``(run, action)`` of each token's lease where its run is watched (None elsewhere),
@@ -969,11 +1035,14 @@ class _Loop:
                     names[i] = (aid.rsplit("/", 1)[0], aid)
         return names
 
-    def _watched_reports(self, tokens, names, phases, refused):
+    def _watched_reports(self, tokens, names, phases, refused, details=None):
         """The watch records of a report message's accepted reports of watched runs
-        (``names`` from :meth:`_lease_names`), in the message's order."""
+        (``names`` from :meth:`_lease_names`), in the message's order; a failure's (it may
+        be a retry) from the phase the engine shows at once, before this turn's tick may
+        lease a retry again (``details``: the message's, for the failure's text)."""
         skip = _refused_copies(tokens, names, refused) if refused else ()
         by_run = {}
+        failed = []
         for i, name in enumerate(names):
             if name is None or i in skip:
                 continue
@@ -987,10 +1056,22 @@ class _Loop:
                     changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
                 changes.add(aid, ph, self.attempt_of(run, aid))
             else:
-                self.check.add((run, aid))  # a failure may be a retry: ask after the turn
+                failed.append((run, aid))
+                self.check.add((run, aid))  # and after the turn (an abort's cleanup)
             if ph in TERMINAL_PHASES:
                 self.leases.pop(int(tokens[i, 0]), None)
         self.records.extend(by_run.values())
+        if failed:
+            # Read now: a retry due at once is leased again by this turn's tick, and read
+            # after it the action was INITIALIZING again, so the failure of the attempt
+            # before never became an event (docs/protocol.md promises QUEUED on a retry).
+            why = {}
+            for d in details or ():
+                text = ": ".join(x for x in (d.get("cause"), d.get("message")) if x)
+                name = names[d["i"]]
+                if text and name is not None:
+                    why[name[1]] = text
+            self.reread(failed, self.eng.clock.now_ns(), why)
 
     def on_bye(self, conn, c, peer, msg):
         if msg.drain:
@@ -1130,38 +1211,86 @@ class _Loop:
         return self.watch.attempt_of(run, action)
 
     def recheck(self):
-        """Re-read the phase of actions the turn may have changed (reports, aborts) and,
-        on the backstop tick, of every tracked live action (expiry, retry, timeouts)."""
+        """Re-read the phase of actions the turn may have changed (reports, aborts) and, on
+        a backstop tick or a turn going on with its round, the next part of the tracked live
+        actions (expiry, retry, timeouts: :meth:`sweep`)."""
         if not len(self.watch):
             return
-        todo = set(self.check)
+        if self.check:
+            self.reread(list(self.check), self.eng.clock.now_ns())
         if self.check_all:
-            # Not those whose end this turn recorded (the log learns it after the commit):
-            # an ended action does not change, and a reclaimed row's outcome is a store read.
-            ended = {r[1] for r in self.records
-                     if type(r) is tuple and r[2] in TERMINAL_PHASES}
-            ended.update(a for r in self.records if type(r) is _Changes
-                         for a, ph in zip(r.actions, r.phases, strict=True)
-                         if ph in TERMINAL_PHASES)
-            todo.update((run, a) for run, a, _ph, _at in self.watch.live() if a not in ended)
-        if not todo:
-            return
-        now = self.eng.clock.now_ns()
-        todo = list(todo)
+            self.sweep()
+
+    def sweep(self):
+        """The next RECHECK tracked live actions of the re-check's round (``WatchLog.sweep``),
+        each read and recorded where its phase moved on from the last recorded; the round
+        goes on in the next turns (``sweep_more``). Reading every one in one backstop turn
+        (up to 1,024 logs x 10,000 actions) held the loop for seconds: 8 runs of 10,000
+        took 970 ms a turn, every 250 ms, and a PING's p50 was 510 ms."""
+        started = time.monotonic()
+        part, done = self.watch.sweep(RECHECK)
+        if part:
+            # Not those whose end a record not in the log yet says (the log learns it after
+            # the commit): an ended action does not change, and a reclaimed row's outcome
+            # is a store read. Nor those this turn re-read already.
+            pending, ended = self._pending_actions()
+            check = self.check
+            part = [x for x in part if x[1] not in ended and x not in check]
+            self.reread(part, self.eng.clock.now_ns(), pending=pending)
+        self.sweep_more = not done
+        if not done:
+            self.next_sweep = time.monotonic() + max(0.005, 2 * (time.monotonic() - started))
+
+    def _pending_actions(self):
+        """``(actions, ended)``: the actions named by watch records not in the log yet (this
+        turn's, and those of the turns in commit), and those of them a record ends."""
+        acts, ended = set(), set()
+        boxes = [job.outbox.records for job in self.inflight if job.group.state == "pending"]
+        boxes.append(self.records)
+        for records in boxes:
+            for r in records:
+                kind = type(r)
+                if kind is tuple:
+                    acts.add(r[1])
+                    if r[2] in TERMINAL_PHASES:
+                        ended.add(r[1])
+                elif kind is _Changes:
+                    acts.update(r.actions)
+                    ended.update(a for a, ph in zip(r.actions, r.phases, strict=True)
+                                 if ph in TERMINAL_PHASES)
+                else:
+                    acts.update(r.ids)
+        return acts, ended
+
+    def reread(self, todo, now, why=None, pending=None):
+        """Record the phase the engine shows now of each ``(run, action)`` of ``todo`` (a
+        repeat of the last recorded is dropped when the records join the log); the detail
+        of an ending is its reason, that of a retry (QUEUED again) its failure's text when
+        ``why`` (action -> text) has it. With ``pending`` (the actions with records not in
+        the log yet), an action not among them whose phase is the last the log recorded
+        makes no record (the re-check's common case: nothing moved)."""
         # The phases alone, in one pass (explain's reason and queue position are not needed,
         # and a queued action's position is a scan of the table); the reason of an ending.
         try:
             phases = self.eng.phases([action for _run, action in todo])
         except LeaseholdError:      # one unreadable record: ask one by one, skip it
             phases = [self._phase_or_none(action) for _run, action in todo]
+        last = self.watch.last
         for (run, action), phase in zip(todo, phases, strict=True):
             if phase is None:
                 continue
-            try:
-                detail = (self.eng.explain(action).reason
-                          if phase in (Phase.FAILED, Phase.TIMED_OUT, Phase.ABORTED) else None)
-            except LeaseholdError:
-                continue
+            if pending is not None and action not in pending:
+                seen = last(run, action)
+                if seen is not None and seen[0] is phase:
+                    continue
+            detail = None
+            if phase in _FAILURES:
+                try:
+                    detail = self.eng.explain(action).reason
+                except LeaseholdError:
+                    continue
+            elif why and phase in _WAITING:
+                detail = why.get(action)
             att = self.attempt_of(run, action)
             self.record(run, action, phase, att, now,
                         detail[:self.settings.max_text] if detail else None)
@@ -1185,24 +1314,51 @@ class _Loop:
                            time_ns=np.array(times, np.int64),
                            details=[d or None for d in details] if any(details) else None)
 
-    def push_events(self, by_run):
+    def push_events(self, by_run, dropped):
         """Push ``{run: (watchers, events)}``: one EVENTS message a run a turn (its events
-        are consecutive: nothing else numbers them), to each of its watchers."""
+        are consecutive: nothing else numbers them), to each of its watchers (those of the
+        turn's first message of it: one dropped on the way counts its share of the later
+        ones unsent)."""
         for run, (watchers, events) in by_run.items():
-            dropped = 0         # watchers of the run dropped on an earlier message of it
+            targets = list(watchers)
             for msg in self._batches(run, events):
                 frames = p.encode(msg)
-                if dropped:
-                    # Their share of this message is unsent too (every event counts).
-                    self.shard._count("events_unsent", dropped * len(msg.actions))
-                for conn in list(watchers):
-                    if send(self.sock, frames, conn):
-                        self.shard._count("events", len(msg.actions))
-                    else:
-                        # Gone or too slow: it resumes with WATCH since=its last seq.
-                        self.shard._count("events_unsent", len(msg.actions))
-                        watchers.discard(conn)
-                        dropped += 1
+                for conn in targets:
+                    self.send_events(conn, msg, frames, dropped)
+
+    def send_events(self, conn, msg, frames, dropped):
+        """Send EVENTS ``msg`` (``frames``, encoded once for every watcher) to watcher
+        ``conn``, a WATCH's replay or a push: its events count as sent (``events``) or not
+        (``events_unsent``). One that cannot go (the watcher is gone, or its queue is full)
+        ends that watch (its log stays: the client resumes with WATCH since=its last seq,
+        at its refresh); it is noted in ``dropped`` (``(conn, run)``, one turn's sends), and
+        the later messages of the run to that watcher in the turn count as unsent without
+        being tried (one would arrive after a gap). Returns whether it went."""
+        n = len(msg.actions)
+        key = (conn, msg.run)
+        if key not in dropped:
+            if send(self.sock, frames, conn):
+                self.shard._count("events", n)
+                return True
+            self.watch.unwatch(msg.run, conn)
+            dropped.add(key)
+        self.shard._count("events_unsent", n)
+        return False
+
+
+def _wire_attempts(phases, attempts):
+    """Each event's ``attempt`` for actions in ``phases`` whose current attempts (the
+    engine's numbers) are ``attempts``: that attempt once assigned; while it waits to be
+    (first queued, or queued again for a retry), the one before (0 before the first
+    assignment, the failed one on a retry), as the watch numbers them (docs/protocol.md,
+    "EVENT")."""
+    out = []
+    given = waiting = None
+    for ph, n in zip(phases, attempts, strict=True):
+        if ph is not given:         # (a Phase hashes in Python: once a run of equal ones)
+            given, waiting = ph, ph in _WAITING
+        out.append(n - 1 if waiting else n)
+    return out
 
 
 def _refused_copies(tokens, names, refused):
@@ -1252,7 +1408,8 @@ class _Outbox:
     the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
     (for the status)."""
 
-    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns")
+    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns",
+                 "sent", "pushed", "recorded")
 
     def __init__(self):
         self.out = []           # (routing id, message, request?)
@@ -1263,6 +1420,11 @@ class _Outbox:
         self.attempts = {}      # action -> attempt of its records (until they join the log)
         self.batch = None
         self.now_ns = 0
+        # How far its sending got (for salvage, after a bug): answers sent (box.out[:sent]),
+        # lease pushes sent, whether its watch records joined the log.
+        self.sent = 0
+        self.pushed = 0
+        self.recorded = False
 
 
 class _Poison(Exception):

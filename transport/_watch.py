@@ -5,8 +5,9 @@ A run gets a log when someone first WATCHes it; from then on every state change 
 actions the shard sees (enqueue, assignment, running, terminal, abort, and what the backstop
 re-check finds: expiry, retry, timeout) is appended with the next sequence number and pushed
 to the connections watching it. The log stays after its watchers leave (a watcher that
-reconnects resumes from the last ``seq`` it saw) until the run is evicted, oldest watched
-first, when more than ``max_runs`` runs have logs.
+reconnects resumes from the last ``seq`` it saw) until the run is evicted when more than
+``max_runs`` runs have logs: the least recently watched of those nobody watches now, else the
+least recently watched.
 
 Bounds: ``ring`` events a run (the oldest are dropped), ``max_runs`` runs, ``max_live``
 actions tracked a run for the backstop re-check. A resume from a ``seq`` the ring no longer
@@ -36,7 +37,7 @@ def _phase(phase):
     found = _PHASE_OF.get(phase)
     return found if found is not None else Phase(phase)    # else: ValueError naming it
 
-__all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE"]
+__all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE", "RECHECK"]
 
 #: Events kept a run.
 RING = 4096
@@ -44,6 +45,8 @@ RING = 4096
 MAX_RUNS = 1024
 #: Non-terminal actions a run tracks for the backstop re-check.
 MAX_LIVE = 10_000
+#: Tracked actions the re-check reads in one loop turn (:meth:`WatchLog.sweep`).
+RECHECK = 4096
 
 
 class WatchGap(Exception):
@@ -81,6 +84,12 @@ class WatchLog:
         # an evicted log is refused when it resumes (WatchGap) from a log of the same run
         # made again later, instead of being handed that log's events from its old seq on.
         self._floor = self.epoch
+        # The re-check's round over every log's tracked actions (sweep): the runs left, and
+        # the one being read (its actions as they were when the round reached it).
+        self._round = collections.deque()
+        self._keys = ()
+        self._at = 0
+        self._run = None
 
     def __contains__(self, run):
         return run in self._runs
@@ -111,21 +120,40 @@ class WatchLog:
                            f"the changes since are not kept (re-read the status)")
         if since and since < r.base:
             raise WatchGap(f"watch {run}: seq {since} is from a log of this run that was "
-                           f"evicted (more than {self.max_runs} runs watched); the changes "
-                           f"since are not kept (re-read the status)")
+                           f"evicted (more than {self.max_runs} runs watched, or an error in "
+                           f"the shard lost its events); the changes since are not kept "
+                           f"(re-read the status)")
         if since > r.seq:
             raise WatchGap(f"watch {run}: seq {since} is past the latest ({r.seq})")
         if since and since + 1 < first:
             raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
                            f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
+        r.watchers.add(conn)        # (first: a new log is watched, so never the victim)
         if new:
             self._runs[run] = r
             while len(self._runs) > self.max_runs:
-                _gone, old = self._runs.popitem(last=False)
-                self._floor = max(self._floor, old.seq + 1)
-                self.evicted += 1
-        r.watchers.add(conn)
+                self.forget(self._victim())
         return r.seq, [e for e in r.ring if e[0] > since]
+
+    def _victim(self):
+        """The log to evict: the least recently watched of those nobody watches now, else
+        the least recently watched (until 2026-12-04 always that one: a run watched by a
+        client taking its events, which sends no WATCH while they come, went before runs
+        nobody watched any more, and its watcher learnt it only at its next resume)."""
+        for run, r in self._runs.items():
+            if not r.watchers:
+                return run
+        return next(iter(self._runs))
+
+    def forget(self, run):
+        """Drop ``run``'s log as an eviction does (its watchers stop; one resuming is
+        refused, :class:`WatchGap`): the shard does so when the events of a change may have
+        been lost (a bug while a turn's records joined the log), so that none of its
+        watchers misses them silently."""
+        r = self._runs.pop(run, None)
+        if r is not None:
+            self._floor = max(self._floor, r.seq + 1)
+            self.evicted += 1
 
     def unwatch(self, run, conn):
         """Stop pushing ``run`` to ``conn`` (its log stays, for a resume)."""
@@ -147,6 +175,27 @@ class WatchLog:
         if (r is not None and phase not in TERMINAL_PHASES and action not in r.live
                 and len(r.live) < self.max_live):
             r.live[action] = (phase, 0)
+
+    def track_many(self, run, actions, phases, attempts):
+        """:meth:`track` of each of ``actions`` (of ``run``), in order, with its phase and
+        attempt as the events of its later changes will number it (until 2026-12-04 every
+        one was tracked at attempt 0: the events of an action assigned before its run was
+        first watched said attempt 0 until its next assignment)."""
+        r = self._runs.get(run)
+        if r is None:
+            return
+        live, room = r.live, self.max_live - len(r.live)
+        given = phase = terminal = None
+        for action, p, attempt in zip(actions, phases, attempts, strict=True):
+            if room <= 0:
+                break
+            if p is not given:      # looked up once a run of equal phases (as record_changes)
+                given = p
+                phase = _phase(p)
+                terminal = phase in TERMINAL_PHASES
+            if not terminal and action not in live:
+                live[action] = (phase, attempt)
+                room -= 1
 
     def record(self, run, action, phase, attempt, time_ns, detail=None):
         """Append a change of ``action`` (in a watched run) unless it repeats the last one
@@ -237,6 +286,45 @@ class WatchLog:
         for run, r in self._runs.items():
             for action, (phase, attempt) in r.live.items():
                 yield run, action, phase, attempt
+
+    def sweep(self, budget=RECHECK):
+        """The next ``budget`` (at most) tracked live actions ``(run, action)`` of a round
+        over every log's, continuing where the last call stopped, and whether the round
+        ended with them (the next call starts a new one). Each action tracked when the
+        round reached its run comes once a round; one tracked later waits for the next
+        round (its changes since are events already: it was recorded to be tracked)."""
+        out = []
+        if not self._round and self._at >= len(self._keys):
+            self._round.extend(self._runs)      # a new round
+        while True:
+            if self._at < len(self._keys):
+                r = self._runs.get(self._run)
+                if r is None:                   # evicted meanwhile
+                    self._keys = ()
+                    continue
+                take = self._keys[self._at:self._at + budget - len(out)]
+                self._at += len(take)
+                live, run = r.live, self._run
+                out.extend((run, a) for a in take if a in live)
+                if len(out) >= budget:
+                    return out, not self._round and self._at >= len(self._keys)
+                continue
+            if not self._round:
+                return out, True
+            self._run = self._round.popleft()
+            r = self._runs.get(self._run)
+            self._keys = list(r.live) if r is not None else ()
+            self._at = 0
+
+    def last(self, run, action):
+        """The last ``(phase, attempt)`` recorded for tracked live ``action``, or None."""
+        r = self._runs.get(run)
+        return r.live.get(action) if r is not None else None
+
+    def tracked(self, run):
+        """The tracked live actions of ``run`` (a list)."""
+        r = self._runs.get(run)
+        return list(r.live) if r is not None else []
 
     def attempt_of(self, run, action):
         """The last attempt recorded for ``action`` (0 when none)."""

@@ -1,0 +1,145 @@
+"""The shard's watch path at scale: prints ONE JSON object on stdout (nothing else).
+
+    .venv/bin/python bench/watch.py [--runs 4] [--actions 10000] [--backstops 5]
+
+One shard in process (memory store, no worker: every action stays queued), ``--runs`` runs of
+``--actions`` actions each (one ENQUEUE_FANOUT a run, enqueued before the run is watched, so
+a fresh WATCH finds every one of them live), then one client WATCHes each run.
+
+* ``fresh_watch_ms``: the decision thread's time in the handler of one fresh WATCH (the
+  run's live actions read and tracked for the re-check), median over the runs.
+* ``backstop_recheck_ms``: the re-check of one turn that re-reads tracked live actions (a
+  backstop turn, or one going on with the re-check's round), median over ``--backstops`` such
+  turns; ``backstop_turn_ms`` the whole of such a turn on the decision thread (decided,
+  committed, sent); ``..._max`` the largest.
+* ``recheck_reads_per_turn``: tracked live actions re-read in one such turn (median; null
+  before the re-check read in rounds: every one, each backstop turn).
+* ``ping_ms_p50`` / ``ping_ms_max``: a client's PING round trip while the backstop turns run
+  (the latency every other client of the shard sees).
+
+Timings wrap private methods of the shard loop (``transport._shard._Loop``): a measurement,
+not an interface.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine import parse_config  # noqa: E402
+from storage import MemoryStore  # noqa: E402
+from transport import Client, Shard, WatchLog, _shard  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--actions", type=int, default=10000)
+    ap.add_argument("--backstops", type=int, default=5)
+    args = ap.parse_args()
+
+    times = {"watch": [], "recheck": [], "turn": [], "reads": []}
+    loop_cls = _shard._Loop
+    orig_watch, orig_recheck, orig_turn = (loop_cls.on_watch, loop_cls.recheck,
+                                           loop_cls.turn)
+    state = {"counting": False}
+
+    def on_watch(self, *a):
+        t0 = time.perf_counter_ns()
+        try:
+            return orig_watch(self, *a)
+        finally:
+            times["watch"].append(time.perf_counter_ns() - t0)
+
+    def recheck(self):
+        t0 = time.perf_counter_ns()
+        backstop = self.check_all
+        try:
+            return orig_recheck(self)
+        finally:
+            if backstop and state["counting"]:
+                times["recheck"].append(time.perf_counter_ns() - t0)
+
+    def turn(self, msgs, backstop):
+        t0 = time.perf_counter_ns()
+        rechecks = backstop or getattr(self, "sweep_due", False)
+        try:
+            return orig_turn(self, msgs, backstop)
+        finally:
+            if rechecks and state["counting"]:
+                # (inline commits: the turn's commit and sends are inside; pipelined ones
+                # are settled later, so this is its decision only)
+                times["turn"].append(time.perf_counter_ns() - t0)
+
+    loop_cls.on_watch, loop_cls.recheck, loop_cls.turn = on_watch, recheck, turn
+    orig_sweep = getattr(WatchLog, "sweep", None)
+    if orig_sweep is not None:          # (the re-check in rounds, read a part a turn)
+        def sweep(self, *a):
+            part, done = orig_sweep(self, *a)
+            if state["counting"]:
+                times["reads"].append(len(part))
+            return part, done
+        WatchLog.sweep = sweep
+    pings = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = parse_config({
+            "resources": ["cpu"],
+            "clusters": {"east": {"capacity": {"cpu": 64}}},
+            "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 10_000_000}},
+            "engine": {"default_queue": "q", "heartbeat_interval": 1.0},
+            "storage": {"path": str(Path(tmp) / "data"), "partitions": 2},
+            "transport": {"endpoints": [f"ipc://{tmp}/shard.sock"],
+                          "max_fanout": max(args.actions, 1)},
+            "security": {"insecure": True}})
+        shard = Shard(cfg, store=MemoryStore()).start()
+        try:
+            c = Client(endpoint=shard.endpoint, timeout=120.0)
+            try:
+                runs = [f"acme/bench/prod/r{i}" for i in range(args.runs)]
+                spec = {"id": "", "task": "t", "resources": {"cpu": 1}}
+                for run in runs:
+                    c.enqueue_fanout(dict(spec, id=f"{run}/x"),
+                                     [f"a{i}" for i in range(args.actions)])
+                for run in runs:
+                    c.subscribe(run)
+                state["counting"] = True
+                deadline = time.monotonic() + 600
+                while len(times["recheck"]) < args.backstops and time.monotonic() < deadline:
+                    t0 = time.perf_counter_ns()
+                    c.ping()
+                    pings.append(time.perf_counter_ns() - t0)
+                    time.sleep(0.01)
+                state["counting"] = False
+            finally:
+                c.close()
+        finally:
+            shard.stop()
+
+    def ms(xs, f=statistics.median):
+        return round(f(xs) / 1e6, 3) if xs else None
+
+    out = {
+        "runs": args.runs, "actions": args.actions,
+        "fresh_watch_ms": ms(times["watch"]),
+        "backstop_recheck_ms": ms(times["recheck"]),
+        "backstop_recheck_ms_max": ms(times["recheck"], max),
+        "backstop_turn_ms": ms(times["turn"]),
+        "backstop_turn_ms_max": ms(times["turn"], max),
+        "recheck_reads_per_turn": statistics.median(times["reads"]) if times["reads"] else None,
+        "ping_ms_p50": ms(pings), "ping_ms_max": ms(pings, max),
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
