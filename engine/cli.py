@@ -201,6 +201,11 @@ def _simulate(args):
               f"{', '.join(unknown) or 'empty list'}; allowed: {', '.join(POLICIES)}",
               file=sys.stderr)
         return 2
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        # Run twice, the table shows two rows of one policy and --json keeps one of them.
+        raise CommandError("INVALID_ARGUMENT", f"--policy {args.policy!r}: "
+                           f"{', '.join(twice)} given twice")
     fmt = args.format or ("swf" if Path(args.trace).suffix.lower() == ".swf" else "jsonl")
     for flag, value in (("--swf-resource", args.swf_resource),
                         ("--swf-per-proc", args.swf_per_proc), ("--swf-queue", args.swf_queue)):
@@ -220,6 +225,12 @@ def _simulate(args):
     trace = load_trace(args.trace, fmt=args.format, swf=swf)
     nodes = not args.no_nodes
     prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit, nodes=nodes)
+    if not prepared.jobs:
+        # --skip-unfit dropped every job: a table of zeros would read as a result.
+        job, why = prepared.unfit[0]
+        raise CommandError("INVALID_TRACE", f"{trace.source}: none of its {len(trace.jobs)} "
+                           f"jobs can ever run on {_shown(cfg.source)} (--skip-unfit dropped "
+                           f"them all; first: {job.where}: {why})")
     results = [simulate(cfg, trace.jobs, policy, resource=args.resource,
                         series=bool(args.plot), prepared=prepared, nodes=nodes)
                for policy in policies]

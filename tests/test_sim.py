@@ -247,6 +247,53 @@ def test_cli_unfit_job_is_an_error_unless_skipped(tmp_path, capsys):
     assert "dropped 1 jobs that can never run (first: " in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("name", "text", "extra", "why"), [
+    ("empty.jsonl", "", [], "holds no jobs (empty)"),
+    ("comments.jsonl", "# a header\n\n# and nothing else\n", [],
+     "holds no jobs (only # comments and blank lines)"),
+    ("header.swf", "; Version: 2.2\n; MaxJobs: 0\n", [],
+     "holds no jobs (only ; comments and blank lines)"),
+    ("header.txt", "; Version: 2.2\n", ["--format", "swf"],
+     "holds no jobs (only ; comments and blank lines)"),
+    ("skipped.swf", "; SWF\n1 0 0 -1 4 -1 -1 4 -1 -1 1 1 1 1 1 -1 -1 -1\n"
+     "2 5 0 100 -1 -1 -1 -1 -1 -1 1 1 1 1 1 -1 -1 -1\n", [],
+     "holds no jobs to simulate: all 2 SWF jobs were skipped (1 no processor count (-1), "
+     "1 no run time (-1))"),
+])
+def test_cli_refuses_a_trace_without_jobs(tmp_path, capsys, name, text, extra, why):
+    # Every format simulate reads: an empty trace is bad input (exit 2, the file named), not
+    # a table of zeros with exit 0; nothing is written (no plot either).
+    path = tmp_path / name
+    path.write_text(text)
+    png = tmp_path / "out.png"
+    assert main(["simulate", str(path), *EXAMPLE, *extra, "--plot", str(png)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"leasehold: INVALID_TRACE: {path}: {why}\n"
+    assert out == "" and not png.exists()
+    assert main(["simulate", str(path), *EXAMPLE, *extra, "--json"]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_refuses_when_skip_unfit_drops_every_job(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"submit": 0, "runtime": 1, "queue": "gpu", "resources": {"gpu:H100": 9}}\n'
+                    '{"submit": 1, "runtime": 1, "queue": "gpu", "resources": {"gpu:H100": 9}}\n')
+    assert main(["simulate", str(path), *EXAMPLE, "--skip-unfit"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"leasehold: INVALID_TRACE: {path}: none of its 2 jobs can ever run "
+                          f"on ")
+    assert f"(--skip-unfit dropped them all; first: {path}:1: " in err
+    assert out == ""
+
+
+def test_cli_refuses_a_policy_given_twice(tmp_path, capsys):
+    path = _trace_file(tmp_path)
+    assert main(["simulate", str(path), *EXAMPLE, "--policy", "fifo,greedy,fifo"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "leasehold: INVALID_ARGUMENT: --policy 'fifo,greedy,fifo': fifo given twice\n"
+    assert out == ""
+
+
 def test_the_bundled_example_trace_shows_the_policies_apart(capsys):
     assert main(["simulate", str(ROOT / "engine/examples/trace.jsonl"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
