@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-import engine.cli
+import engine._cli
 from engine.cli import main
 
 
@@ -43,12 +43,12 @@ def test_demo_runs_the_real_tick_and_explains_the_waits(capsys):
 ])
 def test_every_command_fails_in_one_line_without_a_traceback(monkeypatch, capsys, exc, code,
                                                             status):
-    # The commands of engine/cli.py (check-config, simulate, shard, serve, keys, ...) go
+    # The commands of engine/_cli.py (check-config, simulate, shard, serve, keys, ...) go
     # through the same guard as the user commands: no traceback reaches the user.
     def fail(args):
         raise exc
     monkeypatch.delenv("LEASEHOLD_TRACEBACK", raising=False)
-    monkeypatch.setattr(engine.cli, "_check_config", fail)
+    monkeypatch.setattr(engine._cli, "_check_config", fail)
     assert main(["check-config"]) == status
     err = capsys.readouterr().err
     assert err.startswith(f"leasehold: {code}") and err.count("\n") == 1, err

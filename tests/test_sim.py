@@ -378,7 +378,7 @@ def test_cli_refuses_swf_flags_for_a_json_lines_trace(tmp_path, capsys, flag, va
 
 def test_cli_checks_the_plot_path_before_simulating(tmp_path, capsys, monkeypatch):
     path = _trace_file(tmp_path)
-    monkeypatch.setattr("engine.cli.simulate", lambda *a, **k: pytest.fail("simulated"))
+    monkeypatch.setattr("engine._cli.simulate", lambda *a, **k: pytest.fail("simulated"))
     for plot, why in ((tmp_path / "none" / "x.png", "its directory does not exist"),
                       (tmp_path, "a directory, not a file")):
         assert main(["simulate", str(path), *EXAMPLE, "--plot", str(plot)]) == 2
