@@ -18,7 +18,9 @@ from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
 from engine._sim import POLICIES, prepare, simulate
 from engine._trace import SwfMapping, load_trace
-from engine._units import format_quantity
+from engine._units import _ALIASES as _RESOURCE_ALIASES
+from engine._units import _kind_of as resource_kind
+from engine._units import format_quantity, parse_quantity
 from storage import MemoryStore
 
 __all__ = ["main"]
@@ -191,6 +193,29 @@ def _node_model(cfg, nodes):
     return line
 
 
+def _check_swf_flags(cfg, swf, args):
+    """--swf-resource, --swf-per-proc and --swf-queue are the user's, not the trace's: checked
+    (and named) before the trace is read, where an SWF line would otherwise be blamed."""
+    name = _RESOURCE_ALIASES.get(swf.resource, swf.resource)
+    if name not in cfg.resources.names:
+        raise CommandError("INVALID_ARGUMENT", f"--swf-resource {swf.resource!r}: not a "
+                           f"resource of {_shown(cfg.source)} (configured: "
+                           f"{', '.join(cfg.resources.names)})")
+    try:
+        amount = parse_quantity(name, resource_kind(name), swf.per_processor)
+    except ValueError as exc:
+        raise CommandError("INVALID_ARGUMENT", f"--swf-per-proc {args.swf_per_proc!r}: "
+                           f"{exc}") from None
+    if amount <= 0:
+        # Jobs asking for nothing would all start at once: a table that means nothing.
+        raise CommandError("INVALID_ARGUMENT", f"--swf-per-proc {args.swf_per_proc!r}: a "
+                           f"quantity > 0 of {name} per processor")
+    queues = [q.name for q in cfg.queues]
+    if swf.queue is not None and swf.queue not in queues:
+        raise CommandError("INVALID_ARGUMENT", f"--swf-queue {swf.queue!r}: not a queue of "
+                           f"{_shown(cfg.source)} (queues: {', '.join(queues)})")
+
+
 def _simulate(args):
     """Run a trace through the real tick once per policy and compare."""
     cfg = load_config(args.config)
@@ -222,6 +247,8 @@ def _simulate(args):
                                f"exist")
     swf = SwfMapping(resource=args.swf_resource or "cpu",
                      per_processor=_qty(args.swf_per_proc or "1"), queue=args.swf_queue)
+    if fmt == "swf":
+        _check_swf_flags(cfg, swf, args)
     trace = load_trace(args.trace, fmt=args.format, swf=swf)
     nodes = not args.no_nodes
     prepared = prepare(cfg, trace.jobs, skip_unfit=args.skip_unfit, nodes=nodes)

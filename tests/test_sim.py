@@ -234,7 +234,27 @@ def test_cli_runs_an_swf_trace_with_a_processor_mapping(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 jobs (2 gangs)" in out and "skipped 1 SWF jobs (1 no processor count (-1))" in out
     assert main(["simulate", str(swf), *EXAMPLE, "--swf-queue", "nope"]) == 2
-    assert "w.swf:2: job 1: run_queue 'nope' does not exist" in capsys.readouterr().err
+    assert "--swf-queue 'nope': not a queue of " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--swf-per-proc", "x"], "--swf-per-proc 'x': cpu: 'x' is not a quantity"),
+    (["--swf-per-proc", "-1"], "--swf-per-proc '-1': cpu: -1 is negative"),
+    (["--swf-per-proc", "0"], "--swf-per-proc '0': a quantity > 0 of cpu per processor"),
+    (["--swf-resource", "memory", "--swf-per-proc", "0Gi"],
+     "--swf-per-proc '0Gi': a quantity > 0 of memory per processor"),
+    (["--swf-resource", "nope"], "--swf-resource 'nope': not a resource of "),
+    (["--swf-queue", "nope"], "--swf-queue 'nope': not a queue of "),
+])
+def test_cli_names_a_bad_swf_flag_not_the_trace(tmp_path, capsys, flags, message):
+    # The flag was wrong, not the file: it used to be blamed on the first SWF line, and a
+    # zero per processor ran jobs asking for nothing.
+    swf = tmp_path / "w.swf"
+    swf.write_text("1 0 0 100 16 -1 -1 16 -1 -1 1 1 1 1 1 -1 -1 -1\n")
+    assert main(["simulate", str(swf), *EXAMPLE, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"leasehold: INVALID_ARGUMENT: {message}"), err
+    assert "w.swf" not in err and out == ""
 
 
 def test_cli_unfit_job_is_an_error_unless_skipped(tmp_path, capsys):
