@@ -6,9 +6,9 @@ engine take about half a second to load, during which a Ctrl-C could only be a t
 """
 
 import importlib
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:      # for linters and type checkers: the same names, imported at once
+TYPE_CHECKING = False   # not typing's: importing typing alone takes milliseconds
+if TYPE_CHECKING:       # for linters and type checkers: the same names, imported at once
     from engine._clock import ManualClock, SystemClock
     from engine._codes import Phase, Verdict, WaitCode
     from engine._config import Config, QueueConfig, TenantConfig, load_config, parse_config

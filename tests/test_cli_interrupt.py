@@ -85,19 +85,28 @@ def test_ctrl_c_while_the_cli_imports_is_one_line_and_130(tmp_path, form, module
     assert (proc.returncode, err, out) == (130, INTERRUPTED, "")
 
 
-# Touches $LH_STARTED as the interpreter's own start-up ends (site and its .pth files, about
-# 30 ms, before any code of the command runs; a Ctrl-C inside it is the interpreter's fatal
-# error, which no program can catch): the delays below count from there.
+# Touches $LH_STARTED when the commands (engine/_cli.py) start importing, inside the entry
+# point's handler: the delays below count from there, through the heavy imports. (Before it lie
+# the interpreter's own start-up, site and its .pth files, where a Ctrl-C is the interpreter's
+# fatal error that no program can catch, and the few milliseconds of the entry module.)
 STARTED = """\
-import os
-open(os.environ["LH_STARTED"], "w").close()
+import os, sys
+
+class _Started:
+    def find_spec(self, name, path=None, target=None):
+        if name == "engine._cli":
+            sys.meta_path.remove(self)
+            open(os.environ["LH_STARTED"], "w").close()
+        return None
+
+sys.meta_path.insert(0, _Started())
 """
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_ctrl_c_at_any_early_moment_is_never_a_traceback(tmp_path, form):
     # A command that would wait for a minute (no shard listens on the endpoint), interrupted
-    # by a real SIGINT at a few moments of its first half second.
+    # by a real SIGINT at a few moments of its first second.
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'resources = ["cpu"]\n[clusters.a]\n[storage]\npath = "{tmp_path}/data"\n'
                    f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
@@ -106,14 +115,18 @@ def test_ctrl_c_at_any_early_moment_is_never_a_traceback(tmp_path, form):
     started = tmp_path / "started"
     argv = [*FORMS[form], "status", "acme/p/d/r/a", "--config", str(cfg),
             "--request-timeout", "60"]
-    for delay in (0.03, 0.1, 0.2, 0.35, 0.5, 1.0):
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0):
         started.unlink(missing_ok=True)
         with _started(argv, _env(tmp_path, LH_STARTED=str(started))) as proc:
             deadline = time.monotonic() + 30
             while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.002)
+                time.sleep(0.001)
             assert started.exists(), proc.poll()
             time.sleep(delay)
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=30)
-        assert (proc.returncode, err, out) == (130, INTERRUPTED, ""), delay
+        # 130, or killed by SIGINT: CPython marks a KeyboardInterrupt raised inside exec() of
+        # a string (dataclasses build their methods so, while modules import) as unhandled,
+        # even once caught, and re-raises SIGINT at exit. A shell reports both as 130.
+        assert proc.returncode in (130, -signal.SIGINT), (delay, proc.returncode, err)
+        assert (err, out) == (INTERRUPTED, ""), (delay, proc.returncode, err, out)
