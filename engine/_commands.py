@@ -159,10 +159,13 @@ def _shard_options(p, needs_key=True, shard_help=_ROUTED):
     # None (not given) means "route by tenant" or "every shard", as the command says.
     p.add_argument("--shard", type=_count, default=None, metavar="N", help=shard_help)
     if needs_key:
-        p.add_argument("--key", default=os.environ.get("LEASEHOLD_KEY"),
+        # Both default to None, not to $LEASEHOLD_KEY and 10: transport._commands.talk tells a
+        # flag given from the environment's default, and a command that would not use one
+        # refuses it when given (queue list without --remote).
+        p.add_argument("--key", default=None,
                        help="the client key's name (keys_dir/NAME.key_secret); needed unless "
-                            "security.insecure (default: $LEASEHOLD_KEY)")
-        p.add_argument("--request-timeout", type=positive_seconds, default=10.0, metavar="S",
+                            "security.insecure, refused with it (default: $LEASEHOLD_KEY)")
+        p.add_argument("--request-timeout", type=positive_seconds, default=None, metavar="S",
                        help="seconds to wait for each answer of the shard (default 10)")
 
 

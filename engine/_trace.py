@@ -14,7 +14,8 @@ or by ``fmt``:
   missing (-1) submit time, run time or processor count are skipped and counted.
 
 Bad input raises :class:`TraceError` naming the file, the line and the field; nothing else
-escapes (no traceback for a user's typo).
+escapes (no traceback for a user's typo). A file that holds no job (empty, only comments,
+or SWF jobs all skipped) is bad input too: :func:`load_trace` refuses it.
 """
 
 import json
@@ -101,8 +102,20 @@ def load_trace(path, fmt=None, swf=None):
     except UnicodeDecodeError as exc:
         raise TraceError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if fmt == "swf":
-        return parse_swf(text.splitlines(), source, swf or SwfMapping())
-    return parse_jsonl(text.splitlines(), source)
+        trace = parse_swf(text.splitlines(), source, swf or SwfMapping())
+    else:
+        trace = parse_jsonl(text.splitlines(), source)
+    if not trace.jobs:
+        # A run over nothing would print a table of zeros and exit 0: a wrong path or a
+        # truncated download must not pass for a result.
+        if trace.skipped:
+            why = ", ".join(f"{n} {r}" for r, n in sorted(trace.skipped_reasons.items()))
+            raise TraceError(f"{source}: holds no jobs to simulate: all {trace.skipped} SWF "
+                             f"jobs were skipped ({why})")
+        what = "only ; comments and blank lines" if fmt == "swf" else \
+            "only # comments and blank lines"
+        raise TraceError(f"{source}: holds no jobs ({'empty' if not text.strip() else what})")
+    return trace
 
 
 def _sort(jobs):

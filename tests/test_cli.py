@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-import engine.cli
+import engine._cli
 from engine.cli import main
 
 
@@ -43,12 +43,12 @@ def test_demo_runs_the_real_tick_and_explains_the_waits(capsys):
 ])
 def test_every_command_fails_in_one_line_without_a_traceback(monkeypatch, capsys, exc, code,
                                                             status):
-    # The commands of engine/cli.py (check-config, simulate, shard, serve, keys, ...) go
+    # The commands of engine/_cli.py (check-config, simulate, shard, serve, keys, ...) go
     # through the same guard as the user commands: no traceback reaches the user.
     def fail(args):
         raise exc
     monkeypatch.delenv("LEASEHOLD_TRACEBACK", raising=False)
-    monkeypatch.setattr(engine.cli, "_check_config", fail)
+    monkeypatch.setattr(engine._cli, "_check_config", fail)
     assert main(["check-config"]) == status
     err = capsys.readouterr().err
     assert err.startswith(f"leasehold: {code}") and err.count("\n") == 1, err
@@ -163,3 +163,57 @@ def test_a_shard_whose_endpoint_is_taken_says_unavailable(tmp_path, capsys):
         ctx.term()
     err = capsys.readouterr().err
     assert err.startswith("leasehold: UNAVAILABLE: shard ") and err.count("\n") == 1, err
+
+
+# Every command that takes --key (the ones that talk to a shard, and queue list --remote).
+KEYED = [
+    ["submit", "--id", "acme/p/d/r/a", "--cpu", "1"],
+    ["status", "acme/p/d/r/a"],
+    ["explain", "acme/p/d/r/a"],
+    ["abort", "acme/p/d/r/a"],
+    ["watch", "acme/p/d/r"],
+    ["queue", "list", "--remote"],
+    ["queue", "update", "default", "--priority", "MAX"],
+    ["queue", "drain", "default"],
+]
+
+
+@pytest.mark.parametrize("command", KEYED, ids=" ".join)
+def test_a_key_with_an_insecure_config_is_refused_not_ignored(tmp_path, capsys, monkeypatch,
+                                                              command):
+    # The key used to be dropped in silence: the user believed in an authenticated, encrypted
+    # connection that was plain. No shard listens here: the refusal comes before any request
+    # (without it the command waits for the shard and says UNAVAILABLE).
+    monkeypatch.delenv("LEASEHOLD_KEY", raising=False)
+    cfg = _insecure_config(tmp_path)
+    args = [*command, "--config", str(cfg), "--request-timeout", "0.2"]
+    assert main([*args, "--key", "ops"]) == 2
+    assert capsys.readouterr().err == (
+        f"leasehold: INVALID_ARGUMENT: --key ops: {cfg} sets security.insecure = true, so no "
+        f"key is used (the connection is plain: no encryption, no authentication); drop "
+        f"--key, or use a config with CURVE keys\n")
+    monkeypatch.setenv("LEASEHOLD_KEY", "acme-app")
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"leasehold: INVALID_ARGUMENT: $LEASEHOLD_KEY acme-app: {cfg} sets security.insecure "
+        f"= true, so no key is used (the connection is plain: no encryption, no "
+        f"authentication); unset $LEASEHOLD_KEY, or use a config with CURVE keys\n")
+    # An empty $LEASEHOLD_KEY is no key: the command goes on (to the missing shard).
+    monkeypatch.setenv("LEASEHOLD_KEY", "")
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("leasehold: UNAVAILABLE: ")
+
+
+@pytest.mark.parametrize("flag, value", [("--key", "ops"), ("--request-timeout", "5")])
+def test_queue_list_from_the_status_file_refuses_a_flag_for_the_shard(tmp_path, capsys,
+                                                                      monkeypatch, flag, value):
+    # Without --remote nothing is sent to the shard: the flag would do nothing.
+    cfg = _insecure_config(tmp_path)
+    assert main(["queue", "list", "--config", str(cfg), flag, value]) == 2
+    assert capsys.readouterr().err == (
+        f"leasehold: INVALID_ARGUMENT: {flag} is for queue list --remote; without it the "
+        f"queues are read from the status file (no key, no request)\n")
+    # $LEASEHOLD_KEY is a default for the commands that send, not a flag: not refused.
+    monkeypatch.setenv("LEASEHOLD_KEY", "ops")
+    assert main(["queue", "list", "--config", str(cfg)]) == 2
+    assert "INVALID_ARGUMENT" not in capsys.readouterr().err

@@ -234,7 +234,27 @@ def test_cli_runs_an_swf_trace_with_a_processor_mapping(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 jobs (2 gangs)" in out and "skipped 1 SWF jobs (1 no processor count (-1))" in out
     assert main(["simulate", str(swf), *EXAMPLE, "--swf-queue", "nope"]) == 2
-    assert "w.swf:2: job 1: run_queue 'nope' does not exist" in capsys.readouterr().err
+    assert "--swf-queue 'nope': not a queue of " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--swf-per-proc", "x"], "--swf-per-proc 'x': cpu: 'x' is not a quantity"),
+    (["--swf-per-proc", "-1"], "--swf-per-proc '-1': cpu: -1 is negative"),
+    (["--swf-per-proc", "0"], "--swf-per-proc '0': a quantity > 0 of cpu per processor"),
+    (["--swf-resource", "memory", "--swf-per-proc", "0Gi"],
+     "--swf-per-proc '0Gi': a quantity > 0 of memory per processor"),
+    (["--swf-resource", "nope"], "--swf-resource 'nope': not a resource of "),
+    (["--swf-queue", "nope"], "--swf-queue 'nope': not a queue of "),
+])
+def test_cli_names_a_bad_swf_flag_not_the_trace(tmp_path, capsys, flags, message):
+    # The flag was wrong, not the file: it used to be blamed on the first SWF line, and a
+    # zero per processor ran jobs asking for nothing.
+    swf = tmp_path / "w.swf"
+    swf.write_text("1 0 0 100 16 -1 -1 16 -1 -1 1 1 1 1 1 -1 -1 -1\n")
+    assert main(["simulate", str(swf), *EXAMPLE, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"leasehold: INVALID_ARGUMENT: {message}"), err
+    assert "w.swf" not in err and out == ""
 
 
 def test_cli_unfit_job_is_an_error_unless_skipped(tmp_path, capsys):
@@ -245,6 +265,53 @@ def test_cli_unfit_job_is_an_error_unless_skipped(tmp_path, capsys):
     assert "t.jsonl:1: job 1 can never run: " in capsys.readouterr().err
     assert main(["simulate", str(path), *EXAMPLE, "--skip-unfit", "--policy", "greedy"]) == 0
     assert "dropped 1 jobs that can never run (first: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("name", "text", "extra", "why"), [
+    ("empty.jsonl", "", [], "holds no jobs (empty)"),
+    ("comments.jsonl", "# a header\n\n# and nothing else\n", [],
+     "holds no jobs (only # comments and blank lines)"),
+    ("header.swf", "; Version: 2.2\n; MaxJobs: 0\n", [],
+     "holds no jobs (only ; comments and blank lines)"),
+    ("header.txt", "; Version: 2.2\n", ["--format", "swf"],
+     "holds no jobs (only ; comments and blank lines)"),
+    ("skipped.swf", "; SWF\n1 0 0 -1 4 -1 -1 4 -1 -1 1 1 1 1 1 -1 -1 -1\n"
+     "2 5 0 100 -1 -1 -1 -1 -1 -1 1 1 1 1 1 -1 -1 -1\n", [],
+     "holds no jobs to simulate: all 2 SWF jobs were skipped (1 no processor count (-1), "
+     "1 no run time (-1))"),
+])
+def test_cli_refuses_a_trace_without_jobs(tmp_path, capsys, name, text, extra, why):
+    # Every format simulate reads: an empty trace is bad input (exit 2, the file named), not
+    # a table of zeros with exit 0; nothing is written (no plot either).
+    path = tmp_path / name
+    path.write_text(text)
+    png = tmp_path / "out.png"
+    assert main(["simulate", str(path), *EXAMPLE, *extra, "--plot", str(png)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"leasehold: INVALID_TRACE: {path}: {why}\n"
+    assert out == "" and not png.exists()
+    assert main(["simulate", str(path), *EXAMPLE, *extra, "--json"]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_refuses_when_skip_unfit_drops_every_job(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"submit": 0, "runtime": 1, "queue": "gpu", "resources": {"gpu:H100": 9}}\n'
+                    '{"submit": 1, "runtime": 1, "queue": "gpu", "resources": {"gpu:H100": 9}}\n')
+    assert main(["simulate", str(path), *EXAMPLE, "--skip-unfit"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"leasehold: INVALID_TRACE: {path}: none of its 2 jobs can ever run "
+                          f"on ")
+    assert f"(--skip-unfit dropped them all; first: {path}:1: " in err
+    assert out == ""
+
+
+def test_cli_refuses_a_policy_given_twice(tmp_path, capsys):
+    path = _trace_file(tmp_path)
+    assert main(["simulate", str(path), *EXAMPLE, "--policy", "fifo,greedy,fifo"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "leasehold: INVALID_ARGUMENT: --policy 'fifo,greedy,fifo': fifo given twice\n"
+    assert out == ""
 
 
 def test_the_bundled_example_trace_shows_the_policies_apart(capsys):
@@ -331,7 +398,7 @@ def test_cli_refuses_swf_flags_for_a_json_lines_trace(tmp_path, capsys, flag, va
 
 def test_cli_checks_the_plot_path_before_simulating(tmp_path, capsys, monkeypatch):
     path = _trace_file(tmp_path)
-    monkeypatch.setattr("engine.cli.simulate", lambda *a, **k: pytest.fail("simulated"))
+    monkeypatch.setattr("engine._cli.simulate", lambda *a, **k: pytest.fail("simulated"))
     for plot, why in ((tmp_path / "none" / "x.png", "its directory does not exist"),
                       (tmp_path, "a directory, not a file")):
         assert main(["simulate", str(path), *EXAMPLE, "--plot", str(plot)]) == 2

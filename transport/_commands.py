@@ -55,12 +55,23 @@ def talk(args):
     if args.shard is not None and args.shard >= len(eps):
         raise CommandError("INVALID_ARGUMENT", f"--shard {args.shard}: {cfg.source} has "
                            f"{len(eps)} endpoint(s) in transport.endpoints")
-    if not cfg.security.insecure and not args.key:
+    key, given = args.key, "--key"
+    if key is None:
+        key, given = os.environ.get("LEASEHOLD_KEY"), "$LEASEHOLD_KEY"
+    if cfg.security.insecure and key:
+        # The connection would be plain and unauthenticated while the user believes a key
+        # is in use: say so instead of dropping the key.
+        drop = "drop --key" if given == "--key" else "unset $LEASEHOLD_KEY"
+        raise CommandError("INVALID_ARGUMENT", f"{given} {key}: {cfg.source} sets "
+                           f"security.insecure = true, so no key is used (the connection is "
+                           f"plain: no encryption, no authentication); {drop}, or use a "
+                           f"config with CURVE keys")
+    if not cfg.security.insecure and not key:
         raise CommandError("INVALID_ARGUMENT", f"--key NAME is needed: {cfg.source} runs "
                            f"CURVE (security.insecure is false); NAME is a client or admin "
                            f"key in {cfg.security.keys_dir} (or set $LEASEHOLD_KEY)")
-    client = Client(cfg, key=args.key if not cfg.security.insecure else None,
-                    shard=args.shard, timeout=args.request_timeout)
+    timeout = 10.0 if args.request_timeout is None else args.request_timeout
+    client = Client(cfg, key=key or None, shard=args.shard, timeout=timeout)
     try:
         yield cfg, client
     except ShardError as exc:

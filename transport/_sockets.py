@@ -6,10 +6,21 @@ Every socket has linger 0 (closing never blocks on unsent messages), high-water 
 config says ``insecure = true``. A shard's ROUTER also refuses oversized frames at the socket
 (``ZMQ_MAXMSGSIZE``: the connection is dropped before the frame is buffered) and reports an
 unroutable send instead of dropping it silently (``ROUTER_MANDATORY``).
+
+An ``ipc://PATH`` endpoint is held with an advisory lock, ``PATH.lock`` (``flock``), for as
+long as the socket is open: libzmq's bind unlinks whatever is at PATH and binds anew, so a
+second shard on the same endpoint would silently take the socket of a live one. A second
+bind is refused (``zmq.ZMQError`` EADDRINUSE, naming the endpoint and the holder's pid), as
+is a PATH some other program is listening on. The kernel drops the lock when its process
+dies, however it dies: a killed shard's leftover files never block its restart.
 """
 
 import errno
+import fcntl
 import logging
+import os
+import socket
+import weakref
 
 import zmq
 
@@ -34,24 +45,123 @@ def _common(sock, settings, heartbeat):
         sock.heartbeat_ttl = 3 * ms
 
 
+class _Router(zmq.Socket):
+    """A ROUTER that releases its endpoint's lock (``_ipc_lock``) when it is closed."""
+
+    _ipc_release = None     # a class attribute: pyzmq takes other names for socket options
+
+    def close(self, linger=None):
+        super().close(linger)
+        if self._ipc_release is not None:
+            self._ipc_release()
+
+
+def _in_use(endpoint, message):
+    return zmq.ZMQError(errno.EADDRINUSE, f"{endpoint}: {message}")
+
+
+def _unlock(fd, lock_path):
+    # Unlinked while still locked, and only when it is still this file: a process that opened
+    # it just before finds it gone after its flock (the inode check below) and retries.
+    try:
+        if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+            os.unlink(lock_path)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _ipc_lock(endpoint):
+    """Lock ``endpoint`` (``ipc://PATH``) for this socket: ``(fd, lock_path)``, or raise
+    EADDRINUSE when another process holds it or something else listens on PATH."""
+    path = endpoint[len("ipc://"):]
+    lock_path = path + ".lock"
+    for _ in range(10):
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise _in_use(endpoint, f"cannot create its lock file {lock_path}: "
+                                    f"{exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            who = "this process" if holder.startswith(f" (pid {os.getpid()}") else \
+                "another process"
+            raise _in_use(endpoint, f"{who} holds it{holder} (lock file "
+                                    f"{lock_path}); stop it, or give this one another "
+                                    f"endpoint") from None
+        try:
+            current = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)        # its holder removed it as we locked it: lock the new one
+    else:
+        raise _in_use(endpoint, f"its lock file {lock_path} keeps being replaced")
+    try:
+        listening = _listening(path)
+    except BaseException:
+        _unlock(fd, lock_path)
+        raise
+    if listening:
+        _unlock(fd, lock_path)
+        raise _in_use(endpoint, f"something is listening on {path} without its lock file "
+                                f"(another program, or an older Leasehold); stop it, or give "
+                                f"this one another endpoint")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd, lock_path
+
+
+def _holder(fd):
+    """`` (pid N: command line)`` of the lock's holder as it wrote it, when known."""
+    try:
+        pid = int(os.pread(fd, 32, 0).split()[0])
+    except (OSError, ValueError, IndexError):
+        return ""
+    try:
+        import psutil
+        return f" (pid {pid}: {' '.join(psutil.Process(pid).cmdline())[:200]})"
+    except Exception:           # naming the holder is a courtesy; the refusal stands
+        return f" (pid {pid})"
+
+
+def _listening(path):
+    """Whether something accepts connections on the Unix socket ``path`` (a file left by a
+    dead process refuses them)."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            return True         # a full backlog: someone listens
+        except OSError:
+            return False        # refused (stale), not a socket, a path too long: bind says
+    return True
+
+
 def server_socket(context, endpoint, keyring=None, authenticator=None, settings=None,
                   heartbeat=None):
     """A ROUTER bound to ``endpoint``: CURVE with the keyring's server pair, checked by
     ``authenticator`` (which must be running: without a ZAP handler libzmq would accept
     any key), or plain when ``keyring`` is None (insecure; logged at CRITICAL).
-    ``heartbeat``: seconds between ZMTP pings (None: off), see :func:`client_socket`."""
+    ``heartbeat``: seconds between ZMTP pings (None: off), see :func:`client_socket`.
+    An ``ipc://`` endpoint is locked while the socket is open (module docstring): a second
+    bind raises ``zmq.ZMQError`` EADDRINUSE naming it."""
     settings = settings if settings is not None else TransportSettings()
-    sock = context.socket(zmq.ROUTER)
+    sock = context.socket(zmq.ROUTER, socket_class=_Router)
     try:
         _common(sock, settings, heartbeat)
         sock.router_mandatory = 1
         # A frame past the larger of the two frame limits is never valid: refuse it before
         # it is buffered (libzmq drops the connection).
         sock.maxmsgsize = max(settings.max_header_bytes, settings.max_frame_bytes)
-        if keyring is None:
-            log.critical("INSECURE: %s serves without CURVE (security.insecure = true): no "
-                         "encryption, no authentication, every peer may do anything", endpoint)
-        else:
+        if keyring is not None:
             if authenticator is None or not authenticator.running:
                 raise RuntimeError("a CURVE server socket needs a running Authenticator "
                                    "(without one every key would be accepted)")
@@ -59,10 +169,17 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
             sock.curve_publickey = keyring.server_public
             sock.curve_secretkey = keyring.server_secret
             sock.zap_domain = ZAP_DOMAIN.encode()
+        if endpoint.startswith("ipc://") and endpoint != "ipc://*":
+            fd, lock_path = _ipc_lock(endpoint)
+            # Released by close(), or when the socket is collected unclosed.
+            sock._ipc_release = weakref.finalize(sock, _unlock, fd, lock_path)
         sock.bind(endpoint)
     except BaseException:
         sock.close(0)
         raise
+    if keyring is None:     # once it serves (a refused bind serves nothing)
+        log.critical("INSECURE: %s serves without CURVE (security.insecure = true): no "
+                     "encryption, no authentication, every peer may do anything", endpoint)
     return sock
 
 

@@ -263,6 +263,12 @@ def queue_list(args):
                       _amounts(r["in_flight_resources"]), head)
         console().print(t)
         return OK
+    for flag, value in (("--key", args.key), ("--request-timeout", args.request_timeout)):
+        if value is not None:
+            # Without --remote nothing is sent: a flag for the shard would do nothing.
+            raise CommandError("INVALID_ARGUMENT", f"{flag} is for queue list --remote; without "
+                               f"it the queues are read from the status file (no key, no "
+                               f"request)")
     cfg = load_config(args.config)
     sources = _readers(args, cfg, every=True)
     try:
