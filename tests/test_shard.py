@@ -1495,3 +1495,44 @@ def test_the_recheck_spread_over_turns_still_sees_every_expiry(tmp_path, monkeyp
         assert sorted(ended) == sorted(ids)
     finally:
         h.close()
+
+
+def _events_until_quiet(c, quiet=0.5):
+    """The watcher's events until none comes for ``quiet`` seconds (bounded by it)."""
+    got = []
+    while True:
+        try:
+            got.append(c.next_event(timeout=quiet, refresh=10))
+        except ShardTimeout:
+            return got
+
+
+def test_an_idempotent_re_enqueue_of_a_watched_run_records_no_event(tmp_path):
+    """Re-enqueueing an id with the same spec is a no-op (a client's retry): the watcher
+    sees no change. Every id an ENQUEUE answered was recorded QUEUED of attempt 0, so a
+    retried enqueue of a running action told its watcher it was queued again (attempt 0),
+    one of an ended action that it was queued after it ended (and the re-check then told it
+    the end once more); by every enqueue path."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        a, b = c.enqueue_many([spec("a"), spec("b")])
+        leases = w.leases(timeout=5, want=2)
+        by = {x.action: x for x in leases}
+        assert w.report([by[a].token], Phase.RUNNING) == []
+        assert w.report([by[b].token], Phase.SUCCEEDED) == []
+        before = _events_until_quiet(c)
+        assert [(e.action, e.phase) for e in before if e.action == b][-1] == (b, "SUCCEEDED")
+        assert c.enqueue_many([spec("a"), spec("b")]) == [a, b]
+        assert c.enqueue(spec("a")) == a
+        c.enqueue_fanout(spec("x"), ["a", "b"])
+        new = c.enqueue(spec("c"))
+        got = _events_until_quiet(c)
+        # Only the new action's changes: nothing of the re-enqueued ones.
+        assert {e.action for e in got} == {new}, [(e.action, e.phase, e.attempt) for e in got]
+        assert (got[0].phase, got[0].attempt) == ("QUEUED", 0)
+    finally:
+        h.close()

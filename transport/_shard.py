@@ -823,13 +823,15 @@ class _Loop:
         self.wire_specs[spec["id"]] = spec
 
     def on_enqueue(self, conn, c, peer, msg):
+        known = self.known_watched([s.get("id") if isinstance(s, dict) else None
+                                    for s in msg.specs]) if len(self.watch) else ()
         ids = self.eng.enqueue_many(msg.specs)
         out = [str(a) for a in ids]
         for spec in msg.specs[:_SPEC_CACHE]:
             self._keep_spec(spec)
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        self.record_queued(out)
+        self.record_queued(out, known)
 
     def on_enqueue_flyte(self, conn, c, peer, msg):
         try:
@@ -845,28 +847,46 @@ class _Loop:
             + ([f.template.parent] if f.template.parent else []))]
         check_tenants(peer, "ENQUEUE_FLYTE", keys)
         check_owned(keys, self.shard.shard_index, self.shard.n_shards)
+        known = self.known_watched([f"{f.template.id.rsplit('/', 1)[0]}/{n}" for f in fanouts
+                                    for n in f.names]) if len(self.watch) else ()
         out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        self.record_queued(out)
+        self.record_queued(out, known)
 
     def on_enqueue_fanout(self, conn, c, peer, msg):
-        ids = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
-        self._keep_spec(msg.template)
-        self.reply(conn, msg.rid, {"n": len(ids)})
-        self.want_tick = True
         run = msg.template["id"].rsplit("/", 1)[0]
-        if run in self.watch:
-            self.record_queued([f"{run}/{name}" for name in msg.names])
+        ids = [f"{run}/{name}" for name in msg.names] if run in self.watch else None
+        known = self.known_watched(ids) if ids else ()
+        done = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
+        self._keep_spec(msg.template)
+        self.reply(conn, msg.rid, {"n": len(done)})
+        self.want_tick = True
+        if ids:
+            self.record_queued(ids, known)
 
-    def record_queued(self, ids):
-        """QUEUED watch records of the enqueued ids (action id texts) of watched runs."""
+    def known_watched(self, ids):
+        """The ids (texts; None or another type for a spec without one) of watched runs
+        among ``ids`` that the engine knows already (``Engine.known``), read before their
+        enqueue: an enqueue of a known id with its spec changes nothing (with another it is
+        refused), so it records no event. (Until 2026-12-05 every id an enqueue answered was
+        recorded QUEUED of attempt 0: a client's retried enqueue told the watchers that a
+        running action, or one that had ended, was queued again.)"""
+        watched = [a for a in ids if type(a) is str and a.rsplit("/", 1)[0] in self.watch]
+        if not watched:
+            return ()
+        return {a for a, k in zip(watched, self.eng.known(watched).tolist(), strict=True)
+                if k}
+
+    def record_queued(self, ids, known=()):
+        """QUEUED watch records of the enqueued ids (action id texts) of watched runs, but
+        for those in ``known`` (:meth:`known_watched`: they existed before)."""
         if not len(self.watch):
             return
         by_run = {}
         for a in ids:
             run = a.rsplit("/", 1)[0]
-            if run in self.watch:
+            if run in self.watch and a not in known:
                 by_run.setdefault(run, []).append(a)
                 self.attempts[a] = 0
         # One entry a run (a fan-out's thousands of records in one record_many pass).
