@@ -1536,3 +1536,50 @@ def test_an_idempotent_re_enqueue_of_a_watched_run_records_no_event(tmp_path):
         assert (got[0].phase, got[0].attempt) == ("QUEUED", 0)
     finally:
         h.close()
+
+
+def test_an_action_a_status_has_the_watch_follow_carries_its_attempt(tmp_path):
+    """A STATUS of a watched run's live actions has the re-check follow those the log does
+    not (here: past its ``watch_live`` bound at the first WATCH) from their phase and
+    attempt now: the reports of one assigned before the watch are events of attempt 1, as its
+    lease said (the STATUS followed each at attempt 0, so they said attempt 0)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start(watch_live=1)
+    try:
+        c = h.client()
+        w = h.worker()
+        a, b = c.enqueue_many([spec("a"), spec("b")])
+        by = {x.action: x for x in w.leases(timeout=5, want=2)}
+        assert by[b].attempt == 1
+        watcher = h.client()
+        watcher.subscribe(RUN)                  # follows a only (watch_live=1)
+        assert w.report([by[a].token], Phase.SUCCEEDED) == []
+        e = watcher.next_event(timeout=3, refresh=10)
+        assert (e.action, e.phase, e.attempt) == (a, "SUCCEEDED", 1)
+        assert watcher.status([a, b]) == [Phase.SUCCEEDED, Phase.INITIALIZING]
+        assert w.report([by[b].token], Phase.RUNNING) == []
+        e = watcher.next_event(timeout=3, refresh=10)
+        assert (e.action, e.phase, e.attempt) == (b, "RUNNING", 1)
+    finally:
+        h.close()
+
+
+def test_a_status_answers_each_phase_and_refuses_an_unknown_action(insecure):
+    """STATUS (read in one pass) answers the phase of each id in order, whether the run is
+    watched or not, and NOT_FOUND naming an id the shard does not know."""
+    c = insecure.client()
+    w = insecure.worker()
+    a, b = c.enqueue_many([spec("a"), spec("b")])
+    other = c.enqueue(spec("x", run="acme/ml/prod/r2"))
+    leases = w.leases(timeout=5, want=3)
+    tok = {x.action: x.token for x in leases}
+    assert w.report([tok[a]], Phase.SUCCEEDED) == []
+    assert w.report([tok[other]], Phase.RUNNING) == []
+    for watched in (False, True):
+        if watched:
+            c.subscribe(RUN)
+        assert c.status([b, other, a, b]) == [Phase.INITIALIZING, Phase.RUNNING,
+                                              Phase.SUCCEEDED, Phase.INITIALIZING]
+        with pytest.raises(ShardError, match="r1/nope") as err:
+            c.status([a, f"{RUN}/nope", b])
+        assert err.value.code == "NOT_FOUND"
