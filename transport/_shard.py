@@ -567,6 +567,8 @@ class _Loop:
                     self.shard._status.record_tick(time.perf_counter_ns() - t0)
                     self.shard._count("ticks")
                     self.plan_retick(placed)
+                    if len(self.watch):
+                        self.record_decided()
                 box.batch = eng.drain_columns()
                 if len(box.batch):
                     self.push_leases(box.batch)
@@ -1257,6 +1259,25 @@ class _Loop:
                 if att is not None:
                     return att
         return self.watch.attempt_of(run, action)
+
+    def record_decided(self):
+        """The watch records of what the tick changed on its own (``Engine.decided_changes``:
+        timers, lease expiry, unschedulable), as of each change, before the records of its
+        leases: a retry the tick leased again is seen QUEUED (of the failed attempt, its
+        failure the detail) before INITIALIZING of the next. (Until 2026-12-05 only the
+        re-check read them, after the tick, or at a later backstop: an expiry or a timeout
+        whose retry was leased again by then showed RUNNING of attempt n, then INITIALIZING
+        of n+1.)"""
+        ids, phases, attempts, details = self.eng.decided_changes()
+        if not ids:
+            return
+        now = self.eng.clock.now_ns()
+        cut = self.settings.max_text
+        for aid, phase, att, detail in zip(ids, phases, _wire_attempts(phases, attempts),
+                                           details, strict=True):
+            run = aid.rpartition("/")[0]
+            if run in self.watch:
+                self.record(run, aid, phase, att, now, detail[:cut] if detail else None)
 
     def recheck(self):
         """Re-read the phase of actions the turn may have changed (reports, aborts) and, on
