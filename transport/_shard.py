@@ -860,7 +860,9 @@ class _Loop:
     def on_enqueue_fanout(self, conn, c, peer, msg):
         run = msg.template["id"].rsplit("/", 1)[0]
         ids = [f"{run}/{name}" for name in msg.names] if run in self.watch else None
-        known = self.known_watched(ids) if ids else ()
+        # (one watched run: no filter a name)
+        known = {a for a, k in zip(ids, self.eng.known(ids).tolist(), strict=True)
+                 if k} if ids else ()
         done = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
         self._keep_spec(msg.template)
         self.reply(conn, msg.rid, {"n": len(done)})
