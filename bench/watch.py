@@ -16,6 +16,10 @@ a fresh WATCH finds every one of them live), then one client WATCHes each run.
   before the re-check read in rounds: every one, each backstop turn).
 * ``ping_ms_p50`` / ``ping_ms_max``: a client's PING round trip while the backstop turns run
   (the latency every other client of the shard sees).
+* ``status_ms``: the decision thread's time in the handler of one STATUS of a watched run's
+  ``--actions`` ids (at most ``max_batch``; every one still queued), median over
+  ``--statuses`` of them (each answered with the phases; the live ones the log does not
+  follow yet are followed from their attempt).
 
 Timings wrap private methods of the shard loop (``transport._shard._Loop``): a measurement,
 not an interface.
@@ -45,12 +49,13 @@ def main():
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--actions", type=int, default=10000)
     ap.add_argument("--backstops", type=int, default=5)
+    ap.add_argument("--statuses", type=int, default=5)
     args = ap.parse_args()
 
-    times = {"watch": [], "recheck": [], "turn": [], "reads": []}
+    times = {"watch": [], "recheck": [], "turn": [], "reads": [], "status": []}
     loop_cls = _shard._Loop
-    orig_watch, orig_recheck, orig_turn = (loop_cls.on_watch, loop_cls.recheck,
-                                           loop_cls.turn)
+    orig_watch, orig_recheck, orig_turn, orig_status = (
+        loop_cls.on_watch, loop_cls.recheck, loop_cls.turn, loop_cls.on_status)
     state = {"counting": False}
 
     def on_watch(self, *a):
@@ -80,7 +85,15 @@ def main():
                 # are settled later, so this is its decision only)
                 times["turn"].append(time.perf_counter_ns() - t0)
 
+    def on_status(self, *a):
+        t0 = time.perf_counter_ns()
+        try:
+            return orig_status(self, *a)
+        finally:
+            times["status"].append(time.perf_counter_ns() - t0)
+
     loop_cls.on_watch, loop_cls.recheck, loop_cls.turn = on_watch, recheck, turn
+    loop_cls.on_status = on_status
     orig_sweep = getattr(WatchLog, "sweep", None)
     if orig_sweep is not None:          # (the re-check in rounds, read a part a turn)
         def sweep(self, *a):
@@ -111,6 +124,9 @@ def main():
                                      [f"a{i}" for i in range(args.actions)])
                 for run in runs:
                     c.subscribe(run)
+                asked = [f"{runs[0]}/a{i}" for i in range(min(args.actions, 10_000))]
+                for _ in range(args.statuses):
+                    c.status(asked)
                 state["counting"] = True
                 deadline = time.monotonic() + 600
                 while len(times["recheck"]) < args.backstops and time.monotonic() < deadline:
@@ -136,6 +152,7 @@ def main():
         "backstop_turn_ms_max": ms(times["turn"], max),
         "recheck_reads_per_turn": statistics.median(times["reads"]) if times["reads"] else None,
         "ping_ms_p50": ms(pings), "ping_ms_max": ms(pings, max),
+        "status_ms": ms(times["status"]), "status_ms_max": ms(times["status"], max),
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
     }
     print(json.dumps(out))

@@ -17,7 +17,7 @@ from cext._bulk import decided_rows
 from engine._admission import AdmissionMixin, AlreadyExists
 from engine._attempts import AttemptsMixin
 from engine._clock import SystemClock
-from engine._codes import LeaseKind, WaitCode
+from engine._codes import LeaseKind, Phase, WaitCode
 from engine._config import STRICT_FIFO, Config, load_config, update_queue
 from engine._dispatch import Assignment, DispatchBatch
 from engine._errors import ConfigError, NotFound, SpecError
@@ -47,6 +47,9 @@ from storage import (
     OwnershipError,
     partition_of,
 )
+
+# decided_changes() when the last decide changed nothing on its own.
+_NO_CHANGES = ((), (), (), ())
 
 __all__ = ["Engine", "Assignment", "DispatchBatch", "Explanation", "AlreadyExists", "Refusal",
            "Group", "kernel_pass"]
@@ -194,6 +197,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         # for many rows at once (_timer_block).
         self._timer_blocks = [[*restored.timers, 0]] if restored.timers[0].size else []
         self._next_sweep_ns = 0
+        # Rows whose phase the current decide changed on its own (timers, expiry), and what
+        # the last one changed (decided_changes); empty on the common path.
+        self._decided_rows = []
+        self._decided = _NO_CHANGES
         self._queue_changes = {}    # queue name -> live changes (persisted)
         for q in self.config.queues:
             self._apply_queue(q)
@@ -391,6 +398,39 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             group.placed, group.swept = self._decide_body()
         return group
 
+    def decided_changes(self):
+        """``(ids, phases, attempts, details)``: the actions whose phase the last
+        :meth:`decide` / :meth:`schedule` changed on its own, not by an assignment (those
+        are drained): a timer (deadline, max_queued_time, the runtime backstop), a lease
+        expiry, an action found unschedulable. Each once, in the order changed, as of its
+        change, before that call's tick placed anything (a retry leased again by the same
+        call is QUEUED here), with the number of its current attempt (a retry queues the
+        next one, as :meth:`live_states` counts) and the change's text (a retry's: the
+        failed attempt's cause and message; an end's: its reason). Four sequences, empty
+        when nothing changed (the common path, which pays one empty-list check for this). The
+        shard's watch records them: what a tick does on its own became an event only when
+        the re-check read it, after the tick, which might have leased the retry again."""
+        return self._decided
+
+    def _decided_snapshot(self, rows, out=None):
+        """The :meth:`decided_changes` entries of changed ``rows`` (each has its record),
+        added to ``out``."""
+        ids, phases, attempts, details = out if out is not None else ([], [], [], [])
+        st = self._state
+        for row in dict.fromkeys(rows):
+            rec = self._rec(row)
+            phase = rec.phase
+            if phase == Phase.QUEUED and len(rec.attempts) > 1:
+                prev = rec.attempts[-2]
+                text = ": ".join(x for x in (prev.cause, prev.message) if x)
+            else:
+                text = rec.message
+            ids.append(str(rec.compiled.id))
+            phases.append(phase)
+            attempts.append(int(st.a_attempt[row]))
+            details.append(text or None)
+        return ids, phases, attempts, details
+
     def close(self):
         """Write the runtime samples not yet in the store (when no decided group waits for
         its commit), then release the store (claims are released so a successor can start
@@ -449,12 +489,19 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         if wall >= self._next_renew_ns:
             self.renew()
         now = self.clock.now_ns()
-        self._fire_timers(now)
+        changed = self._decided_rows
+        if changed:
+            changed.clear()
+        self._decided = _NO_CHANGES
+        self._fire_timers(now)      # (appends the rows it changes to ``changed``)
         swept = now >= self._next_sweep_ns
         if swept:
             for lease in self.expired_leases():
-                self.expire(lease)
+                if self.expire(lease) and lease[0] == LeaseKind.RUN:
+                    changed.append(lease[1])
             self._next_sweep_ns = now + self._sweep_period_ns
+        if changed:                 # as of now: the tick may lease a retry again
+            self._decided = self._decided_snapshot(changed)
         kernel = self._kernel
         st = self._state
         before = kernel.d_tail
@@ -466,8 +513,12 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             na, nf = decided_rows(kernel, before, rows, fz)
             self._touch_many(rows[:na])
             self._touch_fz_many(fz[:nf])
-        for i in range(kernel.f_count):
-            self._fail_unschedulable(int(st.f_action[i]), WaitCode(int(st.f_code[i])))
+        if kernel.f_count:
+            failed = [int(st.f_action[i]) for i in range(kernel.f_count)]
+            for row, i in zip(failed, range(kernel.f_count), strict=True):
+                self._fail_unschedulable(row, WaitCode(int(st.f_code[i])))
+            self._decided = self._decided_snapshot(
+                failed, None if self._decided is _NO_CHANGES else self._decided)
         return placed, swept
 
     def tick(self):

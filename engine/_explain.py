@@ -14,7 +14,7 @@ from engine._codes import (
     Phase,
     WaitCode,
 )
-from engine._errors import NotFound
+from engine._errors import NotFound, SpecError
 from engine._model import ActionId
 from engine._records import name_hashes
 from engine._rows import (
@@ -69,10 +69,23 @@ class ExplainMixin:
         are their whole state (lean rows) are read in one numpy pass; the others take
         :meth:`phase`'s path one by one. The shard's watch re-check asks this of every live
         action it follows."""
+        return self._states(actions, False)[0]
+
+    def states(self, actions):
+        """``(phases, attempts)``: :meth:`phases` of ``actions``, and the number of each one's
+        current attempt (as :meth:`live_states` counts it: 1 from its enqueue, a retry queues
+        the next number; the last for one that ended), None for an action this engine does
+        not know; read as :meth:`phases` reads them (the attempts of lean rows from their
+        column in the same pass). The shard's ``STATUS`` asks this when a run is watched:
+        the watch follows the live actions it names from their attempt."""
+        return self._states(actions, True)
+
+    def _states(self, actions, attempts):
         texts = [str(a) for a in actions]
         out = [None] * len(texts)
+        numbers = [None] * len(texts) if attempts else None
         if not texts:
-            return out
+            return out, numbers
         get, recs = self._hash_rows.get, self._recs
         hashes = name_hashes(texts)
         rows = np.fromiter((get(h, -1) for h in hashes.tolist()), np.int64, len(texts))
@@ -101,14 +114,68 @@ class ExplainMixin:
             if row in recs or texts[i] != names[0] + names[1][k]:
                 ok[i] = False
         idx = np.flatnonzero(ok)
-        for i, c in zip(idx.tolist(), self._column_phases(rows[idx]).tolist(), strict=True):
+        lean = rows[idx]
+        for i, c in zip(idx.tolist(), self._column_phases(lean).tolist(), strict=True):
             out[i] = PHASES[c]
+        if attempts:
+            for i, n in zip(idx.tolist(), st.a_attempt[lean].tolist(), strict=True):
+                numbers[i] = n
         for i in np.flatnonzero(~ok).tolist():
             try:
                 out[i] = self.phase(texts[i])
+                if attempts:
+                    numbers[i] = self._attempt_number(texts[i])
             except NotFound:
                 pass
+        return out, numbers
+
+    def _attempt_number(self, action):
+        row, ret = self._row_or_retained(action)
+        return len(ret.record.attempts) if ret is not None else int(self._state.a_attempt[row])
+
+    def known(self, actions):
+        """Whether each of ``actions`` (ids or id texts) exists here: in the action table, or
+        ended with its outcome retained (what an enqueue of its id leaves as it is: the same
+        spec is a no-op, another one ``AlreadyExists``). A bool array, False for a malformed
+        id. One pass over the name index; the retained outcomes of the others read a run
+        at a time in one batch, and not at all for a run that has none. The shard asks it
+        before an enqueue of a watched run's ids: an enqueue of a known one records no watch
+        event."""
+        texts = [str(a) for a in actions]
+        out = np.zeros(len(texts), dtype=bool)
+        if not texts:
+            return out
+        try:
+            rows = self._probe(name_hashes(texts), texts)
+        except SpecError:           # a malformed id met a colliding hash: one by one
+            rows = np.array([self._known_row(t) for t in texts], dtype=np.int64)
+        out[rows >= 0] = True
+        by_run = {}                 # run key -> indexes of its names not in the table
+        for i in np.flatnonzero(rows < 0).tolist():
+            by_run.setdefault(texts[i].rpartition("/")[0], []).append(i)
+        for idx in by_run.values():
+            # Their run key is one prefix, so one tenant: the first id that parses says it
+            # (a malformed one has no retained outcome: its lookup finds none).
+            aid = None
+            for i in idx:
+                try:
+                    aid = ActionId.parse(texts[i])
+                    break
+                except SpecError:
+                    continue
+            if aid is None or not self._run_may_have_retained(aid):
+                continue
+            for i, ret in zip(idx, self._retained_many(aid.tenant, [texts[i] for i in idx]),
+                              strict=True):
+                out[i] = ret is not None
         return out
+
+    def _known_row(self, text):
+        try:
+            row = self._lookup(ActionId.parse(text))
+        except SpecError:
+            return -1
+        return -1 if row is None else row
 
     def _column_phases(self, r):
         """Phase codes (``PHASES`` indexes) of lean rows ``r`` from their columns: a queued

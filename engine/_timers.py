@@ -84,6 +84,7 @@ class TimersMixin:
                 self._fire(kind, row, ref, at)
 
     def _fire(self, kind, row, ref, at):
+        # A row whose phase it changes goes to _decided_rows (Engine.decided_changes).
         st = self._state
         if kind == T_FINALIZE:
             # Only the bound its finalize row holds (the row may be free, or reused since).
@@ -104,6 +105,7 @@ class TimersMixin:
             # The engine enforces the deadline before dispatch; a running attempt is
             # bounded by its worker, which was given the deadline with the lease.
             if state in (ST_QUEUED, ST_BACKOFF):
+                self._decided_rows.append(row)
                 rec = self._rec(row)
                 self._end_attempt(rec, Phase.TIMED_OUT, cause="deadline",
                                   message="deadline passed before dispatch")
@@ -111,6 +113,7 @@ class TimersMixin:
                              cause="deadline")
         elif kind == T_QUEUED:
             if state == ST_QUEUED and int(st.a_attempt[row]) == ref:
+                self._decided_rows.append(row)
                 rec = self._rec(row)
                 self._kernel.remove(row)          # leaves the row in state DONE
                 self._attempt_failed(rec, Phase.TIMED_OUT, None, "max_queued_time",
@@ -123,6 +126,7 @@ class TimersMixin:
             # Engine backstop for max_runtime: the worker should have ended it.
             if (state == ST_RUNNING and int(st.a_gen[row]) == ref
                     and st.a_end[row] == END_LIVE):
+                self._decided_rows.append(row)
                 rec = self._rec(row)
                 self._stamp_attempt(rec)
                 self._end_lease(row, END_EXPIRED)

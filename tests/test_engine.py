@@ -9,8 +9,10 @@ from engine import (
     NotFound,
     Phase,
     ResourceExhausted,
+    RetryPolicy,
     ReusePolicy,
     SpecError,
+    Timeouts,
     WaitCode,
 )
 from tests.conftest import make_engine
@@ -355,3 +357,44 @@ def test_durations_given_as_timedelta_are_seconds_everywhere():
     clock.advance(6)
     eng.schedule()
     assert eng.phase(slow.id) == Phase.TIMED_OUT
+
+
+def test_decided_changes_name_what_a_tick_changed_on_its_own_before_it_placed_anything():
+    """``Engine.decided_changes``: the actions whose phase the last schedule() changed on its
+    own (runtime backstop, lease expiry, deadline, max_queued_time, unschedulable), each as
+    of its change: a retry the same call leased again is QUEUED there, with its next attempt
+    and the failure's text; nothing else (an assignment, a heartbeat) is named."""
+    eng, clock = make_engine(config(engine={"heartbeat_interval": 10, "expiry_missed_beats": 1,
+                                            "expiry_jitter": 0, "runtime_grace": 1,
+                                            "pause_on_expiry": False}))
+    assert eng.decided_changes() == ((), (), (), ())
+    no_wait = RetryPolicy(count=1, backoff_base=0)
+    slow = str(eng.enqueue(spec("rt", retries=no_wait, timeouts=Timeouts(max_runtime=5))))
+    quiet = str(eng.enqueue(spec("ex", retries=RetryPolicy(count=0, backoff_base=0))))
+    tokens = {str(a.action): a for a in eng.tick()}
+    assert eng.decided_changes() == ((), (), (), ())        # assignments are drained, not here
+    eng.mark_running(slow, tokens[slow].generation)
+    clock.advance(7)                        # past max_runtime + grace; leases live (10 s)
+    assert eng.heartbeat("w-east", [tokens[quiet].token]) == []
+    eng.schedule()
+    ids, phases, attempts, details = eng.decided_changes()
+    assert (ids, phases, attempts) == ([slow], [Phase.QUEUED], [2])
+    assert details[0].startswith("max_runtime: ")
+    again = {str(a.action): a for a in eng.drain_dispatch()}
+    assert again[slow].attempt == 2         # leased again by that same schedule()
+    # The lease of ``quiet`` expires (no heartbeat); deadlines and unschedulable too.
+    late = str(eng.enqueue(spec("dl", resources={"gpu": 8}, timeouts=Timeouts(deadline=1))))
+    eng.enqueue(spec("hog", resources={"gpu": 8}))
+    huge = str(eng.enqueue(spec("big", resources={"cpu": 1000})))
+    clock.advance(5)
+    assert eng.heartbeat("w-east", [again[slow].token]) == []
+    clock.advance(6)                        # quiet's lease expired (last beat 11 s ago)
+    eng.schedule()
+    ids, phases, attempts, details = eng.decided_changes()
+    got = dict(zip(ids, zip(phases, attempts, details, strict=True), strict=True))
+    assert got[quiet][:2] == (Phase.QUEUED, 2) and "expired" in got[quiet][2]
+    assert got[late][:2] == (Phase.TIMED_OUT, 1) and "deadline" in got[late][2]
+    assert got[huge][:2] == (Phase.FAILED, 1) and "UNSCHEDULABLE" in got[huge][2]
+    assert slow not in got and eng.phase(quiet) == Phase.QUEUED
+    eng.schedule()                          # (the expiry's retry is due now: pushed, no change)
+    assert quiet not in eng.decided_changes()[0]

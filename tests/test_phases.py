@@ -165,3 +165,53 @@ def test_live_states_of_a_retry_counts_its_next_attempt_and_bounds_by_limit():
     assert eng.live_states("acme/p/d/r", limit=2) == (ids[:2], phases[:2], attempts[:2])
     assert ids == [retrying] + fan and (ids, phases, attempts) == each_live_state(
         eng, "acme/p/d/r")
+
+
+def each_state(eng, ids):
+    """``Engine.states`` asked one action at a time: each one's phase and the number of its
+    current attempt (None for an action the engine does not know)."""
+    attempts = []
+    for a in ids:
+        try:
+            attempts.append(len(eng.attempts(a)))
+        except NotFound:
+            attempts.append(None)
+    return one_by_one(eng, ids), attempts
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_states_is_phase_and_attempt_of_each(ops):
+    eng, clock = make_engine(config(), workers={"w": ("east", 100)})
+    ids = drive(eng, clock, ops)
+    assert eng.states(ids) == each_state(eng, ids)
+    assert eng.states([]) == ([], [])
+
+
+def test_states_of_a_retry_counts_its_next_attempt():
+    eng, clock = make_engine(config(), workers={"w": ("east", 100)})
+    [retrying] = [str(a) for a in eng.enqueue_many([spec("r", retries=1)])]
+    fan = [str(a) for a in eng.enqueue_fanout(spec("r", queue="side"), ["a0", "a1"])]
+    tokens = {str(a.action): a.token for a in eng.tick()}
+    assert eng.report(tokens[fan[0]], Phase.SUCCEEDED) == Verdict.OK
+    assert eng.report(tokens[retrying], Phase.FAILED, error_kind="USER", message="boom",
+                      recoverable=True) == Verdict.OK
+    ids = [retrying, *fan, "acme/p/d/r/none"]
+    assert eng.states(ids) == ([Phase.QUEUED, Phase.SUCCEEDED, Phase.INITIALIZING, None],
+                               [2, 1, 1, None])
+    eng.reclaim()
+    assert eng.states(ids) == each_state(eng, ids)
+    assert eng.states(ids)[1][:3] == [2, 1, 1]
+
+
+def test_known_is_in_the_table_or_retained():
+    eng, clock = make_engine(config(), workers={"w": ("east", 100)})
+    fan = [str(a) for a in eng.enqueue_fanout(spec("k", queue="side"), ["a0", "a1"])]
+    tokens = {str(a.action): a.token for a in eng.tick()}
+    assert eng.report(tokens[fan[0]], Phase.SUCCEEDED) == Verdict.OK
+    asked = fan + ["acme/p/d/k/new", "acme/p/d/other/x", "not/an/id", "acme/p/d/k/"]
+    assert eng.known(asked).tolist() == [True, True, False, False, False, False]
+    assert eng.reclaim()                        # the ended one leaves the table
+    assert eng.phase(fan[0]) == Phase.SUCCEEDED     # (retained)
+    assert eng.known(asked).tolist() == [True, True, False, False, False, False]
+    assert eng.known([]).tolist() == []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine import Phase, parse_config
+from engine import ManualClock, Phase, parse_config
 from engine._codes import LeaseKind, Verdict
 from engine._retain import retained_key
 from storage import LmdbStore, MemoryStore, StoreError
@@ -1493,5 +1493,167 @@ def test_the_recheck_spread_over_turns_still_sees_every_expiry(tmp_path, monkeyp
             if e.phase in ("FAILED", "TIMED_OUT"):
                 ended[e.action] = e.phase
         assert sorted(ended) == sorted(ids)
+    finally:
+        h.close()
+
+
+def _events_until_quiet(c, quiet=0.5):
+    """The watcher's events until none comes for ``quiet`` seconds (bounded by it)."""
+    got = []
+    while True:
+        try:
+            got.append(c.next_event(timeout=quiet, refresh=10))
+        except ShardTimeout:
+            return got
+
+
+def test_an_idempotent_re_enqueue_of_a_watched_run_records_no_event(tmp_path):
+    """Re-enqueueing an id with the same spec is a no-op (a client's retry): the watcher
+    sees no change. Every id an ENQUEUE answered was recorded QUEUED of attempt 0, so a
+    retried enqueue of a running action told its watcher it was queued again (attempt 0),
+    one of an ended action that it was queued after it ended (and the re-check then told it
+    the end once more); by every enqueue path."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        a, b = c.enqueue_many([spec("a"), spec("b")])
+        leases = w.leases(timeout=5, want=2)
+        by = {x.action: x for x in leases}
+        assert w.report([by[a].token], Phase.RUNNING) == []
+        assert w.report([by[b].token], Phase.SUCCEEDED) == []
+        before = _events_until_quiet(c)
+        assert [(e.action, e.phase) for e in before if e.action == b][-1] == (b, "SUCCEEDED")
+        assert c.enqueue_many([spec("a"), spec("b")]) == [a, b]
+        assert c.enqueue(spec("a")) == a
+        c.enqueue_fanout(spec("x"), ["a", "b"])
+        new = c.enqueue(spec("c"))
+        got = _events_until_quiet(c)
+        # Only the new action's changes: nothing of the re-enqueued ones.
+        assert {e.action for e in got} == {new}, [(e.action, e.phase, e.attempt) for e in got]
+        assert (got[0].phase, got[0].attempt) == ("QUEUED", 0)
+    finally:
+        h.close()
+
+
+def test_an_action_a_status_has_the_watch_follow_carries_its_attempt(tmp_path):
+    """A STATUS of a watched run's live actions has the re-check follow those the log does
+    not (here: past its ``watch_live`` bound at the first WATCH) from their phase and
+    attempt now: the reports of one assigned before the watch are events of attempt 1, as its
+    lease said (the STATUS followed each at attempt 0, so they said attempt 0)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start(watch_live=1)
+    try:
+        c = h.client()
+        w = h.worker()
+        a, b = c.enqueue_many([spec("a"), spec("b")])
+        by = {x.action: x for x in w.leases(timeout=5, want=2)}
+        assert by[b].attempt == 1
+        watcher = h.client()
+        watcher.subscribe(RUN)                  # follows a only (watch_live=1)
+        assert w.report([by[a].token], Phase.SUCCEEDED) == []
+        e = watcher.next_event(timeout=3, refresh=10)
+        assert (e.action, e.phase, e.attempt) == (a, "SUCCEEDED", 1)
+        assert watcher.status([a, b]) == [Phase.SUCCEEDED, Phase.INITIALIZING]
+        assert w.report([by[b].token], Phase.RUNNING) == []
+        e = watcher.next_event(timeout=3, refresh=10)
+        assert (e.action, e.phase, e.attempt) == (b, "RUNNING", 1)
+    finally:
+        h.close()
+
+
+def test_a_status_answers_each_phase_and_refuses_an_unknown_action(insecure):
+    """STATUS (read in one pass) answers the phase of each id in order, whether the run is
+    watched or not, and NOT_FOUND naming an id the shard does not know."""
+    c = insecure.client()
+    w = insecure.worker()
+    a, b = c.enqueue_many([spec("a"), spec("b")])
+    other = c.enqueue(spec("x", run="acme/ml/prod/r2"))
+    leases = w.leases(timeout=5, want=3)
+    tok = {x.action: x.token for x in leases}
+    assert w.report([tok[a]], Phase.SUCCEEDED) == []
+    assert w.report([tok[other]], Phase.RUNNING) == []
+    for watched in (False, True):
+        if watched:
+            c.subscribe(RUN)
+        assert c.status([b, other, a, b]) == [Phase.INITIALIZING, Phase.RUNNING,
+                                              Phase.SUCCEEDED, Phase.INITIALIZING]
+        with pytest.raises(ShardError, match="r1/nope") as err:
+            c.status([a, f"{RUN}/nope", b])
+        assert err.value.code == "NOT_FOUND"
+
+
+def _clocked(tmp_path, **engine):
+    """A shard on a ManualClock, no backstop tick within a test (its ticks come from
+    messages), and a client and a worker of it."""
+    clock = ManualClock(1_000_000_000_000)
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0, expiry_missed_beats=1,
+                            expiry_jitter=0.0, pause_on_expiry=False, **engine),
+                store=MemoryStore())
+    h.start(clock=clock)
+    return h, clock
+
+
+def test_a_runtime_backstop_retry_leased_again_in_its_tick_is_seen_queued_in_between(
+        tmp_path):
+    """The engine's runtime backstop ends an attempt running past max_runtime + grace, and
+    its retry (no backoff) is leased again by the same schedule() call: the watcher sees
+    the retry (QUEUED of attempt 1, the timeout's text the detail) before INITIALIZING of
+    attempt 2. The loop learnt only what the turn's leases said: RUNNING of attempt 1,
+    then INITIALIZING of attempt 2."""
+    h, clock = _clocked(tmp_path, runtime_grace=1.0)
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        aid = c.enqueue(spec("x", retries={"count": 1, "backoff_base": 0},
+                             timeouts={"max_runtime": 10}))
+        (lease,) = w.leases(timeout=5)
+        assert w.report([lease.token], Phase.RUNNING) == []
+        clock.advance(60)
+        w.heartbeat([lease.token], free={"cpu": 64})    # a tick: the runtime backstop
+        again = [(x.action, x.attempt) for x in w.leases(timeout=5, want=2)
+                 if x.kind == LeaseKind.RUN]     # (and the timed out attempt's cleanup)
+        assert again == [(aid, 2)], again
+        got = _events_until_quiet(c)
+        assert [(e.action, e.phase, e.attempt) for e in got] == [
+            (aid, "QUEUED", 0), (aid, "INITIALIZING", 1), (aid, "RUNNING", 1),
+            (aid, "QUEUED", 1), (aid, "INITIALIZING", 2)]
+        assert "max_runtime" in got[3].detail
+    finally:
+        h.close()
+
+
+def test_a_lease_expiry_leased_again_before_the_re_check_read_it_is_seen_queued(tmp_path):
+    """A lease expires in a tick the re-check does not follow (a message's, not the
+    backstop's); its retry is leased again by the next tick. The watcher sees the expiry
+    (QUEUED of attempt 1, its reason the detail) before INITIALIZING of attempt 2: the
+    engine names what its ticks changed on their own (Engine.decided_changes). The re-check
+    read the action only at the next backstop, assigned again by then: RUNNING of attempt
+    1, then INITIALIZING of attempt 2."""
+    h, clock = _clocked(tmp_path)
+    try:
+        c = h.client()
+        w = h.worker()
+        c.subscribe(RUN)
+        aid = c.enqueue(spec("x", retries={"count": 0, "backoff_base": 0}))
+        (lease,) = w.leases(timeout=5)
+        assert w.report([lease.token], Phase.RUNNING) == []
+        clock.advance(300)                          # past the lease's ttl (240 s)
+        c.enqueue(spec("y", run="acme/ml/prod/other"))   # a tick: the lease expires
+        assert c.status(aid) == Phase.QUEUED        # retry backoff, due now
+        clock.advance(1)
+        c.enqueue(spec("z", run="acme/ml/prod/other"))   # a tick: the retry is leased
+        got = [(x.action, x.attempt) for x in w.leases(timeout=5, want=4)
+               if x.kind == LeaseKind.RUN]      # (and the expired attempt's cleanup)
+        assert got == [(f"{RUN.rsplit('/', 1)[0]}/other/y", 1),
+                       (f"{RUN.rsplit('/', 1)[0]}/other/z", 1), (aid, 2)], got
+        events = _events_until_quiet(c)
+        assert [(e.action, e.phase, e.attempt) for e in events] == [
+            (aid, "QUEUED", 0), (aid, "INITIALIZING", 1), (aid, "RUNNING", 1),
+            (aid, "QUEUED", 1), (aid, "INITIALIZING", 2)]
+        assert "expired" in events[3].detail
     finally:
         h.close()

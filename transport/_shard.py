@@ -40,7 +40,7 @@ from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase, Verdict
 from engine._commands import CommandError, freeze_heap
 from engine._config import Config, load_config
 from engine._engine import Engine
-from engine._errors import LeaseholdError
+from engine._errors import LeaseholdError, NotFound
 from engine._model import ActionId
 from storage import LmdbStore, StoreError
 from transport import _protocol as p
@@ -128,7 +128,8 @@ class Shard:
     ``endpoint`` overrides ``config.transport.endpoints[shard_index]`` (``tcp://127.0.0.1:0``
     binds an ephemeral port: read :attr:`endpoint` after :meth:`start`). ``store`` and
     ``clock`` go to the :class:`~engine.Engine` (default: the config's LMDB store, the wall
-    clock). ``watch_ring``/``watch_runs`` bound the watch log (``transport._watch``).
+    clock). ``watch_ring``/``watch_runs``/``watch_live`` bound the watch log
+    (``transport._watch``: ``RING``, ``MAX_RUNS``, ``MAX_LIVE``).
 ``freeze_heap`` freezes the heap once the engine is loaded (``engine._commands.freeze_heap``:
 for a process of its own, as ``leasehold shard`` runs it).
 
@@ -138,7 +139,7 @@ for a process of its own, as ``leasehold shard`` runs it).
 
     def __init__(self, config, shard_index=0, *, endpoint=None, store=None, clock=None,
                  context=None, heartbeat=None, watch_ring=None, watch_runs=None,
-                 freeze_heap=False):
+                 watch_live=None, freeze_heap=False):
         config = config if isinstance(config, Config) else load_config(config)
         eps = config.transport.endpoints
         if endpoint is None:
@@ -161,8 +162,8 @@ for a process of its own, as ``leasehold shard`` runs it).
         self._context = context
         self._heartbeat = heartbeat
         self._freeze_heap = freeze_heap     # once loaded: a process of its own (run_shard)
-        self._watch_kw = {k: v for k, v in (("ring", watch_ring), ("max_runs", watch_runs))
-                          if v is not None}
+        self._watch_kw = {k: v for k, v in (("ring", watch_ring), ("max_runs", watch_runs),
+                                            ("max_live", watch_live)) if v is not None}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error = None
@@ -566,6 +567,8 @@ class _Loop:
                     self.shard._status.record_tick(time.perf_counter_ns() - t0)
                     self.shard._count("ticks")
                     self.plan_retick(placed)
+                    if len(self.watch):
+                        self.record_decided()
                 box.batch = eng.drain_columns()
                 if len(box.batch):
                     self.push_leases(box.batch)
@@ -823,13 +826,15 @@ class _Loop:
         self.wire_specs[spec["id"]] = spec
 
     def on_enqueue(self, conn, c, peer, msg):
+        known = self.known_watched([s.get("id") if isinstance(s, dict) else None
+                                    for s in msg.specs]) if len(self.watch) else ()
         ids = self.eng.enqueue_many(msg.specs)
         out = [str(a) for a in ids]
         for spec in msg.specs[:_SPEC_CACHE]:
             self._keep_spec(spec)
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        self.record_queued(out)
+        self.record_queued(out, known)
 
     def on_enqueue_flyte(self, conn, c, peer, msg):
         try:
@@ -845,28 +850,48 @@ class _Loop:
             + ([f.template.parent] if f.template.parent else []))]
         check_tenants(peer, "ENQUEUE_FLYTE", keys)
         check_owned(keys, self.shard.shard_index, self.shard.n_shards)
+        known = self.known_watched([f"{f.template.id.rsplit('/', 1)[0]}/{n}" for f in fanouts
+                                    for n in f.names]) if len(self.watch) else ()
         out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        self.record_queued(out)
+        self.record_queued(out, known)
 
     def on_enqueue_fanout(self, conn, c, peer, msg):
-        ids = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
-        self._keep_spec(msg.template)
-        self.reply(conn, msg.rid, {"n": len(ids)})
-        self.want_tick = True
         run = msg.template["id"].rsplit("/", 1)[0]
-        if run in self.watch:
-            self.record_queued([f"{run}/{name}" for name in msg.names])
+        ids = [f"{run}/{name}" for name in msg.names] if run in self.watch else None
+        # (one watched run: no filter a name)
+        known = {a for a, k in zip(ids, self.eng.known(ids).tolist(), strict=True)
+                 if k} if ids else ()
+        done = self.eng.enqueue_fanout(msg.template, msg.names, msg.inputs)
+        self._keep_spec(msg.template)
+        self.reply(conn, msg.rid, {"n": len(done)})
+        self.want_tick = True
+        if ids:
+            self.record_queued(ids, known)
 
-    def record_queued(self, ids):
-        """QUEUED watch records of the enqueued ids (action id texts) of watched runs."""
+    def known_watched(self, ids):
+        """The ids (texts; None or another type for a spec without one) of watched runs
+        among ``ids`` that the engine knows already (``Engine.known``), read before their
+        enqueue: an enqueue of a known id with its spec changes nothing (with another it is
+        refused), so it records no event. (Until 2026-12-05 every id an enqueue answered was
+        recorded QUEUED of attempt 0: a client's retried enqueue told the watchers that a
+        running action, or one that had ended, was queued again.)"""
+        watched = [a for a in ids if type(a) is str and a.rsplit("/", 1)[0] in self.watch]
+        if not watched:
+            return ()
+        return {a for a, k in zip(watched, self.eng.known(watched).tolist(), strict=True)
+                if k}
+
+    def record_queued(self, ids, known=()):
+        """QUEUED watch records of the enqueued ids (action id texts) of watched runs, but
+        for those in ``known`` (:meth:`known_watched`: they existed before)."""
         if not len(self.watch):
             return
         by_run = {}
         for a in ids:
             run = a.rsplit("/", 1)[0]
-            if run in self.watch:
+            if run in self.watch and a not in known:
                 by_run.setdefault(run, []).append(a)
                 self.attempts[a] = 0
         # One entry a run (a fan-out's thousands of records in one record_many pass).
@@ -898,14 +923,41 @@ class _Loop:
             self.check.update((run, a) for a in self.watch.tracked(run))
 
     def on_status(self, conn, c, peer, msg):
-        phases = [self.eng.phase(a) for a in msg.actions]
+        # In one pass (Engine.phases / states: one by one, 10,000 ids held the loop for
+        # 140-160 ms); the attempts only when a run is watched.
+        actions = msg.actions
+        watching = len(self.watch) > 0
+        if watching:
+            phases, attempts = self.eng.states(actions)
+        else:
+            phases, attempts = self.eng.phases(actions), None
+        if None in phases:
+            # Unknown: the engine's own NOT_FOUND for the first such id.
+            missing = actions[phases.index(None)]
+            self.eng.phase(missing)
+            raise NotFound(f"action {missing} not found")
         self.reply(conn, msg.rid, {"phases": [ph.value for ph in phases]})
-        if len(self.watch):
+        if watching:
             # A watcher reads STATUS once after subscribing (Client.wait): what it found
             # still running may have been assigned before the watch began, so no report
-            # of it would be recorded; the backstop re-check follows it from now on.
-            for a, ph in zip(msg.actions, phases, strict=True):
-                self.watch.track(a.rsplit("/", 1)[0], a, ph)
+            # of it would be recorded; the backstop re-check follows it from now on, from
+            # its attempt now (until 2026-12-05 from attempt 0: the events of one assigned
+            # before said attempt 0 until its next assignment).
+            by_run = {}             # watched run -> indexes of its ids, in order
+            last = hit = None
+            for i, a in enumerate(actions):
+                run = a.rpartition("/")[0]
+                if run != last:
+                    last = run
+                    hit = by_run.get(run)
+                    if hit is None and run in self.watch:
+                        hit = by_run[run] = []
+                if hit is not None:
+                    hit.append(i)
+            for run, idx in by_run.items():
+                ph = [phases[i] for i in idx]
+                self.watch.track_many(run, [actions[i] for i in idx], ph,
+                                      _wire_attempts(ph, [attempts[i] for i in idx]))
 
     def on_explain(self, conn, c, peer, msg):
         e = self.eng.explain(msg.action)
@@ -1209,6 +1261,25 @@ class _Loop:
                 if att is not None:
                     return att
         return self.watch.attempt_of(run, action)
+
+    def record_decided(self):
+        """The watch records of what the tick changed on its own (``Engine.decided_changes``:
+        timers, lease expiry, unschedulable), as of each change, before the records of its
+        leases: a retry the tick leased again is seen QUEUED (of the failed attempt, its
+        failure the detail) before INITIALIZING of the next. (Until 2026-12-05 only the
+        re-check read them, after the tick, or at a later backstop: an expiry or a timeout
+        whose retry was leased again by then showed RUNNING of attempt n, then INITIALIZING
+        of n+1.)"""
+        ids, phases, attempts, details = self.eng.decided_changes()
+        if not ids:
+            return
+        now = self.eng.clock.now_ns()
+        cut = self.settings.max_text
+        for aid, phase, att, detail in zip(ids, phases, _wire_attempts(phases, attempts),
+                                           details, strict=True):
+            run = aid.rpartition("/")[0]
+            if run in self.watch:
+                self.record(run, aid, phase, att, now, detail[:cut] if detail else None)
 
     def recheck(self):
         """Re-read the phase of actions the turn may have changed (reports, aborts) and, on

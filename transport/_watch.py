@@ -166,21 +166,14 @@ class WatchLog:
         for r in self._runs.values():
             r.watchers.discard(conn)
 
-    def track(self, run, action, phase):
-        """Have the backstop re-check follow a non-terminal ``action`` of a watched run
-        whose changes this log did not see (it was enqueued or assigned before the run was
-        first watched), without recording an event."""
-        r = self._runs.get(run)
-        phase = _phase(phase)
-        if (r is not None and phase not in TERMINAL_PHASES and action not in r.live
-                and len(r.live) < self.max_live):
-            r.live[action] = (phase, 0)
-
     def track_many(self, run, actions, phases, attempts):
-        """:meth:`track` of each of ``actions`` (of ``run``), in order, with its phase and
+        """Have the backstop re-check follow each non-terminal one of ``actions`` (of a
+        watched ``run``) whose changes this log did not see (enqueued or assigned before the
+        run was first watched), without recording an event, in order, with its phase and
         attempt as the events of its later changes will number it (until 2026-12-04 every
         one was tracked at attempt 0: the events of an action assigned before its run was
-        first watched said attempt 0 until its next assignment)."""
+        first watched said attempt 0 until its next assignment; the STATUS path did so until
+        2026-12-05, through a ``track`` of one action, now gone)."""
         r = self._runs.get(run)
         if r is None:
             return
