@@ -170,7 +170,8 @@ class AdmissionMixin:
         compiled, checked and stored once; the batch is one group commit. Atomic like
         :meth:`enqueue_many`: a name that exists with the same spec is a no-op, with another
         spec ``AlreadyExists``. Returns the ids of every name, in order (an
-        :class:`~engine.ActionIds` sequence of ``ActionId``)."""
+        :class:`~engine.ActionIds` sequence of ``ActionId``, whose ``added`` says which of
+        them this call enqueued)."""
         _spec, c, _key = self._compiled(template)
         names, inputs = check_names(names, inputs)
         aid = c.id
@@ -202,7 +203,7 @@ class AdmissionMixin:
             if not self._same_spec(int(rows[i]), spec) or old_ref != (
                     inputs[i] if inputs is not None else None):
                 raise AlreadyExists(f"action {texts[i]} exists with a different spec")
-        ids = ActionIds.of_names(parts, names)
+        ids = ActionIds.of_names(parts, names, new)
         if not new.any():
             return ids
         if c.parent is not None:

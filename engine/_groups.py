@@ -60,18 +60,22 @@ class EnqueueGroup:
 class ActionIds(Sequence):
     """Action ids in order: a sequence of :class:`~engine.ActionId` made on access (equal to
     any sequence of the same ids). A fan-out returns the ids of its names; an abort the ids
-    of the rows it ended."""
+    of the rows it ended.
 
-    __slots__ = ("_get", "_n")
+    ``added``: for a fan-out, a bool array, True where this call enqueued the action and
+    False where it existed already (the same spec: a no-op); None otherwise."""
 
-    def __init__(self, get, n):
+    __slots__ = ("_get", "_n", "added")
+
+    def __init__(self, get, n, added=None):
         self._get = get     # index -> ActionId
         self._n = n
+        self.added = added
 
     @classmethod
-    def of_names(cls, parts, names):
+    def of_names(cls, parts, names, added=None):
         """The ids ``parts + name`` of every name (one run)."""
-        return cls(lambda i: ActionId(*parts, names[i]), len(names))
+        return cls(lambda i: ActionId(*parts, names[i]), len(names), added)
 
     @classmethod
     def of_rows(cls, groups, gids, gidx):

@@ -146,11 +146,14 @@ def test_a_fan_out_again_is_a_no_op_and_only_new_names_are_added():
     eng = engine()
     store = eng.store
     first = eng.enqueue_fanout(template(), ["a", "b"], inputs=["x", "y"])
+    assert first.added.tolist() == [True, True]
     commits = store.commits
-    assert eng.enqueue_fanout(template(), ["a", "b"], inputs=["x", "y"]) == first
+    again = eng.enqueue_fanout(template(), ["a", "b"], inputs=["x", "y"])
+    assert again == first and again.added.tolist() == [False, False]
     assert store.commits == commits and eng.inspect().action_rows == 2
     ids = eng.enqueue_fanout(template(), ["b", "c", "a", "d"], inputs=["y", "z", "x", "w"])
     assert [a.action for a in ids] == ["b", "c", "a", "d"]
+    assert ids.added.tolist() == [False, True, False, True]      # what this call enqueued
     assert eng.inspect().action_rows == 4
     with pytest.raises(AlreadyExists):
         eng.enqueue_fanout(template(resources={"cpu": 2}), ["a"])
@@ -159,7 +162,8 @@ def test_a_fan_out_again_is_a_no_op_and_only_new_names_are_added():
     # enqueue_many and a fan-out see the same actions.
     assert eng.enqueue_many([dataclasses.replace(template(), id="acme/p/d/r/c")]) == [ids[1]]
     eng = restart(eng)
-    assert eng.enqueue_fanout(template(), ["d", "e"], inputs=["w", "v"])[1].action == "e"
+    ids = eng.enqueue_fanout(template(), ["d", "e"], inputs=["w", "v"])
+    assert ids[1].action == "e" and ids.added.tolist() == [False, True]
     assert eng.inspect().action_rows == 5
 
 

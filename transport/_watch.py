@@ -137,7 +137,7 @@ class WatchLog:
 
     def _victim(self):
         """The log to evict: the least recently watched of those nobody watches now, else
-        the least recently watched (until 2026-12-04 always that one: a run watched by a
+        the least recently watched (until 2026-12-03 always that one: a run watched by a
         client taking its events, which sends no WATCH while they come, went before runs
         nobody watched any more, and its watcher learnt it only at its next resume)."""
         for run, r in self._runs.items():
@@ -170,10 +170,10 @@ class WatchLog:
         """Have the backstop re-check follow each non-terminal one of ``actions`` (of a
         watched ``run``) whose changes this log did not see (enqueued or assigned before the
         run was first watched), without recording an event, in order, with its phase and
-        attempt as the events of its later changes will number it (until 2026-12-04 every
+        attempt as the events of its later changes will number it (until 2026-12-03 every
         one was tracked at attempt 0: the events of an action assigned before its run was
         first watched said attempt 0 until its next assignment; the STATUS path did so until
-        2026-12-05, through a ``track`` of one action, now gone)."""
+        2026-12-03, through a ``track`` of one action, now gone)."""
         r = self._runs.get(run)
         if r is None:
             return
