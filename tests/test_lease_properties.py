@@ -861,7 +861,10 @@ class ZombieLeaseMachine(LeaseMachine):
     ZOMBIE_REPORTS = True
 
 
-SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
+# LEASEHOLD_PROP_EXAMPLES / _STEPS raise the example count / length for a long local hunt.
+SETTINGS = settings(max_examples=int(os.environ.get("LEASEHOLD_PROP_EXAMPLES", 100)),
+                    stateful_step_count=int(os.environ.get("LEASEHOLD_PROP_STEPS", 40)),
+                    deadline=None,
                     report_multiple_bugs=False,  # shrink one failure, not every distinct one
                     phases=[Phase_.explicit, Phase_.reuse, Phase_.generate, Phase_.shrink],
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -70,6 +70,7 @@ from engine import (
     parse_config,
 )
 from engine._codes import RESOURCE_WAITS, TERMINAL_PHASES, LeaseKind, RowState, Verdict
+from engine._records import action_columns, finalize_columns
 from storage import MemoryStore, StoreError
 
 GI = 2**30
@@ -81,6 +82,7 @@ N_RUNS = 4
 WORKERS_PER_CLUSTER = 6  # 3-4 clusters x 6 ids (and reconnects) > 16 rows: the table grows
 SECRET = bytes(range(16))
 LIVE = ("sent", "running")
+ACTION_COLUMNS = action_columns(0, 1)
 
 
 def vec(cpu_m=0, mem_gi=0, gpu=0):
@@ -1361,6 +1363,8 @@ class EngineMachine(RuleBasedStateMachine):
              for a in sorted(self._live(False), key=lambda a: a.row) if not a.drained]
             + [(LeaseKind.FINALIZE, f.f, f.gen, f.cluster, f.worker)
                for f in self.finals if f.status == "sent" and not f.drained])
+        if self.undrained:
+            event("decisions dispatched again after a reload")
         for w in returning:
             self._register(w, self.rows[self.workers[w]][1], slots[w], call)
 
@@ -1390,12 +1394,23 @@ class EngineMachine(RuleBasedStateMachine):
         queues = {q: {k: v.tolist() if isinstance(v, np.ndarray) else v
                       for k, v in asdict(ins.queue(q)).items()} for q in self.queue_names}
         history = {t: eng.history.encode(t) for t in ins.tasks() if eng.history.count(t)}
+        # The durable columns of every row as memory holds them: a change a turn made in
+        # memory but did not write shows here (holders, expiries and lanes are rebuilt).
+        arrays, n, n_f = ins.arrays, ins.action_rows, ins.finalize_rows
+        cols = {c: getattr(arrays, "a_" + c)[:n].tolist() for c in ACTION_COLUMNS}
+        cols.update({"fz_" + c: getattr(arrays, "fz_" + c)[:n_f].tolist()
+                     for c in finalize_columns()})
         return (acts, metrics, queues, history, set(ins.worker_sessions_by_id()),
-                ins.runs())
+                ins.runs(), cols, ins.free_rows.tolist())
 
     def _assert_observed(self, before, after, crash, failed=False):
-        acts0, metrics0, queues0, hist0, idents0, runs0 = before
-        acts1, metrics1, queues1, hist1, idents1, runs1 = after
+        acts0, metrics0, queues0, hist0, idents0, runs0, cols0, free0 = before
+        acts1, metrics1, queues1, hist1, idents1, runs1, cols1, free1 = after
+        for c, v0 in cols0.items():
+            bad = [r for r, (x, y) in enumerate(zip(v0, cols1[c], strict=True)) if x != y]
+            assert not bad, (f"column {c} of rows {bad} differs after a reload: "
+                             f"{[v0[r] for r in bad]} -> {[cols1[c][r] for r in bad]}")
+        assert free1 == free0
         for aid, (p0, att0) in acts0.items():
             p1, att1 = acts1[aid]
             assert p1 == p0, f"{aid}: phase {p0} became {p1} after a reload"
@@ -1675,10 +1690,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.healthy = True
 
 
-# LEASEHOLD_PROP_EXAMPLES raises the example count for a long local hunt.
+# LEASEHOLD_PROP_EXAMPLES / _STEPS raise the example count / length for a long local hunt.
 EngineMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("LEASEHOLD_PROP_EXAMPLES", 200)), stateful_step_count=40,
-    deadline=None,
+    max_examples=int(os.environ.get("LEASEHOLD_PROP_EXAMPLES", 200)),
+    stateful_step_count=int(os.environ.get("LEASEHOLD_PROP_STEPS", 40)), deadline=None,
     # No explain phase: on a failure it re-runs the (slow) machine for minutes.
     phases=[HPhase.explicit, HPhase.reuse, HPhase.generate, HPhase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
