@@ -643,3 +643,18 @@ def test_a_failed_tick_leaves_no_suspicion_of_the_expiry_it_undid():
         e.enqueue(spec(2))
         assert [b.action for b in e.tick()] == [ActionId.parse("acme/p/d/r2/a2")]
         assert e.heartbeat("ww", [a.token]) == []
+
+
+def test_a_lease_refused_expired_but_never_swept_is_in_flight_after_a_restart():
+    """Documented (docs/storage.md, "Semantics a restart changes"): the refusal of a lease
+    past its window is not written; until a sweep ends it, a restart gives it the fresh
+    window of every lease in flight, and its token is valid again."""
+    eng, clock = open_engine(MemoryStore(4), workers={"ww": ("west", 50)})
+    eng.enqueue(spec(1))
+    [a] = eng.tick()
+    clock.advance(40)                           # past its window (ttl 32 s), not swept
+    assert [r.verdict for r in eng.heartbeat("ww", [a.token])] == [Verdict.EXPIRED]
+    assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.EXPIRED
+    eng, clock = restart(eng, clock, workers={"ww": ("west", 50)})
+    assert eng.heartbeat("ww", [a.token]) == []
+    assert eng.phase(a.action) == Phase.INITIALIZING
