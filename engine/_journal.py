@@ -17,6 +17,7 @@ from engine._records import (
     row_key,
 )
 from engine._reload import load
+from engine._state import W_DRAINING
 from storage import (
     OwnershipError,
     Records,
@@ -274,8 +275,11 @@ class JournalMixin:
         if quiesce is not None:
             quiesce()
         st = self._state
+        # A drain was asked for and is never written: kept. A suspicion (pause_on_expiry)
+        # is not: the expiry behind it may be one the failed group undid (its lease is in
+        # flight again), and a reload forgets it too.
         connected = [(name, self._clusters[st.w_cluster[row]], int(st.w_slots[row]),
-                      int(st.w_paused[row]))
+                      int(st.w_paused[row]) & W_DRAINING)
                      for name, row in self._workers.items() if st.w_connected[row]]
         self._clear_dirty()
         self._history_samples = set()   # the history is reloaded: what the store holds

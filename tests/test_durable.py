@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine import (
+    ActionId,
     ActionSpec,
     Engine,
     ManualClock,
@@ -617,3 +618,43 @@ def test_runtime_samples_reach_the_store_within_a_second_not_with_each_turn():
     clock.advance(0.6)
     eng.tick()                      # the first turn past the second flushes it
     assert stored_count() == 1
+
+
+def test_a_failed_tick_leaves_no_suspicion_of_the_expiry_it_undid():
+    """A tick's sweep expires a lease and (pause_on_expiry) suspects its worker; the commit
+    fails, so memory is the store's again: the lease is in flight (a fresh window, as after
+    any reload) and the worker is not suspect, exactly as a reload gives it (found by the
+    failed-commit rule of tests/test_properties.py)."""
+    cfg = {**CONFIG, "engine": {**CONFIG["engine"], "pause_on_expiry": True}}
+    eng, clock = open_engine(MemoryStore(4), cfg=cfg, workers={"ww": ("west", 50)})
+    eng.enqueue(spec(1))
+    [a] = eng.tick()
+    clock.advance(40)                           # past its window (ttl 32 s), not swept
+    eng.store.fail_next(StoreError("injected I/O error"))
+    with pytest.raises(StoreError, match="injected"):
+        eng.tick()
+    fresh, _ = open_engine(MemoryStore(4, backing=copy.deepcopy(eng.store.backing)), clock,
+                           cfg=cfg, workers={"ww": ("west", 50)})
+    np.testing.assert_array_equal(eng.inspect().arrays.w_paused,
+                                  fresh.inspect().arrays.w_paused)
+    # The worker takes new work (no heartbeat needed), as it does after a reload; its
+    # lease is still valid.
+    for e in (eng, fresh):
+        e.enqueue(spec(2))
+        assert [b.action for b in e.tick()] == [ActionId.parse("acme/p/d/r2/a2")]
+        assert e.heartbeat("ww", [a.token]) == []
+
+
+def test_a_lease_refused_expired_but_never_swept_is_in_flight_after_a_restart():
+    """Documented (docs/storage.md, "Semantics a restart changes"): the refusal of a lease
+    past its window is not written; until a sweep ends it, a restart gives it the fresh
+    window of every lease in flight, and its token is valid again."""
+    eng, clock = open_engine(MemoryStore(4), workers={"ww": ("west", 50)})
+    eng.enqueue(spec(1))
+    [a] = eng.tick()
+    clock.advance(40)                           # past its window (ttl 32 s), not swept
+    assert [r.verdict for r in eng.heartbeat("ww", [a.token])] == [Verdict.EXPIRED]
+    assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.EXPIRED
+    eng, clock = restart(eng, clock, workers={"ww": ("west", 50)})
+    assert eng.heartbeat("ww", [a.token]) == []
+    assert eng.phase(a.action) == Phase.INITIALIZING

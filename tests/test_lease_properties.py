@@ -197,6 +197,7 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         self.eng, self.clock = new_engine()
         self.session = {}      # worker -> session number (current connection)
+        self.adoptable = set()  # workers whose leases a reload restored, not back yet
         self.connected = {}
         for w in WORKERS:
             self._connect(w)
@@ -221,7 +222,13 @@ class LeaseMachine(RuleBasedStateMachine):
         cluster, slots = WORKERS[w]
         old = self.session.get(w)
         self.eng.register_worker(w, cluster, slots)
-        if old is not None:
+        if w in self.adoptable:
+            # Back after a reload: the new session adopts the leases the worker held.
+            self.adoptable.discard(w)
+            for x in self.current.values():
+                if x.live and (x.worker, x.session) == (w, old):
+                    x.session = old + 1
+        elif old is not None:
             # A new session proves the old one gone: its live leases expire at once.
             for x in self.current.values():
                 if x.live and (x.worker, x.session) == (w, old):
@@ -590,11 +597,58 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @rule(w=st.sampled_from(sorted(WORKERS)))
     def reconnect(self, w):
+        if w in self.adoptable:     # first registration after a reload: it adopts them
+            self._connect(w)
+            return
         # A new session: the worker may no longer present what the old one held.
         self.lost[w] += self.holding[w]
         self.zombies += self.holding[w]
         self.holding[w] = []
         self._connect(w)
+
+    @rule(crash=st.booleans(), back=st.lists(st.booleans(), min_size=len(WORKERS),
+                                             max_size=len(WORKERS)))
+    def restart(self, crash, back):
+        """A new engine on the same store, after a close or as after a crash: phases,
+        attempts and counts are unchanged; every lease in flight gets a fresh window and
+        its worker (those in ``back`` register again at once) adopts it on its return
+        (docs/storage.md, "Semantics a restart changes")."""
+        before = self._observed()
+        store = self.eng.store
+        if not crash:
+            self.eng.close()
+        self.eng = Engine(parse_config(CONFIG, source="<lease-test>"), clock=self.clock,
+                          store=MemoryStore(store.partitions, backing=store.backing),
+                          secret=bytes(range(16)))
+        now = self.now()
+        for x in self.current.values():
+            if x.live:
+                x.expiry_ns, x.overdue_since = now + TTL_NS, None
+        # A lease refused EXPIRED only because its window had passed, not swept yet, is in
+        # flight for the reload: it gets the fresh window too (not a final refusal).
+        for token, verdict in list(self.refused.items()):
+            if verdict == Verdict.EXPIRED and self.leases[token].live:
+                del self.refused[token]
+        self.adoptable = set(WORKERS)
+        for w, up in zip(sorted(WORKERS), back, strict=True):
+            self.connected[w] = False
+            if up:
+                self._connect(w)
+        assert self._observed() == before, "a reload changed what users see"
+
+    def _observed(self):
+        """Phases (waiting reads as queued: a wait reason is the last tick's), attempts,
+        queue counts and cluster use."""
+        eng = self.eng
+
+        def phase(aid):
+            p = eng.phase(aid)
+            return Phase.QUEUED if p == Phase.WAITING_FOR_RESOURCES else p
+        return ([(aid, phase(aid), eng.attempts(aid)) for aid in self.order],
+                {q: {k: m[k] for k in ("actions_in_flight", "runs_in_flight", "depth",
+                                       "in_flight_resources")}
+                 for q, m in eng.queue_metrics().items()},
+                {c: eng.cluster_in_flight(c) for c in CLUSTERS})
 
     @rule(ahead=st.sampled_from([0.0, 0.0, 1.0, 3.0]),
           between=st.lists(st.sampled_from(["tick", "report", "abort", 1.0, 3.0]),
@@ -807,7 +861,10 @@ class ZombieLeaseMachine(LeaseMachine):
     ZOMBIE_REPORTS = True
 
 
-SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
+# LEASEHOLD_PROP_EXAMPLES / _STEPS raise the example count / length for a long local hunt.
+SETTINGS = settings(max_examples=int(os.environ.get("LEASEHOLD_PROP_EXAMPLES", 100)),
+                    stateful_step_count=int(os.environ.get("LEASEHOLD_PROP_STEPS", 40)),
+                    deadline=None,
                     report_multiple_bugs=False,  # shrink one failure, not every distinct one
                     phases=[Phase_.explicit, Phase_.reuse, Phase_.generate, Phase_.shrink],
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -35,8 +35,10 @@ UNSCHEDULABLE exactly when it can never fit, the blocked STRICT head and action_
 late draining of the dispatch channel, and batch vs one-by-one enqueue validation.
 """
 
+import copy
+import os
 from collections import deque
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -68,7 +70,8 @@ from engine import (
     parse_config,
 )
 from engine._codes import RESOURCE_WAITS, TERMINAL_PHASES, LeaseKind, RowState, Verdict
-from storage import MemoryStore
+from engine._records import action_columns, finalize_columns
+from storage import MemoryStore, StoreError
 
 GI = 2**30
 RES = ("cpu", "memory", "gpu:H100")
@@ -79,6 +82,7 @@ N_RUNS = 4
 WORKERS_PER_CLUSTER = 6  # 3-4 clusters x 6 ids (and reconnects) > 16 rows: the table grows
 SECRET = bytes(range(16))
 LIVE = ("sent", "running")
+ACTION_COLUMNS = action_columns(0, 1)
 
 
 def vec(cpu_m=0, mem_gi=0, gpu=0):
@@ -249,6 +253,7 @@ class MAction:
         self.retry_seq = 0
         self.gen_attempt = {}  # generation -> the attempt it was assigned for
         self.link_seq = 0  # when it (re)joined the tail of its lane
+        self.enq_seq = 0  # when it was first enqueued (its lane position after a reload)
         self.gen = 0
         self.end = None  # how the current generation ended: completed | expired | aborted
         self.expiry = 0
@@ -308,6 +313,26 @@ def _assert_unchanged(before, after, what):
     assert a0.keys() == a1.keys()
     for k in a0:
         assert np.array_equal(a0[k], a1[k]), f"{what} changed state array {k}"
+
+
+def _assert_same_memory(want, got):
+    """``got`` holds what ``want`` (a fresh reload of the same store) holds: every array,
+    the dispatch channel, the timers, the free rows, abort records and the Python edges."""
+    iw, ig = want.inspect(), got.inspect()
+    aw, ag = iw.arrays.copy(), ig.arrays.copy()
+    assert aw.keys() == ag.keys()
+    diff = [k for k in aw if not np.array_equal(aw[k], ag[k])]
+    assert not diff, f"memory after a failed commit differs from a reload in {diff}"
+    for what in ("action_rows", "finalize_rows", "worker_sessions", "env_rows",
+                 "dispatch_head", "dispatch_tail"):
+        assert getattr(iw, what) == getattr(ig, what), what
+    assert iw.free_rows.tolist() == ig.free_rows.tolist()
+    assert iw.dispatch() == ig.dispatch()
+    assert iw.timers() == ig.timers()
+    assert {k: v.tolist() for k, v in iw.abort_rows().items()} == {
+        k: v.tolist() for k, v in ig.abort_rows().items()}
+    assert iw.worker_sessions_by_id() == ig.worker_sessions_by_id()
+    assert iw.runs() == ig.runs() and iw.qruns() == ig.qruns()
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -373,6 +398,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.finals = []  # finalize row -> MFinalize (its current lease, or a freed one)
         self.pools = {}  # (queue, env name) -> MPool
         self.workers = {}  # worker id -> current session row
+        self.idents = []  # worker ids by durable identity (first registration order)
+        self.adoptable = set()  # identity rows restored by a reload, worker not back yet
         self.rows = []  # worker session row -> [id, cluster, slots, connected]
         self.undrained = deque()  # dispatched, not drained: (kind, key, gen, cluster, row)
         self.adm = {c: vec() for c in self.cluster_names}  # cumulative charges per cluster
@@ -390,10 +417,24 @@ class EngineMachine(RuleBasedStateMachine):
 
     # --------------------------------------------------------------- helpers
 
-    def _register(self, wid, cluster, slots):
-        self.eng.register_worker(wid, cluster, slots)
+    def _register(self, wid, cluster, slots, call=True):
+        if call:    # (else the engine registered it: the restore after a failed commit)
+            self.eng.register_worker(wid, cluster, slots)
         old = self.workers.get(wid)
-        if old is not None:
+        new = len(self.rows)
+        if wid not in self.idents:
+            self.idents.append(wid)
+        if old is not None and old in self.adoptable:
+            # Back after a reload: the new session adopts what its identity held.
+            event("restored leases adopted")
+            self.adoptable.discard(old)
+            for a in self._live(False):
+                if a.worker == old:
+                    a.worker = new
+            for f in self.finals:
+                f.worker = new if f.worker == old else f.worker
+                f.pref = new if f.pref == old else f.pref
+        elif old is not None:
             # A reconnect is a new session: the old one is gone, its leases expire now.
             self.rows[old][3] = False
             now = self.clock.now_ns()
@@ -449,7 +490,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.actions[aid] = a
         self.by_row[row] = a
         self.seq += 1
-        a.link_seq = self.seq
+        a.link_seq = a.enq_seq = self.seq
         if spec.parent is not None:
             self.actions[ActionId.parse(spec.parent)].children.append(aid)
         if env is not None and (queue, env) not in self.pools:
@@ -1186,6 +1227,231 @@ class EngineMachine(RuleBasedStateMachine):
         ended = self.eng.abort(root.aid)
         assert set(ended) == expect and len(ended) == len(expect), (ended, expect)
 
+    # --------------------------------------------------------------- restarts (8)
+
+    @precondition(lambda self: self.eng is not None)
+    @rule(crash=st.booleans(), back=st.just(-1) | st.integers(0, 255))
+    def restart(self, crash, back):
+        """A new Engine on the same store, after a close or as after a crash (no close):
+        everything observable is as the engine that committed it left it, up to what
+        docs/storage.md ("Semantics a restart changes") lists; the connected workers in
+        ``back`` (a bitmask over them in identity order, -1: all) register again and adopt
+        their leases, the others stay detached."""
+        self.healthy = False
+        before = self._observed()
+        store = self.eng.store
+        if not crash:
+            self.eng.close()
+        event("restart (crash)" if crash else "restart (close)")
+        self.eng = Engine(parse_config(self.cfg_dict), clock=self.clock, secret=SECRET,
+                          store=MemoryStore(store.partitions, backing=store.backing))
+        self.ins = self.eng.inspect()
+        returning = [w for k, w in enumerate(self._connected_by_ident()) if back >> k & 1]
+        self._model_reload(returning)
+        self._assert_observed(before, self._observed(), crash)
+        self._check_tokens()
+
+    @precondition(lambda self: self.eng is not None)
+    @rule(op=st.sampled_from(["tick", "tick", "enqueue", "abort", "complete", "update_queue"]),
+          i=st.integers(0, 10**6), res=res_spec())
+    def failed_commit(self, op, i, res):
+        """A transition whose group commit fails raises the store's error and leaves memory
+        exactly as a reload of the store (plus the connected workers registered again, in
+        identity order) gives it: nothing of the transition, nothing acknowledged lost."""
+        self.healthy = False
+        eng, store = self.eng, self.eng.store
+        now = self.clock.now_ns()
+        live = [a for a in self._live() if a.expiry >= now]
+        open_ = sorted(a for a, m in self.actions.items() if m.status != "done")
+        if op == "abort" and not open_ or op == "complete" and not live:
+            op = "update_queue"
+        if op == "enqueue":
+            spec = self._new_spec(i % N_RUNS, None, "single", res=res)[0]
+            q = self.default_queue
+            if self._queued(q) + 1 > self.queues[q].depth:
+                op = "update_queue"   # refused before any commit
+        before = self._observed()
+        connected = self._connected_by_ident()
+        store.fail_next(StoreError("injected I/O error"))
+        try:
+            if op == "tick":
+                got = eng.tick()
+            elif op == "enqueue":
+                eng.enqueue(spec)
+            elif op == "abort":
+                eng.abort(self._pick(open_, i))
+            elif op == "complete":
+                a = self._pick(live, i)
+                eng.complete(a.aid, a.gen, Phase.SUCCEEDED)
+            else:
+                qname = self._pick(self.queue_names, i)
+                eng.update_queue(qname, depth=self.queues[qname].depth)
+        except StoreError as exc:
+            assert "injected" in str(exc)
+        else:
+            # Only a tick may write nothing (nothing fired, placed, swept or drained).
+            assert op == "tick", f"{op} committed nothing"
+            store.clear_failure()
+            event("failed commit: the tick wrote nothing")
+            assert got == []
+            statuses = {k: (a.status, a.end) for k, a in self.actions.items()}
+            self._model_timers_and_sweep(now)
+            assert statuses == {k: (a.status, a.end) for k, a in self.actions.items()}
+            for pool in self.pools.values():
+                if (pool.cluster is not None and pool.inflight == 0
+                        and now - pool.last_active >= pool.ttl_ns):
+                    pool.cluster = None
+            return
+        event(f"failed commit ({op})")
+        self._model_reload(connected, call=False)
+        # Memory is what a reload of the store gives (a copy: this engine keeps the store).
+        copy_store = MemoryStore(store.partitions, backing=copy.deepcopy(store.backing))
+        fresh = Engine(parse_config(self.cfg_dict), clock=self.clock, secret=SECRET,
+                       store=copy_store)
+        for wid in connected:
+            row = self.workers[wid]
+            fresh.register_worker(wid, self.rows[row][1], self.rows[row][2])
+        _assert_same_memory(fresh, self.eng)
+        fresh.close()
+        self._assert_observed(before, self._observed(), crash=False, failed=True)
+        self._check_tokens()
+
+    def _connected_by_ident(self):
+        return [w for w in self.idents if self.rows[self.workers[w]][3]]
+
+    def _model_reload(self, returning, call=True):
+        """The model after a reload at the clock's time (docs/storage.md, "Reload" and
+        "Semantics a restart changes"), then ``returning`` workers registered again (by
+        the model too when ``call``)."""
+        now = self.clock.now_ns()
+        slots = {w: self.rows[self.workers[w]][2] for w in returning}
+        ident = {w: k for k, w in enumerate(self.idents)}
+        # One detached session per durable identity (session row = identity).
+        remap = {r: ident[w] for r, (w, *_rest) in enumerate(self.rows)}
+        self.rows = [[w, self.rows[self.workers[w]][1], 0, False] for w in self.idents]
+        self.workers = dict(ident)
+        self.adoptable = set(range(len(self.idents)))
+        # Every lease in flight gets a fresh window (heartbeat extension is not durable).
+        for a in self._live(False):
+            a.worker = remap[a.worker]
+            a.expiry = now + self.ttl_ns
+        for f in self.finals:
+            f.worker = remap.get(f.worker, f.worker)
+            f.pref = remap.get(f.pref, f.pref)
+            if f.status == "sent":
+                f.expiry = now + self.ttl_ns
+        # Warm pools with no live lease are not restored; live ones are active now.
+        for pool in self.pools.values():
+            if pool.inflight == 0:
+                pool.cluster = None
+            elif pool.cluster is not None:
+                pool.last_active = now
+        # Counters are a recount (admitted = in flight); reported free capacity is
+        # forgotten; the first tick sweeps.
+        self.adm = self._cluster_charges()
+        self.obs = {}
+        self.next_sweep_ns = 0
+        # Queued actions go back to their lanes in first-enqueue order.
+        for a in sorted((a for a in self.actions.values() if a.status == "queued"),
+                        key=lambda a: a.enq_seq):
+            self.seq += 1
+            a.link_seq = self.seq
+        # Decided, never handed out: dispatched again (same lease and holder), run leases
+        # by row, then finalize leases by row; entries of ended leases are gone.
+        self.undrained = deque(
+            [(LeaseKind.RUN, a.aid, a.gen, a.cluster, a.worker)
+             for a in sorted(self._live(False), key=lambda a: a.row) if not a.drained]
+            + [(LeaseKind.FINALIZE, f.f, f.gen, f.cluster, f.worker)
+               for f in self.finals if f.status == "sent" and not f.drained])
+        if self.undrained:
+            event("decisions dispatched again after a reload")
+        for w in returning:
+            self._register(w, self.rows[self.workers[w]][1], slots[w], call)
+
+    def _cluster_charges(self):
+        out = {c: vec() for c in self.cluster_names}
+        for a in self._live(False):
+            if a.mode == "regular":
+                out[a.cluster] = out[a.cluster] + a.demand
+        for pool in self.pools.values():
+            if pool.cluster is not None:
+                out[pool.cluster] = out[pool.cluster] + pool.footprint
+        return out
+
+    def _observed(self):
+        """What users and workers see: every action's phase (a wait reason is the last
+        tick's, memory only: waiting reads as queued) and attempts, the queues' counts and
+        settings, runtime histories, worker identities, runs."""
+        eng, ins = self.eng, self.ins
+
+        def phase(aid):
+            p = eng.phase(aid)
+            return Phase.QUEUED if p == Phase.WAITING_FOR_RESOURCES else p
+        acts = {aid: (phase(aid), [asdict(t) for t in eng.attempts(aid)])
+                for aid in self.actions}
+        metrics = {q: (m["actions_in_flight"], m["runs_in_flight"], m["depth"])
+                   for q, m in eng.queue_metrics().items()}
+        queues = {q: {k: v.tolist() if isinstance(v, np.ndarray) else v
+                      for k, v in asdict(ins.queue(q)).items()} for q in self.queue_names}
+        history = {t: eng.history.encode(t) for t in ins.tasks() if eng.history.count(t)}
+        # The durable columns of every row as memory holds them: a change a turn made in
+        # memory but did not write shows here (holders, expiries and lanes are rebuilt).
+        arrays, n, n_f = ins.arrays, ins.action_rows, ins.finalize_rows
+        cols = {c: getattr(arrays, "a_" + c)[:n].tolist() for c in ACTION_COLUMNS}
+        cols.update({"fz_" + c: getattr(arrays, "fz_" + c)[:n_f].tolist()
+                     for c in finalize_columns()})
+        return (acts, metrics, queues, history, set(ins.worker_sessions_by_id()),
+                ins.runs(), cols, ins.free_rows.tolist())
+
+    def _assert_observed(self, before, after, crash, failed=False):
+        acts0, metrics0, queues0, hist0, idents0, runs0, cols0, free0 = before
+        acts1, metrics1, queues1, hist1, idents1, runs1, cols1, free1 = after
+        for c, v0 in cols0.items():
+            bad = [r for r, (x, y) in enumerate(zip(v0, cols1[c], strict=True)) if x != y]
+            assert not bad, (f"column {c} of rows {bad} differs after a reload: "
+                             f"{[v0[r] for r in bad]} -> {[cols1[c][r] for r in bad]}")
+        assert free1 == free0
+        for aid, (p0, att0) in acts0.items():
+            p1, att1 = acts1[aid]
+            assert p1 == p0, f"{aid}: phase {p0} became {p1} after a reload"
+            assert att1 == att0, f"{aid}: attempts changed by a reload:\n{att0}\n{att1}"
+        assert metrics1 == metrics0, (metrics0, metrics1)
+        assert queues1 == queues0
+        assert idents1 == idents0, (idents0, idents1)
+        assert runs1.keys() == runs0.keys(), (runs0, runs1)
+        if crash or failed:
+            # Runtime samples reach the store within a second of the engine's clock: a crash
+            # (or a failed commit's reload) may lose the last second of them
+            # (docs/architecture.md, "Runtime history"); a key is never lost.
+            assert hist1.keys() <= hist0.keys()
+        else:
+            assert hist1 == hist0
+
+    def _check_tokens(self):
+        """Every token ever handed out gets the verdict the model gives (presented by its
+        lease's holder when it is live): one refused stays refused, a live one is valid."""
+        now = self.clock.now_ns()
+        toks, want, who = [], [], []
+        for a in self.actions.values():
+            for gen, tok in a.tokens:
+                live = a.status in LIVE and gen == a.gen
+                session = a.worker if live else 0
+                toks.append(tok)
+                who.append(session)
+                want.append(self._verdict(LeaseKind.RUN, a.aid, gen, session, now))
+        for f in self.finals:
+            if f.token is not None and f.status != "free":
+                session = f.worker if f.status == "sent" else 0
+                toks.append(f.token)
+                who.append(session)
+                want.append(self._verdict(LeaseKind.FINALIZE, f.f, f.gen, session, now))
+        for tok, session, w in zip(toks, who, want, strict=True):
+            arr = np.frombuffer(tok, dtype="<u8").reshape(1, 3).astype(np.uint64)
+            got = np.zeros(1, dtype=np.uint8)
+            self.ins.check_tokens(arr, session, got)
+            got = Verdict(int(got[0]))
+            assert got == w, f"token {tok.hex()}: {got.name}, model {w.name}"
+
     # --------------------------------------------------------------- drain everything (6)
 
     @precondition(lambda self: self.eng is not None)
@@ -1424,8 +1690,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.healthy = True
 
 
+# LEASEHOLD_PROP_EXAMPLES / _STEPS raise the example count / length for a long local hunt.
 EngineMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("LEASEHOLD_PROP_EXAMPLES", 200)),
+    stateful_step_count=int(os.environ.get("LEASEHOLD_PROP_STEPS", 40)), deadline=None,
     # No explain phase: on a failure it re-runs the (slow) machine for minutes.
     phases=[HPhase.explicit, HPhase.reuse, HPhase.generate, HPhase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
