@@ -187,7 +187,8 @@ class AdmissionMixin:
         if new.any() and self._run_may_have_retained(aid):
             # Names of the run may be retained outcomes (ended, reclaimed).
             fresh = np.flatnonzero(new).tolist()
-            for i, ret in zip(fresh, self._retained_many(aid.tenant, [texts[i] for i in fresh]),
+            for i, ret in zip(fresh, self._retained_names(
+                    aid, [names[i] for i in fresh], [texts[i] for i in fresh]),
                               strict=True):
                 if ret is None:
                     continue

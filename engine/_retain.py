@@ -25,6 +25,7 @@ A run whose last action is reclaimed leaves memory and the store in the same tur
 A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import msgpack
@@ -224,51 +225,63 @@ class RetentionMixin:
         the deletes of their attempts and abort records; made column by column, a Python
         record read only for rows whose columns are not their whole outcome."""
         st = self._state
-        info = {}       # group id -> (the group, its content, its ids' prefix, run digest)
-        groups = []
-        for r, gid in zip(rows.tolist(), st.a_group[rows].tolist(), strict=True):
-            entry = info.get(gid)
-            if entry is None:
-                g = self._group_of(r)
-                run_key = g.compiled.id.run_key
-                entry = info[gid] = (g, spec_content(g.compiled.spec), run_key + "/",
-                                     digest8(run_key))
-            groups.append(entry)
+        n = rows.size
+        # Each group's spec content, id prefix and run digest once (a fan-out's rows share
+        # one group), then per row by its index among the groups.
+        _gids, first, inv = np.unique(st.a_group[rows], return_index=True,
+                                      return_inverse=True)
+        info = []
+        for r in rows[first].tolist():
+            g = self._group_of(r)
+            run_key = g.compiled.id.run_key
+            info.append((g, spec_content(g.compiled.spec), run_key + "/", digest8(run_key)))
+        inv = inv.reshape(-1)
+        which = inv.tolist()
         gidx = st.a_gidx[rows].tolist()
-        names = [entry[0].names[k] for entry, k in zip(groups, gidx, strict=True)]
-        keys, key_array = _keys_of(np.frombuffer(b"".join(e[3] for e in groups), np.uint8)
-                                   .reshape(-1, 8), names, with_array=True)
+        names = [info[j][0].names[k] for j, k in zip(which, gidx, strict=True)]
+        digests = np.frombuffer(b"".join(e[3] for e in info), np.uint8).reshape(-1, 8)
+        keys, key_array = _keys_of(digests[inv], names, with_array=True)
         lean = st.a_lean[rows] == 1
         quick = (st.a_edges[rows] == 0) & lean
-        values = iter(self._lean_retained(rows[quick], [e for e, q in zip(
-            groups, quick.tolist(), strict=True) if q], [k for k, q in zip(
-                gidx, quick.tolist(), strict=True) if q], [n for n, q in zip(
-                    names, quick.tolist(), strict=True) if q]))
-        queues = self._queue_names
-        pack = msgpack.Packer(use_bin_type=True).pack
-        ops, turn = self._ops, self._retained_turn
-        for r, part, entry, k, name, key, q, is_lean, qi in zip(
-                rows.tolist(), st.a_part[rows].tolist(), groups, gidx, names, keys,
-                quick.tolist(), lean.tolist(), st.a_queue[rows].tolist(), strict=True):
-            if q:
-                value = next(values)
-            else:
+        if quick.all():             # the common case: every value packed in one pass
+            values = self._lean_retained(rows, [info[j] for j in which], gidx, names)
+        else:
+            values = [None] * n
+            q = np.flatnonzero(quick).tolist()
+            for i, value in zip(q, self._lean_retained(
+                    rows[quick], [info[which[i]] for i in q], [gidx[i] for i in q],
+                    [names[i] for i in q]), strict=True):
+                values[i] = value
+            queues = self._queue_names
+            pack = msgpack.Packer(use_bin_type=True).pack
+            qis = st.a_queue[rows].tolist()
+            for i in np.flatnonzero(~quick).tolist():
+                r, entry = int(rows[i]), info[which[i]]
                 rec = self._rec(r)
                 ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
-                value = pack([entry[2] + name, entry[1], entry[0].input_ref(k), ended,
-                              queues[qi], encode_outcome(rec)])
-            if not is_lean:
-                ops.setdefault(part, []).append(("attempts", row_key(r), None))
-            ops.setdefault(part, []).append(("retained", key, value))
-            turn[(part, key)] = value
-        # The expiry entries (retention end, then the key; no value): a block a partition.
+                values[i] = pack([entry[2] + names[i], entry[1], entry[0].input_ref(gidx[i]),
+                                  ended, queues[qis[i]], encode_outcome(rec)])
+        # The ops a partition (distinct keys: their order does not matter), and the values
+        # a lookup must find before the store has them.
+        ops, turn = self._ops, self._retained_turn
         parts = st.a_part[rows]
-        entries = np.empty((rows.size, 24), np.uint8)
-        entries[:, :8] = np.frombuffer(expire, np.uint8)
-        entries[:, 8:] = key_array
         for part in np.unique(parts).tolist():
-            block = entries[parts == part]
-            ops.setdefault(part, []).append(Records("expiry", block.reshape(-1), b"", 24, 0))
+            sel = np.flatnonzero(parts == part)
+            if sel.size == n:
+                pkeys, pvalues = keys, values
+            else:
+                pick = sel.tolist()
+                pkeys, pvalues = [keys[i] for i in pick], [values[i] for i in pick]
+            out = ops.setdefault(part, [])
+            heavy = rows[sel[~lean[sel]]]
+            out.extend(("attempts", row_key(r), None) for r in heavy.tolist())
+            out.extend(zip(itertools.repeat("retained"), pkeys, pvalues))
+            turn.update(zip(zip(itertools.repeat(part), pkeys), pvalues, strict=True))
+            # The expiry entries (retention end, then the key; no value): one block.
+            entries = np.empty((sel.size, 24), np.uint8)
+            entries[:, :8] = np.frombuffer(expire, np.uint8)
+            entries[:, 8:] = key_array[sel]
+            out.append(Records("expiry", entries.reshape(-1), b"", 24, 0))
 
     def _retire_runs(self, runs, parts):
         """Runs among ``runs`` (run rows of just reclaimed actions, their records in
@@ -324,7 +337,8 @@ class RetentionMixin:
             finalizes[i] = self._finalize_status(int(fz[i]))
         return pack_lean_retained(
             [e[2] for e in groups], names, [e[1] for e in groups],
-            [e[0].input_ref(k) for e, k in zip(groups, gidx, strict=True)],
+            [e[0].input_ref(k) for e, k in zip(groups, gidx, strict=True)] if any(
+                e[0].inputs is not None for e in groups) else [None] * n,
             st.a_queue[rows], tuple(self._queue_names), phase, _PHASE_VALUES,
             st.a_enqueued[rows], st.a_gen[rows], st.a_start[rows], st.a_running[rows],
             st.a_done[rows], st.a_cluster[rows], tuple(self._clusters), st.a_worker[rows],
@@ -421,18 +435,34 @@ class RetentionMixin:
         # Retained keys are 16 bytes: every one under ``run`` sorts below ``run + ff * 9``.
         return bool(self._store.scan_range(part, "retained", run, run + b"\xff" * 9, 1))
 
-    def _retained_many(self, tenant, texts):
-        """Retained outcomes of the ids ``texts`` (one tenant), None where there is none."""
+    def _retained_many(self, tenant, texts, keys=None):
+        """Retained outcomes of the ids ``texts`` (one tenant), None where there is none
+        (``keys``: their retained keys when the caller has them)."""
         part = self._part_of(tenant)
-        keys = _retained_keys(texts)
+        if keys is None:
+            keys = _retained_keys(texts)
         raws = self._store.get_many(part, "retained", keys)
-        if self._retained_turn or self._pending:
+        # What turns not yet in the store write (a pipelined loop nearly always has one in
+        # commit): each map is probed once a key only if it holds this partition's entries.
+        unwritten = [m for m in (self._retained_turn, *(g.retained for g in reversed(
+            self._pending))) if m]
+        if unwritten:
             for i, key in enumerate(keys):
-                found, raw = self._unwritten_retained(part, key)
-                if found:
-                    raws[i] = raw
+                k = (part, key)
+                for m in unwritten:
+                    if k in m:
+                        raws[i] = m[k]
+                        break
         return [None if raw is None else self._decode_retained(t, part, raw)
                 for t, raw in zip(texts, raws, strict=True)]
+
+    def _retained_names(self, aid, names, texts):
+        """:meth:`_retained_many` of ids ``texts``, each ``aid.run_key/name`` of ``names``
+        (one run: a fan-out's), its keys made from the run's digest and the names in one C
+        pass."""
+        run = np.frombuffer(digest8(aid.run_key), np.uint8)
+        keys = _keys_of(np.broadcast_to(run, (len(names), 8)), names)
+        return self._retained_many(aid.tenant, texts, keys)
 
     def _unwritten_retained(self, part, key):
         """``(found, raw)``: a retained outcome this turn, or a group decided and not yet

@@ -1002,10 +1002,15 @@ class LmdbStore(Store):
         env, h = self._handle(partition, db)
         try:
             with env.begin(db=h) as txn:
-                get = txn.get
-                return [get(k) for k in keys]
+                # One C loop over the keys (py-lmdb's getmulti gives the pairs found): most
+                # lookups miss (an enqueue checking for retained outcomes of its ids).
+                found = txn.cursor().getmulti(keys)
         except lmdb.BadValsizeError as e:
             raise ValueError(f"bad key in get_many: {e}") from None
+        if not found:
+            return [None] * len(keys)
+        found = dict(found)
+        return [found.get(k) for k in keys]
 
     def scan_range(self, partition: int, db: str, start: bytes = b"",
                    stop: bytes | None = None, limit: int | None = None) -> list:
