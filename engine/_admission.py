@@ -74,8 +74,11 @@ class AdmissionMixin:
         queue would pass its depth) nothing is stored. Re-enqueueing an existing id with the
         same spec is a no-op (clients may retry); with another spec it is ``AlreadyExists``.
         Specs of identical content (all but the action name) are compiled and stored once.
+        Returns the ids in order (an :class:`~engine.ActionIds` sequence of ``ActionId``,
+        whose ``added`` says which of them this call enqueued).
         """
         plan, ids, seen, per_queue, batch_run_caps = [], [], set(), {}, {}
+        added = np.ones(len(specs), dtype=bool)
         for i, spec in enumerate(specs):
             try:
                 spec, c, key = self._compiled(spec)
@@ -86,6 +89,7 @@ class AdmissionMixin:
                 if not self._same_spec(existing, spec):
                     raise AlreadyExists(f"action {c.id} exists with a different spec")
                 ids.append(c.id)
+                added[i] = False
                 continue
             ret = self._retained(c.id)
             if ret is not None:
@@ -94,6 +98,7 @@ class AdmissionMixin:
                     raise AlreadyExists(f"action {c.id} exists with a different spec "
                                         f"(ended {ret.record.phase.value})")
                 ids.append(c.id)
+                added[i] = False
                 continue
             if c.id in seen:
                 raise SpecError(f"batch item {i}: action {c.id} appears twice in the batch")
@@ -105,6 +110,7 @@ class AdmissionMixin:
             plan.append((key, c))
             ids.append(c.id)
         self._check_depth(per_queue)
+        ids = ActionIds(ids.__getitem__, len(ids), added)
         if not plan:
             return ids
         with self._turn():

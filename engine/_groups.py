@@ -62,8 +62,9 @@ class ActionIds(Sequence):
     any sequence of the same ids). A fan-out returns the ids of its names; an abort the ids
     of the rows it ended.
 
-    ``added``: for a fan-out, a bool array, True where this call enqueued the action and
-    False where it existed already (the same spec: a no-op); None otherwise."""
+    ``added``: for an enqueue (``enqueue_many``, ``enqueue_fanout``), a bool array, True
+    where this call enqueued the action and False where it existed already (the same spec:
+    a no-op); None otherwise."""
 
     __slots__ = ("_get", "_n", "added")
 

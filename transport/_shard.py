@@ -826,15 +826,18 @@ class _Loop:
         self.wire_specs[spec["id"]] = spec
 
     def on_enqueue(self, conn, c, peer, msg):
-        known = self.known_watched([s.get("id") if isinstance(s, dict) else None
-                                    for s in msg.specs]) if len(self.watch) else ()
         ids = self.eng.enqueue_many(msg.specs)
         out = [str(a) for a in ids]
         for spec in msg.specs[:_SPEC_CACHE]:
             self._keep_spec(spec)
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
-        self.record_queued(out, known)
+        if len(self.watch):
+            # The ids it enqueued (one that existed is a no-op: no event), as the engine's
+            # own checks found them (Engine.known asked first read the store twice an id).
+            self.record_queued(out if ids.added.all() else
+                               [a for a, new in zip(out, ids.added.tolist(), strict=True)
+                                if new])
 
     def on_enqueue_flyte(self, conn, c, peer, msg):
         try:
@@ -886,7 +889,8 @@ class _Loop:
 
     def record_queued(self, ids, known=()):
         """QUEUED watch records of the enqueued ids (action id texts) of watched runs, but
-        for those in ``known`` (:meth:`known_watched`: they existed before)."""
+        for those in ``known`` (:meth:`known_watched`: they existed before; ENQUEUE and
+        ENQUEUE_FANOUT pass only the ids their enqueue added instead)."""
         if not len(self.watch):
             return
         by_run = {}
