@@ -630,7 +630,7 @@ class _Loop:
             self.retick = self.idle_reticks <= -(-depth // self.per_tick)
 
     def flush(self, box):
-        """Send what one committed turn decided, in order: answers, stops, leases, events.
+        """Send what one committed turn decided, in order: stops, leases, answers, events.
         A bug on the way (an unexpected exception) is logged with its traceback and the
         rest of the turn salvaged (:meth:`salvage`); the loop serves on."""
         try:
@@ -675,14 +675,6 @@ class _Loop:
     def _flush(self, box):
         started = time.perf_counter_ns()
         dropped = set()     # (watcher, run) that could not take an EVENTS message of this turn
-        for i, (conn, msg, _) in enumerate(box.out):
-            box.sent = i                # (what salvage answers if this send raises)
-            if type(msg) is p.Events:
-                # A WATCH's replay, sent as a push is.
-                self.send_events(conn, msg, p.encode(msg), dropped)
-                continue
-            self.send(conn, msg)
-        box.sent = len(box.out)
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
         # before the pushes leave: a report can only follow its push.
@@ -692,6 +684,9 @@ class _Loop:
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
                               else "stops_unsent", n)
+        # Leases before answers: a worker's lease is the next step of an action's path, an
+        # answer the end of a request's (each send may wake a peer, on two cores in place
+        # of this loop; the enqueue's answer first held its own lease back by that much).
         for i, (conn, frames, n) in enumerate(box.pushes):
             # A push that cannot go (peer gone, queue full) is not retried under this
             # generation: the lease misses its heartbeats and is assigned again.
@@ -699,6 +694,14 @@ class _Loop:
             self.shard._count("leases_pushed" if send(self.sock, frames, conn)
                               else "leases_unsent", n)
         box.pushed = len(box.pushes)
+        for i, (conn, msg, _) in enumerate(box.out):
+            box.sent = i                # (what salvage answers if this send raises)
+            if type(msg) is p.Events:
+                # A WATCH's replay, sent as a push is.
+                self.send_events(conn, msg, p.encode(msg), dropped)
+                continue
+            self.send(conn, msg)
+        box.sent = len(box.out)
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone); after the leases, which wait for nothing here.
         by_run = {}     # run -> (watchers, its events in seq order)
