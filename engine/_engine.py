@@ -25,7 +25,7 @@ from engine._explain import ExplainMixin, Explanation
 from engine._history import ShapePriors, shape_key
 from engine._index import IndexMixin
 from engine._inspect import Inspection
-from engine._journal import Group, JournalMixin
+from engine._journal import Group, JournalMixin, _Turn
 from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
 from engine._model import compile_spec
@@ -104,6 +104,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._stopped = None        # why the shard stopped (lost ownership), or None
         self._tenant_parts = {}     # tenant -> partition (a cache of partition_of)
         self._depth = 0             # nesting of transitions in the current loop turn
+        self._turn_cm = _Turn(self)   # the context manager of _turn (one, re-entrant)
         self._deferring = False     # the current turn is deferred (decide / deferred_turn)
         self._hand_out_own = False  # ... and may hand out what is not committed yet
         self._pending = collections.deque()   # deferred groups not committed yet, in order
