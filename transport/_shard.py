@@ -319,7 +319,8 @@ class _Loop:
         # compiled spec; bounded, oldest dropped (then the map is rebuilt).
         self.wire_specs = {}
         # Run leases of watched runs: lease id (token word 0: the action's row) ->
-        # (generation, run, action), so a report names its action without asking the engine.
+        # (generation, run, action, attempt), so a report names its action and attempt
+        # without asking the engine or the log.
         # Not capped: one entry a row at most (a new lease of the row replaces it), so the
         # map is bounded by the action table, which is bounded by live work. (A cap that
         # dropped the oldest entries lost the completions of a fan-out with more leases out
@@ -678,8 +679,8 @@ class _Loop:
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
         # before the pushes leave: a report can only follow its push.
-        for word, gen, run, aid in box.leases:
-            self.leases[word] = (gen, run, aid)
+        for word, gen, run, aid, attempt in box.leases:
+            self.leases[word] = (gen, run, aid, attempt)
         # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
@@ -1070,11 +1071,11 @@ class _Loop:
             self._watched_reports(msg.tokens, names, phases, refused, msg.details)
 
     def _lease_names(self, tokens):
-        """``(run, action)`` of each token's lease where its run is watched (None elsewhere),
-        read before the reports are applied (the engine names only live leases): from the
-        lease map, else, for a lease it does not hold (pushed before its run was first
-        watched: ``Client.wait`` subscribes after its enqueue), from the engine
-        (``Engine.lease_actions``)."""
+        """``(run, action, attempt)`` of each token's lease where its run is watched (None
+        elsewhere), read before the reports are applied (the engine names only live
+        leases): from the lease map, else, for a lease it does not hold (pushed before its
+        run was first watched: ``Client.wait`` subscribes after its enqueue), from the
+        engine (``Engine.lease_actions``), its attempt then None (not known here)."""
         words = tokens[:, 0].tolist()
         gens = tokens[:, 1].tolist()
         names = [None] * len(words)
@@ -1084,7 +1085,7 @@ class _Loop:
             # The entry is this lease's only if the generations agree (a stale token of
             # the row, or an entry left by a lease that expired unreported, is not).
             if hit is not None and hit[0] == gens[i]:
-                names[i] = (hit[1], hit[2])
+                names[i] = hit[1:]
             else:
                 miss.append(i)
         watched = self.watch.watched() if miss else ()
@@ -1092,7 +1093,7 @@ class _Loop:
             for i, aid in zip(miss, self.eng.lease_actions(tokens[miss], watched),
                               strict=True):
                 if aid is not None:
-                    names[i] = (aid.rsplit("/", 1)[0], aid)
+                    names[i] = (aid.rsplit("/", 1)[0], aid, None)
         return names
 
     def _watched_reports(self, tokens, names, phases, refused, details=None):
@@ -1103,23 +1104,28 @@ class _Loop:
         skip = _refused_copies(tokens, names, refused) if refused else ()
         by_run = {}
         failed = []
+        words = None
         for i, name in enumerate(names):
             if name is None or i in skip:
                 continue
-            run, aid = name
+            run, aid, attempt = name
             ph = phases[i]
             if ph in _AS_REPORTED:
                 # An accepted report of these is the phase the action is now in: no need
-                # to ask the engine (which would give a lean row its record).
+                # to ask the engine (which would give a lean row its record). Its attempt
+                # is its lease's (kept with the lease when it was pushed).
                 changes = by_run.get(run)
                 if changes is None:
                     changes = by_run[run] = _Changes(run, self.eng.clock.now_ns())
-                changes.add(aid, ph, self.attempt_of(run, aid))
+                changes.add(aid, ph, attempt if attempt is not None else
+                            self.attempt_of(run, aid))
             else:
                 failed.append((run, aid))
                 self.check.add((run, aid))  # and after the turn (an abort's cleanup)
             if ph in TERMINAL_PHASES:
-                self.leases.pop(int(tokens[i, 0]), None)
+                if words is None:
+                    words = tokens[:, 0].tolist()
+                self.leases.pop(words[i], None)
         self.records.extend(by_run.values())
         if failed:
             # Read now: a retry due at once is leased again by this turn's tick, and read
@@ -1168,8 +1174,10 @@ class _Loop:
             # Run leases only (a finalize lease is no state change of the action); ids as
             # text from their groups (no ActionId per lease).
             runs = np.flatnonzero(batch.kind == 0)
-            watched = {}            # group id -> (run key, names), None for an unwatched run
+            watched = {}            # group id -> (run key, names, its changes), None: unwatched
             by_run = {}
+            initializing = Phase.INITIALIZING   # (an enum member read is a metaclass lookup)
+            new_leases, attempts = self.new_leases, self.attempts
             for i, gid, k, word, gen, attempt in zip(
                     runs.tolist(), batch.group[runs].tolist(), batch.index[runs].tolist(),
                     batch.tokens[runs, 0].tolist(), batch.tokens[runs, 1].tolist(),
@@ -1178,17 +1186,21 @@ class _Loop:
                 if hit is False:
                     g = batch.group_of(i)
                     run = g.compiled.id.run_key
-                    hit = watched[gid] = (run, g.names) if run in self.watch else None
+                    if run in self.watch:
+                        changes = by_run.get(run)
+                        if changes is None:
+                            changes = by_run[run] = _Changes(run, now)
+                        hit = (run, g.names, changes)
+                    else:
+                        hit = None
+                    watched[gid] = hit
                 if hit is None:
                     continue
-                run, names = hit
+                run, names, changes = hit
                 aid = f"{run}/{names[k]}"
-                self.new_leases.append((word, gen, run, aid))
-                self.attempts[aid] = attempt
-                changes = by_run.get(run)
-                if changes is None:
-                    changes = by_run[run] = _Changes(run, now)
-                changes.add(aid, Phase.INITIALIZING, attempt)
+                new_leases.append((word, gen, run, aid, attempt))
+                attempts[aid] = attempt
+                changes.add(aid, initializing, attempt)
             self.records.extend(by_run.values())
 
     def _leases(self, batch, idx):
@@ -1495,7 +1507,7 @@ class _Outbox:
         self.pushes = []        # (routing id, frames, leases)
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
-        self.leases = []        # (lease id, generation, run, action) of watched run leases
+        self.leases = []        # (lease id, gen, run, action, attempt): watched run leases
         self.attempts = {}      # action -> attempt of its records (until they join the log)
         self.batch = None
         self.now_ns = 0
