@@ -875,8 +875,9 @@ class _Loop:
             # engine's own probe found them (Engine.known asked first cost ~2.5 us a name).
             names = msg.names
             added = done.added
-            self.record_queued([f"{run}/{names[i]}" for i in np.flatnonzero(added).tolist()]
-                               if not added.all() else [f"{run}/{n}" for n in names])
+            prefix = run + "/"
+            self.record_queued([prefix + names[i] for i in np.flatnonzero(added).tolist()]
+                               if not added.all() else [prefix + n for n in names], run=run)
 
     def known_watched(self, ids):
         """The ids (texts; None or another type for a spec without one) of watched runs
@@ -891,11 +892,17 @@ class _Loop:
         return {a for a, k in zip(watched, self.eng.known(watched).tolist(), strict=True)
                 if k}
 
-    def record_queued(self, ids, known=()):
+    def record_queued(self, ids, known=(), run=None):
         """QUEUED watch records of the enqueued ids (action id texts) of watched runs, but
         for those in ``known`` (:meth:`known_watched`: they existed before; ENQUEUE and
-        ENQUEUE_FANOUT pass only the ids their enqueue added instead)."""
+        ENQUEUE_FANOUT pass only the ids their enqueue added instead). ``run``: every id
+        is of that watched run (a fan-out's)."""
         if not len(self.watch):
+            return
+        if run is not None:
+            if ids:
+                self.attempts.update(dict.fromkeys(ids, 0))
+                self.records.append(_Queued(run, ids, self.eng.clock.now_ns()))
             return
         by_run = {}
         for a in ids:
@@ -1400,7 +1407,8 @@ class _Loop:
             # (seq, action, phase value, attempt, time, detail) tuples to columns, once.
             _seqs, actions, values, attempts, times, details = zip(*part, strict=True)
             yield p.Events(run=run, seq=part[0][0], actions=list(actions),
-                           phases=np.array([PHASE_CODE[v] for v in values], np.uint8),
+                           phases=np.fromiter(map(PHASE_CODE.__getitem__, values), np.uint8,
+                                              len(values)),
                            attempts=np.array(attempts, np.int32),
                            time_ns=np.array(times, np.int64),
                            details=[d or None for d in details] if any(details) else None)
