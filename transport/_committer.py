@@ -63,17 +63,24 @@ class CommitterStore:
             self._committer.wait_idle(timeout)
 
     def __getattr__(self, name):
+        # Called for what this class does not define, after the normal lookup failed
+        # (which formats an AttributeError first): a method is resolved once and kept on
+        # the instance (the engine calls several a loop turn), a value is read each time.
         value = getattr(self._inner, name)
-        if not callable(value) or name in _READS:
+        if not callable(value):
+            return value
+        if name in _READS:
             # Reads are not serialised with commits: an LMDB reader never waits for the
             # writer and sees committed groups only. What a group in commit writes, the
             # engine reads from its own memory (engine/_retain.py, _unwritten_retained).
+            self.__dict__[name] = value
             return value
         lock = self._lock
 
         def locked(*args, **kw):
             with lock:
                 return value(*args, **kw)
+        self.__dict__[name] = locked
         return locked
 
 
