@@ -243,14 +243,15 @@ class RetentionMixin:
         keys, key_array = _keys_of(digests[inv], names, with_array=True)
         lean = st.a_lean[rows] == 1
         quick = (st.a_edges[rows] == 0) & lean
+        inputs = any(e[0].inputs is not None for e in info)
         if quick.all():             # the common case: every value packed in one pass
-            values = self._lean_retained(rows, [info[j] for j in which], gidx, names)
+            values = self._lean_retained(rows, [info[j] for j in which], gidx, names, inputs)
         else:
             values = [None] * n
             q = np.flatnonzero(quick).tolist()
             for i, value in zip(q, self._lean_retained(
                     rows[quick], [info[which[i]] for i in q], [gidx[i] for i in q],
-                    [names[i] for i in q]), strict=True):
+                    [names[i] for i in q], inputs), strict=True):
                 values[i] = value
             queues = self._queue_names
             pack = msgpack.Packer(use_bin_type=True).pack
@@ -319,10 +320,11 @@ class RetentionMixin:
             self._retained_turn[(part, digest8(key))] = b""
         self._free_runs.extend(runs.tolist())
 
-    def _lean_retained(self, rows, groups, gidx, names):
+    def _lean_retained(self, rows, groups, gidx, names, inputs=True):
         """The retained values of lean ``rows`` (their ``groups`` entries, indexes in them
         and names given): packed from the columns in one compiled pass, the outcome being
-        what ``encode_outcome`` of their materialised record gives (their one attempt)."""
+        what ``encode_outcome`` of their materialised record gives (their one attempt).
+        ``inputs`` False: no group of theirs has input references."""
         st = self._state
         n = rows.size
         if not n:
@@ -337,8 +339,8 @@ class RetentionMixin:
             finalizes[i] = self._finalize_status(int(fz[i]))
         return pack_lean_retained(
             [e[2] for e in groups], names, [e[1] for e in groups],
-            [e[0].input_ref(k) for e, k in zip(groups, gidx, strict=True)] if any(
-                e[0].inputs is not None for e in groups) else [None] * n,
+            [e[0].input_ref(k) for e, k in zip(groups, gidx, strict=True)] if inputs
+            else [None] * n,
             st.a_queue[rows], tuple(self._queue_names), phase, _PHASE_VALUES,
             st.a_enqueued[rows], st.a_gen[rows], st.a_start[rows], st.a_running[rows],
             st.a_done[rows], st.a_cluster[rows], tuple(self._clusters), st.a_worker[rows],
