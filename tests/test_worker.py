@@ -148,6 +148,24 @@ def test_the_free_capacity_reported_is_the_capacity_less_what_held_attempts_decl
     assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
 
 
+def test_a_short_attempt_is_reported_once_and_a_long_one_is_seen_running(rig):
+    # An attempt that ends within the report hold (a few ms) sends its outcome alone: its
+    # INITIALIZING and RUNNING wait for it and are superseded (one REPORT row, one shard
+    # turn); an attempt that goes on is still reported RUNNING soon after it starts.
+    from transport import SimPlugin
+    r = rig(SimPlugin())
+    for i in range(5):
+        r.client.enqueue(spec(f"short{i}", execute={"plugin": "sim", "duration": 0.001}))
+        assert r.client.wait([f"{RUN}/short{i}"], timeout=10) == {
+            f"{RUN}/short{i}": Phase.SUCCEEDED}
+    until(lambda: r.worker.stats()["reports"] == 5, timeout=2, what="five reports")
+    r.client.enqueue(spec("long", execute={"plugin": "sim", "duration": 30}))
+    until(lambda: r.client.status([f"{RUN}/long"]) == [Phase.RUNNING], timeout=2,
+          what="the long attempt RUNNING at the shard")
+    time.sleep(0.1)
+    assert r.worker.stats()["reports"] == 6
+
+
 def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):
     r = rig()
     r.client.enqueue(spec("u", retries={"count": 1, "backoff_base": 0}))

@@ -17,6 +17,7 @@ reconnects or exits non-zero (``worker.on_shard_lost``).
 
 import heapq
 import logging
+import math
 import os
 import shutil
 import signal
@@ -63,6 +64,10 @@ _PHASE_RUNNING = Phase.RUNNING
 _PHASE_SUCCEEDED = Phase.SUCCEEDED
 _FINALIZE = LeaseKind.FINALIZE
 _SPEC_CACHE = 256           # parsed specs kept, by the identity of their wire map
+#: How long a report that only says an attempt is on its way (INITIALIZING, RUNNING) may
+#: wait for that attempt's next one, in seconds: a short attempt (a warm pool's call) then
+#: sends its outcome alone, not three REPORTs, each a shard turn and an answer to wake for.
+REPORT_HOLD = 0.005
 _OUTCOME_COUNTER = {Phase.SUCCEEDED: "succeeded", Phase.FAILED: "failed",
                     Phase.TIMED_OUT: "timed_out"}
 
@@ -111,6 +116,21 @@ class _Held:
         self.phase = _PHASE_INITIALIZING
         self.demand = None
         self.cleanup = False
+
+
+class _Pending:
+    """The reports to one shard not sent yet: ``codes`` ``{token: phase code}`` and
+    ``details`` ``{token: detail}``; ``urgent`` once one of them is an outcome (sent at the
+    end of the turn), else ``since``, when the oldest was made (sent ``REPORT_HOLD`` later
+    unless an outcome comes first)."""
+
+    __slots__ = ("codes", "details", "urgent", "since")
+
+    def __init__(self):
+        self.codes = {}
+        self.details = {}
+        self.urgent = False
+        self.since = None
 
 
 @dataclass
@@ -217,9 +237,9 @@ class Worker:
         self._held = {}             # token -> _Held
         self._timers = []           # (due monotonic, seq, token, bound)
         self._seq = 0
-        # The turn's reports, shard index -> ({token: code}, {token: detail}): one row a
-        # token, the latest (a RUNNING and the outcome of one attempt in one turn: the
-        # outcome says both), in the order of those latest reports.
+        # Reports not sent yet, shard index -> _Pending: one row a token, the latest (a
+        # RUNNING and the outcome of one attempt: the outcome says both), in the order of
+        # those latest reports.
         self._reports = {}
         self._inflight = {}         # (shard index, rid) -> REPORT message sent
         # A LEASES message's groups share one spec map per group: parsed once, and each
@@ -375,7 +395,7 @@ class Worker:
                 poller.register(fd, zmq.POLLIN)
             fds = want
             now = time.monotonic()
-            poller.poll(max(0, int((self._next_due(now) - now) * 1000)))
+            poller.poll(max(0, math.ceil((self._next_due(now) - now) * 1000)))
             now = time.monotonic()
             for sh in self._shards:
                 if sh.lost_at is None:
@@ -391,7 +411,7 @@ class Worker:
                 for ch in changes:
                     self._on_change(ch, now)
             self._fire_timers(now)
-            self._flush_reports()
+            self._flush_reports(now)
             self._heartbeats(now)
             self._check_shards(now)
             if self._drain.is_set() and self._drain_step(now):
@@ -403,6 +423,9 @@ class Worker:
             due = min(due, sh.next_beat if sh.lost_at is None else sh.retry_at)
         if self._timers:
             due = min(due, self._timers[0][0])
+        for rows in self._reports.values():
+            if rows.since is not None and rows.codes:
+                due = min(due, rows.since + REPORT_HOLD)
         for plugin in self.plugins.values():
             d = plugin.due()
             if d is not None:
@@ -536,7 +559,7 @@ class Worker:
             self._end(h, Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}"), now)
             return
         self._counts["started"] += 1
-        self._report(h, _INITIALIZING)
+        self._report(h, _INITIALIZING, None, now)
 
     def _spec(self, wire):
         return self._specs.get(wire, ActionSpec.from_dict)
@@ -625,7 +648,7 @@ class Worker:
         if ch.outcome is None:
             if ch.phase == _PHASE_RUNNING and h.phase != _PHASE_RUNNING:
                 h.phase = _PHASE_RUNNING
-                self._report(h, _RUNNING)
+                self._report(h, _RUNNING, None, now)
             return
         self._end(h, ch.outcome, now)
 
@@ -693,35 +716,46 @@ class Worker:
 
     # ------------------------------------------------------------------ reports
 
-    def _report(self, h, code, detail=None):
+    def _report(self, h, code, detail=None, now=None):
+        """Queue a report of ``h``; ``now`` (a monotonic time) marks one that may wait
+        (INITIALIZING, RUNNING: ``REPORT_HOLD``), None one sent at the end of the turn."""
         rows = self._reports.get(h.shard)
         if rows is None:
-            rows = self._reports[h.shard] = ({}, {})
-        codes, details = rows
+            rows = self._reports[h.shard] = _Pending()
+        codes = rows.codes
         token = h.token
         if token in codes:
             if code == _INITIALIZING:
                 return          # it says no more than what was reported already
             del codes[token]    # the latest goes last
-            details.pop(token, None)
+            rows.details.pop(token, None)
         codes[token] = code
         if detail is not None:
-            details[token] = detail
+            rows.details[token] = detail
+        if now is None:
+            rows.urgent = True
+        elif rows.since is None:
+            rows.since = now
 
-    def _flush_reports(self):
-        for index, (codes, details) in self._reports.items():
-            if not codes:
+    def _flush_reports(self, now=None):
+        """Send the reports due: every one when ``now`` is None, else those of shards with
+        an outcome to report or a report held ``REPORT_HOLD``."""
+        for index, rows in self._reports.items():
+            codes = rows.codes
+            if not codes or (now is not None and not rows.urgent
+                             and now < rows.since + REPORT_HOLD):
                 continue
             sh = self._shards[index]
+            details = rows.details
             tokens = b"".join(codes)
             phases = np.fromiter(codes.values(), np.uint8, len(codes))
-            rows = {k: details[t] for k, t in enumerate(codes) if t in details} \
+            out = {k: details[t] for k, t in enumerate(codes) if t in details} \
                 if details else None
-            self._reports[index] = ({}, {})
+            self._reports[index] = _Pending()
             if sh.lost_at is not None:
                 continue        # the shard was lost: it expired these leases itself
             try:
-                msgs = sh.conn.send_report(tokens, phases, rows)
+                msgs = sh.conn.send_report(tokens, phases, out)
             except ShardTimeout as exc:
                 log.error("worker %s: %s", self.name, exc)
                 continue
