@@ -166,6 +166,26 @@ def test_a_short_attempt_is_reported_once_and_a_long_one_is_seen_running(rig):
     assert r.worker.stats()["reports"] == 6
 
 
+def test_leases_of_one_declaration_under_new_ids_each_get_their_own_spec(rig):
+    # The worker parses a declaration once and reuses it for later leases of the same one
+    # under other ids: each attempt still sees its own id, and another declaration its own
+    # resources and pods.
+    r = rig(Controlled(instant=True))
+    names = ["one", "two", "three"]
+    for name in names:
+        r.client.enqueue(spec(name, resources={"cpu": 2}))
+    r.client.enqueue(spec("four", resources={"cpu": 3}))
+    ids = [f"{RUN}/{n}" for n in [*names, "four"]]
+    assert set(r.client.wait(ids, timeout=10).values()) == {Phase.SUCCEEDED}
+    atts = {a.action: a for a in r.plugin.started.values()}
+    for action, att in atts.items():
+        assert att.spec.id == action
+    assert [atts[i].pods[0].resources for i in ids] == [{"cpu": 2}] * 3 + [{"cpu": 3}]
+    assert atts[ids[1]].spec.resources == {"cpu": 2} and atts[ids[3]].spec.resources == {
+        "cpu": 3}
+    assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
+
+
 def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):
     r = rig()
     r.client.enqueue(spec("u", retries={"count": 1, "backoff_base": 0}))
