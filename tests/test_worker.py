@@ -90,13 +90,13 @@ def spec(name, **kw):
 
 
 class Rig:
-    def __init__(self, tmp_path, plugin, slots=100, **worker):
+    def __init__(self, tmp_path, plugin, slots=100, others=None, **worker):
         self.cfg = config(tmp_path, **worker)
         self.shard = Shard(self.cfg, store=MemoryStore()).start()
         self.plugin = plugin
         self.worker = Worker(self.cfg, "east", name="east-1", slots=slots,
-                             plugins={"sim": plugin}, endpoints=[self.shard.endpoint],
-                             timeout=2.0).start()
+                             plugins={"sim": plugin, **(others or {})},
+                             endpoints=[self.shard.endpoint], timeout=2.0).start()
         self.client = Client(endpoint=self.shard.endpoint, keys=None, timeout=5.0)
 
     def close(self):
@@ -184,6 +184,40 @@ def test_leases_of_one_declaration_under_new_ids_each_get_their_own_spec(rig):
     assert atts[ids[1]].spec.resources == {"cpu": 2} and atts[ids[3]].spec.resources == {
         "cpu": 3}
     assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
+
+
+class Idle(Plugin):
+    """A plugin with nothing to do: no descriptors, nothing due. Counts its polls."""
+
+    name = "idle"
+
+    def __init__(self):
+        self.polls = 0
+
+    def start(self, attempt):
+        raise AssertionError("nothing is sent to it")
+
+    def poll(self):
+        self.polls += 1
+        return []
+
+    def stop(self, key, reason):
+        pass
+
+
+def test_a_plugin_is_polled_only_when_its_descriptors_or_its_due_time_say_so(rig):
+    # The loop turns for leases, reports' answers and heartbeats; a plugin with no news
+    # (no readable descriptor, no due time) is not polled in them.
+    idle = Idle()
+    r = rig(Controlled(instant=True), others={"idle": idle})
+    names = [f"a{i}" for i in range(20)]
+    for name in names:
+        r.client.enqueue(spec(name))
+    assert set(r.client.wait([f"{RUN}/{n}" for n in names], timeout=10).values()) == {
+        Phase.SUCCEEDED}
+    time.sleep(0.5)                 # heartbeats (every 0.2 s) and their answers
+    assert r.worker.stats()["heartbeats"] >= 2
+    assert idle.polls == 0
 
 
 def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):

@@ -361,7 +361,9 @@ class Worker:
     def _loop(self):
         poller = zmq.Poller()
         socks = {}
-        fds = set()
+        fds = ()
+        owner = {}                  # a plugin descriptor -> its plugin
+        plugins = list(self.plugins.items())
         while not self._stop.is_set():
             for sh in self._shards:
                 s = sh.conn.socket
@@ -370,21 +372,32 @@ class Worker:
                         poller.unregister(socks[sh.index])
                     poller.register(s, zmq.POLLIN)
                     socks[sh.index] = s
-            want = {fd for pl in self.plugins.values() for fd in pl.fds()}
-            for fd in fds - want:
-                poller.unregister(fd)
-            for fd in want - fds:
-                poller.register(fd, zmq.POLLIN)
-            fds = want
+            want = tuple(fd for _name, pl in plugins for fd in pl.fds())
+            if want != fds:         # registered again only when the descriptors change
+                for fd in set(fds) - set(want):
+                    poller.unregister(fd)
+                for fd in set(want) - set(fds):
+                    poller.register(fd, zmq.POLLIN)
+                fds = want
+                owner = {fd: pl for _name, pl in plugins for fd in pl.fds()}
             now = time.monotonic()
-            poller.poll(max(0, math.ceil((self._next_due(now) - now) * 1000)))
+            ready = dict(poller.poll(max(0, math.ceil((self._next_due(now) - now) * 1000))))
             now = time.monotonic()
             for sh in self._shards:
-                if sh.lost_at is None:
+                # A socket with nothing to read is not asked (a receive that finds nothing
+                # raises, ~8 us), unless a blocking call queued pushes on it meanwhile.
+                if sh.lost_at is None and (sh.conn.socket in ready or sh.conn.has_pushed):
                     for msg in sh.conn.take():
                         self._on_message(sh, msg, now)
-            for name, plugin in self.plugins.items():
+            woken = {owner[fd] for fd in ready if fd in owner} if owner else ()
+            for name, plugin in plugins:
                 try:
+                    if plugin not in woken:
+                        # Polled when its descriptors say it has news or its due() time
+                        # came (asked after the turn's messages: a start makes news).
+                        due = plugin.due()
+                        if due is None or due > time.monotonic():
+                            continue
                     changes = plugin.poll()
                 except Exception:   # a plugin's bug: log it, keep every other attempt going
                     log.exception("worker %s: plugin %s failed to poll", self.name, name)

@@ -276,6 +276,12 @@ class WorkerConnection:
         return out
 
     @property
+    def has_pushed(self):
+        """Whether pushes received during a blocking call (register, drain, ...) wait for
+        :meth:`take` (the socket may then have nothing left to read)."""
+        return bool(self._pushed)
+
+    @property
     def socket(self):
         """The connection's DEALER (to poll it beside others); None when not connected."""
         return self._sock
