@@ -762,6 +762,7 @@ def test_python_a_call_wakes_the_worker_with_its_outcome_and_says_running_by_its
     plugin.start(first)
     assert [c.phase for c in drive(plugin, [first.key])[first.key]] == [
         Phase.RUNNING, Phase.SUCCEEDED]
+    assert plugin.due() > time.monotonic() + 30         # idle_ttl only: no progress to read
     att = make_attempt(tmp_path, funcs("sleep", secs=0.6), reuse=reuse, env=f"P{concurrency}")
     plugin.start(att)
     assert plugin.due() <= time.monotonic() + 0.01      # its progress is read soon

@@ -248,7 +248,7 @@ class PythonPlugin(Plugin):
         call = self._calls.pop(key, None)
         if call is None:
             return
-        self._unstarted.pop(key, None)
+        self._started(key)
         child = call.child
         if child is None:
             call.pool.pending.remove(call)
@@ -419,6 +419,12 @@ class PythonPlugin(Plugin):
             del buf[:4 + n]
             self._message(child, msg, changes)
 
+    def _started(self, key):
+        """Forget ``key`` among the calls whose progress is awaited (it started, ended or
+        was stopped); with none left, no progress read is due."""
+        if self._unstarted.pop(key, None) is not None and not self._unstarted:
+            self._progress_at = None
+
     def _check_progress(self, now, changes):
         """Read the progress pipes of the processes running calls not known to have
         started; the next read is due sooner for calls sent lately."""
@@ -452,13 +458,13 @@ class PythonPlugin(Plugin):
         if op == "started":
             if not call.started and self._calls.get(call.key) is call:
                 call.started = True
-                self._unstarted.pop(call.key, None)
+                self._started(call.key)
                 changes.append(Change(call.key, Phase.RUNNING))
         elif op == "done":
             del child.calls[call.id]
             if self._calls.get(call.key) is call:
                 del self._calls[call.key]
-                self._unstarted.pop(call.key, None)
+                self._started(call.key)
                 if msg.get("started") and not call.started:
                     call.started = True
                     changes.append(Change(call.key, Phase.RUNNING))
@@ -509,7 +515,7 @@ class PythonPlugin(Plugin):
         self._close_pipes(child)
         self._reaper.stop(child.group, grace)
         for call in child.calls.values():
-            self._unstarted.pop(call.key, None)
+            self._started(call.key)
             if self._calls.get(call.key) is call:
                 del self._calls[call.key]
                 changes.append(Change(call.key, outcome.phase, outcome))
