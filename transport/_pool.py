@@ -43,6 +43,7 @@ MAX_FRAME = 64 * 2**20
 #: waited since, at most ``PROGRESS_MAX`` apart.
 PROGRESS = 0.005
 PROGRESS_MAX = 0.25
+_READ = 65536                   # bytes a read of a pipe asks for
 
 
 class PoolInfo(NamedTuple):
@@ -377,7 +378,7 @@ class PythonPlugin(Plugin):
             return
         while True:
             try:
-                data = os.read(child.rfd, 65536)
+                data = os.read(child.rfd, _READ)
             except BlockingIOError:
                 break
             if not data:
@@ -386,12 +387,14 @@ class PythonPlugin(Plugin):
                 child.rfd = None
                 break
             child.inbuf += data
+            if len(data) < _READ:
+                break           # the pipe is empty now: no read to be told so
         self._frames(child, child.inbuf, "result", changes)
 
     def _read_progress(self, child, changes):
         while child.pfd is not None:
             try:
-                data = os.read(child.pfd, 65536)
+                data = os.read(child.pfd, _READ)
             except BlockingIOError:
                 break
             if not data:
@@ -399,6 +402,8 @@ class PythonPlugin(Plugin):
                 child.pfd = None
                 break
             child.pbuf += data
+            if len(data) < _READ:
+                break
         self._frames(child, child.pbuf, "progress", changes)
 
     def _frames(self, child, buf, pipe, changes):
