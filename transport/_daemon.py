@@ -121,17 +121,21 @@ class _Held:
 
 class _Pending:
     """The reports to one shard not sent yet: ``codes`` ``{token: phase code}`` and
-    ``details`` ``{token: detail}``; ``urgent`` once one of them is an outcome (sent at the
-    end of the turn), else ``since``, when the oldest was made (sent ``REPORT_HOLD`` later
-    unless an outcome comes first)."""
+    ``details`` ``{token: detail}`` of outcomes (``urgent`` once there is one: sent at the
+    end of the turn), and ``fresh``, the held leases whose phase (INITIALIZING, RUNNING)
+    is to be said, read when the reports leave (``REPORT_HOLD`` after ``since``, the
+    oldest, unless an outcome goes first): a lease let go by then is left out, so a lease
+    that starts and ends in one turn costs two list appends, not three rows made and
+    replaced."""
 
-    __slots__ = ("codes", "details", "urgent", "since")
+    __slots__ = ("codes", "details", "urgent", "since", "fresh")
 
     def __init__(self):
         self.codes = {}
         self.details = {}
         self.urgent = False
         self.since = None
+        self.fresh = []
 
 
 @dataclass
@@ -419,7 +423,7 @@ class Worker:
         if self._timers:
             due = min(due, self._timers[0][0])
         for rows in self._reports.values():
-            if rows.since is not None and rows.codes:
+            if rows.since is not None:
                 due = min(due, rows.since + REPORT_HOLD)
         for plugin in self.plugins.values():
             d = plugin.due()
@@ -557,7 +561,7 @@ class Worker:
             self._end(h, Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}"), now)
             return
         self._counts["started"] += 1
-        self._report(h, _INITIALIZING, None, now)
+        self._progress(h, now)
 
     def _spec(self, wire):
         """``(ActionSpec, cache entry)`` of a lease's spec map (SpecError when it is not
@@ -665,7 +669,7 @@ class Worker:
         if ch.outcome is None:
             if ch.phase == _PHASE_RUNNING and h.phase != _PHASE_RUNNING:
                 h.phase = _PHASE_RUNNING
-                self._report(h, _RUNNING, None, now)
+                self._progress(h, now)
             return
         self._end(h, ch.outcome, now)
 
@@ -733,34 +737,46 @@ class Worker:
 
     # ------------------------------------------------------------------ reports
 
-    def _report(self, h, code, detail=None, now=None):
-        """Queue a report of ``h``; ``now`` (a monotonic time) marks one that may wait
-        (INITIALIZING, RUNNING: ``REPORT_HOLD``), None one sent at the end of the turn."""
+    def _progress(self, h, now):
+        """Say ``h.phase`` (INITIALIZING, RUNNING) with the next reports to its shard, at
+        most ``REPORT_HOLD`` after ``now``, unless ``h`` is let go first (its outcome
+        says it)."""
+        rows = self._reports.get(h.shard)
+        if rows is None:
+            rows = self._reports[h.shard] = _Pending()
+        rows.fresh.append(h)
+        if rows.since is None:
+            rows.since = now
+
+    def _report(self, h, code, detail=None):
+        """Queue the report of an outcome of ``h`` (sent at the end of the turn)."""
         rows = self._reports.get(h.shard)
         if rows is None:
             rows = self._reports[h.shard] = _Pending()
         codes = rows.codes
         token = h.token
         if token in codes:
-            if code == _INITIALIZING:
-                return          # it says no more than what was reported already
             del codes[token]    # the latest goes last
             rows.details.pop(token, None)
         codes[token] = code
         if detail is not None:
             rows.details[token] = detail
-        if now is None:
-            rows.urgent = True
-        elif rows.since is None:
-            rows.since = now
+        rows.urgent = True
 
     def _flush_reports(self, now=None):
         """Send the reports due: every one when ``now`` is None, else those of shards with
         an outcome to report or a report held ``REPORT_HOLD``."""
+        held = self._held
         for index, rows in self._reports.items():
             codes = rows.codes
-            if not codes or (now is not None and not rows.urgent
-                             and now < rows.since + REPORT_HOLD):
+            if not rows.urgent and (rows.since is None or (
+                    now is not None and now < rows.since + REPORT_HOLD)):
+                continue
+            for h in rows.fresh:
+                if h.token not in codes and held.get(h.token) is h:
+                    codes[h.token] = _RUNNING if h.phase is _PHASE_RUNNING else _INITIALIZING
+            if not codes:
+                self._reports[index] = _Pending()
                 continue
             sh = self._shards[index]
             details = rows.details
