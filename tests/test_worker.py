@@ -220,6 +220,26 @@ def test_a_plugin_is_polled_only_when_its_descriptors_or_its_due_time_say_so(rig
     assert idle.polls == 0
 
 
+def test_take_returns_every_message_waiting_in_order(tmp_path):
+    # WorkerConnection.take() reads until the socket has nothing more (asked, not found by
+    # a receive that fails): three answers that arrived are taken at once, in order.
+    from transport import WorkerConnection
+    cfg = config(tmp_path)
+    shard = Shard(cfg, store=MemoryStore()).start()
+    conn = WorkerConnection(shard.endpoint, None, "east-1", "east", 4, timeout=2.0)
+    try:
+        conn.connect()
+        sent = [m.rid for _ in range(3) for m in conn.send_heartbeat(b"")]
+        until(lambda: conn.socket.poll(0), what="an answer")
+        time.sleep(0.3)                 # the other two too
+        got = conn.take()
+        assert [m.rid for m in got] == sent
+        assert conn.take() == [] and not conn.has_pushed
+    finally:
+        conn.close()
+        shard.stop()
+
+
 def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):
     r = rig()
     r.client.enqueue(spec("u", retries={"count": 1, "backoff_base": 0}))
