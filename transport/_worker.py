@@ -410,7 +410,7 @@ class WorkerConnection:
             if not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 return None
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)     # as take(): bytes
             except zmq.Again:
                 continue
             try:
