@@ -751,6 +751,39 @@ def test_python_warm_pool_reuses_its_processes(tmp_path, plugins, funcs):
     assert sorted(imported_by(funcs)) == sorted(map(str, pool.pids))   # imported once each
 
 
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_python_a_call_wakes_the_worker_with_its_outcome_and_says_running_by_its_due(
+        tmp_path, plugins, funcs, concurrency):
+    # A call's "started" wakes nobody (a short call's RUNNING comes with its outcome, one
+    # wake); a call that goes on is still seen RUNNING, at the plugin's due time.
+    plugin = plugins(PythonPlugin)
+    reuse = warm(replicas=1, concurrency=concurrency)
+    first = make_attempt(tmp_path, funcs("ok"), reuse=reuse, env=f"P{concurrency}")
+    plugin.start(first)
+    assert [c.phase for c in drive(plugin, [first.key])[first.key]] == [
+        Phase.RUNNING, Phase.SUCCEEDED]
+    assert plugin.due() > time.monotonic() + 30         # idle_ttl only: no progress to read
+    att = make_attempt(tmp_path, funcs("sleep", secs=0.6), reuse=reuse, env=f"P{concurrency}")
+    plugin.start(att)
+    assert plugin.due() <= time.monotonic() + 0.01      # its progress is read soon
+    readable, _, _ = select.select(list(plugin.fds()), [], [], 0.3)
+    assert readable == []                               # started, and nobody woken
+    assert [c.phase for c in plugin.poll()] == [Phase.RUNNING]
+    assert plugin.due() is None or plugin.due() > time.monotonic()
+    changes = drive(plugin, [att.key])[att.key]
+    assert [c.phase for c in changes] == [Phase.SUCCEEDED]
+    path = tmp_path / f"threads{concurrency}.txt"
+    for _ in range(3):
+        one = make_attempt(tmp_path, funcs("which_thread", path=str(path)), reuse=reuse,
+                           env=f"P{concurrency}")
+        plugin.start(one)
+        assert [c.phase for c in drive(plugin, [one.key])[one.key]] == [
+            Phase.RUNNING, Phase.SUCCEEDED]
+    rows = [line.split() for line in path.read_text().splitlines()]
+    assert len({tid for _pid, tid in rows}) == 1        # one kept call thread ...
+    assert all(pid != tid for pid, tid in rows)         # ... not the process's main one
+
+
 def test_python_warm_pool_respects_concurrency_slots(tmp_path, plugins, funcs):
     plugin = plugins(PythonPlugin)
     path = tmp_path / "overlap.txt"

@@ -90,13 +90,13 @@ def spec(name, **kw):
 
 
 class Rig:
-    def __init__(self, tmp_path, plugin, slots=100, **worker):
+    def __init__(self, tmp_path, plugin, slots=100, others=None, **worker):
         self.cfg = config(tmp_path, **worker)
         self.shard = Shard(self.cfg, store=MemoryStore()).start()
         self.plugin = plugin
         self.worker = Worker(self.cfg, "east", name="east-1", slots=slots,
-                             plugins={"sim": plugin}, endpoints=[self.shard.endpoint],
-                             timeout=2.0).start()
+                             plugins={"sim": plugin, **(others or {})},
+                             endpoints=[self.shard.endpoint], timeout=2.0).start()
         self.client = Client(endpoint=self.shard.endpoint, keys=None, timeout=5.0)
 
     def close(self):
@@ -146,6 +146,98 @@ def test_the_free_capacity_reported_is_the_capacity_less_what_held_attempts_decl
         r.plugin.finish(f"{RUN}/{name}", Outcome.succeeded())
     until(lambda: r.worker.stats()["held"] == 0, what="every attempt let go")
     assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
+
+
+def test_a_short_attempt_is_reported_once_and_a_long_one_is_seen_running(rig):
+    # An attempt that ends within the report hold (a few ms) sends its outcome alone: its
+    # INITIALIZING and RUNNING wait for it and are superseded (one REPORT row, one shard
+    # turn); an attempt that goes on is still reported RUNNING soon after it starts.
+    from transport import SimPlugin
+    r = rig(SimPlugin())
+    for i in range(5):
+        r.client.enqueue(spec(f"short{i}", execute={"plugin": "sim", "duration": 0.001}))
+        assert r.client.wait([f"{RUN}/short{i}"], timeout=10) == {
+            f"{RUN}/short{i}": Phase.SUCCEEDED}
+    until(lambda: r.worker.stats()["reports"] == 5, timeout=2, what="five reports")
+    r.client.enqueue(spec("long", execute={"plugin": "sim", "duration": 30}))
+    until(lambda: r.client.status([f"{RUN}/long"]) == [Phase.RUNNING], timeout=2,
+          what="the long attempt RUNNING at the shard")
+    time.sleep(0.1)
+    assert r.worker.stats()["reports"] == 6
+
+
+def test_leases_of_one_declaration_under_new_ids_each_get_their_own_spec(rig):
+    # The worker parses a declaration once and reuses it for later leases of the same one
+    # under other ids: each attempt still sees its own id, and another declaration its own
+    # resources and pods.
+    r = rig(Controlled(instant=True))
+    names = ["one", "two", "three"]
+    for name in names:
+        r.client.enqueue(spec(name, resources={"cpu": 2}))
+    r.client.enqueue(spec("four", resources={"cpu": 3}))
+    ids = [f"{RUN}/{n}" for n in [*names, "four"]]
+    assert set(r.client.wait(ids, timeout=10).values()) == {Phase.SUCCEEDED}
+    atts = {a.action: a for a in r.plugin.started.values()}
+    for action, att in atts.items():
+        assert att.spec.id == action
+    assert [atts[i].pods[0].resources for i in ids] == [{"cpu": 2}] * 3 + [{"cpu": 3}]
+    assert atts[ids[1]].spec.resources == {"cpu": 2} and atts[ids[3]].spec.resources == {
+        "cpu": 3}
+    assert r.worker.free_capacity() == {"cpu": "64", "memory": "64Gi"}
+
+
+class Idle(Plugin):
+    """A plugin with nothing to do: no descriptors, nothing due. Counts its polls."""
+
+    name = "idle"
+
+    def __init__(self):
+        self.polls = 0
+
+    def start(self, attempt):
+        raise AssertionError("nothing is sent to it")
+
+    def poll(self):
+        self.polls += 1
+        return []
+
+    def stop(self, key, reason):
+        pass
+
+
+def test_a_plugin_is_polled_only_when_its_descriptors_or_its_due_time_say_so(rig):
+    # The loop turns for leases, reports' answers and heartbeats; a plugin with no news
+    # (no readable descriptor, no due time) is not polled in them.
+    idle = Idle()
+    r = rig(Controlled(instant=True), others={"idle": idle})
+    names = [f"a{i}" for i in range(20)]
+    for name in names:
+        r.client.enqueue(spec(name))
+    assert set(r.client.wait([f"{RUN}/{n}" for n in names], timeout=10).values()) == {
+        Phase.SUCCEEDED}
+    time.sleep(0.5)                 # heartbeats (every 0.2 s) and their answers
+    assert r.worker.stats()["heartbeats"] >= 2
+    assert idle.polls == 0
+
+
+def test_take_returns_every_message_waiting_in_order(tmp_path):
+    # WorkerConnection.take() reads until the socket has nothing more (asked, not found by
+    # a receive that fails): three answers that arrived are taken at once, in order.
+    from transport import WorkerConnection
+    cfg = config(tmp_path)
+    shard = Shard(cfg, store=MemoryStore()).start()
+    conn = WorkerConnection(shard.endpoint, None, "east-1", "east", 4, timeout=2.0)
+    try:
+        conn.connect()
+        sent = [m.rid for _ in range(3) for m in conn.send_heartbeat(b"")]
+        until(lambda: conn.socket.poll(0), what="an answer")
+        time.sleep(0.3)                 # the other two too
+        got = conn.take()
+        assert [m.rid for m in got] == sent
+        assert conn.take() == [] and not conn.has_pushed
+    finally:
+        conn.close()
+        shard.stop()
 
 
 def test_outcomes_reach_the_engine_with_their_cause_and_drive_retries(rig):

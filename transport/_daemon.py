@@ -17,6 +17,7 @@ reconnects or exits non-zero (``worker.on_shard_lost``).
 
 import heapq
 import logging
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import psutil
 import zmq
@@ -62,7 +64,11 @@ _PHASE_INITIALIZING = Phase.INITIALIZING
 _PHASE_RUNNING = Phase.RUNNING
 _PHASE_SUCCEEDED = Phase.SUCCEEDED
 _FINALIZE = LeaseKind.FINALIZE
-_SPEC_CACHE = 256           # parsed specs kept, by the identity of their wire map
+_SPEC_CACHE = 256           # parsed specs kept, by the content of their wire map
+#: How long a report that only says an attempt is on its way (INITIALIZING, RUNNING) may
+#: wait for that attempt's next one, in seconds: a short attempt (a warm pool's call) then
+#: sends its outcome alone, not three REPORTs, each a shard turn and an answer to wake for.
+REPORT_HOLD = 0.005
 _OUTCOME_COUNTER = {Phase.SUCCEEDED: "succeeded", Phase.FAILED: "failed",
                     Phase.TIMED_OUT: "timed_out"}
 
@@ -113,6 +119,25 @@ class _Held:
         self.cleanup = False
 
 
+class _Pending:
+    """The reports to one shard not sent yet: ``codes`` ``{token: phase code}`` and
+    ``details`` ``{token: detail}`` of outcomes (``urgent`` once there is one: sent at the
+    end of the turn), and ``fresh``, the held leases whose phase (INITIALIZING, RUNNING)
+    is to be said, read when the reports leave (``REPORT_HOLD`` after ``since``, the
+    oldest, unless an outcome goes first): a lease let go by then is left out, so a lease
+    that starts and ends in one turn costs two list appends, not three rows made and
+    replaced."""
+
+    __slots__ = ("codes", "details", "urgent", "since", "fresh")
+
+    def __init__(self):
+        self.codes = {}
+        self.details = {}
+        self.urgent = False
+        self.since = None
+        self.fresh = []
+
+
 @dataclass
 class _Shard:
     """One shard as this worker sees it."""
@@ -125,27 +150,6 @@ class _Shard:
     last_ok: float = 0.0         # send time of the latest answered heartbeat
     lost_at: float | None = None  # when it was declared lost (reconnecting since)
     retry_at: float = 0.0
-
-
-class _IdentityCache:
-    """``make(obj)`` kept by the identity of ``obj`` for the ``limit`` objects seen last
-    (each kept alive with its value, so an id is never reused while it is cached)."""
-
-    __slots__ = ("_items", "_limit")
-
-    def __init__(self, limit):
-        self._items = {}
-        self._limit = limit
-
-    def get(self, obj, make):
-        hit = self._items.get(id(obj))
-        if hit is not None and hit[0] is obj:
-            return hit[1]
-        value = make(obj)
-        if len(self._items) >= self._limit:
-            self._items.pop(next(iter(self._items)))
-        self._items[id(obj)] = (obj, value)
-        return value
 
 
 class Worker:
@@ -217,15 +221,17 @@ class Worker:
         self._held = {}             # token -> _Held
         self._timers = []           # (due monotonic, seq, token, bound)
         self._seq = 0
-        # The turn's reports, shard index -> ({token: code}, {token: detail}): one row a
-        # token, the latest (a RUNNING and the outcome of one attempt in one turn: the
-        # outcome says both), in the order of those latest reports.
+        # Reports not sent yet, shard index -> _Pending: one row a token, the latest (a
+        # RUNNING and the outcome of one attempt: the outcome says both), in the order of
+        # those latest reports.
         self._reports = {}
         self._inflight = {}         # (shard index, rid) -> REPORT message sent
-        # A LEASES message's groups share one spec map per group: parsed once, and each
-        # ActionSpec's pods and demand made once (by identity, the last ones seen kept).
-        self._specs = _IdentityCache(_SPEC_CACHE)      # spec map -> ActionSpec
-        self._shapes = _IdentityCache(_SPEC_CACHE)     # ActionSpec -> (demand, pods)
+        # Spec maps by their content less their id (msgpack of the other items) -> [the
+        # ActionSpec parsed, its (demand, pods) or None], the last _SPEC_CACHE kept: a spec
+        # is parsed once and its pods and demand made once, whether it comes in one LEASES
+        # message for many leases (a fan-out's group) or in one message a lease (actions
+        # enqueued one at a time send the same declaration under new ids).
+        self._parsed = {}
         # What the held attempts declared, as {id(demand vector): [vector, attempts]}: a
         # count a lease (the vectors are shared by every lease of a spec), summed only when
         # a heartbeat reports free capacity (a numpy add a lease cost ~1.5 us each way).
@@ -359,7 +365,9 @@ class Worker:
     def _loop(self):
         poller = zmq.Poller()
         socks = {}
-        fds = set()
+        fds = ()
+        owner = {}                  # a plugin descriptor -> its plugin
+        plugins = list(self.plugins.items())
         while not self._stop.is_set():
             for sh in self._shards:
                 s = sh.conn.socket
@@ -368,21 +376,32 @@ class Worker:
                         poller.unregister(socks[sh.index])
                     poller.register(s, zmq.POLLIN)
                     socks[sh.index] = s
-            want = {fd for pl in self.plugins.values() for fd in pl.fds()}
-            for fd in fds - want:
-                poller.unregister(fd)
-            for fd in want - fds:
-                poller.register(fd, zmq.POLLIN)
-            fds = want
+            want = tuple(fd for _name, pl in plugins for fd in pl.fds())
+            if want != fds:         # registered again only when the descriptors change
+                for fd in set(fds) - set(want):
+                    poller.unregister(fd)
+                for fd in set(want) - set(fds):
+                    poller.register(fd, zmq.POLLIN)
+                fds = want
+                owner = {fd: pl for _name, pl in plugins for fd in pl.fds()}
             now = time.monotonic()
-            poller.poll(max(0, int((self._next_due(now) - now) * 1000)))
+            ready = dict(poller.poll(max(0, math.ceil((self._next_due(now) - now) * 1000))))
             now = time.monotonic()
             for sh in self._shards:
-                if sh.lost_at is None:
+                # A socket with nothing to read is not asked (a receive that finds nothing
+                # raises, ~8 us), unless a blocking call queued pushes on it meanwhile.
+                if sh.lost_at is None and (sh.conn.socket in ready or sh.conn.has_pushed):
                     for msg in sh.conn.take():
                         self._on_message(sh, msg, now)
-            for name, plugin in self.plugins.items():
+            woken = {owner[fd] for fd in ready if fd in owner} if owner else ()
+            for name, plugin in plugins:
                 try:
+                    if plugin not in woken:
+                        # Polled when its descriptors say it has news or its due() time
+                        # came (asked after the turn's messages: a start makes news).
+                        due = plugin.due()
+                        if due is None or due > time.monotonic():
+                            continue
                     changes = plugin.poll()
                 except Exception:   # a plugin's bug: log it, keep every other attempt going
                     log.exception("worker %s: plugin %s failed to poll", self.name, name)
@@ -391,7 +410,7 @@ class Worker:
                 for ch in changes:
                     self._on_change(ch, now)
             self._fire_timers(now)
-            self._flush_reports()
+            self._flush_reports(now)
             self._heartbeats(now)
             self._check_shards(now)
             if self._drain.is_set() and self._drain_step(now):
@@ -403,6 +422,9 @@ class Worker:
             due = min(due, sh.next_beat if sh.lost_at is None else sh.retry_at)
         if self._timers:
             due = min(due, self._timers[0][0])
+        for rows in self._reports.values():
+            if rows.since is not None:
+                due = min(due, rows.since + REPORT_HOLD)
         for plugin in self.plugins.values():
             d = plugin.due()
             if d is not None:
@@ -489,7 +511,7 @@ class Worker:
     def _how(self, h):
         """``(spec, execute, plugin, demand, pods)`` of a lease: raises UserError,
         PluginError or SpecError when it cannot start."""
-        spec = self._spec(h.spec)
+        spec, entry = self._spec(h.spec)
         ex = spec.execute
         name = ex.plugin if ex is not None else self.settings.default_plugin
         if name is None:
@@ -501,7 +523,10 @@ class Worker:
                               f"(it has {', '.join(self.plugins)})", cause="NO_PLUGIN")
         if ex is None:
             ex = Execution(plugin=name)
-        demand, pods = self._shape(spec)
+        shape = entry[1]
+        if shape is None:
+            shape = entry[1] = self._make_shape(spec)
+        demand, pods = shape
         return spec, ex, plugin, demand, pods
 
     def _start(self, h, made, now):
@@ -536,22 +561,45 @@ class Worker:
             self._end(h, Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}"), now)
             return
         self._counts["started"] += 1
-        self._report(h, _INITIALIZING)
+        self._progress(h, now)
 
     def _spec(self, wire):
-        return self._specs.get(wire, ActionSpec.from_dict)
+        """``(ActionSpec, cache entry)`` of a lease's spec map (SpecError when it is not
+        one). A spec seen before under another id is a copy of the one parsed then, with
+        this map's id (a frozen dataclass copied without ``__init__``, ~1 us against ~15 us
+        for ``ActionSpec.from_dict`` and ~8 us for its pods and demand)."""
+        try:
+            key = msgpack.packb([(k, v) for k, v in wire.items() if k != "id"])
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            return ActionSpec.from_dict(wire), [None, None]     # its own error, if any
+        entry = self._parsed.get(key)
+        if entry is None:
+            entry = [ActionSpec.from_dict(wire), None]
+            if len(self._parsed) >= _SPEC_CACHE:
+                del self._parsed[next(iter(self._parsed))]
+            self._parsed[key] = entry
+        spec = entry[0]
+        wid = wire.get("id")
+        if spec.id != wid:
+            if type(wid) is not str:
+                return ActionSpec.from_dict(wire), [None, None]
+            spec = object.__new__(ActionSpec)
+            spec.__dict__.update(entry[0].__dict__)
+            spec.__dict__["id"] = wid
+        return spec, entry
 
     def _attempt(self, h, spec, ex, plugin, pods):
+        # Paths as _paths makes them; each made only when its plugin needs it (a workdir
+        # only where a finalize lease will remove it), each directory with one mkdir.
         workdir = log_path = None
-        if plugin.finalizes or plugin.logs:
-            workdir, log_path = self._paths(h.action, h.number)
-            # A workdir only where a finalize lease will remove it.
-            workdir = workdir if plugin.finalizes else None
-            log_path = log_path if plugin.logs else None
-            if workdir is not None:
-                workdir.mkdir(parents=True, exist_ok=True)
-            if log_path is not None:
-                log_path.parent.mkdir(parents=True, exist_ok=True)
+        if plugin.finalizes:
+            workdir = f"{self._work}/{h.action}/{h.number}"
+            _make_dir(workdir)
+            workdir = Path(workdir)
+        if plugin.logs:
+            parent = f"{self._logs}/{h.action}"
+            _make_dir(parent)
+            log_path = Path(f"{parent}/{h.number}.log")
         return make_attempt(h.token, h.action, h.number, spec, ex, pods, workdir, log_path,
                             h.input_ref, h.env)
 
@@ -560,10 +608,6 @@ class Worker:
         # One string each (joining Path objects cost more than the sim plugin's start).
         return (Path(f"{self._work}/{action}/{attempt}"),
                 Path(f"{self._logs}/{action}/{attempt}.log"))
-
-    def _shape(self, spec):
-        """``(demand vector, pods)`` of a spec, kept for the specs seen last."""
-        return self._shapes.get(spec, self._make_shape)
 
     def _make_shape(self, spec):
         pods = []
@@ -625,7 +669,7 @@ class Worker:
         if ch.outcome is None:
             if ch.phase == _PHASE_RUNNING and h.phase != _PHASE_RUNNING:
                 h.phase = _PHASE_RUNNING
-                self._report(h, _RUNNING)
+                self._progress(h, now)
             return
         self._end(h, ch.outcome, now)
 
@@ -666,7 +710,7 @@ class Worker:
                 self._forget(other)
         workdir, _log = self._paths(h.action, h.number)
         try:
-            spec = self._spec(h.spec)
+            spec, _entry = self._spec(h.spec)
             name = spec.execute.plugin if spec.execute is not None \
                 else self.settings.default_plugin
             plugin = self.plugins.get(name) if name else None
@@ -693,35 +737,58 @@ class Worker:
 
     # ------------------------------------------------------------------ reports
 
-    def _report(self, h, code, detail=None):
+    def _progress(self, h, now):
+        """Say ``h.phase`` (INITIALIZING, RUNNING) with the next reports to its shard, at
+        most ``REPORT_HOLD`` after ``now``, unless ``h`` is let go first (its outcome
+        says it)."""
         rows = self._reports.get(h.shard)
         if rows is None:
-            rows = self._reports[h.shard] = ({}, {})
-        codes, details = rows
+            rows = self._reports[h.shard] = _Pending()
+        rows.fresh.append(h)
+        if rows.since is None:
+            rows.since = now
+
+    def _report(self, h, code, detail=None):
+        """Queue the report of an outcome of ``h`` (sent at the end of the turn)."""
+        rows = self._reports.get(h.shard)
+        if rows is None:
+            rows = self._reports[h.shard] = _Pending()
+        codes = rows.codes
         token = h.token
         if token in codes:
-            if code == _INITIALIZING:
-                return          # it says no more than what was reported already
             del codes[token]    # the latest goes last
-            details.pop(token, None)
+            rows.details.pop(token, None)
         codes[token] = code
         if detail is not None:
-            details[token] = detail
+            rows.details[token] = detail
+        rows.urgent = True
 
-    def _flush_reports(self):
-        for index, (codes, details) in self._reports.items():
+    def _flush_reports(self, now=None):
+        """Send the reports due: every one when ``now`` is None, else those of shards with
+        an outcome to report or a report held ``REPORT_HOLD``."""
+        held = self._held
+        for index, rows in self._reports.items():
+            codes = rows.codes
+            if not rows.urgent and (rows.since is None or (
+                    now is not None and now < rows.since + REPORT_HOLD)):
+                continue
+            for h in rows.fresh:
+                if h.token not in codes and held.get(h.token) is h:
+                    codes[h.token] = _RUNNING if h.phase is _PHASE_RUNNING else _INITIALIZING
             if not codes:
+                self._reports[index] = _Pending()
                 continue
             sh = self._shards[index]
+            details = rows.details
             tokens = b"".join(codes)
             phases = np.fromiter(codes.values(), np.uint8, len(codes))
-            rows = {k: details[t] for k, t in enumerate(codes) if t in details} \
+            out = {k: details[t] for k, t in enumerate(codes) if t in details} \
                 if details else None
-            self._reports[index] = ({}, {})
+            self._reports[index] = _Pending()
             if sh.lost_at is not None:
                 continue        # the shard was lost: it expired these leases itself
             try:
-                msgs = sh.conn.send_report(tokens, phases, rows)
+                msgs = sh.conn.send_report(tokens, phases, out)
             except ShardTimeout as exc:
                 log.error("worker %s: %s", self.name, exc)
                 continue
@@ -842,6 +909,18 @@ class Worker:
     def _quantities(self, vec):
         return {n: format_quantity(n, int(v)) for n, v in zip(self.resources.names, vec,
                                                                strict=True)}
+
+
+def _make_dir(path):
+    """``Path(path).mkdir(parents=True, exist_ok=True)`` in one system call when the parent
+    exists (a directory an attempt, made on the way to starting it)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
 
 
 def _memory(resources):

@@ -8,7 +8,11 @@ in a pool of one process of its own, freed after the call.
 
 The processes run ``transport/_pool_child.py`` (its text describes the frames). The plugin's
 side of every pipe is non-blocking; the result pipes and the processes' pidfds sit in one
-epoll, the plugin's only descriptor in ``fds()``.
+epoll, the plugin's only descriptor in ``fds()``. A call's "started" comes on a third pipe,
+the progress pipe, which nobody sleeps on: the plugin reads it with the result pipe, and
+``PROGRESS`` seconds after a call was sent (then less and less often) while the call has
+neither started nor ended, so a short call wakes the worker once (its outcome, with its
+RUNNING), not twice.
 """
 
 import collections
@@ -34,6 +38,12 @@ CHILD = str(Path(__file__).with_name("_pool_child.py"))
 START_FAILURES = 3
 #: A result frame larger than this is not one the pool process sent.
 MAX_FRAME = 64 * 2**20
+#: Seconds after a call is sent before its progress pipe is first read for its "started"
+#: (its outcome brings that earlier); later reads come at a quarter of the time it has
+#: waited since, at most ``PROGRESS_MAX`` apart.
+PROGRESS = 0.005
+PROGRESS_MAX = 0.25
+_READ = 65536                   # bytes a read of a pipe asks for
 
 
 class PoolInfo(NamedTuple):
@@ -47,7 +57,7 @@ class PoolInfo(NamedTuple):
 
 
 class _Call:
-    __slots__ = ("key", "attempt", "id", "frame", "pool", "child", "started")
+    __slots__ = ("key", "attempt", "id", "frame", "pool", "child", "started", "sent")
 
     def __init__(self, key, attempt, cid, frame):
         self.key = key
@@ -57,11 +67,12 @@ class _Call:
         self.pool = None
         self.child = None           # the process it was sent to (None: waiting for a slot)
         self.started = False
+        self.sent = 0.0             # when it was sent to the process (monotonic)
 
 
 class _Child:
-    __slots__ = ("pool", "group", "pid", "wfd", "rfd", "inbuf", "outbuf", "calls", "hello",
-                 "oom")
+    __slots__ = ("pool", "group", "pid", "wfd", "rfd", "pfd", "inbuf", "pbuf", "outbuf",
+                 "calls", "hello", "oom")
 
     def __init__(self, pool):
         self.pool = pool
@@ -69,7 +80,9 @@ class _Child:
         self.pid = None
         self.wfd = None
         self.rfd = None
+        self.pfd = None             # the progress pipe (not in the epoll)
         self.inbuf = bytearray()
+        self.pbuf = bytearray()
         self.outbuf = bytearray()
         self.calls = {}             # call id -> _Call, sent to this process
         self.hello = False
@@ -138,6 +151,8 @@ class PythonPlugin(Plugin):
         self._calls = {}            # key -> _Call, the attempts poll() still reports
         self._changes = []          # found outside poll() (stop), returned by the next one
         self._unflushed = set()     # _Child with bytes its request pipe did not take yet
+        self._unstarted = {}        # key -> _Call sent, neither started nor ended yet
+        self._progress_at = None    # when to read the progress pipes of those calls
         self._ids = itertools.count(1)
         self._mem_next = 0.0
         self._closed = False
@@ -197,6 +212,8 @@ class PythonPlugin(Plugin):
             self._read(child, changes)
         for group in exited:
             self._died(group.owner, group.returncode, changes)
+        if self._progress_at is not None and now >= self._progress_at:
+            self._check_progress(now, changes)
         if now >= self._mem_next and self._limited():
             self._mem_next = now + self.memory_interval
             self._check_memory(changes)
@@ -215,6 +232,8 @@ class PythonPlugin(Plugin):
             return 0.0
         when = self._reaper.due()
         later = []
+        if self._progress_at is not None:
+            later.append(self._progress_at)
         if self._unflushed:
             later.append(time.monotonic() + self.poll_interval)
         if self._limited():
@@ -230,6 +249,7 @@ class PythonPlugin(Plugin):
         call = self._calls.pop(key, None)
         if call is None:
             return
+        self._started(key)
         child = call.child
         if child is None:
             call.pool.pending.remove(call)
@@ -255,6 +275,8 @@ class PythonPlugin(Plugin):
         self._calls.clear()
         self._changes.clear()
         self._unflushed.clear()
+        self._unstarted.clear()
+        self._progress_at = None
         self._reaper.close(timeout)
 
     def pools(self):
@@ -283,28 +305,33 @@ class PythonPlugin(Plugin):
         child = _Child(pool)
         req_r, req_w = os.pipe()
         res_r, res_w = os.pipe()
+        pro_r, pro_w = os.pipe()
         out = None
         try:
             if pool.output is not None:
                 out = open(pool.output, "ab")
             child.group = self._reaper.spawn(
-                [sys.executable, CHILD, str(req_r), str(res_w)], child,
-                pass_fds=(req_r, res_w), stdin=subprocess.DEVNULL, stdout=out,
+                [sys.executable, CHILD, str(req_r), str(res_w), str(pro_w),
+                 str(pool.concurrency)], child,
+                pass_fds=(req_r, res_w, pro_w), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None, env=pool.env)
         except (OSError, PluginError) as exc:
             os.close(req_w)
             os.close(res_r)
+            os.close(pro_r)
             raise PluginError(f"cannot start a python pool process ({sys.executable}): "
                               f"{exc}") from exc
         finally:
             os.close(req_r)
             os.close(res_w)
+            os.close(pro_w)
             if out is not None:
                 out.close()
         child.pid = child.group.pid
-        child.wfd, child.rfd = req_w, res_r
+        child.wfd, child.rfd, child.pfd = req_w, res_r, pro_r
         os.set_blocking(req_w, False)
         os.set_blocking(res_r, False)
+        os.set_blocking(pro_r, False)
         self._reaper.add_pipe(res_r, child)
         return child
 
@@ -319,6 +346,10 @@ class PythonPlugin(Plugin):
             child.calls[call.id] = call
             child.outbuf += call.frame
             self._flush(child)
+            call.sent = now = time.monotonic()
+            self._unstarted[call.key] = call
+            if self._progress_at is None or self._progress_at > now + PROGRESS:
+                self._progress_at = now + PROGRESS
 
     def _flush(self, child):
         if child.wfd is None:
@@ -339,11 +370,15 @@ class PythonPlugin(Plugin):
             self._unflushed.discard(child)
 
     def _read(self, child, changes):
+        """Take what ``child`` wrote: its progress (read first: a "started" precedes the
+        same call's outcome), then its results."""
+        if child.pfd is not None:
+            self._read_progress(child, changes)
         if child.rfd is None:
             return
         while True:
             try:
-                data = os.read(child.rfd, 65536)
+                data = os.read(child.rfd, _READ)
             except BlockingIOError:
                 break
             if not data:
@@ -352,11 +387,30 @@ class PythonPlugin(Plugin):
                 child.rfd = None
                 break
             child.inbuf += data
-        buf = child.inbuf
+            if len(data) < _READ:
+                break           # the pipe is empty now: no read to be told so
+        self._frames(child, child.inbuf, "result", changes)
+
+    def _read_progress(self, child, changes):
+        while child.pfd is not None:
+            try:
+                data = os.read(child.pfd, _READ)
+            except BlockingIOError:
+                break
+            if not data:
+                os.close(child.pfd)
+                child.pfd = None
+                break
+            child.pbuf += data
+            if len(data) < _READ:
+                break
+        self._frames(child, child.pbuf, "progress", changes)
+
+    def _frames(self, child, buf, pipe, changes):
         while len(buf) >= 4 and child.group.owner is not None:
             n = int.from_bytes(buf[:4], "big")
             if n > MAX_FRAME:
-                self._broken(child, f"a frame of {n} bytes", changes)
+                self._broken(child, f"a frame of {n} bytes", pipe, changes)
                 return
             if len(buf) < 4 + n:
                 break
@@ -365,18 +419,36 @@ class PythonPlugin(Plugin):
                 if not isinstance(msg, dict):
                     raise ValueError(f"{type(msg).__name__}, not a map")
             except ValueError as exc:     # msgpack's errors are ValueErrors
-                self._broken(child, f"an undecodable frame ({exc})", changes)
+                self._broken(child, f"an undecodable frame ({exc})", pipe, changes)
                 return
             del buf[:4 + n]
             self._message(child, msg, changes)
 
-    def _broken(self, child, what, changes):
+    def _started(self, key):
+        """Forget ``key`` among the calls whose progress is awaited (it started, ended or
+        was stopped); with none left, no progress read is due."""
+        if self._unstarted.pop(key, None) is not None and not self._unstarted:
+            self._progress_at = None
+
+    def _check_progress(self, now, changes):
+        """Read the progress pipes of the processes running calls not known to have
+        started; the next read is due sooner for calls sent lately."""
+        for child in {call.child for call in self._unstarted.values()}:
+            if child.pfd is not None:
+                self._read_progress(child, changes)
+        if not self._unstarted:
+            self._progress_at = None
+            return
+        waited = now - min(call.sent for call in self._unstarted.values())
+        self._progress_at = now + min(PROGRESS_MAX, max(PROGRESS, waited / 4))
+
+    def _broken(self, child, what, pipe, changes):
         # Only this file's protocol runs on the pipe, so a bad frame means something in the
         # process wrote to the pipe's descriptor: nothing it says can be trusted any more.
         if child in child.pool.children:
             child.pool.children.remove(child)
         self._retire(child, 0, Outcome.system(
-            "KILLED", f"pool process pid {child.pid} sent {what} on its result pipe; "
+            "KILLED", f"pool process pid {child.pid} sent {what} on its {pipe} pipe; "
                       f"killed"), changes)
 
     def _message(self, child, msg, changes):
@@ -391,11 +463,16 @@ class PythonPlugin(Plugin):
         if op == "started":
             if not call.started and self._calls.get(call.key) is call:
                 call.started = True
+                self._started(call.key)
                 changes.append(Change(call.key, Phase.RUNNING))
         elif op == "done":
             del child.calls[call.id]
             if self._calls.get(call.key) is call:
                 del self._calls[call.key]
+                self._started(call.key)
+                if msg.get("started") and not call.started:
+                    call.started = True
+                    changes.append(Change(call.key, Phase.RUNNING))
                 outcome = self._outcome(call, msg)
                 changes.append(Change(call.key, outcome.phase, outcome))
             pool = child.pool
@@ -443,6 +520,7 @@ class PythonPlugin(Plugin):
         self._close_pipes(child)
         self._reaper.stop(child.group, grace)
         for call in child.calls.values():
+            self._started(call.key)
             if self._calls.get(call.key) is call:
                 del self._calls[call.key]
                 changes.append(Change(call.key, outcome.phase, outcome))
@@ -503,6 +581,9 @@ class PythonPlugin(Plugin):
             self._reaper.remove_pipe(child.rfd)
             os.close(child.rfd)
             child.rfd = None
+        if child.pfd is not None:
+            os.close(child.pfd)
+            child.pfd = None
 
     # -- memory
 

@@ -1,17 +1,26 @@
 """A process of the ``python`` plugin's warm pool (``transport/_pool.py``, ``docs/plugins.md``).
 
-Run as ``python <this file> <request fd> <result fd>`` (by path, not ``-m``: importing the
-``transport`` package would load ZeroMQ and numpy, some 30 MB of resident memory charged to
-every pool process and its memory limit). It reads length-prefixed msgpack frames from the
-request pipe and runs each call on a thread of its own (threads are kept and reused: a
-follow-on call starts no thread unless every kept one is busy); the parent bounds how many
-run at once. It writes back:
+Run as ``python <this file> <request fd> <result fd> <progress fd> <concurrency>`` (by
+path, not ``-m``: importing the ``transport`` package would load ZeroMQ and numpy, some
+30 MB of resident memory charged to every pool process and its memory limit). It reads
+length-prefixed msgpack frames from the request pipe and runs each call on a thread of its
+own (threads are kept and reused: a follow-on call starts no thread unless every kept one is
+busy); the parent bounds how many run at once (``concurrency``). With a concurrency of 1 the
+one call thread reads the request pipe itself and runs what it reads (no other call can
+arrive while it runs), so a call wakes one thread, not a reader and then a call thread.
+It writes back, on the result pipe (which the parent sleeps on):
 
 - ``{"op": "hello", "pid": pid}`` once, at start;
-- ``{"op": "started", "id": n}`` when call ``n``'s function is imported and about to run;
-- ``{"op": "done", "id": n, "ok": True}``, or ``"ok": False`` with ``"kind"`` (``"import"``:
-  the function cannot be imported; ``"log"``: the log cannot be opened; ``"raise"``: the
-  call raised), ``"type"``, ``"message"`` and ``"tail"`` (the traceback's last lines).
+- ``{"op": "done", "id": n, "ok": True, "started": True}``, or ``"ok": False`` with
+  ``"kind"`` (``"import"``: the function cannot be imported; ``"log"``: the log cannot be
+  opened; ``"raise"``: the call raised), ``"type"``, ``"message"`` and ``"tail"`` (the
+  traceback's last lines), and ``"started": True`` when the function was imported and
+  called;
+
+and on the progress pipe (which the parent reads when it reads the result pipe, or when a
+call has run a few milliseconds without an outcome: writing there wakes nobody):
+
+- ``{"op": "started", "id": n}`` when call ``n``'s function is imported and about to run.
 
 Imported functions are cached: a follow-on call of the same function imports nothing. Output
 a call prints (``sys.stdout``, ``sys.stderr``) goes to that call's log, chosen per thread;
@@ -82,10 +91,13 @@ class _Router(io.TextIOBase):
 
 
 class _Child:
-    def __init__(self, rfd, wfd):
+    def __init__(self, rfd, wfd, pfd=None, concurrency=0):
         self.rfd = rfd
         self.wfd = wfd
+        self.pfd = wfd if pfd is None else pfd
+        self.concurrency = concurrency
         self.pid = os.getpid()
+        self._inbuf = bytearray()
         self.write_lock = threading.Lock()
         self.import_lock = threading.Lock()
         self.functions = {}
@@ -96,23 +108,30 @@ class _Child:
         self._ready = threading.Condition()
         self._threads = self._busy = 0
 
-    def send(self, msg):
+    def send(self, msg, fd=None):
         data = msgpack.packb(msg)
         frame = len(data).to_bytes(4, "big") + data
         with self.write_lock:
             view = memoryview(frame)
             while view:
-                n = os.write(self.wfd, view)
+                n = os.write(self.wfd if fd is None else fd, view)
                 view = view[n:]
 
-    def read_exact(self, n):
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = os.read(self.rfd, n - len(buf))
+    def read_frame(self):
+        """The next request frame's body, or None at end of file (one read a frame, most
+        often: whatever the pipe holds is read at once and kept)."""
+        buf = self._inbuf
+        while True:
+            if len(buf) >= 4:
+                n = int.from_bytes(buf[:4], "big")
+                if len(buf) >= 4 + n:
+                    body = bytes(buf[4:4 + n])
+                    del buf[:4 + n]
+                    return body
+            chunk = os.read(self.rfd, 65536)
             if not chunk:
                 return None
             buf += chunk
-        return bytes(buf)
 
     def resolve(self, spec):
         fn = self.functions.get(spec)
@@ -130,11 +149,13 @@ class _Child:
 
     def run(self):
         self.send({"op": "hello", "pid": self.pid})
+        if self.concurrency == 1:
+            # One call at a time: the call thread reads, runs, answers; this thread waits.
+            self._threads = 1
+            threading.Thread(target=self._serve_inline, daemon=True, name="call").start()
+            threading.Event().wait()
         while True:
-            head = self.read_exact(4)
-            if head is None:
-                break
-            body = self.read_exact(int.from_bytes(head, "big"))
+            body = self.read_frame()
             if body is None:
                 break
             msg = msgpack.unpackb(body)
@@ -143,6 +164,24 @@ class _Child:
         # The parent closed the pipe: it frees the pool (no call runs) or is gone (calls
         # that still run have no one to report to). Either way, end now.
         os._exit(0)
+
+    def _serve_inline(self):
+        while True:
+            body = self.read_frame()
+            if body is None:
+                os._exit(0)         # as run(): the pool is freed, or the parent is gone
+            msg = msgpack.unpackb(body)
+            if msg.get("op") != "call":
+                continue
+            try:
+                done = self.call(msg)
+            except BaseException as exc:    # its log could not be written: a done still
+                done = {"op": "done", "id": msg["id"], "ok": False, "kind": "log",
+                        "type": type(exc).__name__, "message": str(exc), "tail": ""}
+            try:
+                self.send(done)
+            except OSError:         # the parent is gone
+                os._exit(0)
 
     def _dispatch(self, msg):
         # To a kept thread that is free, else to a new one (kept afterwards): as many
@@ -195,19 +234,22 @@ class _Child:
                 fn = self.resolve(msg["function"])
             except BaseException as exc:    # reported, never re-raised
                 return self._failed(cid, "import", exc, logf)
-            self.send({"op": "started", "id": cid})
+            # Said where nobody sleeps: a call that ends soon says it with its done.
+            self.send({"op": "started", "id": cid}, self.pfd)
             kwargs = dict(msg.get("args") or {})
             if msg.get("input") is not None:
                 kwargs["inputs"] = msg["input"]
             try:
                 result = fn(**kwargs)
             except BaseException as exc:    # SystemExit in a call fails it too
-                return self._failed(cid, "raise", exc, logf)
+                done = self._failed(cid, "raise", exc, logf)
+                done["started"] = True
+                return done
             text = repr(result)
             if len(text) > REPR_CHARS:
                 text = text[:REPR_CHARS] + "..."
             logf.write(f"leasehold: returned {text}\n")
-            return {"op": "done", "id": cid, "ok": True}
+            return {"op": "done", "id": cid, "ok": True, "started": True}
         finally:
             self.stdout.unbind()
             self.stderr.unbind()
@@ -233,6 +275,8 @@ class _Child:
 
 def main(argv):
     rfd, wfd = int(argv[1]), int(argv[2])
+    pfd = int(argv[3]) if len(argv) > 3 else None
+    concurrency = int(argv[4]) if len(argv) > 4 else 0
     # Run by path, sys.path[0] is this file's directory: make it the working directory, as
     # under ``python -m``, so user modules import as they would there (and this package's
     # private modules do not shadow anything).
@@ -241,13 +285,14 @@ def main(argv):
         sys.path[0] = os.getcwd()
     # The pipes are for this process only: a subprocess or fork a call makes must not hold
     # them open (the parent sees end of file only when every writer is gone).
-    os.set_inheritable(rfd, False)
-    os.set_inheritable(wfd, False)
+    for fd in (rfd, wfd, pfd):
+        if fd is not None:
+            os.set_inheritable(fd, False)
     for stream in (sys.stdout, sys.stderr):
         if stream is not None and hasattr(stream, "reconfigure"):
             # Line by line: the process ends with os._exit, which flushes nothing.
             stream.reconfigure(line_buffering=True)
-    child = _Child(rfd, wfd)
+    child = _Child(rfd, wfd, pfd, concurrency)
     sys.stdout, sys.stderr = child.stdout, child.stderr
     child.run()
 

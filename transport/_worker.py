@@ -266,14 +266,24 @@ class WorkerConnection:
         sock = self._sock
         while sock is not None:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                # Copied: the frames of a shard's message are small, and bytes cost less
+                # to make than zmq.Frame objects (~4 us less for a LEASES of one lease).
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
                 out.append(self._decoder.decode(frames))
             except p.ProtocolError:
-                continue        # nothing a shard should send: ignore it
+                pass            # nothing a shard should send: ignore it
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break           # asked, not found by a receive that raises (~4 us more)
         return out
+
+    @property
+    def has_pushed(self):
+        """Whether pushes received during a blocking call (register, drain, ...) wait for
+        :meth:`take` (the socket may then have nothing left to read)."""
+        return bool(self._pushed)
 
     @property
     def socket(self):
@@ -400,7 +410,7 @@ class WorkerConnection:
             if not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 return None
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)     # as take(): bytes
             except zmq.Again:
                 continue
             try:
