@@ -508,11 +508,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         placed = kernel_pass(kernel, now)
         if kernel.d_tail > before:
             # The rows this tick decided (fixed records only: the edges did not change).
-            n = kernel.d_tail - before
-            rows, fz = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-            na, nf = decided_rows(kernel, before, rows, fz)
-            self._touch_many(rows[:na])
-            self._touch_fz_many(fz[:nf])
+            rows, fz = decided_rows(kernel, before)
+            self._touch_many(rows)
+            if fz is not None:
+                self._touch_fz_many(fz)
         if kernel.f_count:
             failed = [int(st.f_action[i]) for i in range(kernel.f_count)]
             for row, i in zip(failed, range(kernel.f_count), strict=True):

@@ -36,7 +36,6 @@ _BIN_RECORD = b"\xc4" + bytes([RECORD_SIZE])
 # Up to this many dirty rows the codec sorts them itself; above, _distinct_rows does (a
 # bitmap of the table or numpy's sort beat a C qsort of many rows).
 _CODEC_SORTS = 4096
-_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 class Group:
@@ -308,7 +307,7 @@ class JournalMixin:
             # fixed record says so (the codec clears their lean flag); a lean row's fixed
             # record is its whole outcome.
             recs = self._recs
-            for r in self._action_blocks(parts_, batch).tolist():
+            for r in self._action_blocks(parts_, batch):
                 rec = recs.get(r)
                 if rec is not None:   # else restored and untouched: its record stands
                     batch.setdefault(int(st.a_part[r]), []).append(
@@ -387,27 +386,17 @@ class JournalMixin:
         allowed) to ``batch``: one block per partition (the row's ``a_part``), rows ordered
         by (partition, row), deduplicated, keyed and packed by the Cython codec in one call
         and handed to the store as they are. Returns the rows among them whose Python record
-        is their truth (``a_edges`` 1): the caller writes their attempts records."""
+        is their truth (``a_edges`` 1), a list: the caller writes their attempts records."""
         if len(parts) == 1:
             rows = parts[0]
         elif len(parts) > 1:
             rows = np.concatenate(parts)
         else:
-            return _NO_ROWS
+            return []
         if rows.size > _CODEC_SORTS:
             rows = _distinct_rows([rows], self._next_row)   # O(table) or numpy's sort
-        m = rows.size
-        size = self._codec_records.action_size
-        # Every byte is written by the codec: no zeroing.
-        keys, values = np.empty(8 * m, dtype=np.uint8), np.empty(size * m, dtype=np.uint8)
-        scratch, heavy = np.empty(m, dtype=np.uint64), np.empty(m, dtype=np.int64)
-        _n, blocks, n_heavy = self._codec_records.encode_blocks(
-            rows.astype(np.int64, copy=False), scratch, keys, values, heavy)
-        kv, vv = memoryview(keys), memoryview(values)
-        for part, lo, hi in blocks:
-            batch.setdefault(part, []).append(
-                Records.packed("actions", kv[8 * lo:8 * hi], vv[size * lo:size * hi], 8, size))
-        return heavy[:n_heavy]
+        return self._codec_records.encode_into(rows.astype(np.int64, copy=False), batch,
+                                               Records.packed)
 
     def _finalize_records(self, idx):
         """The fixed records of finalize rows ``idx``."""
