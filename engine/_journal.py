@@ -77,6 +77,88 @@ def _distinct_rows(parts, n):
     return np.unique(np.concatenate(parts) if len(parts) > 1 else parts[0])
 
 
+class _Turn:
+    """A loop turn (``Engine._turn``): turns nest; the outermost one's exit encodes what it
+    touched and commits it (or, in a deferred turn, leaves it for the group), and after an
+    error restores memory to what the store holds. A class, not a generator context
+    manager: every engine call runs in one, and a tick's decision in two."""
+
+    __slots__ = ("_eng",)
+
+    def __init__(self, eng):
+        self._eng = eng
+
+    def __enter__(self):
+        eng = self._eng
+        if eng._stopped is not None:
+            raise StoreError(f"shard stopped: {eng._stopped}")
+        if eng._depth == 0 and eng._pending and not eng._deferring:
+            raise StoreError(f"{len(eng._pending)} decided group(s) not committed yet: "
+                             f"commit them before another turn")
+        eng._depth += 1
+
+    def __exit__(self, exc_type, exc, tb):
+        eng = self._eng
+        eng._depth -= 1
+        if eng._depth == 0:
+            if exc_type is None and eng._deferring:
+                eng._pending_batch = eng._encode() if eng._has_dirty() else {}
+                eng._pending_retained = eng._retained_turn
+                eng._clear_dirty()
+            elif exc_type is None:
+                eng._commit()
+            elif eng._has_dirty():
+                # An error after memory changed: put memory back to what disk holds
+                # (which also discards every pending deferred group).
+                eng._discard_pending()
+                eng._restore()
+        return False
+
+
+class _DeferredTurn:
+    """``Engine.deferred_turn``'s context manager: a turn whose group is left pending."""
+
+    __slots__ = ("_eng", "_hand_out_own", "_group", "_turn")
+
+    def __init__(self, eng, hand_out_own):
+        self._eng = eng
+        self._hand_out_own = bool(hand_out_own)
+
+    def __enter__(self):
+        eng = self._eng
+        if eng._depth:
+            raise StoreError("a deferred turn cannot be nested in another turn")
+        group = self._group = Group(next(eng._group_seq))
+        eng._deferring = True
+        eng._hand_out_own = self._hand_out_own
+        turn = self._turn = _Turn(eng)
+        try:
+            turn.__enter__()
+        except BaseException:
+            eng._deferring = False
+            eng._hand_out_own = False
+            raise
+        return group
+
+    def __exit__(self, exc_type, exc, tb):
+        eng = self._eng
+        try:
+            self._turn.__exit__(exc_type, exc, tb)
+        finally:
+            eng._deferring = False
+            eng._hand_out_own = False
+        group = self._group
+        if exc_type is None and eng._stopped is None and group.state == "open":
+            group.batch = eng._pending_batch
+            group.retained = eng._pending_retained or None
+            group.dispatch_tail = eng._kernel.d_tail
+            group.state = "pending"
+            eng._pending_batch = None
+            eng._pending_retained = None
+            eng._pending.append(group)
+        return False
+
+
 class JournalMixin:
     """The journal of loop turns (a part of Engine)."""
 
@@ -89,7 +171,6 @@ class JournalMixin:
         with self._turn():
             yield self
 
-    @contextlib.contextmanager
     def deferred_turn(self, *, hand_out_own=False):
         """A loop turn whose commit is left to the caller: the block's transitions are
         applied in memory and encoded, when it exits, into a :class:`Group` (yielded at
@@ -104,25 +185,7 @@ class JournalMixin:
         pending too. That is for a caller that holds everything it drained until *this*
         group has committed (a shard loop's outbox): the hand-out record and the decisions
         it hands out then become durable together, or with the groups before it."""
-        if self._depth:
-            raise StoreError("a deferred turn cannot be nested in another turn")
-        group = Group(next(self._group_seq))
-        self._deferring = True
-        self._hand_out_own = bool(hand_out_own)
-        try:
-            with self._turn():
-                yield group
-        finally:
-            self._deferring = False
-            self._hand_out_own = False
-        if self._stopped is None and group.state == "open":
-            group.batch = self._pending_batch
-            group.retained = self._pending_retained or None
-            group.dispatch_tail = self._kernel.d_tail
-            group.state = "pending"
-            self._pending_batch = None
-            self._pending_retained = None
-            self._pending.append(group)
+        return _DeferredTurn(self, hand_out_own)
 
     def commit(self, group):
         """Make a pending :class:`Group` durable (groups commit in the order they were
@@ -179,32 +242,8 @@ class JournalMixin:
         """Deferred groups decided but not committed yet, oldest first."""
         return tuple(self._pending)
 
-    @contextlib.contextmanager
     def _turn(self):
-        if self._stopped is not None:
-            raise StoreError(f"shard stopped: {self._stopped}")
-        if self._depth == 0 and self._pending and not self._deferring:
-            raise StoreError(f"{len(self._pending)} decided group(s) not committed yet: "
-                             f"commit them before another turn")
-        self._depth += 1
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                if ok and self._deferring:
-                    self._pending_batch = self._encode() if self._has_dirty() else {}
-                    self._pending_retained = self._retained_turn
-                    self._clear_dirty()
-                elif ok:
-                    self._commit()
-                elif self._has_dirty():
-                    # An error after memory changed: put memory back to what disk holds
-                    # (which also discards every pending deferred group).
-                    self._discard_pending()
-                    self._restore()
+        return _Turn(self)
 
     def _has_dirty(self):
         return bool(self._dirty_rows or self._dirty_arrays or self._dirty_fz
