@@ -493,7 +493,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         if changed:
             changed.clear()
         self._decided = _NO_CHANGES
-        self._fire_timers(now)      # (appends the rows it changes to ``changed``)
+        timers = self._timers
+        if (timers and timers[0][0] <= now) or self._timer_blocks:
+            # (Most ticks have no timer due: no pass over them.)
+            self._fire_timers(now)      # (appends the rows it changes to ``changed``)
         swept = now >= self._next_sweep_ns
         if swept:
             for lease in self.expired_leases():
