@@ -245,15 +245,17 @@ cdef class RecordCodec:
         vp = <u8*>cnp.PyArray_DATA(values)
         with nogil:
             n = self._pack(&rows[0], m, scratch, kp, vp, heavy, &n_heavy)
+        # Everything read of the scratch buffer first: ``packed`` is a Python call.
+        out = [heavy[i] for i in range(n_heavy)]
+        blocks = self._blocks(scratch, n)
         kv = PyMemoryView_FromObject(keys)
         vv = PyMemoryView_FromObject(values)
-        blocks = self._blocks(scratch, n)
         for part, lo, hi in blocks:
             ops = batch.get(part)
             if ops is None:
                 ops = batch[part] = []
             ops.append(packed("actions", kv[8 * lo:8 * hi], vv[size * lo:size * hi], 8, size))
-        return [heavy[i] for i in range(n_heavy)]
+        return out
 
     cdef int _check_rows(self, const i64[::1] rows) except -1:
         cdef Py_ssize_t i
