@@ -512,7 +512,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         if kernel.d_tail > before:
             # The rows this tick decided (fixed records only: the edges did not change).
             rows, fz = decided_rows(kernel, before)
-            self._touch_many(rows)
+            if rows.size:
+                self._dirty_arrays.append(rows)     # (_touch_many, without the call)
             if fz is not None:
                 self._touch_fz_many(fz)
         if kernel.f_count:

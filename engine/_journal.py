@@ -102,7 +102,9 @@ class _Turn:
         eng._depth -= 1
         if eng._depth == 0:
             if exc_type is None and eng._deferring:
-                eng._pending_batch = eng._encode() if eng._has_dirty() else {}
+                # (A tick that placed anything has dirty arrays: no _has_dirty call.)
+                eng._pending_batch = (eng._encode() if eng._dirty_arrays or eng._has_dirty()
+                                      else {})
                 eng._pending_retained = eng._retained_turn
                 eng._clear_dirty()
             elif exc_type is None:
@@ -337,9 +339,11 @@ class JournalMixin:
     def _encode(self):
         """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
         st = self._state
-        batch = {p: list(ops) for p, ops in self._ops.items()}
+        # (Each step here is a cold one right after the kernel: none taken for nothing.)
+        batch = {p: list(ops) for p, ops in self._ops.items()} if self._ops else {}
         if self._dirty_rows or self._dirty_arrays:
-            parts_ = [a.astype(np.int64, copy=False) for a in self._dirty_arrays]
+            parts_ = [a if a.dtype == np.int64 else a.astype(np.int64)
+                      for a in self._dirty_arrays]
             if self._dirty_rows:
                 parts_.append(np.array(self._dirty_rows, dtype=np.int64))
             # Rows whose Python record is their truth get an attempts record, and their
@@ -434,8 +438,8 @@ class JournalMixin:
             return []
         if rows.size > _CODEC_SORTS:
             rows = _distinct_rows([rows], self._next_row)   # O(table) or numpy's sort
-        return self._codec_records.encode_into(rows.astype(np.int64, copy=False), batch,
-                                               Records.packed)
+        return self._codec_records.encode_into(
+            rows if rows.dtype == np.int64 else rows.astype(np.int64), batch, Records.packed)
 
     def _finalize_records(self, idx):
         """The fixed records of finalize rows ``idx``."""
