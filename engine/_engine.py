@@ -25,7 +25,7 @@ from engine._explain import ExplainMixin, Explanation
 from engine._history import ShapePriors, shape_key
 from engine._index import IndexMixin
 from engine._inspect import Inspection
-from engine._journal import Group, JournalMixin
+from engine._journal import Group, JournalMixin, _DeferredTurn
 from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
 from engine._model import compile_spec
@@ -394,7 +394,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         Cython tick. Returns the pending :class:`Group`; its ``placed`` is the number of
         assignments, which reach the dispatch channel's drainable end once it is
         committed."""
-        with self.deferred_turn() as group:
+        # deferred_turn()'s context manager itself: one cold call less a tick.
+        with _DeferredTurn(self, False) as group:
             group.placed, group.swept = self._decide_body()
         return group
 

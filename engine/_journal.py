@@ -117,10 +117,10 @@ class _Turn:
         return False
 
 
-class _DeferredTurn:
+class _DeferredTurn(_Turn):
     """``Engine.deferred_turn``'s context manager: a turn whose group is left pending."""
 
-    __slots__ = ("_eng", "_hand_out_own", "_group", "_turn")
+    __slots__ = ("_hand_out_own", "_group")
 
     def __init__(self, eng, hand_out_own):
         self._eng = eng
@@ -133,9 +133,8 @@ class _DeferredTurn:
         group = self._group = Group(next(eng._group_seq))
         eng._deferring = True
         eng._hand_out_own = self._hand_out_own
-        turn = self._turn = _Turn(eng)
         try:
-            turn.__enter__()
+            _Turn.__enter__(self)
         except BaseException:
             eng._deferring = False
             eng._hand_out_own = False
@@ -145,7 +144,7 @@ class _DeferredTurn:
     def __exit__(self, exc_type, exc, tb):
         eng = self._eng
         try:
-            self._turn.__exit__(exc_type, exc, tb)
+            _Turn.__exit__(self, exc_type, exc, tb)
         finally:
             eng._deferring = False
             eng._hand_out_own = False
