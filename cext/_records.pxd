@@ -91,6 +91,7 @@ cdef class RecordCodec:
     cdef i32[:, ::1] a_pnode                # node placement of the live lease (n_pods wide)
     cdef i32[::1] w_ident                   # session row -> worker identity
     cdef u64[::1] _scratch                  # encode_into: sort keys, then heavy rows
+    cdef Py_ssize_t _scratch_n              # ... its length (0: not made yet)
 
     cdef int _check_rows(self, const i64[::1] rows) except -1
     cdef Py_ssize_t _pack(self, const i64* rows, Py_ssize_t m, u64* scratch, u8* keys,

@@ -120,6 +120,7 @@ cdef class RecordCodec:
     def __cinit__(self):
         self.n_res = 0
         self.action_size = 0
+        self._scratch_n = 0
 
     def bind(self, state):
         """Bind the arrays of an ``engine._state.State``."""
@@ -232,9 +233,10 @@ cdef class RecordCodec:
         self._check_rows(rows)
         if m == 0:
             return []
-        if self._scratch is None or self._scratch.shape[0] < 2 * m:
+        if self._scratch_n < 2 * m:
             # Sort keys and heavy rows, kept between calls (grown, never shrunk).
-            self._scratch = np.empty(max(2 * m, 256), dtype=np.uint64)
+            self._scratch_n = max(2 * m, 256)
+            self._scratch = np.empty(self._scratch_n, dtype=np.uint64)
         scratch = <u64*>&self._scratch[0]
         heavy = <i64*>&self._scratch[m]
         dims[0] = 8 * m
