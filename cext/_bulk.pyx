@@ -3,6 +3,8 @@
 (a Python call per row was a third of aborting 100,000 actions); and the drain of the
 dispatch ring into a batch's columns in one pass (``drain_dispatch``)."""
 
+cimport numpy as cnp
+
 from cext._tick cimport TickKernel
 from cext._types cimport (
     END_LIVE,
@@ -22,6 +24,8 @@ from cext._types cimport (
 
 __all__ = ["remove_many", "release_many", "push_finalize_many", "drain_dispatch",
            "decided_rows"]
+
+cnp.import_array()
 
 
 def remove_many(TickKernel k not None, const i64[::1] rows not None):
@@ -80,28 +84,43 @@ cdef void _push_finalize_many(TickKernel k, const i64[::1] rows) noexcept nogil:
         k._push_finalize(<i32>rows[i])
 
 
-def decided_rows(TickKernel k not None, i64 since, i64[::1] actions not None,
-                 i64[::1] finalizes not None):
+def decided_rows(TickKernel k not None, i64 since):
     """The rows of the dispatch entries from ``since`` to the ring's tail (what one tick
-    decided): action rows into ``actions``, finalize rows into ``finalizes`` (each with room
-    for ``k.d_tail - since``), in ring order. Returns ``(n_actions, n_finalizes)``."""
+    decided), in ring order: ``(actions, finalizes)``, int64 arrays of their action rows and
+    finalize rows, ``finalizes`` None when there are none (the common case). The arrays are
+    made here (no Python around the kernel's call but this one: right after the kernel,
+    every Python step costs several times what it does alone)."""
     cdef Py_ssize_t cap = k.d_action.shape[0]
     cdef i64 n = k.d_tail - since, s
     cdef Py_ssize_t na = 0, nf = 0
+    cdef cnp.npy_intp dims[1]
+    cdef cnp.ndarray actions, finalizes
+    cdef i64* ap
+    cdef i64* fp
     if since < k.d_head or n < 0:
         raise ValueError(f"dispatch entries from {since}: the ring holds "
                          f"{k.d_head} .. {k.d_tail}")
-    if actions.shape[0] < n or finalizes.shape[0] < n:
-        raise ValueError(f"decided_rows: outputs shorter than {n} entries")
     with nogil:
         for s in range(since, k.d_tail):
             if k.d_kind[s % cap] == KIND_FINALIZE:
-                finalizes[nf] = k.d_action[s % cap]
+                nf += 1
+    dims[0] = n - nf
+    actions = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+    ap = <i64*>cnp.PyArray_DATA(actions)
+    if nf:
+        dims[0] = nf
+        finalizes = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+        fp = <i64*>cnp.PyArray_DATA(finalizes)
+        nf = 0
+    with nogil:
+        for s in range(since, k.d_tail):
+            if k.d_kind[s % cap] == KIND_FINALIZE:
+                fp[nf] = k.d_action[s % cap]
                 nf += 1
             else:
-                actions[na] = k.d_action[s % cap]
+                ap[na] = k.d_action[s % cap]
                 na += 1
-    return na, nf
+    return actions, (finalizes if nf else None)
 
 
 def drain_dispatch(TickKernel k not None, i64 n, i64 now, u8 ph_init,

@@ -90,6 +90,13 @@ cdef class RecordCodec:
     cdef i64[:, ::1] a_demand               # demand vectors
     cdef i32[:, ::1] a_pnode                # node placement of the live lease (n_pods wide)
     cdef i32[::1] w_ident                   # session row -> worker identity
+    cdef u64[::1] _scratch                  # encode_into: sort keys, then heavy rows
+    cdef Py_ssize_t _scratch_n              # ... its length (0: not made yet)
+
+    cdef int _check_rows(self, const i64[::1] rows) except -1
+    cdef Py_ssize_t _pack(self, const i64* rows, Py_ssize_t m, u64* scratch, u8* keys,
+                          u8* values, i64* heavy, Py_ssize_t* n_heavy) noexcept nogil
+    cdef list _blocks(self, const u64* scratch, Py_ssize_t n)
 
     cdef void _encode(self, i64 a, u8* dst) noexcept nogil
     cdef int _decode(self, const u8* src, i32[::1] holder, i64 rows) noexcept nogil

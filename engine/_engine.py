@@ -25,7 +25,7 @@ from engine._explain import ExplainMixin, Explanation
 from engine._history import ShapePriors, shape_key
 from engine._index import IndexMixin
 from engine._inspect import Inspection
-from engine._journal import Group, JournalMixin, _Turn
+from engine._journal import Group, JournalMixin, _DeferredTurn
 from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
 from engine._model import compile_spec
@@ -104,7 +104,6 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._stopped = None        # why the shard stopped (lost ownership), or None
         self._tenant_parts = {}     # tenant -> partition (a cache of partition_of)
         self._depth = 0             # nesting of transitions in the current loop turn
-        self._turn_cm = _Turn(self)   # the context manager of _turn (one, re-entrant)
         self._deferring = False     # the current turn is deferred (decide / deferred_turn)
         self._hand_out_own = False  # ... and may hand out what is not committed yet
         self._pending = collections.deque()   # deferred groups not committed yet, in order
@@ -395,7 +394,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         Cython tick. Returns the pending :class:`Group`; its ``placed`` is the number of
         assignments, which reach the dispatch channel's drainable end once it is
         committed."""
-        with self.deferred_turn() as group:
+        # deferred_turn()'s context manager itself: one cold call less a tick.
+        with _DeferredTurn(self, False) as group:
             group.placed, group.swept = self._decide_body()
         return group
 
@@ -494,7 +494,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         if changed:
             changed.clear()
         self._decided = _NO_CHANGES
-        self._fire_timers(now)      # (appends the rows it changes to ``changed``)
+        timers = self._timers
+        if (timers and timers[0][0] <= now) or self._timer_blocks:
+            # (Most ticks have no timer due: no pass over them.)
+            self._fire_timers(now)      # (appends the rows it changes to ``changed``)
         swept = now >= self._next_sweep_ns
         if swept:
             for lease in self.expired_leases():
@@ -509,11 +512,11 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         placed = kernel_pass(kernel, now)
         if kernel.d_tail > before:
             # The rows this tick decided (fixed records only: the edges did not change).
-            n = kernel.d_tail - before
-            rows, fz = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-            na, nf = decided_rows(kernel, before, rows, fz)
-            self._touch_many(rows[:na])
-            self._touch_fz_many(fz[:nf])
+            rows, fz = decided_rows(kernel, before)
+            if rows.size:
+                self._dirty_arrays.append(rows)     # (_touch_many, without the call)
+            if fz is not None:
+                self._touch_fz_many(fz)
         if kernel.f_count:
             failed = [int(st.f_action[i]) for i in range(kernel.f_count)]
             for row, i in zip(failed, range(kernel.f_count), strict=True):

@@ -36,7 +36,6 @@ _BIN_RECORD = b"\xc4" + bytes([RECORD_SIZE])
 # Up to this many dirty rows the codec sorts them itself; above, _distinct_rows does (a
 # bitmap of the table or numpy's sort beat a C qsort of many rows).
 _CODEC_SORTS = 4096
-_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 class Group:
@@ -79,8 +78,10 @@ def _distinct_rows(parts, n):
 
 
 class _Turn:
-    """``JournalMixin._turn``'s context manager: one per engine, entered re-entrantly (its
-    state is the engine's ``_depth``; ``__exit__`` is told whether the block raised)."""
+    """A loop turn (``Engine._turn``): turns nest; the outermost one's exit encodes what it
+    touched and commits it (or, in a deferred turn, leaves it for the group), and after an
+    error restores memory to what the store holds. A class, not a generator context
+    manager: every engine call runs in one, and a tick's decision in two."""
 
     __slots__ = ("_eng",)
 
@@ -88,10 +89,74 @@ class _Turn:
         self._eng = eng
 
     def __enter__(self):
-        self._eng._enter_turn()
+        eng = self._eng
+        if eng._stopped is not None:
+            raise StoreError(f"shard stopped: {eng._stopped}")
+        if eng._depth == 0 and eng._pending and not eng._deferring:
+            raise StoreError(f"{len(eng._pending)} decided group(s) not committed yet: "
+                             f"commit them before another turn")
+        eng._depth += 1
 
     def __exit__(self, exc_type, exc, tb):
-        self._eng._exit_turn(exc_type is None)
+        eng = self._eng
+        eng._depth -= 1
+        if eng._depth == 0:
+            if exc_type is None and eng._deferring:
+                # (A tick that placed anything has dirty arrays: no _has_dirty call.)
+                eng._pending_batch = (eng._encode() if eng._dirty_arrays or eng._has_dirty()
+                                      else {})
+                eng._pending_retained = eng._retained_turn
+                eng._clear_dirty()
+            elif exc_type is None:
+                eng._commit()
+            elif eng._has_dirty():
+                # An error after memory changed: put memory back to what disk holds
+                # (which also discards every pending deferred group).
+                eng._discard_pending()
+                eng._restore()
+        return False
+
+
+class _DeferredTurn(_Turn):
+    """``Engine.deferred_turn``'s context manager: a turn whose group is left pending."""
+
+    __slots__ = ("_hand_out_own", "_group")
+
+    def __init__(self, eng, hand_out_own):
+        self._eng = eng
+        self._hand_out_own = bool(hand_out_own)
+
+    def __enter__(self):
+        eng = self._eng
+        if eng._depth:
+            raise StoreError("a deferred turn cannot be nested in another turn")
+        group = self._group = Group(next(eng._group_seq))
+        eng._deferring = True
+        eng._hand_out_own = self._hand_out_own
+        try:
+            _Turn.__enter__(self)
+        except BaseException:
+            eng._deferring = False
+            eng._hand_out_own = False
+            raise
+        return group
+
+    def __exit__(self, exc_type, exc, tb):
+        eng = self._eng
+        try:
+            _Turn.__exit__(self, exc_type, exc, tb)
+        finally:
+            eng._deferring = False
+            eng._hand_out_own = False
+        group = self._group
+        if exc_type is None and eng._stopped is None and group.state == "open":
+            group.batch = eng._pending_batch
+            group.retained = eng._pending_retained or None
+            group.dispatch_tail = eng._kernel.d_tail
+            group.state = "pending"
+            eng._pending_batch = None
+            eng._pending_retained = None
+            eng._pending.append(group)
         return False
 
 
@@ -107,7 +172,6 @@ class JournalMixin:
         with self._turn():
             yield self
 
-    @contextlib.contextmanager
     def deferred_turn(self, *, hand_out_own=False):
         """A loop turn whose commit is left to the caller: the block's transitions are
         applied in memory and encoded, when it exits, into a :class:`Group` (yielded at
@@ -122,25 +186,7 @@ class JournalMixin:
         pending too. That is for a caller that holds everything it drained until *this*
         group has committed (a shard loop's outbox): the hand-out record and the decisions
         it hands out then become durable together, or with the groups before it."""
-        if self._depth:
-            raise StoreError("a deferred turn cannot be nested in another turn")
-        group = Group(next(self._group_seq))
-        self._deferring = True
-        self._hand_out_own = bool(hand_out_own)
-        try:
-            with self._turn():
-                yield group
-        finally:
-            self._deferring = False
-            self._hand_out_own = False
-        if self._stopped is None and group.state == "open":
-            group.batch = self._pending_batch
-            group.retained = self._pending_retained or None
-            group.dispatch_tail = self._kernel.d_tail
-            group.state = "pending"
-            self._pending_batch = None
-            self._pending_retained = None
-            self._pending.append(group)
+        return _DeferredTurn(self, hand_out_own)
 
     def commit(self, group):
         """Make a pending :class:`Group` durable (groups commit in the order they were
@@ -198,35 +244,7 @@ class JournalMixin:
         return tuple(self._pending)
 
     def _turn(self):
-        """The loop turn every transition runs in (``with self._turn():``): nested ones
-        join the outermost, whose exit commits, encodes a deferred group, or restores memory
-        after an error. One reusable object per engine (``_Turn``): a transition enters it
-        several times a loop turn, and a generator-based context manager cost ~2.5 us an
-        entry, ~20 us of an idle round trip's two turns."""
-        return self._turn_cm
-
-    def _enter_turn(self):
-        if self._stopped is not None:
-            raise StoreError(f"shard stopped: {self._stopped}")
-        if self._depth == 0 and self._pending and not self._deferring:
-            raise StoreError(f"{len(self._pending)} decided group(s) not committed yet: "
-                             f"commit them before another turn")
-        self._depth += 1
-
-    def _exit_turn(self, ok):
-        self._depth -= 1
-        if self._depth == 0:
-            if ok and self._deferring:
-                self._pending_batch = self._encode() if self._has_dirty() else {}
-                self._pending_retained = self._retained_turn
-                self._clear_dirty()
-            elif ok:
-                self._commit()
-            elif self._has_dirty():
-                # An error after memory changed: put memory back to what disk holds
-                # (which also discards every pending deferred group).
-                self._discard_pending()
-                self._restore()
+        return _Turn(self)
 
     def _has_dirty(self):
         return bool(self._dirty_rows or self._dirty_arrays or self._dirty_fz
@@ -320,16 +338,18 @@ class JournalMixin:
     def _encode(self):
         """The turn's group: dirty rows' fixed records, outcomes, and the edges."""
         st = self._state
-        batch = {p: list(ops) for p, ops in self._ops.items()}
+        # (Each step here is a cold one right after the kernel: none taken for nothing.)
+        batch = {p: list(ops) for p, ops in self._ops.items()} if self._ops else {}
         if self._dirty_rows or self._dirty_arrays:
-            parts_ = [a.astype(np.int64, copy=False) for a in self._dirty_arrays]
+            parts_ = [a if a.dtype == np.int64 else a.astype(np.int64)
+                      for a in self._dirty_arrays]
             if self._dirty_rows:
                 parts_.append(np.array(self._dirty_rows, dtype=np.int64))
             # Rows whose Python record is their truth get an attempts record, and their
             # fixed record says so (the codec clears their lean flag); a lean row's fixed
             # record is its whole outcome.
             recs = self._recs
-            for r in self._action_blocks(parts_, batch).tolist():
+            for r in self._action_blocks(parts_, batch):
                 rec = recs.get(r)
                 if rec is not None:   # else restored and untouched: its record stands
                     batch.setdefault(int(st.a_part[r]), []).append(
@@ -408,27 +428,17 @@ class JournalMixin:
         allowed) to ``batch``: one block per partition (the row's ``a_part``), rows ordered
         by (partition, row), deduplicated, keyed and packed by the Cython codec in one call
         and handed to the store as they are. Returns the rows among them whose Python record
-        is their truth (``a_edges`` 1): the caller writes their attempts records."""
+        is their truth (``a_edges`` 1), a list: the caller writes their attempts records."""
         if len(parts) == 1:
             rows = parts[0]
         elif len(parts) > 1:
             rows = np.concatenate(parts)
         else:
-            return _NO_ROWS
+            return []
         if rows.size > _CODEC_SORTS:
             rows = _distinct_rows([rows], self._next_row)   # O(table) or numpy's sort
-        m = rows.size
-        size = self._codec_records.action_size
-        # Every byte is written by the codec: no zeroing.
-        keys, values = np.empty(8 * m, dtype=np.uint8), np.empty(size * m, dtype=np.uint8)
-        scratch, heavy = np.empty(m, dtype=np.uint64), np.empty(m, dtype=np.int64)
-        _n, blocks, n_heavy = self._codec_records.encode_blocks(
-            rows.astype(np.int64, copy=False), scratch, keys, values, heavy)
-        kv, vv = memoryview(keys), memoryview(values)
-        for part, lo, hi in blocks:
-            batch.setdefault(part, []).append(
-                Records.packed("actions", kv[8 * lo:8 * hi], vv[size * lo:size * hi], 8, size))
-        return heavy[:n_heavy]
+        return self._codec_records.encode_into(
+            rows if rows.dtype == np.int64 else rows.astype(np.int64), batch, Records.packed)
 
     def _finalize_records(self, idx):
         """The fixed records of finalize rows ``idx``."""

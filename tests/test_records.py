@@ -197,6 +197,35 @@ def test_blocks_are_the_distinct_rows_by_partition_and_row_each_packed_as_alone(
     assert st.a_lean[3] == (0 if 3 in rows else 1) and st.a_lean[:3].all()
 
 
+@settings(max_examples=100, deadline=None)
+@given(st_.lists(st_.integers(0, 39), max_size=80),
+       st_.lists(st_.integers(0, 3), min_size=40, max_size=40))
+def test_encode_into_appends_the_blocks_encode_blocks_makes(rows, parts):
+    # The journal's one-call path: the same records, keys and partition blocks as
+    # encode_blocks, each handed to ``packed`` (storage.Records.packed), appended after what
+    # the batch already holds; the heavy rows returned as a list.
+    from storage import Records
+    st, codec = _partitioned_rows(40, parts)
+    arr = np.array(rows, dtype=np.int64)
+    n, blocks, keys, values, heavy = _blocks(codec, arr)
+    st.a_lean[:] = 1
+    size = codec.action_size
+    batch = {1: ["edge"]}
+    got = codec.encode_into(arr, batch, Records.packed)
+    assert got == heavy.tolist()
+    want = {1: ["edge"]}
+    for p, lo, hi in blocks:
+        want.setdefault(p, []).append((keys[8 * lo:8 * hi].tobytes(),
+                                       values[size * lo:size * hi].tobytes()))
+    assert sorted(batch) == sorted(want)
+    for p, ops in batch.items():
+        assert [op if op == "edge" else (bytes(op.keys), bytes(op.values)) for op in ops] \
+            == want[p]
+        assert all(op.db == "actions" and (op.key_size, op.value_size) == (8, size)
+                   for op in ops if op != "edge")
+    assert codec.encode_into(np.empty(0, dtype=np.int64), batch, Records.packed) == []
+
+
 def test_blocks_refuse_rows_outside_the_table_and_short_buffers():
     import pytest
     _st, codec = _partitioned_rows(8, [0] * 8)
