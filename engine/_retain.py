@@ -445,9 +445,8 @@ class RetentionMixin:
             keys = _retained_keys(texts)
         raws = self._store.get_many(part, "retained", keys)
         # What turns not yet in the store write (a pipelined loop nearly always has one in
-        # commit): each map is probed once a key only if it holds this partition's entries.
-        unwritten = [m for m in (self._retained_turn, *(g.retained for g in reversed(
-            self._pending))) if m]
+        # commit): probed a key at a time only when some map holds entries.
+        unwritten = self._unwritten_maps()
         if unwritten:
             for i, key in enumerate(keys):
                 k = (part, key)
@@ -466,16 +465,21 @@ class RetentionMixin:
         keys = _keys_of(np.broadcast_to(run, (len(names), 8)), names)
         return self._retained_many(aid.tenant, texts, keys)
 
+    def _unwritten_maps(self):
+        """The non-empty maps ``(partition, key) -> raw`` (None: a delete) of retained
+        outcomes written by this turn, then by each group decided and not yet committed,
+        newest first: the store does not have them yet."""
+        return [m for m in (self._retained_turn, *(g.retained for g in reversed(
+            self._pending))) if m]
+
     def _unwritten_retained(self, part, key):
         """``(found, raw)``: a retained outcome this turn, or a group decided and not yet
         committed, writes (raw None: deletes). The store does not have it yet; a lookup
         that missed it would take a reclaimed action for one never enqueued."""
         k = (part, key)
-        if k in self._retained_turn:
-            return True, self._retained_turn[k]
-        for g in reversed(self._pending):
-            if g.retained and k in g.retained:
-                return True, g.retained[k]
+        for m in self._unwritten_maps():
+            if k in m:
+                return True, m[k]
         return False, None
 
     def _decode_retained(self, aid, part, raw):
