@@ -229,6 +229,18 @@ def test_identical_content_in_enqueue_many_is_one_group_in_batch_order():
         assert view.record(view.row_of(aid)).spec.timeouts.max_runtime == 60.0
 
 
+def test_enqueue_many_says_which_ids_it_added():
+    # ``added``: False for an id that existed with the same spec (a no-op), True for the
+    # ids this call enqueued.
+    eng = engine()
+    first = eng.enqueue_many([template("a"), template("b")])
+    assert first.added.tolist() == [True, True]
+    again = eng.enqueue_many([template("c"), template("a"), template("d")])
+    assert [str(a) for a in again] == [f"acme/p/d/r/{n}" for n in ("c", "a", "d")]
+    assert again.added.tolist() == [True, False, True]
+    assert eng.enqueue_many([template("b")]).added.tolist() == [False]
+
+
 def test_specs_enqueued_one_by_one_are_checked_and_stored_as_if_compiled_afresh():
     # Compiled specs are kept by content across calls (dicts by their own bytes too): a
     # spec of seen content still gets its own id, its own checks and its idempotency.
