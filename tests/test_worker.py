@@ -296,7 +296,7 @@ def test_an_attempt_gets_a_log_path_only_when_its_plugin_logs(rig, tmp_path):
     assert r.client.wait([f"{RUN}/l"], timeout=10) == {f"{RUN}/l": Phase.SUCCEEDED}
     (att,) = r.plugin.started.values()
     assert att.workdir is None              # no finalize lease to remove one
-    assert att.log_path == tmp_path / "logs" / RUN / "l" / "1.log"
+    assert att.log_path == tmp_path / "logs" / RUN / "l.1.log"   # one directory a run
     assert att.log_path.parent.is_dir()     # made for the plugin before start
 
 
