@@ -14,22 +14,35 @@
   engine holds per live fan-out action, with ``LIVE`` (100,000) actions enqueued on a
   table sized for them; ``table_bytes_per_row`` is the part of it that is the action table's
   columns.
-* ``rss_growth_pct``: process RSS after ``CHURN`` (5,000,000) actions went through the life
-  cycle with about ``LIVE_CHURN`` (10,000) live at any time, against RSS once warm (after
-  200,000: the store holds a full retention's outcomes by then); memory should be bounded by
-  live work, not by history. The churn's store keeps outcomes for ``CHURN_RETENTION`` (1 s)
-  of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a batch, so about 100,000 outcomes
-  are retained at any time and ``schedule()``'s sweep deletes the expired ones, as a shard
-  does. RSS counts the pages of LMDB's memory map the process has touched (page cache of
-  the retained outcomes), so the same growth is also given for anonymous memory alone
-  (``anon_growth_pct``: RSS less file-backed pages, /proc/self/smaps_rollup) and for the
-  Python heap and numpy buffers (``heap_growth_pct``, tracemalloc); ``churn_retained_end``
-  and ``churn_runs_end`` are the retained outcomes and the runs in memory at the end.
-  ``rss_growth_second_half_pct`` / ``anon_growth_second_half_pct``: the same growth from
-  the churn's half-way point to its end, when another 2,500,000 actions of history pass
-  through a store whose file has reached its size (LMDB reuses freed pages; the file stops
-  growing after about 700,000 here, but RSS keeps counting pages of it the process touches
-  for the first time, which the figure from 200,000 includes).
+* ``rss_growth_pct``: process RSS growth over ``CHURN`` (5,000,000) actions through the life
+  cycle with about ``LIVE_CHURN`` (10,000) live at any time, measured from a steady state;
+  memory should be bounded by live work, not by history. The churn's store keeps outcomes
+  for ``CHURN_RETENTION`` (1 s) of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a
+  batch, so about 100,000 outcomes are retained at any time and ``schedule()``'s sweep
+  deletes the expired ones, as a shard does. The steady state: a warm-up runs until the
+  store's LMDB data files (16 partitions and the journal; LMDB extends a file when it first
+  writes a page past its end, and reuses freed pages) grew less than ``WARM_TOL`` (0.5%)
+  over the last ``WARM_WINDOW`` x ``WARM_STEP`` (500,000) actions (``churn_warm_actions``
+  is where; ``churn_steady`` false if ``WARM_MAX`` came first), then ``CHURN`` more actions
+  are measured (``churn_actions_in_all`` in all). Before that point RSS counts the filling of
+  bounded things: the files (about 41,000 pages at 200,000 actions, 51,000 at 700,000, then
+  flat) and the pages of LMDB's map the process touches for the first time. RSS is split
+  into ``anon_growth_pct`` (anonymous memory, /proc/self/smaps_rollup) and
+  ``file_rss_growth_pct`` (RSS less anonymous: mostly the map's page cache), and the
+  Python heap and numpy buffers (tracemalloc) give ``heap_growth_pct``. The engine's cache
+  of compiled specs (``_TEMPLATES_KEPT`` = 4,096, engine/_admission.py) takes one entry per
+  batch here (each batch is a new run with a new spec content) and empties when full, so the
+  heap is a saw-tooth of period 4,096 batches: ``heap_growth_pct`` depends on where in it
+  the two points fall (``specs_warm`` / ``specs_end``: entries at each point).
+  ``rss_growth_second_half_pct`` / ``anon_growth_second_half_pct``: from the measured
+  window's half-way point to its end. ``rss_growth_from_200k_pct``,
+  ``anon_growth_from_200k_pct``, ``heap_growth_from_200k_pct``: the definition used until
+  2026-12-03, from 200,000 actions (a full retention's outcomes stored) to ``CHURN`` in all,
+  which includes the filling above. ``rss_*``, ``anon_*``, ``file_*``, ``heap_*``,
+  ``store_*`` (data files' bytes), ``specs_*`` at ``200k``, ``warm``, ``half``, ``end``:
+  the raw samples; ``churn_store_files_mb``: the files' size every ``WARM_STEP`` of warm-up.
+  ``churn_retained_end`` and ``churn_runs_end``: retained outcomes and runs in memory at
+  the end. ``churn_per_s``: the measured window's rate (under tracemalloc: slower).
 
 Usage: ``python bench/lifecycle.py [--n N] [--churn N] [--only PART]``.
 """
