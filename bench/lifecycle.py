@@ -14,22 +14,35 @@
   engine holds per live fan-out action, with ``LIVE`` (100,000) actions enqueued on a
   table sized for them; ``table_bytes_per_row`` is the part of it that is the action table's
   columns.
-* ``rss_growth_pct``: process RSS after ``CHURN`` (5,000,000) actions went through the life
-  cycle with about ``LIVE_CHURN`` (10,000) live at any time, against RSS once warm (after
-  200,000: the store holds a full retention's outcomes by then); memory should be bounded by
-  live work, not by history. The churn's store keeps outcomes for ``CHURN_RETENTION`` (1 s)
-  of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a batch, so about 100,000 outcomes
-  are retained at any time and ``schedule()``'s sweep deletes the expired ones, as a shard
-  does. RSS counts the pages of LMDB's memory map the process has touched (page cache of
-  the retained outcomes), so the same growth is also given for anonymous memory alone
-  (``anon_growth_pct``: RSS less file-backed pages, /proc/self/smaps_rollup) and for the
-  Python heap and numpy buffers (``heap_growth_pct``, tracemalloc); ``churn_retained_end``
-  and ``churn_runs_end`` are the retained outcomes and the runs in memory at the end.
-  ``rss_growth_second_half_pct`` / ``anon_growth_second_half_pct``: the same growth from
-  the churn's half-way point to its end, when another 2,500,000 actions of history pass
-  through a store whose file has reached its size (LMDB reuses freed pages; the file stops
-  growing after about 700,000 here, but RSS keeps counting pages of it the process touches
-  for the first time, which the figure from 200,000 includes).
+* ``rss_growth_pct``: process RSS growth over ``CHURN`` (5,000,000) actions through the life
+  cycle with about ``LIVE_CHURN`` (10,000) live at any time, measured from a steady state;
+  memory should be bounded by live work, not by history. The churn's store keeps outcomes
+  for ``CHURN_RETENTION`` (1 s) of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a
+  batch, so about 100,000 outcomes are retained at any time and ``schedule()``'s sweep
+  deletes the expired ones, as a shard does. The steady state: a warm-up runs until the
+  store's LMDB data files (16 partitions and the journal; LMDB extends a file when it first
+  writes a page past its end, and reuses freed pages) grew less than ``WARM_TOL`` (0.5%)
+  over the last ``WARM_WINDOW`` x ``WARM_STEP`` (500,000) actions (``churn_warm_actions``
+  is where; ``churn_steady`` false if ``WARM_MAX`` came first), then ``CHURN`` more actions
+  are measured (``churn_actions_in_all`` in all). Before that point RSS counts the filling of
+  bounded things: the files (about 41,000 pages at 200,000 actions, 51,000 at 700,000, then
+  flat) and the pages of LMDB's map the process touches for the first time. RSS is split
+  into ``anon_growth_pct`` (anonymous memory, /proc/self/smaps_rollup) and
+  ``file_rss_growth_pct`` (RSS less anonymous: mostly the map's page cache), and the
+  Python heap and numpy buffers (tracemalloc) give ``heap_growth_pct``. The engine's cache
+  of compiled specs (``_TEMPLATES_KEPT`` = 4,096, engine/_admission.py) takes one entry per
+  batch here (each batch is a new run with a new spec content) and empties when full, so the
+  heap is a saw-tooth of period 4,096 batches: ``heap_growth_pct`` depends on where in it
+  the two points fall (``specs_warm`` / ``specs_end``: entries at each point).
+  ``rss_growth_second_half_pct`` / ``anon_growth_second_half_pct``: from the measured
+  window's half-way point to its end. ``rss_growth_from_200k_pct``,
+  ``anon_growth_from_200k_pct``, ``heap_growth_from_200k_pct``: the definition used until
+  2026-12-03, from 200,000 actions (a full retention's outcomes stored) to ``CHURN`` in all,
+  which includes the filling above. ``rss_*``, ``anon_*``, ``file_*``, ``heap_*``,
+  ``store_*`` (data files' bytes), ``specs_*`` at ``200k``, ``warm``, ``half``, ``end``:
+  the raw samples; ``churn_store_files_mb``: the files' size every ``WARM_STEP`` of warm-up.
+  ``churn_retained_end`` and ``churn_runs_end``: retained outcomes and runs in memory at
+  the end. ``churn_per_s``: the measured window's rate (under tracemalloc: slower).
 
 Usage: ``python bench/lifecycle.py [--n N] [--churn N] [--only PART]``.
 """
@@ -50,7 +63,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 
 from engine import ActionSpec, Engine, ManualClock, Phase, parse_config  # noqa: E402
 from engine._state import ACTION_FIELDS  # noqa: E402
@@ -64,6 +76,13 @@ LIVE_CHURN = 10_000
 # CHURN_BATCH_S a batch: about 100 batches (100,000 outcomes) retained at any time.
 CHURN_RETENTION = 1.0
 CHURN_BATCH_S = 0.01
+# The churn measures from a steady state: the store's data files (LMDB extends a file the
+# first time a page past its end is written; freed pages are reused) grew less than WARM_TOL
+# over the last WARM_WINDOW checks, one every WARM_STEP actions; at most WARM_MAX actions.
+WARM_STEP = 250_000
+WARM_WINDOW = 2
+WARM_TOL = 0.005
+WARM_MAX = 5_000_000
 
 
 def config(path, capacity=1 << 17, retention="7d"):
@@ -146,12 +165,28 @@ def memory_per_action(path, n):
     return (full - empty + table) / n, table / rows
 
 
-def _anon_bytes():
+def _memory():
+    """``(rss, anon, file)`` bytes of this process: RSS, its anonymous part and its
+    file-backed part (/proc/self/smaps_rollup: Rss and Anonymous; file = the rest, mostly
+    pages of LMDB's memory map the process has touched)."""
+    kb = {}
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            if line.startswith("Anonymous:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Anonymous"):
+                kb[key] = int(rest.split()[0]) * 1024
+    return kb["Rss"], kb["Anonymous"], kb["Rss"] - kb["Anonymous"]
+
+
+def _store_bytes(path):
+    """Bytes of the store's LMDB data files (its 16 partitions and its journal): LMDB
+    extends a file as it first writes a page past its end, so this is how many pages the
+    store has ever used at once (freed pages are reused)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("data.mdb"))
+
+
+def _pct(end, start):
+    return round((end - start) / start * 100, 2)
 
 
 def churn(path, total, live):
@@ -160,14 +195,27 @@ def churn(path, total, live):
     eng = Engine(parse_config(config(path, capacity=1 << 14, retention=CHURN_RETENTION)),
                  clock=clock)
     eng.register_worker("w", "east", live)
-    proc = psutil.Process()
     names = [f"i{k}" for k in range(BATCH)]
-    rss_warm = anon_warm = heap_warm = rss_half = anon_half = None
-    # Warm once the store holds a full retention's worth of outcomes (and at least 10x live).
-    warm = max(live * 10, 2 * round(CHURN_RETENTION / CHURN_BATCH_S) * BATCH)
+
+    def sample():
+        gc.collect()
+        rss, anon, file = _memory()
+        return {"rss": rss, "anon": anon, "file": file,
+                "heap": tracemalloc.get_traced_memory()[0],
+                "store": _store_bytes(path),
+                # the engine's bounded cache of compiled specs (engine/_admission.py): read
+                # only to say how full it is, as it is most of the heap's growth
+                "specs": len(eng._templates), "done": done}
+
+    # The old warm point: the store holds a full retention's outcomes (and at least 10x live).
+    early = max(live * 10, 2 * round(CHURN_RETENTION / CHURN_BATCH_S) * BATCH)
+    s_early = s_old_end = s_warm = s_half = None
+    stores = []                 # the store's file size every WARM_STEP actions of warm-up
     done = b = 0
-    t0 = time.perf_counter()
-    while done < total:
+    check = WARM_STEP
+    end = None                  # set once warm: the warm point + total
+    t_warm = time.perf_counter()
+    while end is None or done < end:
         eng.enqueue_fanout(template(b), names)
         b += 1
         with eng.turn():
@@ -176,38 +224,56 @@ def churn(path, total, live):
         eng.report_many(batch.tokens, Phase.SUCCEEDED)
         done += len(batch)
         clock.advance(CHURN_BATCH_S)
-        if rss_warm is None and done >= warm:
-            gc.collect()
-            rss_warm, anon_warm = proc.memory_info().rss, _anon_bytes()
-            heap_warm = tracemalloc.get_traced_memory()[0]
-        if rss_half is None and done >= total // 2:
-            gc.collect()
-            rss_half, anon_half = proc.memory_info().rss, _anon_bytes()
-    elapsed = time.perf_counter() - t0
-    gc.collect()
-    rss_end, anon_end = proc.memory_info().rss, _anon_bytes()
-    heap_end = tracemalloc.get_traced_memory()[0]
+        if s_early is None and done >= early:
+            s_early = sample()
+        if s_old_end is None and done >= total:
+            s_old_end = sample()
+        if end is None and done >= check:
+            check += WARM_STEP
+            stores.append(_store_bytes(path))
+            # Steady once the store's files grew less than WARM_TOL over the last
+            # WARM_WINDOW steps (or WARM_MAX passed: then churn_steady is false).
+            if (len(stores) > WARM_WINDOW
+                    and stores[-1] <= stores[-1 - WARM_WINDOW] * (1 + WARM_TOL)
+                    or done >= WARM_MAX):
+                s_warm = sample()
+                end = done + total
+                t_warm = time.perf_counter()
+        if end is not None and s_half is None and done >= s_warm["done"] + total // 2:
+            s_half = sample()
+    elapsed = time.perf_counter() - t_warm
+    s_end = sample()
     tracemalloc.stop()
     rows = eng.inspect().arrays.a_state.shape[0]
     retained = sum(1 for _ in eng.store.scan("retained"))
     runs = len(eng.inspect().runs())
     eng.close()
-    return {"rss_growth_pct": round((rss_end - rss_warm) / rss_warm * 100, 1),
-            "churn_retained_end": retained,
-            "churn_runs_end": runs,
-            "anon_growth_pct": round((anon_end - anon_warm) / anon_warm * 100, 1),
-            # The second half adds as much history as the first: growth here is what more
-            # history costs once the store's file has been cycled through.
-            "rss_growth_second_half_pct": round((rss_end - rss_half) / rss_half * 100, 1),
-            "anon_growth_second_half_pct": round((anon_end - anon_half) / anon_half * 100, 1),
-            "heap_growth_pct": round((heap_end - heap_warm) / heap_warm * 100, 1),
-            "rss_warm_bytes": rss_warm, "rss_end_bytes": rss_end,
-            "anon_warm_bytes": anon_warm, "anon_end_bytes": anon_end,
-            "heap_warm_bytes": heap_warm, "heap_end_bytes": heap_end,
-            "churn_table_rows": rows,
-            "churn_retention_s": CHURN_RETENTION, "churn_clock_per_batch_s": CHURN_BATCH_S,
-            # Through the whole life cycle including reclaiming every row (traced: slower).
-            "churn_per_s": round(done / elapsed)}
+    w, h, e, o, z = s_warm, s_half, s_end, s_early, s_old_end
+    return {
+        # From the steady state (the store's files stopped growing) over `total` actions.
+        "rss_growth_pct": _pct(e["rss"], w["rss"]),
+        "anon_growth_pct": _pct(e["anon"], w["anon"]),
+        "file_rss_growth_pct": _pct(e["file"], w["file"]),
+        "heap_growth_pct": _pct(e["heap"], w["heap"]),
+        "rss_growth_second_half_pct": _pct(e["rss"], h["rss"]),
+        "anon_growth_second_half_pct": _pct(e["anon"], h["anon"]),
+        "churn_warm_actions": w["done"], "churn_steady": w["done"] < WARM_MAX,
+        "churn_actions_in_all": done,
+        # The definition before 2026-12-03 (late): from `early` (200,000) to `total`
+        # actions in all, the store's files and the spec cache still filling.
+        **{f"{k}_growth_from_200k_pct": _pct(z[k], o[k]) if z["done"] > o["done"] else None
+           for k in ("rss", "anon", "heap")},
+        "churn_retained_end": retained,
+        "churn_runs_end": runs,
+        "churn_table_rows": rows,
+        "churn_store_files_mb": [round(s / 2**20, 1) for s in stores],
+        **{f"{k}_{at}": s[k] for at, s in (("200k", o), ("warm", w), ("half", h),
+                                            ("end", e))
+           for k in ("rss", "anon", "file", "heap", "store", "specs")},
+        "churn_retention_s": CHURN_RETENTION, "churn_clock_per_batch_s": CHURN_BATCH_S,
+        # The measured actions through the whole life cycle including reclaiming every row
+        # (traced: slower).
+        "churn_per_s": round(total / elapsed)}
 
 
 def main():
