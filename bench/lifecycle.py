@@ -205,7 +205,7 @@ def churn(path, total, live):
                 "store": _store_bytes(path),
                 # the engine's bounded cache of compiled specs (engine/_admission.py): read
                 # only to say how full it is, as it is most of the heap's growth
-                "specs": len(eng._templates), "done": done}
+                "specs": eng.inspect().compiled_specs, "done": done}
 
     # The old warm point: the store holds a full retention's outcomes (and at least 10x live).
     early = max(live * 10, 2 * round(CHURN_RETENTION / CHURN_BATCH_S) * BATCH)
@@ -261,7 +261,8 @@ def churn(path, total, live):
         "churn_actions_in_all": done,
         # The definition before 2026-12-03 (late): from `early` (200,000) to `total`
         # actions in all, the store's files and the spec cache still filling.
-        **{f"{k}_growth_from_200k_pct": _pct(z[k], o[k]) if z["done"] > o["done"] else None
+        **{f"{k}_growth_from_200k_pct": (_pct(z[k], o[k]) if o and z and z["done"] > o["done"]
+                                                     else None)
            for k in ("rss", "anon", "heap")},
         "churn_retained_end": retained,
         "churn_runs_end": runs,
@@ -269,7 +270,7 @@ def churn(path, total, live):
         "churn_store_files_mb": [round(s / 2**20, 1) for s in stores],
         **{f"{k}_{at}": s[k] for at, s in (("200k", o), ("warm", w), ("half", h),
                                             ("end", e))
-           for k in ("rss", "anon", "file", "heap", "store", "specs")},
+           for k in ("rss", "anon", "file", "heap", "store", "specs") if s},
         "churn_retention_s": CHURN_RETENTION, "churn_clock_per_batch_s": CHURN_BATCH_S,
         # The measured actions through the whole life cycle including reclaiming every row
         # (traced: slower).

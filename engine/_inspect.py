@@ -172,6 +172,12 @@ class Inspection:
         return int(self._engine._state.d_action.shape[0])
 
     @property
+    def compiled_specs(self):
+        """Spec contents in the engine's cache of compiled specs (bounded: it is emptied
+        when it reaches its size, engine/_admission.py)."""
+        return len(self._engine._templates)
+
+    @property
     def unschedulable_count(self):
         """Actions the last tick found can never fit (failed after the kernel)."""
         return self._engine._kernel.f_count

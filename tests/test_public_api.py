@@ -128,6 +128,16 @@ def test_inspection_lists_the_dispatch_channel_and_the_timers():
     assert view.dispatch() == []
 
 
+def test_inspection_counts_the_compiled_spec_contents_once_each():
+    eng, _ = make_engine(CONFIG)
+    view = eng.inspect()
+    before = view.compiled_specs
+    eng.enqueue_many([spec("r", "a"), spec("r", "b")])      # one content: names differ
+    assert view.compiled_specs == before + 1
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/c", task="t", resources={"cpu": 2})])
+    assert view.compiled_specs == before + 2
+
+
 # ---------------------------------------------------------------------- decide and commit
 
 
