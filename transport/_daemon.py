@@ -592,26 +592,29 @@ class Worker:
         # Paths as _paths makes them; each made only when its plugin needs it (a workdir
         # only where a finalize lease will remove it), each directory with one mkdir.
         workdir = log_path = None
+        work, logs, log = self._path_strings(h.action, h.number)
         if plugin.finalizes:
-            workdir = f"{self._work}/{h.action}/{h.number}"
-            _make_dir(workdir)
-            workdir = Path(workdir)
+            _make_dir(work)
+            workdir = Path(work)
         if plugin.logs:
             # One directory a run, made by its first attempt (a directory an action cost
             # its attempt an ext4 mkdir, 0.3-0.8 ms while the shard's commits sync).
-            run, _, name = h.action.rpartition("/")
-            parent = f"{self._logs}/{run}"
-            _make_dir(parent)
-            log_path = Path(f"{parent}/{name}.{h.number}.log")
+            _make_dir(logs)
+            log_path = Path(log)
         return make_attempt(h.token, h.action, h.number, spec, ex, pods, workdir, log_path,
                             h.input_ref, h.env)
 
-    def _paths(self, action, attempt):
-        # Action ids are segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths.
-        # One string each (joining Path objects cost more than the sim plugin's start).
+    def _path_strings(self, action, attempt):
+        # (workdir, its run's log directory, log file) of an attempt. Action ids are
+        # segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths. Strings (joining
+        # Path objects cost more than the sim plugin's start).
         run, _, name = action.rpartition("/")
-        return (Path(f"{self._work}/{action}/{attempt}"),
-                Path(f"{self._logs}/{run}/{name}.{attempt}.log"))
+        logs = f"{self._logs}/{run}"
+        return f"{self._work}/{action}/{attempt}", logs, f"{logs}/{name}.{attempt}.log"
+
+    def _paths(self, action, attempt):
+        work, _, log = self._path_strings(action, attempt)
+        return Path(work), Path(log)
 
     def _make_shape(self, spec):
         pods = []
