@@ -10,10 +10,10 @@ a fresh WATCH finds every one of them live), then one client WATCHes each run.
   run's live actions read and tracked for the re-check), median over the runs.
 * ``backstop_recheck_ms``: the re-check of one turn that re-reads tracked live actions (a
   backstop turn, or one going on with the re-check's round), median over ``--backstops`` such
-  turns; ``backstop_turn_ms`` the whole of such a turn on the decision thread (decided,
-  committed, sent); ``..._max`` the largest.
-* ``recheck_reads_per_turn``: tracked live actions re-read in one such turn (median; null
-  before the re-check read in rounds: every one, each backstop turn).
+  turns; ``backstop_turn_ms`` such a turn's decision on the decision thread (its messages
+  handled, tick, drain, re-check and group encoded; not its commit and sends);
+  ``..._max`` the largest.
+* ``recheck_reads_per_turn``: tracked live actions re-read in one such turn (median).
 * ``ping_ms_p50`` / ``ping_ms_max``: a client's PING round trip while the backstop turns run
   (the latency every other client of the shard sees).
 * ``status_ms``: the decision thread's time in the handler of one STATUS of a watched run's
@@ -21,8 +21,10 @@ a fresh WATCH finds every one of them live), then one client WATCHes each run.
   ``--statuses`` of them (each answered with the phases; the live ones the log does not
   follow yet are followed from their attempt).
 
-Timings wrap private methods of the shard loop (``transport._shard._Loop``): a measurement,
-not an interface.
+Every timing is the difference of two snapshots of ``Shard.counters`` (``watch_ns``,
+``status_ns`` and the re-check counters, documented there) around the request, or over a
+poll interval holding one re-check turn (``recheck_turns`` moved by one; an interval holding
+more gives each of its turns their mean).
 """
 
 import argparse
@@ -41,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from engine import parse_config  # noqa: E402
 from storage import MemoryStore  # noqa: E402
-from transport import Client, Shard, WatchLog, _shard  # noqa: E402
+from transport import Client, Shard  # noqa: E402
 
 
 def main():
@@ -53,55 +55,6 @@ def main():
     args = ap.parse_args()
 
     times = {"watch": [], "recheck": [], "turn": [], "reads": [], "status": []}
-    loop_cls = _shard._Loop
-    orig_watch, orig_recheck, orig_turn, orig_status = (
-        loop_cls.on_watch, loop_cls.recheck, loop_cls.turn, loop_cls.on_status)
-    state = {"counting": False}
-
-    def on_watch(self, *a):
-        t0 = time.perf_counter_ns()
-        try:
-            return orig_watch(self, *a)
-        finally:
-            times["watch"].append(time.perf_counter_ns() - t0)
-
-    def recheck(self):
-        t0 = time.perf_counter_ns()
-        backstop = self.check_all
-        try:
-            return orig_recheck(self)
-        finally:
-            if backstop and state["counting"]:
-                times["recheck"].append(time.perf_counter_ns() - t0)
-
-    def turn(self, msgs, backstop):
-        t0 = time.perf_counter_ns()
-        rechecks = backstop or getattr(self, "sweep_due", False)
-        try:
-            return orig_turn(self, msgs, backstop)
-        finally:
-            if rechecks and state["counting"]:
-                # (inline commits: the turn's commit and sends are inside; pipelined ones
-                # are settled later, so this is its decision only)
-                times["turn"].append(time.perf_counter_ns() - t0)
-
-    def on_status(self, *a):
-        t0 = time.perf_counter_ns()
-        try:
-            return orig_status(self, *a)
-        finally:
-            times["status"].append(time.perf_counter_ns() - t0)
-
-    loop_cls.on_watch, loop_cls.recheck, loop_cls.turn = on_watch, recheck, turn
-    loop_cls.on_status = on_status
-    orig_sweep = getattr(WatchLog, "sweep", None)
-    if orig_sweep is not None:          # (the re-check in rounds, read a part a turn)
-        def sweep(self, *a):
-            part, done = orig_sweep(self, *a)
-            if state["counting"]:
-                times["reads"].append(len(part))
-            return part, done
-        WatchLog.sweep = sweep
     pings = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_config({
@@ -123,18 +76,29 @@ def main():
                     c.enqueue_fanout(dict(spec, id=f"{run}/x"),
                                      [f"a{i}" for i in range(args.actions)])
                 for run in runs:
+                    before = shard.counters["watch_ns"]
                     c.subscribe(run)
+                    times["watch"].append(shard.counters["watch_ns"] - before)
                 asked = [f"{runs[0]}/a{i}" for i in range(min(args.actions, 10_000))]
                 for _ in range(args.statuses):
+                    before = shard.counters["status_ns"]
                     c.status(asked)
-                state["counting"] = True
+                    times["status"].append(shard.counters["status_ns"] - before)
                 deadline = time.monotonic() + 600
+                last = shard.counters
                 while len(times["recheck"]) < args.backstops and time.monotonic() < deadline:
                     t0 = time.perf_counter_ns()
                     c.ping()
                     pings.append(time.perf_counter_ns() - t0)
-                    time.sleep(0.01)
-                state["counting"] = False
+                    time.sleep(0.002)
+                    now = shard.counters
+                    turns = now["recheck_turns"] - last["recheck_turns"]
+                    if turns:
+                        for key, name in (("recheck", "recheck_ns"),
+                                          ("turn", "recheck_turn_ns"),
+                                          ("reads", "recheck_reads")):
+                            times[key].append((now[name] - last[name]) / turns)
+                    last = now
             finally:
                 c.close()
         finally:

@@ -1497,6 +1497,33 @@ def test_the_recheck_spread_over_turns_still_sees_every_expiry(tmp_path, monkeyp
         h.close()
 
 
+def test_the_read_paths_and_the_recheck_are_counted_one_turn_at_a_time(tmp_path):
+    """Shard.counters times the WATCH and STATUS handlers, and each re-check turn moves
+    recheck_turns by one with its decide time, its re-check's part and the tracked actions
+    it read (bench/watch.py reads these, not the loop's methods)."""
+    h = Harness(base_config(tmp_path, heartbeat_interval=0.2), store=MemoryStore())
+    shard = h.start()
+    try:
+        c = h.client()
+        ids = c.enqueue_many([spec(f"a{i}") for i in range(10)])   # no worker: all queued
+        assert shard.counters["watch_ns"] == shard.counters["status_ns"] == 0
+        c.subscribe(RUN)
+        assert shard.counters["watch_ns"] > 0
+        assert shard.counters["status_ns"] == 0
+        assert c.status(ids) == [Phase.WAITING_FOR_RESOURCES] * 10     # no worker yet
+        assert shard.counters["status_ns"] > 0
+        deadline = time.monotonic() + 10
+        while shard.counters["recheck_turns"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = shard.counters
+        assert got["recheck_turns"] >= 3
+        # Each backstop turn re-read the run's 10 live actions, a whole round a turn.
+        assert got["recheck_reads"] == 10 * got["recheck_turns"]
+        assert 0 < got["recheck_ns"] <= got["recheck_turn_ns"] <= got["decide_ns"]
+    finally:
+        h.close()
+
+
 def _events_until_quiet(c, quiet=0.5):
     """The watcher's events until none comes for ``quiet`` seconds (bounded by it)."""
     got = []

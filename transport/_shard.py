@@ -70,6 +70,8 @@ log = logging.getLogger("leasehold.shard")
 BATCH = 512
 _POLLIN = int(zmq.POLLIN)
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
+# Handlers whose time is counted (Shard.counters): the read paths that grow with a run.
+_HANDLER_NS = {p.MsgType.WATCH: "watch_ns", p.MsgType.STATUS: "status_ns"}
 
 _CODE_OF = {  # engine error class name -> wire code, for errors without a ``code``
     "SpecError": "INVALID_ARGUMENT", "ConfigError": "INVALID_CONFIG",
@@ -173,7 +175,9 @@ for a process of its own, as ``leasehold shard`` runs it).
                               refused_auth=0, unauthenticated=0, exhausted=0, leases_pushed=0,
                               leases_unsent=0, events=0, events_unsent=0, turns=0,
                               failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
-                              store_commits=0, decide_ns=0, commit_ns=0, send_ns=0)
+                              store_commits=0, decide_ns=0, commit_ns=0, send_ns=0,
+                              watch_ns=0, status_ns=0, recheck_turns=0, recheck_turn_ns=0,
+                              recheck_ns=0, recheck_reads=0)
         # Each counter has one writer at a time (the decision thread; store_commits and
         # commit_ns also the committer thread, whose commits never overlap the decision
         # thread's own), so an increment needs no lock; a snapshot is one dict copy under
@@ -224,7 +228,14 @@ for a process of its own, as ``leasehold shard`` runs it).
         nanoseconds summed over its turns: ``decide_ns`` (a turn's messages handled, its
         tick and drain, its group encoded: from the turn's start until its group went to
         commit), ``commit_ns`` (the store's group commits, each with its sync) and
-        ``send_ns`` (a committed turn's answers, leases and events sent)."""
+        ``send_ns`` (a committed turn's answers, leases and events sent). The read paths
+        whose cost grows with a run's size: ``watch_ns`` and ``status_ns`` (the WATCH and
+        STATUS handlers), and the watch re-check's turns (a backstop turn, or one going on
+        with the re-check's round): ``recheck_turns`` of them, ``recheck_turn_ns`` their
+        decide time (counted in ``decide_ns`` too), ``recheck_ns`` the re-check's part of
+        it and ``recheck_reads`` the tracked live actions it re-read. The four re-check
+        counters move together (one update at the turn's end), so the difference of two
+        snapshots one re-check turn apart is that turn's."""
         out = dict(self._counters)
         auth = getattr(self, "_auth", None)
         out["handshakes_accepted"] = auth.accepted if auth is not None else 0
@@ -552,6 +563,8 @@ class _Loop:
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = self.sweep_due or backstop
+        self.recheck_ns = None      # set by a re-check of the tracked actions (recheck)
+        self.recheck_reads = 0
         self.sweep_due = False
         self.index = None           # the message being applied (None: none is)
         try:
@@ -600,7 +613,11 @@ class _Loop:
         if group.state != "pending":        # the engine stopped (ownership lost)
             self.unavailable(box, "the shard stopped")
             return
-        self.shard._count("decide_ns", time.perf_counter_ns() - started)
+        decided = time.perf_counter_ns() - started
+        if self.recheck_ns is None:
+            self.shard._count("decide_ns", decided)
+        else:
+            self.shard._counters.update(self._recheck_counts(decided))
         if not self.inflight and (self.depth == 1 or not group.batch or (
                 self.settings.idle_commit_inline and not self.waiting())):
             # Nothing before it in commit, and nothing to write, no pipeline, or no message
@@ -795,6 +812,8 @@ class _Loop:
             self.error(conn, rid, "PERMISSION_DENIED", str(exc))
             return
         method = getattr(self, "on_" + msg.TYPE.name.lower())
+        timed = _HANDLER_NS.get(msg.TYPE)
+        started = time.perf_counter_ns() if timed else 0
         try:
             # Before anything is applied: a request naming a tenant another shard owns is
             # refused whole, so a tenant's runs never split over two shards' stores.
@@ -810,6 +829,9 @@ class _Loop:
             log.exception("shard %s: %s failed", self.shard.name, msg.TYPE.name)
             raise _Poison(self.index, conn, rid, f"{msg.TYPE.name}: internal error in the shard: "
                                      f"{type(exc).__name__}: {exc}"[:4000]) from exc
+        finally:
+            if timed:
+                self.shard._count(timed, time.perf_counter_ns() - started)
 
     def _forget_idle(self):
         bound = set(self.worker_conn.values())
@@ -1314,10 +1336,21 @@ class _Loop:
         actions (expiry, retry, timeouts: :meth:`sweep`)."""
         if not len(self.watch):
             return
+        started = time.perf_counter_ns()
         if self.check:
             self.reread(list(self.check), self.eng.clock.now_ns())
         if self.check_all:
             self.sweep()
+            self.recheck_ns = time.perf_counter_ns() - started
+
+    def _recheck_counts(self, decided):
+        # The counters a re-check turn moves, new values in one dict (Shard.counters).
+        c = self.shard._counters
+        return {"decide_ns": c["decide_ns"] + decided,
+                "recheck_turns": c["recheck_turns"] + 1,
+                "recheck_turn_ns": c["recheck_turn_ns"] + decided,
+                "recheck_ns": c["recheck_ns"] + self.recheck_ns,
+                "recheck_reads": c["recheck_reads"] + self.recheck_reads}
 
     def sweep(self):
         """The next RECHECK tracked live actions of the re-check's round (``WatchLog.sweep``),
@@ -1335,6 +1368,7 @@ class _Loop:
             check = self.check
             part = [x for x in part if x[1] not in ended and x not in check]
             self.reread(part, self.eng.clock.now_ns(), pending=pending)
+        self.recheck_reads = len(part)
         self.sweep_more = not done
         if not done:
             self.next_sweep = time.monotonic() + max(0.005, 2 * (time.monotonic() - started))

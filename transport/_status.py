@@ -87,7 +87,8 @@ SHARD_COUNTERS = ("received", "replies", "errors", "protocol_errors", "refused_a
                   "unauthenticated", "exhausted", "leases_pushed", "leases_unsent", "events",
                   "events_unsent", "turns", "failed_commits", "ticks", "stops_pushed",
                   "stops_unsent", "store_commits", "handshakes_accepted", "handshakes_refused",
-                  "decide_ns", "commit_ns", "send_ns")
+                  "decide_ns", "commit_ns", "send_ns", "watch_ns", "status_ns",
+                  "recheck_turns", "recheck_turn_ns", "recheck_ns", "recheck_reads")
 VERDICTS = tuple(v.name for v in Verdict)           # refusal counts by Verdict value
 ERROR_KINDS = (*ERROR_CODES, "OTHER")               # ERROR replies by wire code
 STATES = ("starting", "running", "stopped")         # the shard record's ``state``
