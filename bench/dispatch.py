@@ -1,6 +1,6 @@
 """End-to-end dispatch: prints ONE JSON object on stdout (nothing else).
 
-    .venv/bin/python bench/dispatch.py [--repeats 3] [--actions 50000] [--rtt 200]
+    .venv/bin/python bench/dispatch.py [--repeats 3] [--actions 50000] [--rtt 200] [--slots N]
 
 One ``leasehold shard`` process (LMDB, ``sync = true``: every group commit is an fdatasync,
 CURVE on) and one worker process (``transport.Worker`` with the ``sim`` plugin at zero
@@ -22,6 +22,10 @@ duration, and the ``python`` plugin for the warm pool), driven by clients in thi
 * ``idle_rtt_p50_ms``: afterwards, one action at a time: enqueue to SUCCEEDED seen.
 * ``warm_pool_rtt_p50_ms``: one ``python``-plugin action at a time in a reusable environment
   whose pool is already warm (the first action, which starts it, is not counted).
+
+``--slots``: the worker's slots (leases it holds at once; default 1,000,000, more than the
+run, so every admitted lease is pushed at once and the backlog waits in the sockets between
+the processes; a few thousand keep it in the engine's queue, where runs take turns).
 
 Each figure is the median over ``--repeats`` runs (a fresh shard, worker and store each).
 """
@@ -49,6 +53,9 @@ from transport import Client, generate_keypair, load_client_keys  # noqa: E402
 
 BATCH = 1000
 WINDOW = 4
+# The worker's slots (leases held at once) by default: more than the run, so the backlog
+# waits in the pipeline (the worker's and the shard's sockets), not in the engine's queue.
+SLOTS = 1_000_000
 
 
 
@@ -96,7 +103,7 @@ log_dir = "{tmp / 'logs'}"
     return path
 
 
-def worker_main(config, receipts_path):
+def worker_main(config, receipts_path, slots):
     """The worker process: transport.Worker with the real plugins; the sim plugin's start
     also notes when each lease arrived (written out at SIGTERM)."""
     import signal
@@ -114,7 +121,7 @@ def worker_main(config, receipts_path):
         return start(attempt)
 
     sim.start = start_noting
-    w = Worker(config, "east", name="east-1", slots=1_000_000, plugins=plugins)
+    w = Worker(config, "east", name="east-1", slots=int(slots), plugins=plugins)
     freeze_heap()               # as `leasehold worker` does once started
     ending = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: ending.set())
@@ -128,14 +135,14 @@ def worker_main(config, receipts_path):
             f.write(f"{action} {t}\n")
 
 
-def start_processes(tmp, config):
+def start_processes(tmp, config, slots):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     shard = subprocess.Popen([sys.executable, "-m", "engine.cli", "shard", "--config",
                               str(config)], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     worker = subprocess.Popen([sys.executable, __file__, "--worker", str(config),
-                               str(tmp / "receipts.txt")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+                               str(tmp / "receipts.txt"), str(slots)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     return shard, worker
 
 
@@ -151,7 +158,7 @@ def pct(values, q):
     return values[min(len(values) - 1, int(len(values) * q))]
 
 
-def one_run(actions, rtt_count, pipeline=None):
+def one_run(actions, rtt_count, pipeline=None, slots=SLOTS):
     with tempfile.TemporaryDirectory(prefix="leasehold-dispatch-") as d:
         tmp = Path(d)
         port = free_port()
@@ -163,7 +170,7 @@ def one_run(actions, rtt_count, pipeline=None):
             return Client(endpoint=endpoint, keys=load_client_keys(keys, name, "shard"),
                           timeout=60.0)
 
-        shard, worker = start_processes(tmp, config)
+        shard, worker = start_processes(tmp, config, slots)
         watcher = client("acme-app")
         try:
             wait_up(watcher)
@@ -296,19 +303,22 @@ def main():
     ap.add_argument("--rtt", type=int, default=200)
     ap.add_argument("--commit-pipeline", type=int, default=None,
                     help="transport.commit_pipeline of the shard (default: the config's)")
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--slots", type=int, default=SLOTS,
+                    help="the worker's slots: leases it holds at once (default %(default)s)")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_main(*args.worker)
         return
-    runs = [one_run(args.actions, args.rtt, args.commit_pipeline) for _ in range(args.repeats)]
+    runs = [one_run(args.actions, args.rtt, args.commit_pipeline, args.slots)
+            for _ in range(args.repeats)]
     out = {}
     for key in runs[0]:
         vals = [r[key] for r in runs if r[key] is not None]
         out[key] = round(statistics.median(vals), 3) if vals else None
         out[f"{key}_runs"] = [None if r[key] is None else round(r[key], 3) for r in runs]
     out.update(actions=args.actions, commit_pipeline=args.commit_pipeline or 2, batch=BATCH,
-               window=WINDOW, repeats=args.repeats,
+               window=WINDOW, slots=args.slots, repeats=args.repeats,
                goals={"dispatch_per_s": ">= 100000", "dispatch_p99_ms": "<= 50",
                       "small_run_p50_ms": "<= 2", "idle_rtt_p50_ms": "<= 1.5",
                       "warm_pool_rtt_p50_ms": "<= 2.0"},
