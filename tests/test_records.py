@@ -164,6 +164,11 @@ def _partitioned_rows(n, parts):
     return st, codec
 
 
+# A turn's dirty rows of a 40-row table (any order, repeats) and each row's partition.
+_DIRTY_ROWS = st_.lists(st_.integers(0, 39), max_size=80)
+_PARTITIONS = st_.lists(st_.integers(0, 3), min_size=40, max_size=40)
+
+
 def _blocks(codec, rows):
     m = rows.size
     keys, values = np.empty(8 * m, np.uint8), np.empty(codec.action_size * m, np.uint8)
@@ -173,8 +178,7 @@ def _blocks(codec, rows):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st_.lists(st_.integers(0, 39), max_size=80),
-       st_.lists(st_.integers(0, 3), min_size=40, max_size=40))
+@given(_DIRTY_ROWS, _PARTITIONS)
 def test_blocks_are_the_distinct_rows_by_partition_and_row_each_packed_as_alone(rows, parts):
     # What the journal hands the store for a turn's dirty rows (any order, repeats): one
     # block per partition, rows ascending and distinct within it, keys big-endian rows, each
@@ -198,8 +202,7 @@ def test_blocks_are_the_distinct_rows_by_partition_and_row_each_packed_as_alone(
 
 
 @settings(max_examples=100, deadline=None)
-@given(st_.lists(st_.integers(0, 39), max_size=80),
-       st_.lists(st_.integers(0, 3), min_size=40, max_size=40))
+@given(_DIRTY_ROWS, _PARTITIONS)
 def test_encode_into_appends_the_blocks_encode_blocks_makes(rows, parts):
     # The journal's one-call path: the same records, keys and partition blocks as
     # encode_blocks, each handed to ``packed`` (storage.Records.packed), appended after what
