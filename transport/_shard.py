@@ -59,7 +59,7 @@ from transport._committer import Committer, CommitterStore
 from transport._keys import load_keyring
 from transport._shards import check_owned, shard_config
 from transport._sockets import send, server_socket
-from transport._status import StatusWriter
+from transport._status import SHARD_COUNTERS, StatusWriter
 from transport._watch import RECHECK, WatchGap, WatchLog
 
 __all__ = ["Shard", "BATCH"]
@@ -72,6 +72,7 @@ _POLLIN = int(zmq.POLLIN)
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
 # Handlers whose time is counted (Shard.counters): the read paths that grow with a run.
 _HANDLER_NS = {p.MsgType.WATCH: "watch_ns", p.MsgType.STATUS: "status_ns"}
+_AUTH_COUNTERS = ("handshakes_accepted", "handshakes_refused")
 
 _CODE_OF = {  # engine error class name -> wire code, for errors without a ``code``
     "SpecError": "INVALID_ARGUMENT", "ConfigError": "INVALID_CONFIG",
@@ -171,13 +172,10 @@ for a process of its own, as ``leasehold shard`` runs it).
         self._error = None
         self._thread = None
         self.endpoint = None
-        self._counters = dict(received=0, replies=0, errors=0, protocol_errors=0,
-                              refused_auth=0, unauthenticated=0, exhausted=0, leases_pushed=0,
-                              leases_unsent=0, events=0, events_unsent=0, turns=0,
-                              failed_commits=0, ticks=0, stops_pushed=0, stops_unsent=0,
-                              store_commits=0, decide_ns=0, commit_ns=0, send_ns=0,
-                              watch_ns=0, status_ns=0, recheck_turns=0, recheck_turn_ns=0,
-                              recheck_ns=0, recheck_reads=0)
+        # The counters are declared once, in the status file's layout (the two handshake
+        # counts are the authenticator's, added to each snapshot).
+        self._counters = dict.fromkeys((k for k in SHARD_COUNTERS if k not in _AUTH_COUNTERS),
+                                       0)
         # Each counter has one writer at a time (the decision thread; store_commits and
         # commit_ns also the committer thread, whose commits never overlap the decision
         # thread's own), so an increment needs no lock; a snapshot is one dict copy under
@@ -244,6 +242,11 @@ for a process of its own, as ``leasehold shard`` runs it).
 
     def _count(self, key, n=1):
         self._counters[key] += n
+
+    def _count_many(self, deltas):
+        # One dict update: a snapshot sees all of ``deltas`` or none of them.
+        c = self._counters
+        c.update({k: c[k] + n for k, n in deltas.items()})
 
     def _on_commit(self, ns, ok):
         # On the committer thread: the status's commit histogram is updated there too
@@ -617,7 +620,10 @@ class _Loop:
         if self.recheck_ns is None:
             self.shard._count("decide_ns", decided)
         else:
-            self.shard._counters.update(self._recheck_counts(decided))
+            self.shard._count_many({"decide_ns": decided, "recheck_turns": 1,
+                                    "recheck_turn_ns": decided,
+                                    "recheck_ns": self.recheck_ns,
+                                    "recheck_reads": self.recheck_reads})
         if not self.inflight and (self.depth == 1 or not group.batch or (
                 self.settings.idle_commit_inline and not self.waiting())):
             # Nothing before it in commit, and nothing to write, no pipeline, or no message
@@ -1342,15 +1348,6 @@ class _Loop:
         if self.check_all:
             self.sweep()
             self.recheck_ns = time.perf_counter_ns() - started
-
-    def _recheck_counts(self, decided):
-        # The counters a re-check turn moves, new values in one dict (Shard.counters).
-        c = self.shard._counters
-        return {"decide_ns": c["decide_ns"] + decided,
-                "recheck_turns": c["recheck_turns"] + 1,
-                "recheck_turn_ns": c["recheck_turn_ns"] + decided,
-                "recheck_ns": c["recheck_ns"] + self.recheck_ns,
-                "recheck_reads": c["recheck_reads"] + self.recheck_reads}
 
     def sweep(self):
         """The next RECHECK tracked live actions of the re-check's round (``WatchLog.sweep``),
