@@ -31,6 +31,18 @@ The model (``generate``; everything drawn from one ``random.Random(seed)``):
   shares that started late or early (by more than 1 s).
 
     .venv/bin/python bench/quality.py [--seed N] [--days D] [--admission shapes|nodes]
+                                      [--oracle]
+
+``--oracle`` adds the bound on what any predictor that learns from history can reach here.
+In this model a job's runtime is drawn independently from its task-and-shape law, so nothing
+in the history of a key says more about its next job than the law itself. Backfill is run
+again with every job's estimate set from its own key's *true* law: its mean
+(``oracle_mean``: of the runtime as capped, computed exactly) and its quantiles 0.5 to 0.9
+(``oracle_q50`` ... ``oracle_q90``). Per oracle: ``mean_wait_oracle_<law>_s``,
+``gang_max_wait_oracle_<law>_s``, ``oracle_<law>_vs_exact_mean_wait``,
+``oracle_<law>_vs_greedy_mean_wait`` and ``oracle_<law>_vs_fifo_gang_max_wait``; then
+``oracle_best_vs_exact_mean_wait`` and ``oracle_best_vs_greedy_mean_wait`` (the best law for
+each). About 5 x 2-10 s more.
 
 ``--admission nodes`` sets every cluster's ``admission = "nodes"``: the engine itself places
 pods on nodes (nothing it admits pends in the node model) and backfill reserves nodes.
@@ -45,6 +57,7 @@ import time
 import tomllib
 from dataclasses import replace
 from pathlib import Path
+from statistics import NormalDist
 
 ROOT = Path(__file__).resolve().parent.parent
 for _path in (ROOT, ROOT / "bench"):       # bench/ too when imported as a module (tests)
@@ -113,22 +126,50 @@ def _cpus(pods):
 
 
 def _draw(rng, catalogue, weights):
-    """One job of the model: ``(task, queue, pods, runtime)``."""
+    """One job of the model: ``(task, queue, pods, runtime, law)``, its runtime drawn from
+    its task-and-shape law ``(scale, sigma)``: ``scale * lognormal(0, sigma)`` clipped to
+    1 s .. ``CAP_S``."""
     name, queue, _w, shapes, median, sigma = rng.choices(catalogue, weights)[0]
     pods, factor = rng.choice(shapes)
     runtime = min(CAP_S, max(1.0, factor * rng.lognormvariate(math.log(median), sigma)))
-    return name, queue, pods, runtime
+    return name, queue, pods, runtime, (factor * median, sigma)
 
 
-def generate(seed, days):
-    """The trace: a list of Jobs sorted by submission (no runtime estimates)."""
+_NORMAL = NormalDist()
+
+
+def law_quantile(law, q):
+    """Quantile ``q`` of a runtime law ``(scale, sigma)`` (as clipped to 1 s .. ``CAP_S``)."""
+    scale, sigma = law
+    return min(CAP_S, max(1.0, scale * math.exp(sigma * _NORMAL.inv_cdf(q))))
+
+
+def law_mean(law):
+    """The mean of a runtime law ``(scale, sigma)`` capped at ``CAP_S``, exactly:
+    E[min(X, C)] = scale e^(s^2/2) Phi((ln(C/scale) - s^2) / s) + C (1 - Phi(ln(C/scale) / s)).
+    (The 1 s floor is left out: below 0.3% of any task's mass here, and under 1 s of it.)"""
+    scale, sigma = law
+    z = math.log(CAP_S / scale) / sigma
+    return (scale * math.exp(sigma * sigma / 2) * _NORMAL.cdf(z - sigma)
+            + CAP_S * (1 - _NORMAL.cdf(z)))
+
+
+#: The oracles of ``--oracle``: name -> estimate of a law.
+ORACLES = {"mean": law_mean,
+           **{f"q{round(q * 100)}": (lambda law, q=q: law_quantile(law, q))
+              for q in (0.5, 0.6, 0.7, 0.8, 0.9)}}
+
+
+def generate(seed, days, laws=None):
+    """The trace: a list of Jobs sorted by submission (no runtime estimates). ``laws``: a
+    list to which each job's runtime law ``(scale, sigma)`` is appended, in job order."""
     rng = random.Random(seed)
     catalogue = tasks(rng)
     weights = [t[2] for t in catalogue]
     # The offered load, measured on a sample of the model (the cap and the Zipf weights make
     # a closed form awkward): jobs per second so that GPU-seconds arrive at LOAD x GPUS.
     probe = random.Random(seed + 1)
-    gpu_s = sum(_gpus(p) * r for _, _, p, r in (_draw(probe, catalogue, weights)
+    gpu_s = sum(_gpus(p) * r for _, _, p, r, _law in (_draw(probe, catalogue, weights)
                                                 for _ in range(20000))) / 20000
     rate = LOAD * GPUS / gpu_s
     jobs, t = [], 0.0
@@ -136,10 +177,20 @@ def generate(seed, days):
         t += rng.expovariate(rate)
         if t >= days * 86400:
             break
-        name, queue, pods, runtime = _draw(rng, catalogue, weights)
+        name, queue, pods, runtime, law = _draw(rng, catalogue, weights)
+        if laws is not None:
+            laws.append(law)
         jobs.append(Job(id=str(len(jobs)), submit=round(t, 3), runtime=round(runtime, 3),
                         pods=pods, task=name, queue=queue, where=f"quality:{len(jobs)}"))
     return jobs
+
+
+def _ratio(num, den):
+    if num is None or den is None:
+        return None
+    if den == 0:
+        return 1.0 if num == 0 else None
+    return num / den
 
 
 def main(argv=None):
@@ -149,13 +200,17 @@ def main(argv=None):
     parser.add_argument("--admission", choices=("shapes", "nodes"), default="shapes",
                         help="every cluster's admission (docs/nodes.md): 'nodes' places pods "
                              "on nodes in the engine too, backfill reserving nodes")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also run backfill with estimates from each job's true runtime "
+                             "law (its mean, quantiles 0.5-0.9): the bound for learned ones")
     args = parser.parse_args(argv)
     wall0 = time.perf_counter()
     data = tomllib.loads(CONFIG_PATH.read_text())
     for cluster in data["clusters"].values():
         cluster["admission"] = args.admission
     cfg = parse_config(data, source=str(CONFIG_PATH))
-    jobs = generate(args.seed, args.days)
+    laws = []
+    jobs = generate(args.seed, args.days, laws)
     exact = [replace(j, estimate=j.runtime) for j in jobs]
     out = {"bench": "quality", "seed": args.seed, "days": args.days, "jobs": len(jobs),
            "tasks": len({j.task for j in jobs}), "gangs": sum(j.n_pods > 1 for j in jobs),
@@ -191,14 +246,27 @@ def main(argv=None):
         "backfill_vs_fifo_gang_max_wait": (learned.gang_max_wait_s, fifo.gang_max_wait_s, 1.05),
     }
     for name, (num, den, goal) in ratios.items():
-        if num is None or den is None:
-            value = None
-        elif den == 0:
-            value = 1.0 if num == 0 else None
-        else:
-            value = num / den
+        value = _ratio(num, den)
         out[name] = round_or_none(value, 3)
         out[f"goal_{name}"] = value is not None and value <= goal
+    if args.oracle:
+        best = {"exact": None, "greedy": None}
+        for law_name, estimate in ORACLES.items():
+            trace = [replace(j, estimate=round(estimate(law), 3))
+                     for j, law in zip(jobs, laws, strict=True)]
+            r = simulate(cfg, trace, "backfill", prepared=prepare(cfg, trace))
+            key = f"oracle_{law_name}"
+            out[f"mean_wait_{key}_s"] = round_or_none(r.mean_wait_s, 1)
+            out[f"gang_max_wait_{key}_s"] = round_or_none(r.gang_max_wait_s, 1)
+            for other, den in (("exact", ex.mean_wait_s), ("greedy", greedy.mean_wait_s)):
+                value = _ratio(r.mean_wait_s, den)
+                out[f"{key}_vs_{other}_mean_wait"] = round_or_none(value, 3)
+                if value is not None and (best[other] is None or value < best[other]):
+                    best[other] = value
+            out[f"{key}_vs_fifo_gang_max_wait"] = round_or_none(
+                _ratio(r.gang_max_wait_s, fifo.gang_max_wait_s), 3)
+        out["oracle_best_vs_exact_mean_wait"] = round_or_none(best["exact"], 3)
+        out["oracle_best_vs_greedy_mean_wait"] = round_or_none(best["greedy"], 3)
     out["wall_s"] = round(time.perf_counter() - wall0, 2)
     print(json.dumps(out))
     return 0

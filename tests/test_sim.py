@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -341,6 +342,32 @@ def test_quality_bench_with_node_admission_prints_one_json_object(capsys):
     for policy in ("fifo", "backfill", "greedy", "backfill_exact"):
         assert data[f"completed_{policy}"] == data["jobs"], policy
         assert isinstance(data[f"mean_wait_{policy}_s"], float), policy
+
+
+def test_quality_bench_oracle_laws_are_the_models_own(capsys):
+    """--oracle: the estimates come from each job's true runtime law, whose mean and
+    quantiles match the model's draws, and each oracle run is printed against exact."""
+    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench/quality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = random.Random(7)
+    for law in ((600.0, 0.2), (3600.0, 1.2), (4 * 3600.0, 1.2)):   # the last one hits the cap
+        draws = sorted(min(bench.CAP_S, max(1.0, law[0] * rng.lognormvariate(0.0, law[1])))
+                       for _ in range(200_000))
+        assert bench.law_mean(law) == pytest.approx(sum(draws) / len(draws), rel=0.01)
+        assert bench.law_quantile(law, 0.8) == pytest.approx(draws[160_000], rel=0.02)
+    laws = []
+    jobs = bench.generate(3, 0.1, laws)
+    assert len(laws) == len(jobs) and jobs == bench.generate(3, 0.1)
+    assert bench.main(["--days", "0.5", "--seed", "1", "--oracle"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mean_wait_backfill_exact_s"] > 0      # (a trace with contention)
+    for law in bench.ORACLES:
+        assert isinstance(data[f"mean_wait_oracle_{law}_s"], float), law
+        assert data[f"oracle_{law}_vs_exact_mean_wait"] == pytest.approx(
+            data[f"mean_wait_oracle_{law}_s"] / data["mean_wait_backfill_exact_s"], abs=0.01)
+    assert data["oracle_best_vs_exact_mean_wait"] == min(
+        data[f"oracle_{law}_vs_exact_mean_wait"] for law in bench.ORACLES)
 
 
 def test_backfill_bench_prints_one_json_object(capsys):
