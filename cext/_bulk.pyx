@@ -96,7 +96,7 @@ def decided_rows(TickKernel k not None, i64 since):
     cdef cnp.npy_intp dims[1]
     cdef cnp.ndarray actions, finalizes
     cdef i64* ap
-    cdef i64* fp
+    cdef i64* fp = NULL      # (set when there are finalize rows; only read then)
     if since < k.d_head or n < 0:
         raise ValueError(f"dispatch entries from {since}: the ring holds "
                          f"{k.d_head} .. {k.d_tail}")
