@@ -571,11 +571,18 @@ class LmdbStore(Store):
 
     def _apply(self, p: int, txn, ops) -> None:
         """Apply ``ops`` to partition ``p`` inside its write transaction ``txn`` (a full map
-        raises ``lmdb.MapFullError``: the caller knows what to do)."""
+        raises ``lmdb.MapFullError``: the caller knows what to do). Consecutive puts to one
+        database go to LMDB in one ``putmulti`` (in order, so a later put of a key still
+        wins): a turn's per-action triples (the retained outcomes of the rows it reclaimed)
+        cost a quarter of what a ``txn.put`` each does."""
         h = self._dbh[p]
         meta = h["meta"]
+        run_db, run = None, []      # puts to one database not yet written, in order
         for op in ops:
             if isinstance(op, Records):
+                if run:
+                    self._put_run(p, txn, h, run_db, run)
+                    run = []
                 self._put_records(p, txn, h, op)
                 continue
             try:
@@ -584,14 +591,49 @@ class LmdbStore(Store):
                 if dbh is meta and bytes(key) in RESERVED_META_KEYS:
                     raise InvalidBatch(f"partition {p}: meta key {bytes(key)!r} is reserved for "
                                        f"the store", partition=p, db=db, key=bytes(key))
-                if value is None:
-                    txn.delete(key, db=dbh)
-                else:
-                    txn.put(key, value, db=dbh)
-            except (KeyError, TypeError, ValueError, BufferError, lmdb.BadValsizeError) as e:
+            except (KeyError, TypeError, ValueError, BufferError) as e:
                 if isinstance(e, InvalidBatch):
                     raise
                 raise InvalidBatch(f"partition {p}: bad op {op!r:.200}: "
+                                   f"{type(e).__name__}: {e}", partition=p) from None
+            if value is not None:
+                if run and db != run_db:
+                    self._put_run(p, txn, h, run_db, run)
+                    run = []
+                run_db = db
+                run.append((key, value))
+                continue
+            if run:
+                self._put_run(p, txn, h, run_db, run)
+                run = []
+            try:
+                txn.delete(key, db=dbh)
+            except (TypeError, ValueError, BufferError, lmdb.BadValsizeError) as e:
+                raise InvalidBatch(f"partition {p}: bad op {op!r:.200}: "
+                                   f"{type(e).__name__}: {e}", partition=p) from None
+        if run:
+            self._put_run(p, txn, h, run_db, run)
+
+    @staticmethod
+    def _put_run(p: int, txn, h, db: str, run: list) -> None:
+        """Put ``run`` (``(key, value)`` pairs, in op order) into database ``db``: one
+        ``putmulti`` (one ``put`` for a single pair). A pair LMDB refuses raises
+        ``InvalidBatch`` naming that op, found by putting the run again one pair at a time
+        (in order, so if every pair goes in that way the result is the run's all the same)."""
+        dbh = h[db]
+        try:
+            if len(run) == 1:
+                txn.put(run[0][0], run[0][1], db=dbh)
+            else:
+                txn.cursor(db=dbh).putmulti(run)
+            return
+        except (TypeError, ValueError, BufferError, lmdb.BadValsizeError):
+            pass
+        for key, value in run:
+            try:
+                txn.put(key, value, db=dbh)
+            except (TypeError, ValueError, BufferError, lmdb.BadValsizeError) as e:
+                raise InvalidBatch(f"partition {p}: bad op {(db, key, value)!r:.200}: "
                                    f"{type(e).__name__}: {e}", partition=p) from None
 
     def _put_records(self, p: int, txn, h, rec: Records) -> None:

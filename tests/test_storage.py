@@ -253,6 +253,28 @@ def test_invalid_batch_applies_nothing(h, bad):
     s.close()
 
 
+def test_consecutive_puts_apply_in_op_order_and_a_bad_one_is_named(h):
+    """Puts to one database in a row (LMDB writes them with one putmulti) apply exactly as
+    their ops one by one: a later put of a key wins, a delete between puts splits them; a
+    bad op inside a long run is named and nothing of the batch is applied."""
+    s = h.new()
+    s.open("a", T0)
+    ops = [("actions", k(1), b"a1"), ("actions", k(2), b"b1"), ("actions", k(1), b"a2"),
+           ("actions", k(2), None), ("actions", k(2), b"b3"), ("specs", k(1), b"s1"),
+           ("actions", k(1), b"a4"), ("actions", k(3), np.frombuffer(b"xyz", np.uint8))]
+    s.commit({0: ops})
+    assert s.get(0, "actions", k(1)) == b"a4" and s.get(0, "actions", k(2)) == b"b3"
+    assert s.get(0, "actions", k(3)) == b"xyz" and s.get(0, "specs", k(1)) == b"s1"
+    before = content(s)
+    run = [("actions", k(100 + i), b"v") for i in range(100)]
+    run[50] = ("actions", k(150), 7)
+    with pytest.raises(InvalidBatch, match=r"partition 1\b.*x96") as ei:    # its key, k(150)
+        s.commit({1: run})
+    assert ei.value.partition == 1
+    assert content(s) == before
+    s.close()
+
+
 def test_store_full_applies_nothing_and_resize_lets_it_succeed(hl):
     s = hl.new(map_size=512 << 10)
     s.open("a", T0)
