@@ -123,7 +123,10 @@ DBS: tuple[str, ...] = (
 #: Version 3: an abort lists the lean rows it ended in one record (``attempts``, ``r`` + the
 #: root's row; engine/_aborts.py) instead of rewriting their action records, so older code
 #: would read those rows as still queued or running and run them again.
-SCHEMA_VERSION = 3
+#: Version 4: a retained outcome's key is its run's digest then its name (it was then a
+#: digest of the name), and its expiry entry's key ends in that key, so older code would miss
+#: retained outcomes (re-running an id it should find done) and this code would miss theirs.
+SCHEMA_VERSION = 4
 #: LMDB's default key size limit, enforced by every store so that a batch accepted by
 #: ``MemoryStore`` is also accepted by ``LmdbStore``.
 MAX_KEY_SIZE = 511
