@@ -285,7 +285,8 @@ class RetentionMixin:
             turn.update(zip(zip(itertools.repeat(part), pkeys), pvalues, strict=True))
             # The expiry entries (retention end, then the key; no value): consecutive puts
             # to one database, which the store writes in one call.
-            out.extend(("expiry", expire + key, b"") for key in pkeys)
+            out.extend(zip(itertools.repeat("expiry"), [expire + key for key in pkeys],
+                           itertools.repeat(b"")))
 
     def _retire_runs(self, runs, parts):
         """Runs among ``runs`` (run rows of just reclaimed actions, their records in
