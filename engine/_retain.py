@@ -464,8 +464,7 @@ class RetentionMixin:
 
     def _retained_names(self, aid, names, texts):
         """:meth:`_retained_many` of ids ``texts``, each ``aid.run_key/name`` of ``names``
-        (one run: a fan-out's), its keys made from the run's digest and the names in one C
-        pass."""
+        (one run: a fan-out's), its keys made with the run's digest computed once."""
         keys = _keys_of(itertools.repeat(digest8(aid.run_key), len(names)), names)
         return self._retained_many(aid.tenant, texts, keys)
 

@@ -591,10 +591,10 @@ class Worker:
     def _attempt(self, h, spec, ex, plugin, pods):
         # Paths as _paths makes them; each made only when its plugin needs it (a workdir
         # only where a finalize lease will remove it), each directory with one mkdir.
-        workdir = log_path = None
         if not (plugin.finalizes or plugin.logs):
             return make_attempt(h.token, h.action, h.number, spec, ex, pods, None, None,
                                 h.input_ref, h.env)
+        workdir = log_path = None
         work, logs, log = self._path_strings(h.action, h.number)
         if plugin.finalizes:
             _make_dir(work)
