@@ -842,7 +842,8 @@ def test_reopen_grows_a_partition_to_replay_a_block(hl, monkeypatch):
 
 
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("t"), st.integers(0, 12), st.one_of(st.none(), st.binary(max_size=6))),
+    st.tuples(st.just("t"), st.integers(0, 12), st.one_of(st.none(), st.binary(max_size=6)),
+              st.sampled_from(("actions", "specs"))),
     st.tuples(st.just("b"), st.lists(st.integers(0, 12), max_size=8), st.integers(0, 5),
               st.integers(0, 255), st.booleans()),
 ), max_size=8)
@@ -854,7 +855,7 @@ def _batch_of(drawn):
         out = batch.setdefault(p, [])
         for op in ops:
             if op[0] == "t":
-                out.append(("actions", k(op[1]), op[2]))
+                out.append((op[3], k(op[1]), op[2]))
             else:
                 rows = sorted(set(op[1])) if op[4] else op[1]      # strictly ascending, or not
                 out.append(block("actions", rows, value_size=op[2], fill=op[3]))
@@ -866,8 +867,9 @@ def _batch_of(drawn):
        st.booleans())
 def test_property_blocks_and_triples_in_list_order(groups, append):
     # Any mix of blocks (sorted or not, duplicate keys, any size) and triples (puts and
-    # deletes) in any partitions: both stores end in the state of the ops applied one by one,
-    # with LmdbStore's optional MDB_APPEND path on or off.
+    # deletes, in two databases: LmdbStore writes a run of puts to one database in one
+    # putmulti) in any partitions: both stores end in the state of the ops applied one by
+    # one, with LmdbStore's optional MDB_APPEND path on or off.
     saved, lmdb_store._APPEND = lmdb_store._APPEND, append
     try:
         _check_property(groups)
@@ -888,12 +890,12 @@ def _check_property(groups):
                 s.commit(batch)
             model_apply(model, batch)
             for s in stores:
-                assert state(s, ("actions",)) == model
+                assert state(s, ("actions", "specs")) == model
         for s in stores:
             s.close()
         s = LmdbStore(Path(tmp) / "s", partitions=3, map_size=1 << 20)
         s.open("a", T0 + S)
-        assert state(s, ("actions",)) == model
+        assert state(s, ("actions", "specs")) == model
         s.close()
 
 
