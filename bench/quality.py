@@ -147,7 +147,7 @@ def law_quantile(law, q):
 def law_mean(law):
     """The mean of a runtime law ``(scale, sigma)`` capped at ``CAP_S``, exactly:
     E[min(X, C)] = scale e^(s^2/2) Phi((ln(C/scale) - s^2) / s) + C (1 - Phi(ln(C/scale) / s)).
-    (The 1 s floor is left out: below 0.3% of any task's mass here, and under 1 s of it.)"""
+    (The 1 s floor is left out: below 1% of any task's mass here, and under 1 s of it.)"""
     scale, sigma = law
     z = math.log(CAP_S / scale) / sigma
     return (scale * math.exp(sigma * sigma / 2) * _NORMAL.cdf(z - sigma)

@@ -116,6 +116,12 @@ def _retained_keys(texts):
     return out
 
 
+def _run_marker(run_digest):
+    """The key under which a turn notes that a run left memory and its outcomes are not in
+    the store yet: its digest then ``ff``, which no retained key is (a name is ASCII)."""
+    return run_digest + b"\xff"
+
+
 def _keys_of(run_digests, names):
     """Retained keys of ``names``, each after its run's 8-byte digest (``run_digests``: one
     ``bytes`` per name)."""
@@ -320,8 +326,9 @@ class RetentionMixin:
             self._run_keys[u] = None
             self._op(part, "runs", row_key(u), None)
             # Until this turn commits, the store may not hold the run's retained outcomes
-            # yet: a marker under its 8-byte digest (no outcome key is 8 bytes) says so.
-            self._retained_turn[(part, digest8(key))] = b""
+            # yet: a marker says so, under its digest and ff (no outcome key is that: a
+            # name is ASCII, even one with no characters, which a malformed id may have).
+            self._retained_turn[(part, _run_marker(digest8(key)))] = b""
         self._free_runs.extend(runs.tolist())
 
     def _lean_retained(self, rows, groups, gidx, names, inputs=True):
@@ -436,7 +443,7 @@ class RetentionMixin:
         if aid.run_key in self._runs:
             return True
         part, run = self._part_of(aid.tenant), digest8(aid.run_key)
-        if self._unwritten_retained(part, run)[0]:
+        if self._unwritten_retained(part, _run_marker(run))[0]:
             return True     # its run row was freed in a turn not yet committed
         # A retained key is the run's digest then a name (ASCII): every one under ``run``
         # sorts below ``run + ff``.

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -359,6 +360,15 @@ def test_quality_bench_oracle_laws_are_the_models_own(capsys):
     laws = []
     jobs = bench.generate(3, 0.1, laws)
     assert len(laws) == len(jobs) and jobs == bench.generate(3, 0.1)
+    # Each job's recorded law is the one its runtime was drawn from: standardised, the logs
+    # of the runtimes the cap and the floor left alone are a standard normal sample.
+    laws = []
+    jobs = bench.generate(1, 2.0, laws)
+    z = [math.log(j.runtime / scale) / sigma for j, (scale, sigma) in zip(jobs, laws)
+         if 1.0 < j.runtime < bench.CAP_S]
+    mean = sum(z) / len(z)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in z) / len(z))
+    assert len(z) > 500 and abs(mean) < 0.15 and 0.85 < sd < 1.15
     assert bench.main(["--days", "0.5", "--seed", "1", "--oracle"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["mean_wait_backfill_exact_s"] > 0      # (a trace with contention)

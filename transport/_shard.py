@@ -133,8 +133,9 @@ class Shard:
     ``clock`` go to the :class:`~engine.Engine` (default: the config's LMDB store, the wall
     clock). ``watch_ring``/``watch_runs``/``watch_live`` bound the watch log
     (``transport._watch``: ``RING``, ``MAX_RUNS``, ``MAX_LIVE``).
-``freeze_heap`` freezes the heap once the engine is loaded (``engine._commands.freeze_heap``:
-for a process of its own, as ``leasehold shard`` runs it).
+``freeze_heap`` freezes the heap once the engine is loaded and raises the collector's
+thresholds (``engine._commands.freeze_heap``: for a process of its own, as ``leasehold
+shard`` runs it).
 
     :meth:`start` runs the loop on a thread of its own and returns once the socket is bound
     (or raises what stopped it); :meth:`serve` runs it on the calling thread until
