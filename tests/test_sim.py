@@ -364,8 +364,8 @@ def test_quality_bench_oracle_laws_are_the_models_own(capsys):
     # of the runtimes the cap and the floor left alone are a standard normal sample.
     laws = []
     jobs = bench.generate(1, 2.0, laws)
-    z = [math.log(j.runtime / scale) / sigma for j, (scale, sigma) in zip(jobs, laws)
-         if 1.0 < j.runtime < bench.CAP_S]
+    z = [math.log(j.runtime / scale) / sigma
+         for j, (scale, sigma) in zip(jobs, laws, strict=True) if 1.0 < j.runtime < bench.CAP_S]
     mean = sum(z) / len(z)
     sd = math.sqrt(sum((x - mean) ** 2 for x in z) / len(z))
     assert len(z) > 500 and abs(mean) < 0.15 and 0.85 < sd < 1.15
