@@ -21,8 +21,8 @@ import sys
 from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
-__all__ = ["register", "guard", "positive_seconds", "freeze_heap", "CommandError", "OK", "NO",
-           "ERROR", "INTERRUPTED"]
+__all__ = ["register", "guard", "positive_seconds", "freeze_heap", "SERVER_GC_THRESHOLD",
+           "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
 
 OK, NO, ERROR, INTERRUPTED = 0, 1, 2, 130
 
