@@ -106,14 +106,15 @@ def retained_key(text):
 def _retained_keys(texts):
     """``[retained_key(t) for t in texts]``, each run hashed once (a fan-out's ids share
     theirs)."""
-    runs, out = {}, []
+    runs, digests, names = {}, [], []
     for text in texts:
         run, _, name = text.rpartition("/")
         digest = runs.get(run)
         if digest is None:
             digest = runs[run] = digest8(run)
-        out.append(digest + _name_key(name))
-    return out
+        digests.append(digest)
+        names.append(name)
+    return _keys_of(digests, names)
 
 
 def _run_marker(run_digest):
