@@ -1,11 +1,12 @@
-"""What the process benches share: a free port, stopping a process, waiting for a shard."""
+"""What the process benches share: a free port, CPU seconds of a process, stopping one, waiting
+for a shard."""
 
 import socket
 import subprocess
 import sys
 import time
 
-__all__ = ["free_port", "round_or_none", "stop", "until", "wait_up"]
+__all__ = ["cpu_seconds", "free_port", "round_or_none", "stop", "until", "wait_up"]
 
 
 def free_port():
@@ -13,6 +14,12 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(proc):
+    """User + system CPU seconds of ``proc`` (a ``psutil.Process``), every thread."""
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def stop(proc, timeout=60):

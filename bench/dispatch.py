@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
-from _harness import free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
+from _harness import cpu_seconds, free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
 
 from transport import Client, generate_keypair, load_client_keys  # noqa: E402
 
@@ -56,7 +56,6 @@ WINDOW = 4
 # The worker's slots (leases held at once) by default: more than the run, so the backlog
 # waits in the pipeline (the worker's and the shard's sockets), not in the engine's queue.
 SLOTS = 1_000_000
-
 
 
 def write_config(tmp, port, pipeline=None):
@@ -146,13 +145,6 @@ def start_processes(tmp, config, slots):
     return shard, worker
 
 
-
-
-def _cpu_s(proc):
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q))]
@@ -221,7 +213,7 @@ def one_run(actions, rtt_count, pipeline=None, slots=SLOTS):
             threads = [threading.Thread(target=enqueuer, args=(k,)) for k in range(WINDOW)]
             side = threading.Thread(target=small_runs)
             procs = {"shard": psutil.Process(shard.pid), "worker": psutil.Process(worker.pid)}
-            cpu0 = {k: _cpu_s(p) for k, p in procs.items()}
+            cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
             cpu0["client"] = time.process_time()
             for t in threads:
                 t.start()
@@ -235,7 +227,7 @@ def one_run(actions, rtt_count, pipeline=None, slots=SLOTS):
                     t_last = time.time_ns()
                 elif e.phase in ("FAILED", "ABORTED", "TIMED_OUT"):
                     raise RuntimeError(f"{e.action} ended {e.phase}: {e.detail}")
-            cpu1 = {k: _cpu_s(p) for k, p in procs.items()}
+            cpu1 = {k: cpu_seconds(p) for k, p in procs.items()}
             cpu1["client"] = time.process_time()
             draining.clear()
             for t in threads:

@@ -40,7 +40,7 @@ import psutil
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import free_port  # noqa: E402  (bench/ is sys.path[0])
+from _harness import cpu_seconds, free_port  # noqa: E402  (bench/ is sys.path[0])
 
 RECORD = b"r" * 300
 SPEC = b"s" * 300
@@ -122,11 +122,6 @@ def _spawn(*args):
     return proc
 
 
-def _cpu(proc):
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 def one_run(secure, count, warmup):
     public, secret = (k.decode() for k in zmq.curve_keypair()) if secure else ("", "")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -143,7 +138,7 @@ def one_run(secure, count, warmup):
             times = []
             for i in range(warmup + count):
                 if i == warmup:
-                    cpu0 = [_cpu(p) for p in watched]
+                    cpu0 = [cpu_seconds(p) for p in watched]
                 t0 = time.perf_counter()
                 sock.send(msgpack.packb(["enqueue", f"acme/bench/prod/floor/a{i}"]))
                 while True:
@@ -152,7 +147,7 @@ def one_run(secure, count, warmup):
                     if msgpack.unpackb(sock.recv())[0] == "event":
                         break
                 times.append(time.perf_counter() - t0)
-            cpu = [(_cpu(p) - c0) * 1e3 / count for p, c0 in zip(watched, cpu0, strict=True)]
+            cpu = [(cpu_seconds(p) - c0) * 1e3 / count for p, c0 in zip(watched, cpu0, strict=True)]
             sock.send(msgpack.packb(["stats", 2 * warmup]))
             if not sock.poll(30000):
                 raise RuntimeError("bench/floor.py: no stats within 30 s")

@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 
 import psutil  # noqa: E402
 import zmq  # noqa: E402
-from _harness import free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
+from _harness import cpu_seconds, free_port, stop, wait_up  # noqa: E402  (bench/ is sys.path[0])
 
 from transport import (  # noqa: E402
     Client,
@@ -63,7 +63,6 @@ from transport import (  # noqa: E402
 )
 
 RUN = "acme/bench/prod"
-
 
 
 def write_config(tmp, secure, port, sync=True, pipeline=None):
@@ -114,7 +113,6 @@ def start_shard(config):
     return proc
 
 
-
 def wait_for(endpoint, keys, timeout=30):
     c = Client(endpoint=endpoint, keys=keys, timeout=1.0)
     try:
@@ -161,12 +159,6 @@ def worker_main(endpoint, tmp, secure):
             w.report([x.token for x in leases], "SUCCEEDED")
 
 
-def cpu_s(proc):
-    """User + system CPU seconds of ``proc`` (a psutil.Process), every thread."""
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 def rtt(endpoint, tmp, secure, count, shard_pid):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     worker = subprocess.Popen([sys.executable, __file__, "--worker", endpoint, str(tmp),
@@ -182,7 +174,7 @@ def rtt(endpoint, tmp, secure, count, shard_pid):
         times = []
         before = admin.ping()["counters"]
         procs = [psutil.Process(shard_pid), psutil.Process(worker.pid), psutil.Process()]
-        cpu0 = [cpu_s(x) for x in procs]
+        cpu0 = [cpu_seconds(x) for x in procs]
         for i in range(count):
             aid = f"{run}/a{i}"
             t0 = time.perf_counter()
@@ -192,7 +184,7 @@ def rtt(endpoint, tmp, secure, count, shard_pid):
                 if e.action == aid and e.phase == "SUCCEEDED":
                     break
             times.append(time.perf_counter() - t0)
-        cpu = [(cpu_s(x) - c0) * 1e3 / count for x, c0 in zip(procs, cpu0, strict=True)]
+        cpu = [(cpu_seconds(x) - c0) * 1e3 / count for x, c0 in zip(procs, cpu0, strict=True)]
         after = admin.ping()["counters"]
         times.sort()
         loop = [(after[k] - before[k]) / count / 1e3 for k in ("decide_ns", "commit_ns",
