@@ -297,6 +297,30 @@ def test_worker_reconnects_after_the_shard_restarted(tmp_path, keys):
         h.close()
 
 
+def test_wait_reads_ended_actions_at_once_and_leaves_no_watch_behind(insecure):
+    """``wait`` sends its WATCH and STATUS back to back (one round trip): an action that
+    ended before the call is answered from the STATUS, one still running times out naming
+    it, and neither wait leaves the run watched (no EVENTS reach the client after)."""
+    c = insecure.client()
+    w = insecure.worker()
+    (done,) = c.enqueue_many([spec("done")])
+    (lease,) = w.leases(timeout=5)
+    assert w.report([lease.token], Phase.SUCCEEDED) == []
+    received = insecure.shard.counters["received"]
+    assert c.wait([done], timeout=5) == {done: Phase.SUCCEEDED}
+    # WATCH and STATUS, then UNWATCH (not answered).
+    assert insecure.shard.counters["received"] >= received + 2
+    (busy,) = c.enqueue_many([spec("busy")])
+    w.leases(timeout=5)
+    with pytest.raises(ShardTimeout, match="busy"):
+        c.wait([busy, done], timeout=0.3)
+    assert c.status(busy) == Phase.INITIALIZING
+    # Nothing is watched any more: a change of the run sends the client no event.
+    (later,) = c.enqueue_many([spec("later")])
+    with pytest.raises(ShardTimeout):
+        c.next_event(timeout=0.3)
+
+
 def test_a_watch_that_reconnects_mid_run_misses_nothing(insecure):
     c = insecure.client()
     w = insecure.worker()
