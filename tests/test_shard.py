@@ -21,6 +21,7 @@ from transport import (
     ClientKeys,
     Enqueue,
     Error,
+    Events,
     Ping,
     Refused,
     Shard,
@@ -319,6 +320,32 @@ def test_wait_reads_ended_actions_at_once_and_leaves_no_watch_behind(insecure):
     (later,) = c.enqueue_many([spec("later")])
     with pytest.raises(ShardTimeout):
         c.next_event(timeout=0.3)
+
+
+def test_next_events_takes_the_same_events_in_batches_and_mixes_with_next_event(insecure):
+    """``next_events`` gives the events ``next_event`` would, in the same order, as
+    columnar batches of one run; taking one event first leaves the rest of its batch."""
+    c = insecure.client()
+    w = insecure.worker()
+    c.subscribe(RUN)
+    ids = c.enqueue_many([spec(f"a{i}") for i in range(6)])
+    leases = w.leases(timeout=5, want=6)
+    w.report([x.token for x in leases], Phase.SUCCEEDED)
+    first = c.next_event(timeout=5)
+    seen = [(first.seq, first.action, first.phase)]
+    while len(seen) < 18:       # QUEUED, INITIALIZING, SUCCEEDED of each
+        batch = c.next_events(timeout=5)
+        assert isinstance(batch, Events) and batch.run == RUN
+        assert len(batch.actions) == len(batch.phases) == len(batch.attempts) >= 1
+        seen += [(e.seq, e.action, e.phase) for e in batch.events()]
+    seqs = [s for s, _a, _p in seen]
+    assert seqs == list(range(seqs[0], seqs[0] + 18))
+    per = {}
+    for _s, a, ph in seen:
+        per.setdefault(a, []).append(ph)
+    assert per == {a: ["QUEUED", "INITIALIZING", "SUCCEEDED"] for a in ids}
+    with pytest.raises(ShardTimeout):
+        c.next_events(timeout=0.2)
 
 
 def test_a_watch_that_reconnects_mid_run_misses_nothing(insecure):

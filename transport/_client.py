@@ -21,9 +21,10 @@ import dataclasses
 import itertools
 import time
 
+import numpy as np
 import zmq
 
-from engine._codes import TERMINAL_PHASES, Phase
+from engine._codes import PHASE_CODE, TERMINAL_PHASES, Phase
 from engine._config import Config, TransportSettings, load_config
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionId
@@ -413,6 +414,19 @@ class Client:
     def next_event(self, timeout=None, refresh=2.0, runs=None):
         """The next new EVENT of a subscribed run (of ``runs`` when given), from whichever
         shard pushes it (every open connection is polled); see :meth:`watch`."""
+        return self._next(self._take_one, timeout, refresh, runs)
+
+    def next_events(self, timeout=None, refresh=2.0, runs=None):
+        """The next new events of a subscribed run (of ``runs`` when given) as one
+        :class:`~transport.Events` batch: consecutive seqs of one run, in columns (the
+        phases as ``engine._codes.PHASES`` codes; ``events()`` gives them as
+        :class:`~transport.Event` messages), as many as have arrived together (one pushed
+        message's, less those already taken). The same events, order and guarantees as
+        :meth:`next_event` (which takes them one at a time; the two may be mixed), without
+        an object an event: for a caller that follows large runs."""
+        return self._next(self._take_batch, timeout, refresh, runs)
+
+    def _next(self, take, timeout, refresh, runs):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # Only the runs asked for (all when ``runs`` is None): another run's resume waits
@@ -424,12 +438,11 @@ class Client:
                         self._resume_or_retry(run)
             if runs is None:
                 if self._events:
-                    return self._events.popleft()
+                    return take(0)
             else:
                 for i, e in enumerate(self._events):
                     if e.run in runs:
-                        del self._events[i]
-                        return e
+                        return take(i)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise ShardTimeout(f"shard {self._watched_labels(runs)}: watch: no event "
@@ -653,26 +666,26 @@ class Client:
         except p.ProtocolError:
             return None
         if isinstance(msg, p.Events):
-            got = self._take_events(msg)
-            return got[-1] if got else None
+            return self._take_events(msg)
         if isinstance(msg, p.Event) and not self._take_event(msg):
             return None
         return msg
 
     def _take_events(self, msg):
         """Queue the new events of an EVENTS message (consecutive seqs of one run, from
-        ``msg.seq``); returns those queued."""
+        ``msg.seq``) as one batch; returns it (None: none was new)."""
         if self._watching.get(msg.run) == 0:
             self._hold(msg.run, msg.events())
-            return []
+            return None
         skip = self._new_events(msg.run, msg.seq, len(msg.actions))
         if skip is None:
-            return []
-        events = msg.events()[skip:]
-        self._events.extend(events)
+            return None
+        if skip:
+            msg = _batch_slice(msg, skip)
+        self._events.append(msg)
         if msg.run in self._replay_end:
             self._release_early(msg.run)
-        return events
+        return msg
 
     def _hold(self, run, events):
         """Events of a run not yet told where its log starts (``_watching`` 0): held for
@@ -724,6 +737,36 @@ class Client:
             self._release_early(e.run)
         return True
 
+    # The queue of events not taken yet (``_events``) holds, in order of arrival: an
+    # ``Event`` (a single push, or one held back during a WATCH), an ``Events`` batch of new
+    # events as pushed (trimmed of those seen before), or a ``_Taking`` batch being taken
+    # one event at a time. A batch becomes Event objects only when next_event reaches it.
+
+    def _take_one(self, i):
+        """Take the first event of entry ``i`` of the queue."""
+        q = self._events
+        item = q[i]
+        kind = type(item)
+        if kind is p.Event:
+            del q[i]
+            return item
+        if kind is p.Events:
+            item = q[i] = _Taking(item.run, collections.deque(item.events()))
+        e = item.events.popleft()
+        if not item.events:
+            del q[i]
+        return e
+
+    def _take_batch(self, i):
+        """Take entry ``i`` of the queue whole, as an ``Events`` batch."""
+        q = self._events
+        item = q[i]
+        del q[i]
+        kind = type(item)
+        if kind is p.Events:
+            return item
+        return _batch_of([item] if kind is p.Event else list(item.events))
+
 
 def _flyte_keys(raw, kind):
     """The action ids of serialised Flyte enqueues (decoded here only to route them)."""
@@ -746,3 +789,30 @@ def _watch_lost(exc, link, run):
     if exc.code == "NOT_FOUND":
         return WatchLost(link.label, f"WATCH {run}", exc.code, exc.error_message)
     return exc
+
+
+class _Taking:
+    """A batch of the event queue that ``next_event`` has begun to take, one at a time."""
+
+    __slots__ = ("run", "events")
+
+    def __init__(self, run, events):
+        self.run, self.events = run, events
+
+
+def _batch_slice(msg, start):
+    """EVENTS ``msg`` from its entry ``start`` on."""
+    return p.Events(run=msg.run, seq=msg.seq + start, actions=msg.actions[start:],
+                    phases=msg.phases[start:], attempts=msg.attempts[start:],
+                    time_ns=msg.time_ns[start:],
+                    details=msg.details[start:] if msg.details is not None else None)
+
+
+def _batch_of(events):
+    """Consecutive :class:`Event` messages of one run as one EVENTS batch."""
+    details = [e.detail for e in events]
+    return p.Events(run=events[0].run, seq=events[0].seq, actions=[e.action for e in events],
+                    phases=np.array([PHASE_CODE[Phase(e.phase)] for e in events], np.uint8),
+                    attempts=np.array([e.attempt for e in events], np.int32),
+                    time_ns=np.array([e.time_ns for e in events], np.int64),
+                    details=details if any(d is not None for d in details) else None)
