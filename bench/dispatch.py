@@ -13,7 +13,8 @@ duration, and the ``python`` plugin for the warm pool), driven by clients in thi
   takes the run's events in batches (``Client.next_events``: no object an event).
 * ``dispatch_p99_ms`` / ``dispatch_p50_ms``: per action, from its batch's acknowledgement
   (client clock) to the worker receiving its lease (the worker's clock, the same machine):
-  the plugin's ``start`` call, in the loop turn that decoded the LEASES message.
+  the plugin's ``start`` (or ``start_many``) call, in the loop turn that decoded the LEASES
+  message.
 * ``small_run_p50_ms`` / ``small_run_p99_ms``: while the fan-out drains, a client of another
   tenant enqueues a 10-action run and waits for all 10 to succeed (watch), one run after the
   other; ``small_runs`` how many fit in the drain.
@@ -119,13 +120,18 @@ def worker_main(config, receipts_path, slots):
     plugins = make_plugins()
     sim = plugins["sim"]
     arrived = []
-    start = sim.start
+    start, start_many = sim.start, sim.start_many
 
     def start_noting(attempt):
         arrived.append((attempt.action, time.time_ns()))
         return start(attempt)
 
-    sim.start = start_noting
+    def start_many_noting(attempts):
+        t = time.time_ns()
+        arrived.extend((a.action, t) for a in attempts)
+        return start_many(attempts)
+
+    sim.start, sim.start_many = start_noting, start_many_noting
     w = Worker(config, "east", name="east-1", slots=int(slots), plugins=plugins)
     freeze_heap()               # as `leasehold worker` does once started
     ending = threading.Event()

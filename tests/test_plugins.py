@@ -207,6 +207,39 @@ def test_sim_declared_failures_and_fail_attempts(tmp_path, plugins):
     assert "worker/2" in out.message
 
 
+def test_sim_start_many_is_start_of_each_and_refuses_a_duplicate_alone(tmp_path, plugins):
+    """The worker starts a fan-out's attempts with one start_many: the same changes as a
+    start of each, in the same order, durations and declared failures included; an
+    attempt already running is returned as failed and the others start."""
+    specs = [{"plugin": "sim"}, {"plugin": "sim", "duration": 3.0},
+             {"plugin": "sim", "fail": "SYSTEM:OOM"}, {"plugin": "sim", "duration": [1.0, 2.0]}]
+    atts = [make_attempt(tmp_path, x) for x in specs]
+
+    def run(start):
+        clock = FakeClock()
+        sim = plugins(SimPlugin, {"seed": 3}, clock=clock)
+        failed = start(sim)
+        seen = []
+        while sim.due() is not None:
+            clock.now = max(clock.now, sim.due())
+            seen += [(ch.key, ch.phase, ch.outcome and ch.outcome.cause, clock.now)
+                     for ch in sim.poll()]
+        return failed, seen
+
+    def one_by_one(sim):
+        for att in atts:
+            sim.start(att)
+        return []
+
+    def together(sim):
+        return sim.start_many([*atts[:2], atts[0], *atts[2:]])
+
+    failed, seen = run(together)
+    assert run(one_by_one) == ([], seen)
+    assert [(a.key, type(e).__name__) for a, e in failed] == [(atts[0].key, "PluginError")]
+    assert (atts[2].key, Phase.FAILED, "OOM", 100.0) in seen
+
+
 def test_sim_a_stopped_attempt_is_never_reported(tmp_path, plugins):
     clock = FakeClock()
     sim = plugins(SimPlugin, clock=clock)

@@ -12,7 +12,7 @@ import pytest
 from engine import Phase, parse_config
 from storage import MemoryStore
 from tests.conftest import until
-from transport import Change, Client, Outcome, Plugin, Shard, Worker
+from transport import Change, Client, Outcome, Plugin, PluginError, Shard, Worker
 
 RUN = "acme/ml/prod/r1"
 
@@ -67,13 +67,13 @@ class Controlled(Plugin):
             return sorted(a.action for a in self.started.values())
 
 
-def config(tmp_path, **worker):
+def config(tmp_path, engine=None, **worker):
     return parse_config({
         "resources": ["cpu", "memory"],
         "clusters": {"east": {"capacity": {"cpu": 64, "memory": "64Gi"}}},
         "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
         "engine": {"default_queue": "q", "heartbeat_interval": 0.2, "expiry_missed_beats": 2,
-                   "expiry_jitter": 0.1},
+                   "expiry_jitter": 0.1, **(engine or {})},
         "storage": {"path": str(tmp_path / "data"), "partitions": 2},
         "transport": {"endpoints": ["tcp://127.0.0.1:0"]},
         "security": {"insecure": True},
@@ -90,8 +90,8 @@ def spec(name, **kw):
 
 
 class Rig:
-    def __init__(self, tmp_path, plugin, slots=100, others=None, **worker):
-        self.cfg = config(tmp_path, **worker)
+    def __init__(self, tmp_path, plugin, slots=100, others=None, engine=None, **worker):
+        self.cfg = config(tmp_path, engine, **worker)
         self.shard = Shard(self.cfg, store=MemoryStore()).start()
         self.plugin = plugin
         self.worker = Worker(self.cfg, "east", name="east-1", slots=slots,
@@ -130,6 +130,58 @@ def test_a_fanout_runs_to_completion_through_the_worker(rig):
     assert r.plugin.actions_started() == sorted(f"{RUN}/{n}" for n in names)
     s = r.worker.stats()
     assert s["succeeded"] == 300 and s["held"] == 0 and s["report_errors"] == 0
+
+
+class Picky(Controlled):
+    """Starts a fan-out's attempts in one ``start_many`` call each, refusing those whose
+    action name ends in ``bad`` (or, with ``broken``, raising for the whole call)."""
+
+    def __init__(self, broken=False):
+        super().__init__(instant=True)
+        self.broken = broken
+        self.calls = []             # len(attempts) of each start_many
+
+    def start_many(self, attempts):
+        self.calls.append(len(attempts))
+        if self.broken:
+            self.start(attempts[0])     # started, then the call fails: it must be stopped
+            raise RuntimeError("start_many blew up")
+        failed = []
+        for a in attempts:
+            if a.action.endswith("bad"):
+                failed.append((a, PluginError(f"{a.action} refused", cause="NO_ROOM")))
+            else:
+                self.start(a)
+        return failed
+
+
+def test_a_fanout_starts_with_one_start_many_and_each_refused_attempt_fails_alone(rig):
+    r = rig(Picky(), engine={"system_retries": 0})
+    names = [f"a{i}" for i in range(40)] + ["xbad", "ybad"]
+    assert r.client.enqueue_fanout(spec("x"), names) == 42
+    phases = r.client.wait([f"{RUN}/{n}" for n in names], timeout=20)
+    assert {n: phases[f"{RUN}/{n}"] for n in ("xbad", "ybad")} == {
+        "xbad": Phase.FAILED, "ybad": Phase.FAILED}
+    assert {phases[f"{RUN}/a{i}"] for i in range(40)} == {Phase.SUCCEEDED}
+    # Consecutive leases of the fan-out's spec start together: fewer calls than attempts.
+    assert sum(r.plugin.calls) == 42 and len(r.plugin.calls) < 10
+    detail = r.client.explain(f"{RUN}/xbad")
+    assert "NO_ROOM" in str(detail) and "refused" in str(detail)
+    s = r.worker.stats()
+    assert s["started"] == 40 and s["held"] == 0
+
+
+def test_a_start_many_that_raises_fails_each_attempt_and_stops_what_it_started(rig):
+    r = rig(Picky(broken=True), engine={"system_retries": 0})
+    names = [f"a{i}" for i in range(5)]
+    r.client.enqueue_fanout(spec("x"), names)
+    phases = r.client.wait([f"{RUN}/{n}" for n in names], timeout=20)
+    assert set(phases.values()) == {Phase.FAILED}
+    assert "RuntimeError: start_many blew up" in str(r.client.explain(f"{RUN}/a0"))
+    # What the broken call did start is stopped (every attempt of the call is told).
+    assert r.plugin.started and set(r.plugin.started) <= set(r.plugin.stopped)
+    s = r.worker.stats()
+    assert s["plugin_errors"] == 5 and s["started"] == 0 and s["held"] == 0
 
 
 def test_the_free_capacity_reported_is_the_capacity_less_what_held_attempts_declared(rig):

@@ -487,17 +487,26 @@ class Worker:
 
     def _on_leases(self, sh, msg, now):
         """Hold and start the leases of a LEASES message, in order. What starting one needs
-        of its spec (parsed, its plugin, demand and pods) is worked out once a group."""
+        of its spec (parsed, its plugin, demand and pods) is worked out once a group, and
+        consecutive leases of one spec map (a fan-out's) start with one ``start_many``."""
         held = self._held
         counts = self._counts
         index = sh.index
         made = {}                   # id(spec map) -> what _how returned
+        group, group_spec = [], None    # consecutive leases of one spec map, not started yet
         for action, token, kind, number, spec, ref, d, q, env, _nodes in lease_rows(msg):
             if token in held:
                 continue            # a duplicate push of a lease we run
             h = _Held(index, action, token, kind, number, spec, ref, d, q, env)
             held[token] = h
+            if spec is not group_spec and group:
+                self._start_group(group, made, now)
+                group = []
+            group_spec = spec
             if h.finalize:
+                if group:
+                    self._start_group(group, made, now)
+                    group = []
                 counts["finalize"] += 1
                 self._finalize(h)
                 continue
@@ -506,7 +515,70 @@ class Worker:
                 self._end(h, Outcome.system("EVICTED", f"worker {self.name} is draining"),
                           now)
                 continue
-            self._start(h, made, now)
+            group.append(h)
+        if group:
+            self._start_group(group, made, now)
+
+    def _start_group(self, hs, made, now):
+        """Start held leases ``hs`` (of one spec map): their attempts made alike, handed to
+        the plugin in one ``start_many``; each that cannot start reports its own failure."""
+        h0 = hs[0]
+        how = made.get(id(h0.spec))
+        if how is None:
+            try:
+                how = made[id(h0.spec)] = self._how(h0)
+            except Exception:
+                # Not kept: each lease's own start raises it again and reports its own.
+                for h in hs:
+                    self._start(h, made, now)
+                return
+        spec, ex, plugin, demand, pods = how
+        attempts = []
+        try:
+            for h in hs:
+                h.demand = demand
+                h.attempt = self._attempt(h, spec, ex, plugin, pods)
+                h.plugin, h.cleanup = plugin, plugin.finalizes
+                attempts.append(h.attempt)
+        except (OSError, SpecError):    # a workdir that cannot be made: one at a time
+            for h in hs:
+                h.demand = h.attempt = h.plugin = None
+            for h in hs:
+                self._start(h, made, now)
+            return
+        held = self._held_shapes.get(id(demand))
+        if held is None:
+            self._held_shapes[id(demand)] = [demand, len(hs)]
+        else:
+            held[1] += len(hs)
+        t = spec.timeouts
+        if t.max_runtime is not None or any(
+                h.queued_deadline_ns is not None or h.deadline_ns is not None for h in hs):
+            for h in hs:
+                self._arm(h, spec, now)
+        try:
+            failed = plugin.start_many(attempts)
+        except Exception as exc:
+            # A plugin's bug (start_many answers each attempt's own failure): none is taken
+            # to have started; any it did start is stopped.
+            for a in attempts:
+                self._stop_quietly(plugin, a.key)
+            failed = [(a, exc) for a in attempts]
+        if failed:
+            why = {a.key: exc for a, exc in failed}
+            for h in hs:
+                exc = why.get(h.token)
+                if exc is not None:
+                    self._end(h, self._start_failure(exc, h), now)
+            hs = [h for h in hs if h.token not in why]
+        self._counts["started"] += len(hs)
+        if hs:
+            rows = self._reports.get(h0.shard)
+            if rows is None:
+                rows = self._reports[h0.shard] = _Pending()
+            rows.fresh.extend(hs)       # as _progress, for each
+            if rows.since is None:
+                rows.since = now
 
     def _how(self, h):
         """``(spec, execute, plugin, demand, pods)`` of a lease: raises UserError,
@@ -546,22 +618,32 @@ class Worker:
                 held[1] += 1
             self._arm(h, spec, now)
             plugin.start(att)
-        except UserError as exc:
-            self._end(h, Outcome.user(str(exc), recoverable=False), now)
-            return
-        except (PluginError, OSError) as exc:
-            self._end(h, Outcome.system(getattr(exc, "cause", "START_FAILED"), str(exc)), now)
-            return
-        except SpecError as exc:
-            self._end(h, Outcome.user(f"the lease's spec: {exc}", recoverable=False), now)
-            return
-        except Exception as exc:    # a plugin's bug: this attempt fails, the worker goes on
-            log.exception("worker %s: starting %s failed", self.name, h.action)
-            self._counts["plugin_errors"] += 1
-            self._end(h, Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}"), now)
+        except Exception as exc:
+            self._end(h, self._start_failure(exc, h), now)
             return
         self._counts["started"] += 1
         self._progress(h, now)
+
+    def _start_failure(self, exc, h):
+        """The outcome of lease ``h`` whose start raised ``exc``: USER for a fault of its
+        declaration, SYSTEM (the error's cause) for one of the machine or the plugin; any
+        other exception is a plugin's bug: logged, counted, and the worker goes on."""
+        if isinstance(exc, UserError):
+            return Outcome.user(str(exc), recoverable=False)
+        if isinstance(exc, (PluginError, OSError)):
+            return Outcome.system(getattr(exc, "cause", "START_FAILED"), str(exc))
+        if isinstance(exc, SpecError):
+            return Outcome.user(f"the lease's spec: {exc}", recoverable=False)
+        log.error("worker %s: starting %s failed", self.name, h.action,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        self._counts["plugin_errors"] += 1
+        return Outcome.system("PLUGIN_ERROR", f"{type(exc).__name__}: {exc}")
+
+    def _stop_quietly(self, plugin, key):
+        try:
+            plugin.stop(key, "its start failed")
+        except Exception:   # a plugin bug must not stop the worker
+            log.exception("worker %s: stopping %s failed", self.name, key.hex())
 
     def _spec(self, wire):
         """``(ActionSpec, cache entry)`` of a lease's spec map (SpecError when it is not
@@ -968,3 +1050,4 @@ def run_worker(config_path, cluster, name=None, slots=None, node=None):
     except (ShardTimeout, ShardError) as exc:
         # The shard's code stays (UNAVAILABLE: no answer), not INTERNAL as if a bug.
         raise CommandError(exc.code, f"worker {w.name}: {exc}") from None
+

@@ -6,6 +6,9 @@ refusals; a plugin only runs things. The worker calls a plugin from its one loop
 - ``start(attempt)`` begins an attempt (every pod of a gang at once, all or nothing) and
   returns quickly; a failure to start raises :class:`PluginError` (reported SYSTEM with the
   error's ``cause``) or, for a fault of the declaration, :class:`UserError` (reported USER).
+  ``start_many(attempts)`` starts consecutive attempts of one spec (the worker's call for a
+  LEASES message's fan-out) and returns those that failed with their errors; by default it
+  calls ``start`` for each.
 - ``poll()`` returns what changed since the last call, as :class:`Change` entries: RUNNING
   once every pod runs, then exactly one terminal :class:`Outcome`. An attempt that was
   stopped is never reported by ``poll()`` again.
@@ -166,6 +169,20 @@ class Plugin:
 
     def start(self, attempt):
         raise NotImplementedError
+
+    def start_many(self, attempts):
+        """Start each of ``attempts`` (consecutive leases of one spec: a fan-out's), in
+        order; returns ``[(attempt, exception)]`` for those that could not start (what
+        :meth:`start` raised for each), the rest started. A plugin that starts many at once
+        more cheaply than one at a time overrides this; it must not raise for one
+        attempt's failure."""
+        failed = []
+        for attempt in attempts:
+            try:
+                self.start(attempt)
+            except Exception as exc:    # reported for this attempt alone
+                failed.append((attempt, exc))
+        return failed
 
     def poll(self):
         raise NotImplementedError

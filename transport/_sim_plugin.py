@@ -65,6 +65,36 @@ class SimPlugin(Plugin):
         heapq.heappush(self._heap, (self._clock() + d, self._seq, key))
         self._new.append(key)
 
+    def start_many(self, attempts):
+        """:meth:`start` of each, due times from one clock reading (the worker starts them
+        in one loop turn)."""
+        failed = []
+        live, heap, new = self._live, self._heap, self._new
+        now = self._clock()
+        seq = self._seq
+        uniform = self._random.uniform
+        push = heapq.heappush
+        for attempt in attempts:
+            key = attempt.key
+            if key in live:
+                failed.append((attempt, PluginError(f"attempt {key.hex()} is already "
+                                                    f"running")))
+                continue
+            ex = attempt.execute
+            d = ex.duration
+            if type(d) is tuple:
+                d = uniform(d[0], d[1])
+            outcome = None
+            if ex.fail is not None and (ex.fail_attempts is None
+                                        or attempt.attempt <= ex.fail_attempts):
+                outcome = self._failure(attempt, ex)
+            seq += 1
+            live[key] = (seq, outcome)
+            push(heap, (now + d, seq, key))
+            new.append(key)
+        self._seq = seq
+        return failed
+
     @staticmethod
     def _failure(attempt, ex):
         kind, cause = ex.sim_failure()
