@@ -1,11 +1,13 @@
 """The ``sim`` plugin: holds an attempt for ``execute.duration`` seconds, runs nothing
 (``docs/plugins.md``).
 
-Built for load: one heap of due times, no threads, no descriptors. ``start()`` is a heap
-push, ``poll()`` costs the changes it returns (plus the entries of stopped attempts it pops,
-each once), ``due()`` is the earliest due time.
+Built for load: one heap of due times, and a queue of the attempts due at once (zero
+duration: in start order, which is due order, so no heap), no threads, no descriptors.
+``start()`` is a push, ``poll()`` costs the changes it returns (plus the entries of stopped
+attempts it pops, each once), ``due()`` is the earliest due time.
 """
 
+import collections
 import heapq
 import random
 import time
@@ -44,6 +46,9 @@ class SimPlugin(Plugin):
         self._clock = clock
         self._live = {}             # key -> (seq, outcome or None), the attempts to report
         self._heap = []             # (due, seq, key); a stopped attempt's entry is skipped
+        # (due, seq, key) of zero-duration attempts, due at their start, in start order (a
+        # heap pop was ~0.7 us of a zero-duration attempt's ~3.4 us on the worker).
+        self._at_once = collections.deque()
         self._new = []              # keys whose RUNNING the next poll() reports
         self._seq = 0
         self._dead = 0              # heap entries of stopped attempts
@@ -62,7 +67,10 @@ class SimPlugin(Plugin):
             outcome = self._failure(attempt, ex)
         self._seq += 1
         self._live[key] = (self._seq, outcome)
-        heapq.heappush(self._heap, (self._clock() + d, self._seq, key))
+        if d > 0:
+            heapq.heappush(self._heap, (self._clock() + d, self._seq, key))
+        else:
+            self._at_once.append((self._clock(), self._seq, key))
         self._new.append(key)
 
     def start_many(self, attempts):
@@ -74,6 +82,7 @@ class SimPlugin(Plugin):
         seq = self._seq
         uniform = self._random.uniform
         push = heapq.heappush
+        at_once = self._at_once.append
         for attempt in attempts:
             key = attempt.key
             if key in live:
@@ -90,7 +99,10 @@ class SimPlugin(Plugin):
                 outcome = self._failure(attempt, ex)
             seq += 1
             live[key] = (seq, outcome)
-            push(heap, (now + d, seq, key))
+            if d > 0:
+                push(heap, (now + d, seq, key))
+            else:
+                at_once((now, seq, key))
             new.append(key)
         self._seq = seq
         return failed
@@ -112,11 +124,20 @@ class SimPlugin(Plugin):
         if self._new:
             changes = [make_change(k, _RUNNING, None) for k in self._new if k in live]
             self._new = []
-        heap = self._heap
-        if heap:
+        heap, q = self._heap, self._at_once
+        if heap or q:
             now = self._clock()
-            while heap and heap[0][0] <= now:
-                _, seq, key = heapq.heappop(heap)
+            pop = heapq.heappop
+            while True:
+                # The earliest (due, seq) of the two, if it is due.
+                if q and (not heap or q[0] < heap[0]):
+                    if q[0][0] > now:
+                        break
+                    _, seq, key = q.popleft()
+                elif heap and heap[0][0] <= now:
+                    _, seq, key = pop(heap)
+                else:
+                    break
                 entry = live.get(key)
                 if entry is None or entry[0] != seq:
                     self._dead -= 1
@@ -129,7 +150,10 @@ class SimPlugin(Plugin):
     def due(self):
         if self._new:
             return 0.0
-        return self._heap[0][0] if self._heap else None
+        heap, q = self._heap, self._at_once
+        if q:
+            return min(q[0][0], heap[0][0]) if heap else q[0][0]
+        return heap[0][0] if heap else None
 
     def stop(self, key, reason=None):
         if self._live.pop(key, None) is None:
@@ -137,15 +161,18 @@ class SimPlugin(Plugin):
         self._dead += 1
         # Stopped entries wait in the heap until their due time; when they are most of it
         # (long durations stopped en masse), rebuild it so it stays proportional to the live.
-        if self._dead > 1024 and self._dead * 2 > len(self._heap):
+        if self._dead > 1024 and self._dead * 2 > len(self._heap) + len(self._at_once):
             live = self._live
             self._heap = [e for e in self._heap if e[2] in live and live[e[2]][0] == e[1]]
             heapq.heapify(self._heap)
+            self._at_once = collections.deque(
+                e for e in self._at_once if e[2] in live and live[e[2]][0] == e[1])
             self._dead = 0
 
     def close(self, timeout=5.0):
         self._live.clear()
         self._heap.clear()
+        self._at_once.clear()
         self._new.clear()
         self._dead = 0
 
