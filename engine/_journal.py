@@ -50,7 +50,7 @@ class Group:
         self.seq = seq
         self.state = "open"
         self.batch = None
-        self.retained = None    # (partition, key) -> retained outcome the batch writes
+        self.retained = None    # partition -> {key: retained outcome} the batch writes
         self.dispatch_tail = 0
         self.placed = 0         # assignments the decision made (decide)
         self.swept = False      # the decision ran the periodic lease-expiry sweep (decide)
@@ -464,11 +464,11 @@ class JournalMixin:
         self._dirty_fz = set()      # finalize rows: single rows, and arrays of them
         self._dirty_fz_arrays = []
         self._ops = {}              # partition -> [(db, key, value)] of the edges
-        # (partition, key) -> retained outcome (None: deleted) this turn writes: what a
+        # partition -> {key: retained outcome (None: deleted)} this turn writes: what a
         # lookup must see before the store has it (engine/_retain.py, _unwritten_retained).
         self._retained_turn = {}
 
     def _op(self, part, db, key, value):
         self._ops.setdefault(part, []).append((db, key, value))
         if db == "retained":
-            self._retained_turn[(part, key)] = value
+            self._retained_turn.setdefault(part, {})[key] = value

@@ -196,10 +196,14 @@ class RetentionMixin:
         unlink_children(st.a_child, st.a_sibling, st.a_parent, mark, rows)
         # Out of the index and the edges.
         index, recs = self._hash_rows, self._recs
-        for h, r in zip(st.a_name_hash[rows].tolist(), rows.tolist(), strict=True):
-            if index.get(h) == r:
+        listed = rows.tolist()
+        get = index.get
+        for h, r in zip(st.a_name_hash[rows].tolist(), listed, strict=True):
+            if get(h) == r:
                 del index[h]
-            recs.pop(r, None)
+        if recs:                    # (lean rows, a fan-out's, have no record)
+            for r in listed:
+                recs.pop(r, None)
         if self._collided:
             gone = set(rows.tolist())
             for aid in [a for a, r in self._collided.items() if r in gone]:
@@ -289,7 +293,7 @@ class RetentionMixin:
             heavy = rows[sel[~lean[sel]]]
             out.extend(("attempts", row_key(r), None) for r in heavy.tolist())
             out.extend(zip(itertools.repeat("retained"), pkeys, pvalues))
-            turn.update(zip(zip(itertools.repeat(part), pkeys), pvalues, strict=True))
+            turn.setdefault(part, {}).update(zip(pkeys, pvalues, strict=True))
             # The expiry entries (retention end, then the key; no value): consecutive puts
             # to one database, which the store writes in one call.
             out.extend(zip(itertools.repeat("expiry"), [expire + key for key in pkeys],
@@ -329,7 +333,7 @@ class RetentionMixin:
             # Until this turn commits, the store may not hold the run's retained outcomes
             # yet: a marker says so, under its digest and ff (no outcome key is that: a
             # name is ASCII, even one with no characters, which a malformed id may have).
-            self._retained_turn[(part, _run_marker(digest8(key)))] = b""
+            self._retained_turn.setdefault(part, {})[_run_marker(digest8(key))] = b""
         self._free_runs.extend(runs.tolist())
 
     def _lean_retained(self, rows, groups, gidx, names, inputs=True):
@@ -459,13 +463,12 @@ class RetentionMixin:
         raws = self._store.get_many(part, "retained", keys)
         # What turns not yet in the store write (a pipelined loop nearly always has one in
         # commit): probed a key at a time only when some map holds entries.
-        unwritten = self._unwritten_maps()
+        unwritten = [m[part] for m in self._unwritten_maps() if part in m]
         if unwritten:
             for i, key in enumerate(keys):
-                k = (part, key)
                 for m in unwritten:
-                    if k in m:
-                        raws[i] = m[k]
+                    if key in m:
+                        raws[i] = m[key]
                         break
         return [None if raw is None else self._decode_retained(t, part, raw)
                 for t, raw in zip(texts, raws, strict=True)]
@@ -477,9 +480,10 @@ class RetentionMixin:
         return self._retained_many(aid.tenant, texts, keys)
 
     def _unwritten_maps(self):
-        """The non-empty maps ``(partition, key) -> raw`` (None: a delete) of retained
+        """The non-empty maps ``partition -> {key: raw}`` (raw None: a delete) of retained
         outcomes written by this turn, then by each group decided and not yet committed,
-        newest first: the store does not have them yet."""
+        newest first: the store does not have them yet (two levels: a reclaim adds a
+        partition's thousands of keys with one ``dict.update``)."""
         return [m for m in (self._retained_turn, *(g.retained for g in reversed(
             self._pending))) if m]
 
@@ -487,10 +491,10 @@ class RetentionMixin:
         """``(found, raw)``: a retained outcome this turn, or a group decided and not yet
         committed, writes (raw None: deletes). The store does not have it yet; a lookup
         that missed it would take a reclaimed action for one never enqueued."""
-        k = (part, key)
         for m in self._unwritten_maps():
-            if k in m:
-                return True, m[k]
+            keys = m.get(part)
+            if keys is not None and key in keys:
+                return True, keys[key]
         return False, None
 
     def _decode_retained(self, aid, part, raw):
