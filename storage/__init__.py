@@ -15,6 +15,8 @@ Public names::
     Records(db, keys, values, key_size, value_size)
                                           a block of fixed-size records: one op of a batch
                                           (written with LMDB putmulti)
+    Puts(db, keys, values)                a block of variable-size puts (lists of bytes):
+                                          one op of a batch, one putmulti
     DBS, SCHEMA_VERSION, MAX_KEY_SIZE, RESERVED_META_KEYS
 
 Typical use (the engine's)::
@@ -46,6 +48,7 @@ from storage._store import (
     InvalidBatch,
     Op,
     OwnershipError,
+    Puts,
     Records,
     Store,
     StoreError,
@@ -68,6 +71,7 @@ __all__ = [
     "MemoryStore",
     "Op",
     "OwnershipError",
+    "Puts",
     "Records",
     "Store",
     "StoreError",

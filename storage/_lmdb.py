@@ -42,8 +42,9 @@ block's keys are strictly ascending, the part beyond the database's last key goe
 ``append=True``; LMDB refuses, without writing, an appended key that is not greater than the
 last one (``MDB_KEYEXIST``, which ``putmulti`` only counts), so the store checks the order
 first and, should the count ever come up short, puts that part again the ordinary way. The journal
-carries a block as a msgpack extension type (header, keys, values: ``_EXT_RECORDS``), never as
-triples, and the replay applies it with the same code.
+carries a block as a msgpack extension type (header, keys, values: ``_EXT_RECORDS``; a
+:class:`Puts` block as its two lists: ``_EXT_PUTS``), never as triples, and the replay applies
+it with the same code.
 
 ``open`` replays the journal: for every record whose group a partition has not applied
 (``meta/applied`` < group number) it applies that partition's ops, then syncs every partition
@@ -134,6 +135,7 @@ from storage._store import (
     CorruptRecord,
     InvalidBatch,
     OwnershipError,
+    Puts,
     Records,
     Store,
     StoreError,
@@ -177,6 +179,9 @@ def partition_dir(path: str | os.PathLike, partition: int) -> Path:
 #: the keys, then the values: the block as it came, never expanded into triples.
 _EXT_RECORDS = 1
 _RECORDS_HEADER = struct.Struct(">BHII")
+#: Journal encoding of a :class:`Puts` block: extension type ``_EXT_PUTS`` whose data is the
+#: msgpack array ``[database index in DBS, [keys], [values]]``.
+_EXT_PUTS = 2
 
 #: Whether a block whose keys are strictly ascending writes the records past the database's
 #: last key with ``putmulti(append=True)`` (MDB_APPEND). Off: measured, it does not pay for
@@ -190,8 +195,11 @@ _PUT_CHUNK = 1024
 
 
 def _journal_default(obj):
-    """msgpack ``default``: a :class:`Records` block as its extension type, any other
-    bytes-like object (a numpy slice) as bytes."""
+    """msgpack ``default``: a :class:`Records` or :class:`Puts` block as its extension type,
+    any other bytes-like object (a numpy slice) as bytes."""
+    if isinstance(obj, Puts):
+        return msgpack.ExtType(_EXT_PUTS, msgpack.packb(
+            [_DB_INDEX[obj.db], obj.keys, obj.values], use_bin_type=True))
     if isinstance(obj, Records):
         n = len(obj)
         if n > 0xFFFFFFFF or obj.value_size > 0xFFFFFFFF:
@@ -205,9 +213,16 @@ def _journal_default(obj):
         raise TypeError(f"cannot journal a {type(obj).__name__}") from None
 
 
-def _journal_ext(code: int, data: bytes) -> Records:
-    """msgpack ``ext_hook`` of the journal: a :class:`Records` block back (views of ``data``);
-    anything else is a corrupt record (``ValueError``)."""
+def _journal_ext(code: int, data: bytes) -> Records | Puts:
+    """msgpack ``ext_hook`` of the journal: a :class:`Records` block back (views of ``data``)
+    or a :class:`Puts` block; anything else is a corrupt record (``ValueError``)."""
+    if code == _EXT_PUTS:
+        try:
+            db, keys, values = msgpack.unpackb(data, raw=False)
+            return Puts(DBS[db], keys, values)
+        except (ValueError, TypeError, IndexError, InvalidBatch,
+                msgpack.exceptions.ExtraData) as e:
+            raise ValueError(f"malformed Puts block: {e}") from None
     if code != _EXT_RECORDS:
         raise ValueError(f"unknown msgpack extension type {code}")
     h = _RECORDS_HEADER.size
@@ -584,6 +599,13 @@ class LmdbStore(Store):
                     self._put_run(p, txn, h, run_db, run)
                     run = []
                 self._put_records(p, txn, h, op)
+                continue
+            if isinstance(op, Puts):
+                if run:
+                    self._put_run(p, txn, h, run_db, run)
+                    run = []
+                if len(op):
+                    self._put_run(p, txn, h, op.db, op.pairs())
                 continue
             try:
                 db, key, value = op

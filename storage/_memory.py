@@ -29,6 +29,7 @@ from storage._store import (
     CorruptRecord,
     InvalidBatch,
     OwnershipError,
+    Puts,
     Records,
     Store,
     StoreError,
@@ -149,7 +150,7 @@ class MemoryStore(Store):
         for p, ops in staged:
             part = data[p]
             for op in ops:
-                if isinstance(op, Records):    # check_op copied its bytes
+                if isinstance(op, (Records, Puts)):    # check_op copied its bytes
                     part[op.db].update(op.pairs())
                     continue
                 db, key, value = op

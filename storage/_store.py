@@ -46,6 +46,15 @@ A block is validated when built (``InvalidBatch``: database name, ``key_size`` 1
 of the sizes and of the same record count) and at ``commit`` (a ``meta`` block may not hold a
 reserved key); like any invalid op it fails the whole commit with nothing applied.
 
+Bulk op: a block of variable-size puts
+--------------------------------------
+``Puts(db, keys, values)`` (``keys`` and ``values`` lists of ``bytes``, the same length) means
+the triples ``(db, keys[i], values[i])`` in order, at its place in the list, as a
+:class:`Records` block does for fixed sizes: only puts, never into ``meta``. A store applies
+it with one ``putmulti`` and journals it as its two lists; what LMDB refuses in it (an empty
+or too long key) fails the commit naming the pair. Built, it checks its database and lists
+(every pair too, in the ``LEASEHOLD_DEBUG=1`` build).
+
 The ``meta`` database is shared with the store itself: the keys in
 :data:`RESERVED_META_KEYS` (``schema``, ``layout``, ``claim``, ``applied``) are the store's own
 and a batch that writes one is refused with :class:`InvalidBatch`. Reading them with
@@ -103,6 +112,7 @@ __all__ = [
     "InvalidBatch",
     "Op",
     "OwnershipError",
+    "Puts",
     "Records",
     "Store",
     "StoreError",
@@ -141,7 +151,7 @@ RESERVED_META_KEYS: frozenset[bytes] = frozenset(
 )
 
 Op = tuple[str, bytes, "bytes | None"]
-Batch = Mapping[int, Sequence["Op | Records"]]
+Batch = Mapping[int, Sequence["Op | Records | Puts"]]
 
 DEFAULT_CLAIM_TTL_S = 30.0
 
@@ -397,6 +407,65 @@ def check_records(p: int, rec: Records) -> None:
                                    key=key)
 
 
+class Puts:
+    """``Puts(db, keys, values)``: ``len(keys)`` puts of variable-size records into one
+    database, as one op of a :meth:`Store.commit` batch (the module docstring has the rules):
+    ``keys`` and ``values`` are lists of ``bytes`` of the same length, and the block means
+    exactly the triples ``(db, keys[i], values[i])`` in order. Only puts (no deletes), and
+    not into ``meta``. Raises :class:`InvalidBatch` when built if the database, the lists or
+    their lengths are wrong; a key or value LMDB refuses fails the commit naming it (the
+    ``LEASEHOLD_DEBUG=1`` build checks every pair when built). What the engine writes a
+    reclaimed action (its retained outcome, its expiry entry): one op for thousands, put
+    with one ``putmulti`` and journaled as two lists, not a triple each."""
+
+    __slots__ = ("_db", "_keys", "_values")
+
+    def __init__(self, db: str, keys: list, values: list):
+        if db not in DBS or db == "meta":
+            raise InvalidBatch(f"Puts: database {db!r} is not one a block may write (known: "
+                               f"{', '.join(d for d in DBS if d != 'meta')})",
+                               db=db if isinstance(db, str) else None)
+        if type(keys) is not list or type(values) is not list:
+            raise InvalidBatch(f"Puts({db!r}): keys and values must be lists, not "
+                               f"{type(keys).__name__} and {type(values).__name__}", db=db)
+        if len(keys) != len(values):
+            raise InvalidBatch(f"Puts({db!r}): {len(keys)} keys but {len(values)} values",
+                               db=db)
+        if DEBUG:
+            for key, value in zip(keys, values, strict=True):
+                check_op(0, (db, key, value))
+        self._db, self._keys, self._values = db, keys, values
+
+    @property
+    def db(self) -> str:
+        return self._db
+
+    @property
+    def keys(self) -> list:
+        return self._keys
+
+    @property
+    def values(self) -> list:
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def pairs(self):
+        """The ``(key, value)`` pairs, in order (a list, as ``Cursor.putmulti`` takes it)."""
+        return list(zip(self._keys, self._values, strict=True))
+
+    def __eq__(self, other):
+        if not isinstance(other, Puts):
+            return NotImplemented
+        return (self._db, self._keys, self._values) == (other._db, other._keys, other._values)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Puts({self._db!r}, {len(self._keys)} records)"
+
+
 @dataclass(frozen=True)
 class Claim:
     """A partition's ownership record (``meta/claim``): who holds it, until when.
@@ -543,9 +612,9 @@ class Store(ABC):
 
     @abstractmethod
     def commit(self, batch: Batch) -> None:
-        """Apply ``batch`` (``{partition: [(db, key, value_or_None) or Records, ...]}``) as one
-        group; the ops of a partition apply in list order (a :class:`Records` block as its
-        records in order, see the module docstring).
+        """Apply ``batch`` (``{partition: [(db, key, value_or_None), Records or Puts, ...]}``)
+        as one group; the ops of a partition apply in list order (a :class:`Records` or
+        :class:`Puts` block as its records in order, see the module docstring).
 
         One write transaction per touched partition, then durability (sync) before
         returning: when ``commit`` returns, the whole group survives a crash; acknowledge
@@ -649,12 +718,17 @@ def check_partition(p, partitions: int) -> int:
     return q
 
 
-def check_op(p: int, op) -> tuple[str, bytes, bytes | None] | Records:
+def check_op(p: int, op) -> tuple[str, bytes, bytes | None] | Records | Puts:
     """Validate one op and return it with key and value copied to ``bytes`` (a
-    :class:`Records` block: checked and returned as a copy over ``bytes``)."""
+    :class:`Records` or :class:`Puts` block: checked and returned as a copy over
+    ``bytes``)."""
     if isinstance(op, Records):
         check_records(p, op)
         return Records(op.db, bytes(op.keys), bytes(op.values), op.key_size, op.value_size)
+    if isinstance(op, Puts):
+        checked = [check_op(p, (op.db, key, value))
+                   for key, value in zip(op.keys, op.values, strict=True)]
+        return Puts(op.db, [t[1] for t in checked], [t[2] for t in checked])
     try:
         db, key, value = op
     except (TypeError, ValueError):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine import ActionSpec, Engine, ManualClock, Phase, parse_config
 from engine._codes import LeaseKind, Verdict
-from storage import SCHEMA_VERSION, CorruptRecord, MemoryStore, Records, StoreError
+from storage import SCHEMA_VERSION, CorruptRecord, MemoryStore, Puts, Records, StoreError
 from storage._store import check_schema
 
 CONFIG = {
@@ -66,7 +66,7 @@ def written(batch, db):
     n = 0
     for ops in batch.values():
         for op in ops:
-            if isinstance(op, Records):
+            if isinstance(op, (Records, Puts)):
                 n += len(op) if op.db == db else 0
             elif op[0] == db:
                 n += 1

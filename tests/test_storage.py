@@ -27,6 +27,7 @@ from storage import (
     LmdbStore,
     MemoryStore,
     OwnershipError,
+    Puts,
     Records,
     StoreError,
     StoreFailed,
@@ -482,8 +483,8 @@ def expand(batch):
     for p, ops in batch.items():
         out[p] = []
         for op in ops:
-            if isinstance(op, Records):
-                out[p].extend((op.db, key, value) for key, value in op)
+            if isinstance(op, (Records, Puts)):
+                out[p].extend((op.db, key, value) for key, value in op.pairs())
             else:
                 out[p].append(op)
     return out
@@ -625,6 +626,81 @@ def test_a_block_equals_the_same_records_given_as_triples(h, single):
     s.close()
     s = h.new()
     s.open("a", T0 + S)                     # and after a reopen
+    assert state(s) == model
+    s.close()
+
+
+def puts_batch(g):
+    """A group of every partition mixing Puts blocks (variable sizes, a key repeated inside
+    a block and by a triple after it) with triples and a delete."""
+    batch = {}
+    for p in range(P):
+        head = b"r" + bytes([g, p])
+        keys = [head + b"x" * i for i in range(1, 40)] + [head + b"x"]     # the last repeats
+        values = [bytes([i % 251]) * (i * 7 % 300) for i in range(len(keys))]
+        batch[p] = [("specs", b"before", b"v"), Puts("specs", keys, values),
+                    ("specs", keys[3], b"triple after"), ("specs", keys[4], None),
+                    Puts("specs", [], [])]
+    return batch
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["journaled", "single-partition"])
+def test_a_puts_block_equals_its_triples_in_list_order(h, single):
+    s = h.new()
+    s.open("a", T0)
+    model = {}
+    for g in range(3):
+        batch = puts_batch(g)
+        if single:
+            batch = {1: batch[1]}
+        s.commit(batch)
+        model_apply(model, batch)
+    assert state(s) == model
+    assert s.get(1, "specs", b"r\x00\x01x") == bytes([39 % 251]) * (39 * 7 % 300)
+    s.close()
+    s = h.new()
+    s.open("a", T0 + S)                     # and after a reopen
+    assert state(s) == model
+    s.close()
+
+
+def test_a_bad_puts_block_is_refused_by_name_and_applies_nothing(h):
+    for args, what in ((("meta", [b"k"], [b"v"]), "meta"),
+                       (("nope", [b"k"], [b"v"]), "nope"),
+                       (("specs", (b"k",), [b"v"]), "lists"),
+                       (("specs", [b"k", b"j"], [b"v"]), "2 keys but 1 values")):
+        with pytest.raises(InvalidBatch, match=what):
+            Puts(*args)
+    s = h.new()
+    s.open("a", T0)
+    for bad_key in (b"", b"x" * 512):
+        with pytest.raises(InvalidBatch):
+            s.commit({0: [("specs", b"a", b"1")],
+                      2: [Puts("specs", [b"ok", bad_key, b"ok2"], [b"1", b"2", b"3"])]})
+    assert state(s) == {}
+    s.close()
+
+
+def test_a_journaled_puts_block_is_replayed_after_a_failure_past_the_commit_point(
+        hl, monkeypatch):
+    s = hl.new()
+    s.open("a", T0)
+
+    def hook(at):
+        if at == "journal-committed":
+            raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
+    batch = puts_batch(1)
+    with pytest.raises(StoreFailed) as ei:
+        s.commit(batch)
+    assert ei.value.outcome == "durable"
+    monkeypatch.setattr(lmdb_store, "_crash_hook", None)
+    s.close()
+    model = {}
+    model_apply(model, batch)
+    s = hl.new()
+    s.open("a", T0 + S)                     # the replay applies the blocks from the journal
     assert state(s) == model
     s.close()
 
