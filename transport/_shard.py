@@ -1206,38 +1206,50 @@ class _Loop:
                     continue
                 self.pushes.append((conn, p.encode(msg), int(part.size)))
         if len(self.watch):
-            now = self.eng.clock.now_ns()
-            # Run leases only (a finalize lease is no state change of the action); ids as
-            # text from their groups (no ActionId per lease).
-            runs = np.flatnonzero(batch.kind == 0)
-            watched = {}            # group id -> (run key, names, its changes), None: unwatched
-            by_run = {}
-            initializing = Phase.INITIALIZING   # (an enum member read is a metaclass lookup)
-            new_leases, attempts = self.new_leases, self.attempts
-            for i, gid, k, word, gen, attempt in zip(
-                    runs.tolist(), batch.group[runs].tolist(), batch.index[runs].tolist(),
-                    batch.tokens[runs, 0].tolist(), batch.tokens[runs, 1].tolist(),
-                    batch.attempt[runs].tolist(), strict=True):
-                hit = watched.get(gid, False)
-                if hit is False:
-                    g = batch.group_of(i)
-                    run = g.compiled.id.run_key
-                    if run in self.watch:
-                        changes = by_run.get(run)
-                        if changes is None:
-                            changes = by_run[run] = _Changes(run, now)
-                        hit = (run, g.names, changes)
-                    else:
-                        hit = None
-                    watched[gid] = hit
-                if hit is None:
-                    continue
-                run, names, changes = hit
-                aid = f"{run}/{names[k]}"
-                new_leases.append((word, gen, run, aid, attempt))
-                attempts[aid] = attempt
-                changes.add(aid, initializing, attempt)
-            self.records.extend(by_run.values())
+            self._watched_leases(batch)
+
+    def _watched_leases(self, batch):
+        """The INITIALIZING watch records of the run leases of ``batch`` whose runs are
+        watched, in the batch's order, and the lease map entries that name their actions
+        when they are reported: a segment of consecutive leases of one enqueue group (a
+        fan-out's, usually the whole batch) at a time, no Python loop over its leases
+        beyond making their ids (text, from the group's names: no ActionId a lease)."""
+        runs = np.flatnonzero(batch.kind == 0)   # (a finalize lease changes no action)
+        if not runs.size:
+            return
+        now = self.eng.clock.now_ns()
+        gids = batch.group[runs]
+        cuts = np.flatnonzero(gids[1:] != gids[:-1]) + 1
+        watched = {}            # group id -> (run key, names, its changes), None: unwatched
+        by_run = {}
+        initializing = Phase.INITIALIZING   # (an enum member read is a metaclass lookup)
+        new_leases, attempts = self.new_leases, self.attempts
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), runs.size], strict=True):
+            seg = runs[lo:hi]
+            gid = int(gids[lo])
+            hit = watched.get(gid, False)
+            if hit is False:
+                g = batch.group_of(int(seg[0]))
+                run = g.compiled.id.run_key
+                if run in self.watch:
+                    changes = by_run.get(run)
+                    if changes is None:
+                        changes = by_run[run] = _Changes(run, now)
+                    hit = (run, g.names, changes)
+                else:
+                    hit = None
+                watched[gid] = hit
+            if hit is None:
+                continue
+            run, names, changes = hit
+            prefix = run + "/"
+            aids = [prefix + names[k] for k in batch.index[seg].tolist()]
+            atts = batch.attempt[seg].tolist()
+            new_leases.extend(zip(batch.tokens[seg, 0].tolist(), batch.tokens[seg, 1].tolist(),
+                                  [run] * len(aids), aids, atts, strict=True))
+            attempts.update(zip(aids, atts, strict=True))
+            changes.extend(aids, initializing, atts)
+        self.records.extend(by_run.values())
 
     def _leases(self, batch, idx):
         # Groups in order of first appearance: lists and a dict, no sort (a LEASES message
@@ -1522,6 +1534,12 @@ class _Changes:
         self.actions.append(action)
         self.phases.append(phase)
         self.attempts.append(attempt)
+
+    def extend(self, actions, phase, attempts):
+        """:meth:`add` of each of ``actions`` in ``phase``, with its entry of ``attempts``."""
+        self.actions.extend(actions)
+        self.phases.extend([phase] * len(actions))
+        self.attempts.extend(attempts)
 
 
 class _Queued:
