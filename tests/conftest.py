@@ -1,5 +1,6 @@
 """Shared helpers: small configs and engines on a manual clock."""
 
+import gc
 import os
 import sys
 
@@ -82,3 +83,15 @@ def until(cond, timeout=10.0, what="condition"):
             return got
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(autouse=True)
+def _collector_as_found():
+    """A command run in process (``leasehold worker`` or ``shard`` in a CLI test) freezes the
+    heap and raises the collector's thresholds, as it does in a process of its own: both
+    are put back after the test, so no later test on the same pytest worker sees them."""
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+    yield
+    gc.set_threshold(*thresholds)
+    if gc.get_freeze_count() > frozen:
+        gc.unfreeze()
