@@ -249,28 +249,27 @@ class WatchLog:
                 given = p
                 phase = _PHASE_OF.get(p) or _phase(p)
                 terminal, value = phase in TERMINAL_PHASES, phase.value
-            last = live.get(action)
             if terminal:
+                last = live.pop(action, None)
                 told = ended.get(action)
                 if last is None and told == phase:
                     continue        # already told (a second report, a re-check)
-                if last is not None:
-                    del live[action]
                 if told is not None:
                     ended.move_to_end(action)   # a new key goes to the end by itself
                 ended[action] = phase
                 if len(ended) > kept:
                     ended.popitem(last=False)
-            elif last is not None:
-                if last[1] == attempt and last[0] == phase:
-                    continue
-                live[action] = (phase, attempt)
-            elif len(live) < max_live:
-                live[action] = (phase, attempt)
+            else:
+                last = live.get(action)
+                if last is not None:
+                    if last[1] == attempt and last[0] == phase:
+                        continue
+                    live[action] = (phase, attempt)
+                elif len(live) < max_live:
+                    live[action] = (phase, attempt)
             seq += 1
-            event = (seq, action, value, attempt, time_ns, detail)
-            ring.append(event)
-            events.append(event)
+            events.append((seq, action, value, attempt, time_ns, detail))
+        ring.extend(events)
         r.seq = seq
         return events, r.watchers
 
