@@ -540,7 +540,7 @@ class Worker:
                 h.attempt = self._attempt(h, spec, ex, plugin, pods)
                 h.plugin, h.cleanup = plugin, plugin.finalizes
                 attempts.append(h.attempt)
-        except (OSError, SpecError):    # a workdir that cannot be made: one at a time
+        except Exception:   # (a workdir that cannot be made): one at a time, each its own
             for h in hs:
                 h.demand = h.attempt = h.plugin = None
             for h in hs:
