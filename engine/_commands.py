@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from engine import _sigint
 from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
@@ -94,7 +95,9 @@ def guard(fn):
 def _lazy(module, name):
     """The command ``name`` of ``module``, imported when it runs (not when the CLI starts)."""
     def run(args):
-        return getattr(importlib.import_module(module), name)(args)
+        command = getattr(importlib.import_module(module), name)
+        _sigint.check()             # a Ctrl-C the import's weakref callbacks swallowed
+        return command(args)
     return guard(run)
 
 

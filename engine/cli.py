@@ -18,7 +18,11 @@ INTERRUPTED = 130   # engine._commands.INTERRUPTED, which cannot be imported yet
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     try:
+        from engine import _sigint  # (the standard library only)
+
+        _sigint.install()
         from engine._cli import main as run
+        _sigint.check()             # a Ctrl-C an import's weakref callback swallowed
         return run(argv)
     except KeyboardInterrupt:
         # Raised while the commands were still importing, or before their guard ran.
