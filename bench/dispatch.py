@@ -16,8 +16,9 @@ duration, and the ``python`` plugin for the warm pool), driven by clients in thi
   the plugin's ``start`` (or ``start_many``) call, in the loop turn that decoded the LEASES
   message.
 * ``small_run_p50_ms`` / ``small_run_p99_ms``: while the fan-out drains, a client of another
-  tenant enqueues a 10-action run and waits for all 10 to succeed (watch), one run after the
-  other; ``small_runs`` how many fit in the drain.
+  tenant enqueues a 10-action run and waits for all 10 to succeed (``Client.run_fanout``:
+  the run's WATCH, the enqueue and a STATUS in one round trip, then its events), one run
+  after the other; ``small_runs`` how many fit in the drain.
 * ``fanout_cpu_us_shard`` / ``_worker`` / ``_client``: CPU time (user + system) each process
   spent per action during the fan-out (this process is the client: the enqueuers, the
   watcher and the small runs). Unlike the rates, these hold up on a busy machine.
@@ -212,11 +213,12 @@ def one_run(actions, rtt_count, pipeline=None, slots=SLOTS):
                         n += 1
                         r = f"globex/bench/prod/small{n}"
                         t0 = time.perf_counter()
-                        c.enqueue_fanout({"id": f"{r}/x", "task": "t",
-                                          "resources": {"cpu": "1m"},
-                                          "execute": {"plugin": "sim"}},
-                                         [f"s{i}" for i in range(10)])
-                        c.wait([f"{r}/s{i}" for i in range(10)], timeout=60)
+                        got = c.run_fanout({"id": f"{r}/x", "task": "t",
+                                            "resources": {"cpu": "1m"},
+                                            "execute": {"plugin": "sim"}},
+                                           [f"s{i}" for i in range(10)], timeout=60)
+                        if set(got.values()) != {Phase.SUCCEEDED}:
+                            raise RuntimeError(f"small run {r}: {got}")
                         if draining.is_set():
                             small.append((time.perf_counter() - t0) * 1e3)
                 finally:

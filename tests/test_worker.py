@@ -9,10 +9,20 @@ import time
 
 import pytest
 
-from engine import Phase, parse_config
+from engine import Phase, SpecError, parse_config
 from storage import MemoryStore
 from tests.conftest import until
-from transport import Change, Client, Outcome, Plugin, PluginError, Shard, Worker
+from transport import (
+    Change,
+    Client,
+    Outcome,
+    Plugin,
+    PluginError,
+    Shard,
+    ShardError,
+    ShardTimeout,
+    Worker,
+)
 
 RUN = "acme/ml/prod/r1"
 
@@ -182,6 +192,27 @@ def test_a_start_many_that_raises_fails_each_attempt_and_stops_what_it_started(r
     assert r.plugin.started and set(r.plugin.started) <= set(r.plugin.stopped)
     s = r.worker.stats()
     assert s["plugin_errors"] == 5 and s["started"] == 0 and s["held"] == 0
+
+
+def test_run_fanout_enqueues_and_waits_in_one_call_and_leaves_no_watch(rig):
+    r = rig(Controlled(instant=True))
+    names = [f"n{i}" for i in range(30)]
+    got = r.client.run_fanout(spec("x"), names, timeout=20)
+    assert got == {f"{RUN}/{n}": Phase.SUCCEEDED for n in names}
+    # Again: the same fan-out is already done (an idempotent enqueue adds nothing): its
+    # phases come from the STATUS read after it, with no event to wait for.
+    t0 = time.monotonic()
+    assert r.client.run_fanout(spec("x"), names, timeout=20) == got
+    assert time.monotonic() - t0 < 5
+    # A fan-out the shard refuses raises its error; nothing of it is enqueued or watched.
+    with pytest.raises(ShardError, match="INVALID_ARGUMENT"):
+        r.client.run_fanout(spec("x"), ["ok", "not a name!"], timeout=5)
+    with pytest.raises(ShardError, match="NOT_FOUND"):
+        r.client.status(f"{RUN}/ok")
+    with pytest.raises(ShardTimeout):
+        r.client.next_event(timeout=0.3)
+    with pytest.raises(SpecError):
+        r.client.run_fanout({**spec("x"), "id": "no-slashes"}, ["a"], timeout=5)
 
 
 def test_the_free_capacity_reported_is_the_capacity_less_what_held_attempts_declared(rig):

@@ -482,12 +482,30 @@ class Client:
         Returns ``{action id: Phase}``."""
         ids = [str(a) for a in ([actions] if isinstance(actions, (str, ActionId))
                                 else actions)]
+        return self._wait(ids, timeout)
+
+    def run_fanout(self, template, names, inputs=None, timeout=60.0):
+        """Enqueue a fan-out as :meth:`enqueue_fanout` does and wait until each of its
+        actions has ended, as :meth:`wait` does, in one round trip before the events: its
+        run's WATCH (unless watched already), the ENQUEUE_FANOUT and the STATUS of its ids go
+        back to back. Returns ``{action id: Phase}``; an enqueue the shard refuses raises
+        its ShardError (nothing is enqueued, and nothing stays watched)."""
+        template = _spec_map(template)
+        tid = template.get("id")
+        run = ActionId.parse(tid).run_key       # (SpecError naming what is wrong)
+        link = self._one_link("ENQUEUE_FANOUT", [tid])
+        enqueue = p.EnqueueFanout(rid=next(self._rids), template=template, names=list(names),
+                                  inputs=list(inputs) if inputs is not None else None)
+        return self._wait([f"{run}/{n}" for n in enqueue.names], timeout,
+                          (link, enqueue, "ENQUEUE_FANOUT"))
+
+    def _wait(self, ids, timeout, first=None):
         runs = {a.rsplit("/", 1)[0] for a in ids}
         deadline = time.monotonic() + timeout
         mine = [r for r in runs if r not in self._watching]
         try:
             done = {}
-            for a, ph in zip(ids, self._watch_and_status(mine, ids), strict=True):
+            for a, ph in zip(ids, self._watch_and_status(mine, ids, first), strict=True):
                 if ph in TERMINAL_PHASES:
                     done[a] = ph
             want = set(ids) - set(done)
@@ -529,12 +547,16 @@ class Client:
             for r in mine:
                 self.unsubscribe(r)
 
-    def _watch_and_status(self, runs, ids):
+    def _watch_and_status(self, runs, ids, first=None):
         """Subscribe to ``runs`` (from seq 0) and read the phase of each of ``ids``: to each
         shard its WATCHes then its STATUS, sent back to back, so that one loop turn
         registers the watches and reads the phases after them (no change falls between
-        the two) in one round trip. The phases, in the order of ``ids``."""
+        the two) in one round trip. ``first``: ``(link, request, what)`` sent on ``link``
+        between its WATCHes and its STATUS (its ERROR raised, as its ShardError, once the
+        watches are taken). The phases, in the order of ``ids``."""
         by_link = {}        # id(link) -> [link, runs, positions of ids]
+        if first is not None:
+            by_link[id(first[0])] = [first[0], [], []]
         for r in runs:
             link = self._link_of(r)         # a bad key is refused before it is watched
             by_link.setdefault(id(link), [link, [], []])[1].append(r)
@@ -548,6 +570,10 @@ class Client:
                 self._watching[r] = 0
                 msgs.append(self._watch_request(r, 0))
                 whats.append(f"WATCH {r}")
+            extra = first is not None and link is first[0]
+            if extra:
+                msgs.append(first[1])
+                whats.append(first[2])
             if idx:
                 msgs.append(p.Status(rid=next(self._rids), actions=[ids[i] for i in idx]))
                 whats.append("STATUS")
@@ -560,6 +586,8 @@ class Client:
             finally:
                 for r in link_runs:
                     self._watch_answered(r)
+            if extra and isinstance(got[len(link_runs)], ShardError):
+                raise got[len(link_runs)]
             if idx:
                 if isinstance(got[-1], ShardError):
                     raise got[-1]
