@@ -24,7 +24,7 @@ import time
 import numpy as np
 import zmq
 
-from engine._codes import PHASE_CODE, TERMINAL_PHASES, Phase
+from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase
 from engine._config import Config, TransportSettings, load_config
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionId
@@ -36,6 +36,8 @@ from transport._sockets import client_socket, send
 from transport._worker import ShardError, ShardTimeout
 
 __all__ = ["Client", "CrossShardBatch", "WatchLost"]
+
+_TERMINAL_CODES = np.array(sorted(PHASE_CODE[ph] for ph in TERMINAL_PHASES), np.uint8)
 
 
 class WatchLost(ShardError):
@@ -517,7 +519,7 @@ class Client:
                                        f"{len(want)} action(s) not ended within {timeout}s "
                                        f"(e.g. {min(want)})")
                 try:
-                    e = self.next_event(timeout=left, runs=runs)
+                    got = self.next_events(timeout=left, runs=runs)
                 except ShardTimeout:
                     if time.monotonic() < deadline:
                         raise       # a shard that cannot answer, not the wait running out
@@ -538,10 +540,12 @@ class Client:
                             done[a] = ph
                             want.discard(a)
                     continue
-                ph = Phase(e.phase)
-                if e.action in want and ph in TERMINAL_PHASES:
-                    done[e.action] = ph
-                    want.discard(e.action)
+                # A batch's terminal entries only (the phases as codes: no Event objects).
+                for i in np.flatnonzero(np.isin(got.phases, _TERMINAL_CODES)).tolist():
+                    a = got.actions[i]
+                    if a in want:
+                        done[a] = PHASES[int(got.phases[i])]
+                        want.discard(a)
             return done
         finally:
             for r in mine:
