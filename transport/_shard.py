@@ -334,7 +334,7 @@ class _Loop:
         # compiled spec; bounded, oldest dropped (then the map is rebuilt).
         self.wire_specs = {}
         # Run leases of watched runs: lease id (token word 0: the action's row) ->
-        # (generation, run, action, attempt), so a report names its action and attempt
+        # (generation, (run, action, attempt)), so a report names its action and attempt
         # without asking the engine or the log.
         # Not capped: one entry a row at most (a new lease of the row replaces it), so the
         # map is bounded by the action table, which is bounded by live work. (A cap that
@@ -703,8 +703,7 @@ class _Loop:
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
         # before the pushes leave: a report can only follow its push.
-        for word, gen, run, aid, attempt in box.leases:
-            self.leases[word] = (gen, run, aid, attempt)
+        self.leases.update(box.leases)
         # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
@@ -1112,18 +1111,12 @@ class _Loop:
         leases): from the lease map, else, for a lease it does not hold (pushed before its
         run was first watched: ``Client.wait`` subscribes after its enqueue), from the
         engine (``Engine.lease_actions``), its attempt then None (not known here)."""
-        words = tokens[:, 0].tolist()
-        gens = tokens[:, 1].tolist()
-        names = [None] * len(words)
-        miss = []
-        for i, w in enumerate(words):
-            hit = self.leases.get(w)
-            # The entry is this lease's only if the generations agree (a stale token of
-            # the row, or an entry left by a lease that expired unreported, is not).
-            if hit is not None and hit[0] == gens[i]:
-                names[i] = hit[1:]
-            else:
-                miss.append(i)
+        # The entry is this lease's only if the generations agree (a stale token of the
+        # row, or an entry left by a lease that expired unreported, is not).
+        names = [hit[1] if hit is not None and hit[0] == gen else None
+                 for hit, gen in zip(map(self.leases.get, tokens[:, 0].tolist()),
+                                     tokens[:, 1].tolist(), strict=True)]
+        miss = [i for i, name in enumerate(names) if name is None]
         watched = self.watch.watched() if miss else ()
         if watched:
             for i, aid in zip(miss, self.eng.lease_actions(tokens[miss], watched),
@@ -1245,8 +1238,10 @@ class _Loop:
             prefix = run + "/"
             aids = [prefix + names[k] for k in batch.index[seg].tolist()]
             atts = batch.attempt[seg].tolist()
-            new_leases.extend(zip(batch.tokens[seg, 0].tolist(), batch.tokens[seg, 1].tolist(),
-                                  [run] * len(aids), aids, atts, strict=True))
+            # The lease map's entries: lease id -> (generation, (run, action, attempt)).
+            new_leases.extend(zip(batch.tokens[seg, 0].tolist(), zip(
+                batch.tokens[seg, 1].tolist(), zip([run] * len(aids), aids, atts, strict=True),
+                strict=True), strict=True))
             attempts.update(zip(aids, atts, strict=True))
             changes.extend(aids, initializing, atts)
         self.records.extend(by_run.values())
@@ -1565,7 +1560,7 @@ class _Outbox:
         self.pushes = []        # (routing id, frames, leases)
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
-        self.leases = []        # (lease id, gen, run, action, attempt): watched run leases
+        self.leases = []        # (lease id, (gen, (run, action, attempt))): watched leases
         self.attempts = {}      # action -> attempt of its records (until they join the log)
         self.batch = None
         self.now_ns = 0
