@@ -61,6 +61,14 @@ def _started(argv, env):
         proc.communicate(timeout=30)
 
 
+def _python(code):
+    """``python -c code`` with the repository on the path; it must exit 0."""
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_importing_the_entry_point_loads_nothing_heavy():
     # The window the fix closes: the package and the entry module import no third-party
     # module, so the entry point's own handler is in place within milliseconds.
@@ -69,10 +77,7 @@ def test_importing_the_entry_point_loads_nothing_heavy():
             "if m in sys.modules))\n"
             "import engine as e\n"
             "print(all(getattr(e, n) is not None for n in e.__all__))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["[]", "True"]
+    assert _python(code).stdout.splitlines() == ["[]", "True"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -151,8 +156,6 @@ def test_a_ctrl_c_a_weakref_callback_swallowed_is_raised_at_the_next_check():
             "    _sigint.check()\n"
             "except KeyboardInterrupt:\n"
             "    print('raised')\n")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = _python(code)
     assert out.stdout.splitlines() == ["dropped KeyboardInterrupt", "went on", "raised"]
     assert out.stderr == ""     # the command line's hook does not print what it noted
