@@ -57,6 +57,7 @@ __all__ = ["Worker", "measured_capacity", "run_worker"]
 log = logging.getLogger("leasehold.worker")
 
 _RUNNING = PHASE_CODE[Phase.RUNNING]
+_SUCCEEDED = PHASE_CODE[Phase.SUCCEEDED]
 _INITIALIZING = PHASE_CODE[Phase.INITIALIZING]
 # Enum members read once: ``Phase.RUNNING`` is a metaclass lookup (~0.2 us), paid several
 # times an action on the hot path otherwise.
@@ -407,8 +408,8 @@ class Worker:
                     log.exception("worker %s: plugin %s failed to poll", self.name, name)
                     self._count("plugin_errors")
                     continue
-                for ch in changes:
-                    self._on_change(ch, now)
+                if changes:
+                    self._on_changes(changes, now)
             self._fire_timers(now)
             self._flush_reports(now)
             self._heartbeats(now)
@@ -754,16 +755,49 @@ class Worker:
 
     # ------------------------------------------------------------------ plugin changes
 
-    def _on_change(self, ch, now):
-        h = self._held.get(ch.key)
-        if h is None:
-            return              # stopped or refused meanwhile
-        if ch.outcome is None:
-            if ch.phase == _PHASE_RUNNING and h.phase != _PHASE_RUNNING:
-                h.phase = _PHASE_RUNNING
-                self._progress(h, now)
-            return
-        self._end(h, ch.outcome, now)
+    def _on_changes(self, changes, now):
+        """Take a poll's ``changes``, in order: RUNNING is said with the next reports, an
+        outcome reported (:meth:`_end`); a success of an attempt without cleanup (a
+        fan-out's, the common case) is reported and let go here, without a call of its
+        own. A change of an attempt no longer held (stopped, refused) is dropped."""
+        held = self._held
+        rows = None
+        ok = 0
+        for ch in changes:
+            h = held.get(ch.key)
+            if h is None:
+                continue            # stopped or refused meanwhile
+            out = ch.outcome
+            if out is None:
+                if ch.phase == _PHASE_RUNNING and h.phase != _PHASE_RUNNING:
+                    h.phase = _PHASE_RUNNING
+                    self._progress(h, now)
+                continue
+            if out.phase is not _PHASE_SUCCEEDED or h.cleanup:
+                self._end(h, out, now)
+                continue
+            # _end, _report and _forget of a success, inline.
+            if rows is None or rows[0] != h.shard:
+                got = self._reports.get(h.shard)
+                if got is None:
+                    got = self._reports[h.shard] = _Pending()
+                rows = (h.shard, got)
+            pending = rows[1]
+            codes, token = pending.codes, h.token
+            if token in codes:
+                del codes[token]    # the latest goes last
+                pending.details.pop(token, None)
+            codes[token] = _SUCCEEDED
+            pending.urgent = True
+            ok += 1
+            del held[token]
+            if h.demand is not None:
+                shape = self._held_shapes[id(h.demand)]
+                shape[1] -= 1
+                if not shape[1]:
+                    del self._held_shapes[id(h.demand)]
+        if ok:
+            self._counts["succeeded"] += ok
 
     def _end(self, h, outcome, now):
         """Report ``outcome`` for ``h`` and let it go (its cleanup comes as a finalize)."""
