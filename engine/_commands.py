@@ -18,7 +18,6 @@ import json
 import os
 import sys
 
-from engine import _sigint
 from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
@@ -95,9 +94,7 @@ def guard(fn):
 def _lazy(module, name):
     """The command ``name`` of ``module``, imported when it runs (not when the CLI starts)."""
     def run(args):
-        command = getattr(importlib.import_module(module), name)
-        _sigint.check()             # a Ctrl-C the import's weakref callbacks swallowed
-        return command(args)
+        return getattr(importlib.import_module(module), name)(args)
     return guard(run)
 
 

@@ -1,51 +1,52 @@
 """A Ctrl-C the command line never loses.
 
 Python raises ``KeyboardInterrupt`` wherever its main thread is when SIGINT arrives. If that
-is a weakref callback or a finalizer (the import system's module locks are freed through
-one, many times a second while the commands' modules load), the exception is reported as
-"unraisable" and dropped, and the command went on: a ``leasehold status`` interrupted a
-tenth of a second after it started waited out its request timeout (a minute). The
-command line installs :func:`install`'s handler, which notes the interrupt before raising
-(and keeps Python from printing the one it drops); :func:`check` raises it again where the
-command next asks. Only the standard library: the
-entry point imports this before anything heavy.
+is a weakref callback or a finalizer (the import system frees its module locks through one,
+many times a second while the commands' modules load), the exception is "unraisable": Python
+drops it and the command goes on (a ``leasehold status`` interrupted a tenth of a second after
+it started waited out its request timeout, a minute). :func:`install` (the command line's
+entry point calls it first) hooks the unraisable ones: a dropped ``KeyboardInterrupt`` is not
+printed, and a helper thread interrupts the main thread again a moment later, outside the
+callback (again if that one is dropped too). Only the standard library: the entry point
+imports this before anything heavy.
 """
 
-import signal
+import _thread
 import sys
+import threading
+import time
 
-__all__ = ["install", "check"]
+__all__ = ["install"]
 
-_interrupted = False
+#: How long after a dropped ``KeyboardInterrupt`` the main thread is interrupted again (out
+#: of the callback that dropped it by then).
+AGAIN_S = 0.01
 
-
-def _handler(signum, frame):
-    global _interrupted
-    _interrupted = True
-    raise KeyboardInterrupt
-
-
-def install():
-    """Handle SIGINT in this process by noting it, then raising ``KeyboardInterrupt``; a
-    ``KeyboardInterrupt`` Python then drops as unraisable is not printed (it is noted)."""
-    signal.signal(signal.SIGINT, _handler)
-    if sys.unraisablehook is not _unraisable:
-        global _hook
-        _hook = sys.unraisablehook
-        sys.unraisablehook = _unraisable
-
-
+_dropped = threading.Event()
 _hook = sys.__unraisablehook__
 
 
+def install():
+    """Raise again, in the main thread, each ``KeyboardInterrupt`` Python drops in a
+    callback or finalizer (and do not print it). Call once, from the main thread."""
+    global _hook
+    if sys.unraisablehook is _unraisable:
+        return
+    _hook = sys.unraisablehook
+    sys.unraisablehook = _unraisable
+    threading.Thread(target=_again, name="leasehold-sigint", daemon=True).start()
+
+
 def _unraisable(unraisable):
-    if unraisable.exc_type is KeyboardInterrupt and _interrupted:
-        return      # noted: check() raises it again
+    if unraisable.exc_type is KeyboardInterrupt:
+        _dropped.set()      # (no raise here: one raised in this hook is dropped too)
+        return
     _hook(unraisable)
 
 
-def check():
-    """Raise ``KeyboardInterrupt`` if SIGINT came since :func:`install` (once handled, it
-    stays noted: the command is ending)."""
-    if _interrupted:
-        raise KeyboardInterrupt
+def _again():
+    while True:
+        _dropped.wait()
+        _dropped.clear()
+        time.sleep(AGAIN_S)
+        _thread.interrupt_main()    # SIGINT's handler, in the main thread

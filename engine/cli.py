@@ -22,7 +22,6 @@ def main(argv=None):
 
         _sigint.install()
         from engine._cli import main as run
-        _sigint.check()             # a Ctrl-C an import's weakref callback swallowed
         return run(argv)
     except KeyboardInterrupt:
         # Raised while the commands were still importing, or before their guard ran.

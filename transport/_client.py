@@ -28,7 +28,6 @@ from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase
 from engine._config import Config, TransportSettings, load_config
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionId
-from engine._sigint import check as check_interrupt
 from transport import _protocol as p
 from transport._keys import load_client_keys
 from transport._shards import split_by_shard, tenant_of, tenant_shard
@@ -630,7 +629,6 @@ class Client:
         if not send(sock, p.encode(msg)):
             deadline = time.monotonic() + self.timeout
             while True:
-                check_interrupt()
                 if time.monotonic() >= deadline:
                     raise ShardTimeout(f"shard {link.label}: {what}: cannot send (not "
                                        f"connected within {self.timeout}s: down, unreachable "
@@ -657,7 +655,6 @@ class Client:
         """The next message on ``sock`` before ``deadline``; EVENTs of watched runs are
         queued (new seqs only) and returned as well."""
         while True:
-            check_interrupt()
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -676,7 +673,6 @@ class Client:
         for sock in socks:
             poller.register(sock, zmq.POLLIN)
         while True:
-            check_interrupt()
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
