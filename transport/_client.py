@@ -637,19 +637,10 @@ class Client:
                     break
 
     def _call(self, link, msg, what):
-        sock = self._socket(link)
-        self._send_request(link, sock, msg, what)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            got = self._recv(sock, deadline)
-            if got is None:
-                raise ShardTimeout(f"shard {link.label}: {what}: no answer within "
-                                   f"{self.timeout}s")
-            if getattr(got, "rid", None) != msg.rid or isinstance(got, (p.Event, p.Events)):
-                continue
-            if isinstance(got, p.Error):
-                raise ShardError(link.label, what, got.code, got.message)
-            return got.body
+        body = self._call_many(link, [msg], [what])[0]
+        if isinstance(body, ShardError):
+            raise body
+        return body
 
     def _recv(self, sock, deadline):
         """The next message on ``sock`` before ``deadline``; EVENTs of watched runs are

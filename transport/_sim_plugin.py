@@ -54,28 +54,13 @@ class SimPlugin(Plugin):
         self._dead = 0              # heap entries of stopped attempts
 
     def start(self, attempt):
-        key = attempt.key
-        if key in self._live:
-            raise PluginError(f"attempt {key.hex()} is already running")
-        ex = attempt.execute
-        d = ex.duration
-        if type(d) is tuple:
-            d = self._random.uniform(d[0], d[1])
-        outcome = None
-        if ex.fail is not None and (ex.fail_attempts is None
-                                    or attempt.attempt <= ex.fail_attempts):
-            outcome = self._failure(attempt, ex)
-        self._seq += 1
-        self._live[key] = (self._seq, outcome)
-        if d > 0:
-            heapq.heappush(self._heap, (self._clock() + d, self._seq, key))
-        else:
-            self._at_once.append((self._clock(), self._seq, key))
-        self._new.append(key)
+        failed = self.start_many((attempt,))
+        if failed:
+            raise failed[0][1]
 
     def start_many(self, attempts):
-        """:meth:`start` of each, due times from one clock reading (the worker starts them
-        in one loop turn)."""
+        """Start each of ``attempts`` (``start`` is this for one), due times from one clock
+        reading (the worker starts them in one loop turn)."""
         failed = []
         live, heap, new = self._live, self._heap, self._new
         now = self._clock()
