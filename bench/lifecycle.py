@@ -64,7 +64,14 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from engine import ActionSpec, Engine, ManualClock, Phase, parse_config  # noqa: E402
+from engine import (  # noqa: E402
+    ActionSpec,
+    Engine,
+    ManualClock,
+    Phase,
+    is_content_key,
+    parse_config,
+)
 from engine._state import ACTION_FIELDS  # noqa: E402
 
 BATCH = 1000
@@ -245,7 +252,7 @@ def churn(path, total, live):
     s_end = sample()
     tracemalloc.stop()
     rows = eng.inspect().arrays.a_state.shape[0]
-    retained = sum(1 for _ in eng.store.scan("retained"))
+    retained = sum(1 for key, _ in eng.store.scan("retained") if not is_content_key(key))
     runs = len(eng.inspect().runs())
     eng.close()
     w, h, e, o, z = s_warm, s_half, s_end, s_early, s_old_end

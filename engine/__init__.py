@@ -22,6 +22,7 @@ _PUBLIC = {
     "engine._inspect": ("ActionRecord", "DispatchEntry", "Inspection", "PendingTimer"),
     "engine._model": ("ActionId", "ActionSpec", "PodGroup", "RetryPolicy", "ReusePolicy",
                       "Timeouts"),
+    "engine._retain": ("is_content_key",),
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 

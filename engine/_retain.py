@@ -27,6 +27,7 @@ A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_en
 
 import itertools
 from dataclasses import dataclass
+from hashlib import blake2b
 
 import msgpack
 import numpy as np
@@ -52,7 +53,8 @@ from engine._rows import LEAN_TERMINAL, ST_DONE, ST_FREE
 from engine._state import ACTION_FIELDS, FINALIZE_FIELDS
 from storage import CorruptRecord, Puts, Records
 
-__all__ = ["RETENTION_BATCH", "RetentionMixin", "Retained", "retained_key"]
+__all__ = ["RETENTION_BATCH", "RetentionMixin", "Retained", "content_key", "is_content_key",
+           "retained_key"]
 
 # Columns a reclaimed row keeps: its lease generation (released) and how that lease ended (a
 # token of it keeps its verdict until the row's next lease makes it STALE), and the partition
@@ -75,6 +77,10 @@ RECLAIM_BATCH = 1 << 16
 # runs inside a tick's group commit).
 RETENTION_BATCH = 256
 
+
+# The ninth byte of a spec content's key (content_key).
+_CONTENT_BYTE = 0xFE
+_CONTENT = bytes([_CONTENT_BYTE])
 
 #: Longest name kept whole in a retained key; a longer one keeps this much less 9 bytes of
 #: its start, a NUL (never in a name) and its digest, so keys stay within LMDB's 511 bytes.
@@ -115,6 +121,20 @@ def _retained_keys(texts):
         digests.append(digest)
         names.append(name)
     return _keys_of(digests, names)
+
+
+def content_key(content):
+    """The ``retained`` key of a spec's ``content`` (bytes), under which its retained
+    outcomes find it: 16 bytes of its blake2b digest with ``fe`` after the eighth. No
+    outcome key is that (its ninth byte starts a name: ASCII), nor a run's marker (``ff``)."""
+    d = blake2b(content, digest_size=16).digest()
+    return d[:8] + _CONTENT + d[8:]
+
+
+def is_content_key(key):
+    """Whether ``key`` (of the ``retained`` database, or an ``expiry`` key without its
+    first eight bytes) names a spec's content rather than an action's outcome."""
+    return len(key) == 17 and key[8] == _CONTENT_BYTE
 
 
 def _run_marker(run_digest):
@@ -247,11 +267,14 @@ class RetentionMixin:
         # one group), then per row by its index among the groups.
         _gids, first, inv = np.unique(st.a_group[rows], return_index=True,
                                       return_inverse=True)
-        info = []
+        info, contents = [], {}
         for r in rows[first].tolist():
             g = self._group_of(r)
             run_key = g.compiled.id.run_key
-            info.append((g, spec_content(g.compiled.spec), run_key + "/", digest8(run_key)))
+            content = spec_content(g.compiled.spec)
+            ckey = content_key(content)
+            contents[ckey] = content
+            info.append((g, ckey, run_key + "/", digest8(run_key)))
         inv = inv.reshape(-1)
         which = inv.tolist()
         gidx = st.a_gidx[rows].tolist()
@@ -282,6 +305,7 @@ class RetentionMixin:
         # a lookup must find before the store has them.
         ops, turn = self._ops, self._retained_turn
         parts = st.a_part[rows]
+        after = (int.from_bytes(expire, "big") + 1).to_bytes(8, "big")
         for part in np.unique(parts).tolist():
             sel = np.flatnonzero(parts == part)
             if sel.size == n:
@@ -298,6 +322,16 @@ class RetentionMixin:
             out.append(Puts("retained", pkeys, pvalues))
             turn.setdefault(part, {}).update(zip(pkeys, pvalues, strict=True))
             out.append(Puts("expiry", [expire + key for key in pkeys], [b""] * len(pkeys)))
+            # The specs their values name, once each, kept a nanosecond past the last
+            # outcome naming one (a later reclaim's end, or a stored later one, wins): the
+            # sweep reaches a spec after every outcome of it, however its batches fall.
+            for ckey in sorted({info[j][1] for j in (which if sel.size == n else
+                                                     [which[i] for i in sel.tolist()])}):
+                held = self._content_expiry(part, ckey)
+                until = after if held is None or held < after else held
+                self._op(part, "retained", ckey, until + contents[ckey])
+                if until == after:
+                    self._op(part, "expiry", after + ckey, b"")
 
     def _retire_runs(self, runs, parts):
         """Runs among ``runs`` (run rows of just reclaimed actions, their records in
@@ -470,7 +504,8 @@ class RetentionMixin:
                     if key in m:
                         raws[i] = m[key]
                         break
-        return [None if raw is None else self._decode_retained(t, part, raw)
+        contents = {}           # (a fan-out's outcomes name one spec: read once)
+        return [None if raw is None else self._decode_retained(t, part, raw, contents)
                 for t, raw in zip(texts, raws, strict=True)]
 
     def _retained_names(self, aid, names, texts):
@@ -497,11 +532,12 @@ class RetentionMixin:
                 return True, keys[key]
         return False, None
 
-    def _decode_retained(self, aid, part, raw):
-        """The :class:`Retained` of action id text ``aid`` from its record in ``part``."""
+    def _decode_retained(self, aid, part, raw, contents=None):
+        """The :class:`Retained` of action id text ``aid`` from its record in ``part``
+        (``contents``: spec contents already read, by key, filled in as read)."""
         key = retained_key(aid)
         try:
-            text, content, ref, ended, queue, outcome = msgpack.unpackb(raw, raw=False)
+            text, ckey, ref, ended, queue, outcome = msgpack.unpackb(raw, raw=False)
             phase, message, kind, cause, ur, sr, attempts = decode_outcome(outcome)
             phase = Phase(phase)
         except Exception as exc:
@@ -510,11 +546,33 @@ class RetentionMixin:
         if text != aid:
             raise CorruptRecord(part, "retained", key, f"retained outcome of {text} found "
                                                       f"under the key of {aid}")
+        if type(ckey) is not bytes or not is_content_key(ckey):
+            raise CorruptRecord(part, "retained", key, f"retained outcome of {aid} names no "
+                                                      f"spec content ({ckey!r:.40})")
+        content = None if contents is None else contents.get(ckey)
+        if content is None:
+            found, value = self._unwritten_retained(part, ckey)
+            if not found:
+                value = self._store.get(part, "retained", ckey)
+            if value is None:
+                raise CorruptRecord(part, "retained", ckey, f"the spec content the retained "
+                                                           f"outcome of {aid} names is missing")
+            content = value[8:]
+            if contents is not None:
+                contents[ckey] = content
         rec = ActionEdges(compiled=None, row=-1, phase=phase, message=message,
                           error_kind=kind, cause=cause, attempts=attempts, user_retries=ur,
                           system_retries=sr,
                           first_enqueued_ns=attempts[0].enqueued_ns if attempts else 0)
         return Retained(text, content, ref, ended, queue, rec)
+
+    def _content_expiry(self, part, ckey):
+        """The retention end (8 bytes big-endian) a spec content's entry in ``part`` holds
+        now (what this turn and turns not yet committed write included), or None."""
+        found, value = self._unwritten_retained(part, ckey)
+        if not found:
+            value = self._store.get(part, "retained", ckey)
+        return None if value is None else value[:8]
 
     def _same_retained(self, ret, spec, input_ref=None):
         if ret.input_ref != input_ref:
@@ -523,7 +581,9 @@ class RetentionMixin:
 
     def sweep_retention(self, limit=RETENTION_BATCH):
         """Delete up to ``limit`` retained outcomes per partition whose retention has
-        passed (``storage.retention`` after their row was reclaimed), in one loop turn.
+        passed (``storage.retention`` after their row was reclaimed), in one loop turn (the
+        limit counts expiry entries: the spec contents that outlived the outcomes naming
+        them are deleted too).
         ``schedule()`` calls it about once a second, and every tick while a batch comes
         back full (``decide()`` does not: a loop built on it calls this when idle).
         Returns the number deleted."""
@@ -538,8 +598,16 @@ class RetentionMixin:
             expired = self._store.scan_range(part, "expiry", b"", stop, limit)
             for key, _value in expired:
                 self._op(part, "expiry", key, None)
-                self._op(part, "retained", key[8:], None)
-            deleted += len(expired)
+                target = key[8:]
+                # A spec's content goes with the last outcome naming it: kept while a later
+                # reclaim (written, or in a turn not committed yet) holds it longer.
+                if is_content_key(target):
+                    held = self._content_expiry(part, target)
+                    if held is None or held <= key[:8]:
+                        self._op(part, "retained", target, None)
+                    continue
+                self._op(part, "retained", target, None)
+                deleted += 1
             full = full or len(expired) == limit
         return deleted, full
 

@@ -136,7 +136,10 @@ DBS: tuple[str, ...] = (
 #: Version 4: a retained outcome's key is its run's digest then its name (it was then a
 #: digest of the name), and its expiry entry's key ends in that key, so older code would miss
 #: retained outcomes (re-running an id it should find done) and this code would miss theirs.
-SCHEMA_VERSION = 4
+#: Version 5: a retained outcome names its spec's content by key (``engine._retain``,
+#: ``content_key``), stored once a partition beside the outcomes, instead of holding a copy;
+#: older code would read the key as the spec.
+SCHEMA_VERSION = 5
 #: LMDB's default key size limit, enforced by every store so that a batch accepted by
 #: ``MemoryStore`` is also accepted by ``LmdbStore``.
 MAX_KEY_SIZE = 511

@@ -24,6 +24,7 @@ from engine import (
     Phase,
     SpecError,
     Timeouts,
+    is_content_key,
     parse_config,
 )
 from engine._codes import PHASES, LeaseKind, RowState, Verdict
@@ -159,8 +160,11 @@ def test_retained_keys_sort_a_runs_outcomes_by_name_and_long_names_stay_distinct
     ids = eng.enqueue_fanout(spec, names)
     run_to_success(eng)
     assert eng.reclaim() == len(names)
-    keys = [key for p in range(eng.store.partitions)
-            for key, _ in eng.store.scan_range(p, "retained", b"", b"\xff" * 9)]
+    stored = [key for p in range(eng.store.partitions)
+              for key, _ in eng.store.scan_range(p, "retained", b"", b"\xff" * 9)]
+    keys = [key for key in stored if not is_content_key(key)]
+    # The fan-out's spec once, beside its outcomes (they name it).
+    assert len([key for key in stored if is_content_key(key)]) == 1
     assert len(keys) == len(names) and max(map(len, keys)) <= 511
     assert [key[8:] for key in keys[:12]] == [n.encode() for n in names[:12]]
     assert len({key[8:400] for key in keys[12:]}) == 1 and keys[12] != keys[13]
@@ -173,8 +177,9 @@ def test_retained_keys_sort_a_runs_outcomes_by_name_and_long_names_stay_distinct
     assert eng.sweep_retention() == len(names)
     with pytest.raises(NotFound):
         eng.explain(ids[-1])
-    assert not [key for p in range(eng.store.partitions)
-                for key, _ in eng.store.scan_range(p, "expiry", b"", b"\xff" * 9)]
+    for db in ("expiry", "retained"):       # the spec's content went with its outcomes
+        assert not [key for p in range(eng.store.partitions)
+                    for key, _ in eng.store.scan_range(p, db, b"", b"\xff" * 9)]
 
 
 def test_known_answers_a_malformed_id_of_a_run_retired_by_a_turn_not_yet_committed():
@@ -194,20 +199,19 @@ def test_known_answers_a_malformed_id_of_a_run_retired_by_a_turn_not_yet_committ
     assert eng.known([str(ids[0]), bad]).tolist() == [True, False]
 
 
-def test_a_store_of_the_schema_before_name_ordered_retained_keys_is_refused_by_name(
-        tmp_path):
-    # Schema 3 keyed retained outcomes by a digest of the name: this code would not find
-    # them (an id it should answer as done would run again), so it does not open that store.
+def test_a_store_of_the_schema_before_retained_specs_by_key_is_refused_by_name(tmp_path):
+    # Schema 4 kept a copy of the spec in each retained outcome: this code would read it as
+    # a content key and find no spec, so it does not open that store.
     store = LmdbStore(tmp_path / "db", partitions=2, map_size=1 << 20)
     store.open("s", 1)
     store.close()
     env = lmdb.open(str(tmp_path / "db" / "p00"), max_dbs=16)
     with env.begin(write=True) as txn:
-        txn.put(b"schema", msgpack.packb(3), db=env.open_db(b"meta", txn=txn))
+        txn.put(b"schema", msgpack.packb(4), db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(CorruptRecord, match="schema 3: a store written by older code"):
+    with pytest.raises(CorruptRecord, match="schema 4: a store written by older code"):
         LmdbStore(tmp_path / "db", partitions=2, map_size=1 << 20).open("s", 2)
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
 
 
 def test_retention_deletes_expired_outcomes_in_batches_and_frees_the_id():
@@ -227,6 +231,102 @@ def test_retention_deletes_expired_outcomes_in_batches_and_frees_the_id():
     # The id is free again: a new action of it is enqueued (and queued).
     eng.enqueue_fanout(spec, ["a0"])
     assert eng.phase(ids[0]) == Phase.QUEUED
+
+
+def _contents(eng):
+    """The spec contents stored beside retained outcomes, over every partition."""
+    return [key for p in range(eng.store.partitions)
+            for key, _ in eng.store.scan_range(p, "retained", b"", b"\xff" * 9)
+            if is_content_key(key)]
+
+
+def test_a_spec_is_kept_once_while_any_retained_outcome_names_it():
+    # Two fan-outs of one run (one spec), reclaimed 5 s apart: one stored content serves
+    # both; the first's expiry leaves it for the second, whose own takes it.
+    eng, clock = make_engine(config(retention="10s"))
+    first = eng.enqueue_fanout(template("r1"), ["a0", "a1", "a2"])
+    run_to_success(eng)
+    assert eng.reclaim() == 3
+    clock.advance(5)
+    second = eng.enqueue_fanout(template("r1"), ["b0", "b1"])
+    run_to_success(eng)
+    assert eng.reclaim() == 2
+    assert len(_contents(eng)) == 1
+    clock.advance(6)
+    assert eng.sweep_retention() == 3
+    assert len(_contents(eng)) == 1
+    for a in second:
+        assert eng.explain(a).phase == Phase.SUCCEEDED
+    assert list(eng.enqueue_fanout(template("r1"), ["b0", "b1"])) == list(second)
+    with pytest.raises(NotFound):
+        eng.explain(first[0])
+    clock.advance(5)
+    assert eng.sweep_retention() == 2
+    assert _contents(eng) == []
+
+
+def test_a_spec_outlives_its_outcomes_when_a_later_reclaim_has_a_shorter_retention(
+        tmp_path):
+    # Reopened with a shorter retention, a later reclaim of the same spec must not bring
+    # the stored content's end forward: the first run's outcomes still name it.
+    clock = ManualClock()
+
+    def reopen(retention):
+        cfg = parse_config(config(retention=retention, path=tmp_path / "db"), source="<t>")
+        eng = Engine(cfg, clock=clock)
+        eng.register_worker("w", "east", 100)
+        return eng
+
+    eng = reopen("100s")
+    first = eng.enqueue_fanout(template("r1"), ["a0"])
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    eng.close()
+    eng = reopen("10s")
+    second = eng.enqueue_fanout(template("r1"), ["b0"])
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    clock.advance(11)
+    assert eng.sweep_retention() == 1
+    with pytest.raises(NotFound):
+        eng.explain(second[0])
+    assert eng.explain(first[0]).phase == Phase.SUCCEEDED
+    assert list(eng.enqueue_fanout(template("r1"), ["a0"])) == list(first)
+    eng.close()
+
+
+def test_a_sweep_keeps_a_spec_a_reclaim_not_yet_committed_names():
+    eng, clock = make_engine(config(retention="10s"))
+    first = eng.enqueue_fanout(template("r1"), ["a0"])
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    clock.advance(5)
+    second = eng.enqueue_fanout(template("r1"), ["b0"])
+    run_to_success(eng)
+    clock.advance(6)
+    with eng.deferred_turn() as reclaimed:
+        assert eng.reclaim() == 1
+    with eng.deferred_turn() as swept:
+        assert eng.sweep_retention() == 1
+    eng.commit(reclaimed)
+    eng.commit(swept)
+    with pytest.raises(NotFound):
+        eng.explain(first[0])
+    assert eng.explain(second[0]).phase == Phase.SUCCEEDED
+    assert len(_contents(eng)) == 1
+
+
+def test_a_retained_outcome_whose_spec_is_missing_is_a_corrupt_record_naming_it():
+    eng, clock = make_engine(config())
+    ids = eng.enqueue_fanout(template("r1"), ["a0"])
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    [key] = _contents(eng)
+    part = next(p for p in range(eng.store.partitions)
+                if eng.store.get(p, "retained", key) is not None)
+    eng.store.commit({part: [("retained", key, None)]})
+    with pytest.raises(CorruptRecord, match=f"spec content the retained outcome of {ids[0]}"):
+        eng.explain(ids[0])
 
 
 def test_schedule_sweeps_expired_outcomes_about_once_a_second():
