@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from engine import Phase
 from transport import WatchLog
+from transport._watch import WatchGap
 
 RUN = "acme/p/d/r"
 names = st.lists(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]), max_size=12)
@@ -15,10 +16,16 @@ earlier = st.lists(st.tuples(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]),
                              st.integers(0, 2)), max_size=10)
 
 
-def _log(max_live):
-    log = WatchLog(ring=64, max_live=max_live, epoch=1000)
+def _log(max_live, ring=64):
+    log = WatchLog(ring=ring, max_live=max_live, epoch=1000)
     log.watch(RUN, "conn", 0)
     return log
+
+
+def _watch(log, since, conn="conn"):
+    """``watch``'s answer with its events as tuples, whatever parts the log holds them in."""
+    latest, logged = log.watch(RUN, conn, since)
+    return latest, [e for c in logged for e in c.events()]
 
 
 @settings(max_examples=200, deadline=None)
@@ -28,17 +35,19 @@ def test_record_many_is_record_one_by_one(before, batch, max_live):
     for log in (one, many):
         for action, phase, attempt in before:
             log.record(RUN, action, phase, attempt, 5)
-    want = [hit[0] for a in batch
-            if (hit := one.record(RUN, a, Phase.QUEUED, 0, 7)) is not None]
+    want = [e for a in batch
+            if (hit := one.record(RUN, a, Phase.QUEUED, 0, 7)) is not None
+            for e in hit[0].events()]
     got, watchers = many.record_many(RUN, batch, Phase.QUEUED, 0, 7)
-    assert got == want and watchers == {"conn"}
+    assert (got.events() if got is not None else []) == want and watchers == {"conn"}
     assert sorted(one.live()) == sorted(many.live())
-    assert one.watch(RUN, "conn", 0) == many.watch(RUN, "conn", 0)
+    assert _watch(one, 0) == _watch(many, 0)
 
 
 def test_record_many_of_an_unwatched_run_records_nothing_and_refuses_terminal_phases():
     log = _log(4)
-    assert log.record_many("acme/p/d/other", [f"{RUN}/a0"], Phase.QUEUED, 0, 1) == ([], set())
+    assert log.record_many("acme/p/d/other", [f"{RUN}/a0"], Phase.QUEUED, 0, 1) == (None,
+                                                                                    set())
     with pytest.raises(ValueError, match="non-terminal"):
         log.record_many(RUN, [f"{RUN}/a0"], Phase.SUCCEEDED, 1, 1)
 
@@ -53,19 +62,46 @@ changes = st.lists(st.tuples(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]),
 @given(seq=changes, cut=st.integers(0, 30), max_live=st.integers(1, 8))
 def test_record_changes_in_batches_is_record_one_by_one(seq, cut, max_live):
     one, batched = _log(max_live), _log(max_live)
-    want = [hit[0] for a, ph, att in seq
-            if (hit := one.record(RUN, a, ph, att, 9, f"d{att}")) is not None]
+    want = [e for a, ph, att in seq
+            if (hit := one.record(RUN, a, ph, att, 9, f"d{att}")) is not None
+            for e in hit[0].events()]
     got = []
     for part in (seq[:cut], seq[cut:]):       # the state carries across batches
         events, watchers = batched.record_changes(
             RUN, [c[0] for c in part], [c[1] for c in part], [c[2] for c in part], 9,
             [f"d{c[2]}" for c in part])
-        got += events
+        got += events.events() if events is not None else []
         assert watchers == {"conn"}
     assert got == want
     assert sorted(one.live()) == sorted(batched.live())
     # Sequence numbers are gap-free from the epoch, whatever was suppressed.
     assert [e[0] for e in got] == list(range(1001, 1001 + len(got)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=changes, cuts=st.lists(st.integers(0, 30), max_size=4), ring=st.integers(1, 9))
+def test_a_ring_of_batches_replays_what_a_ring_of_single_events_does(seq, cuts, ring):
+    """The ring keeps the last ``ring`` events however they were recorded (a batch larger
+    than the ring, or one straddling its edge, is cut): every resume answers the same."""
+    one, batched = _log(8, ring), _log(8, ring)
+    for a, ph, att in seq:
+        one.record(RUN, a, ph, att, 9)
+    bounds = sorted({0, len(seq), *(min(c, len(seq)) for c in cuts)})
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        part = seq[lo:hi]
+        batched.record_changes(RUN, [c[0] for c in part], [c[1] for c in part],
+                               [c[2] for c in part], 9)
+    latest = one.watch(RUN, "conn", 0)[0]
+    assert batched.watch(RUN, "conn", 0)[0] == latest
+    for since in range(1000, latest + 1):
+        try:
+            want = _watch(one, since)
+        except WatchGap:
+            with pytest.raises(WatchGap):
+                batched.watch(RUN, "conn", since)
+            continue
+        assert _watch(batched, since) == want
+        assert len(want[1]) <= ring
 
 
 def test_record_changes_suppresses_repeats_and_bounds_live_tracking():
@@ -77,10 +113,10 @@ def test_record_changes_suppresses_repeats_and_bounds_live_tracking():
          "SUCCEEDED", Phase.RUNNING], [0, 0, 1, 0, 1, 1, 1], 5)
     # a's second QUEUED, its second SUCCEEDED (given by name) and b's repeat add nothing;
     # c is recorded but not tracked (two live actions at most).
-    assert [(e[1], e[2]) for e in events] == [(a, "QUEUED"), (b, "RUNNING"), (c, "QUEUED"),
-                                             (a, "SUCCEEDED")]
+    assert [(e[1], e[2]) for e in events.events()] == [
+        (a, "QUEUED"), (b, "RUNNING"), (c, "QUEUED"), (a, "SUCCEEDED")]
     assert sorted(x[1] for x in log.live()) == [b]
-    assert log.record_changes("acme/p/d/other", [a], [Phase.RUNNING], [1], 5) == ([], set())
+    assert log.record_changes("acme/p/d/other", [a], [Phase.RUNNING], [1], 5) == (None, set())
     with pytest.raises(ValueError):
         log.record_changes(RUN, [a], ["NOT_A_PHASE"], [1], 5)
 
@@ -91,14 +127,12 @@ def test_a_resume_into_a_log_made_again_after_its_eviction_is_refused():
     must be refused (WatchGap), not handed the new log's later events as if they followed
     it (it would silently miss the changes between, and those the new log numbered up to
     its seq)."""
-    from transport._watch import WatchGap
-
     log = WatchLog(ring=64, max_runs=1, epoch=1000)
     other = "acme/p/d/other"
     log.watch(RUN, "old", 0)
     first, _ = log.record_changes(RUN, [f"{RUN}/a", f"{RUN}/b"], [Phase.QUEUED] * 2,
                                   [0, 0], 5)
-    last_seen = first[-1][0]
+    last_seen = first.last
     log.watch(other, "x", 0)                    # evicts RUN's log
     assert RUN not in log
     log.watch(RUN, "new", 0)                    # a new log of the same run
@@ -107,9 +141,9 @@ def test_a_resume_into_a_log_made_again_after_its_eviction_is_refused():
     with pytest.raises(WatchGap):
         log.watch(RUN, "old", last_seen)
     # The new log's own watcher resumes as usual, from the seq before its first event.
-    latest, events = log.watch(RUN, "new", 0)
+    latest, events = _watch(log, 0, "new")
     assert [e[1] for e in events] == [f"{RUN}/c", f"{RUN}/d", f"{RUN}/e"]
-    assert log.watch(RUN, "new", events[0][0] - 1)[1] == events
+    assert _watch(log, events[0][0] - 1, "new")[1] == events
     assert log.watch(RUN, "new", latest) == (latest, [])
 
 

@@ -114,7 +114,7 @@ from transport._supervisor import (
     SupervisorError,
     run_supervisor,
 )
-from transport._watch import WatchLog
+from transport._watch import Logged, WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection, leases_of
 
 __all__ = [
@@ -158,6 +158,7 @@ __all__ = [
     "Shard",
     "ShardError",
     "ShardTimeout",
+    "Logged",
     "WatchLog",
     "WatchLost",
     "WorkerConnection",

@@ -28,6 +28,7 @@ thread's alone, which settles each group with ``Engine.settle``.
 import collections
 import dataclasses
 import importlib
+import itertools
 import logging
 import signal
 import threading
@@ -36,7 +37,7 @@ import time
 import numpy as np
 import zmq
 
-from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase, Verdict
+from engine._codes import PHASES, TERMINAL_PHASES, Phase, Verdict
 from engine._commands import CommandError, freeze_heap
 from engine._config import Config, load_config
 from engine._engine import Engine
@@ -728,28 +729,25 @@ class _Loop:
         box.sent = len(box.out)
         # Durable: the turn's watch records join the log (numbered now, so a seq never
         # names a change that was undone); after the leases, which wait for nothing here.
-        by_run = {}     # run -> (watchers, its events in seq order)
+        by_run = {}     # run -> (watchers, its events in seq order: Logged parts)
         for args in box.records:
             if type(args) is _Queued:
                 run = args.run
-                hits, watchers = self.watch.record_many(run, args.ids, Phase.QUEUED, 0,
-                                                        args.now_ns)
+                logged, watchers = self.watch.record_many(run, args.ids, Phase.QUEUED, 0,
+                                                          args.now_ns)
             elif type(args) is _Changes:
                 run = args.run
-                hits, watchers = self.watch.record_changes(run, args.actions, args.phases,
-                                                           args.attempts, args.now_ns)
+                logged, watchers = self.watch.record_changes(run, args.actions, args.phases,
+                                                             args.attempts, args.now_ns)
             else:
                 run = args[0]
-                hit = self.watch.record(*args)
-                if hit is None:
-                    continue
-                hits, watchers = [hit[0]], hit[1]
-            if hits and watchers:
+                logged, watchers = self.watch.record(*args) or (None, None)
+            if logged is not None and watchers:
                 got = by_run.get(run)
                 if got is None:
-                    by_run[run] = (watchers, hits)
+                    by_run[run] = (watchers, [logged])
                 else:
-                    got[1].extend(hits)
+                    got[1].append(logged)
         box.recorded = True
         self.push_events(by_run, dropped)
         for c in self.conns.values():
@@ -1035,7 +1033,7 @@ class _Loop:
             self.watch.track_many(msg.run, ids, phases, _wire_attempts(phases, attempts))
         # "first": the seq the replay starts at (latest + 1 when it is empty), so a watcher
         # from since=0 knows which seq comes next and sees a gap even before its first event.
-        self.reply(conn, msg.rid, {"seq": latest, "first": events[0][0] if events else latest + 1})
+        self.reply(conn, msg.rid, {"seq": latest, "first": events[0].seq if events else latest + 1})
         for batch in self._batches(msg.run, events):    # the replay, after the reply
             self.out.append((conn, batch, False))
 
@@ -1438,22 +1436,26 @@ class _Loop:
         except LeaseholdError:
             return None
 
-    def _batches(self, run, events):
-        """EVENTS messages of consecutive events of ``run`` (at most max_batch each)."""
+    def _batches(self, run, logged):
+        """EVENTS messages of consecutive events of ``run`` (``logged``: the log's
+        :class:`~transport.Logged` parts, in seq order), at most max_batch events each."""
         step = self.settings.max_batch
-        for lo in range(0, len(events), step):
-            part = events[lo:lo + step]
-            # (seq, action, phase value, attempt, time, detail) tuples to columns, once.
-            _seqs, actions, values, attempts, times, details = zip(*part, strict=True)
-            yield p.Events(run=run, seq=part[0][0], actions=list(actions),
-                           phases=np.fromiter(map(PHASE_CODE.__getitem__, values), np.uint8,
-                                              len(values)),
-                           attempts=np.array(attempts, np.int32),
-                           time_ns=np.array(times, np.int64),
-                           details=[d or None for d in details] if any(details) else None)
+        parts, n = [], 0
+        for c in logged:
+            lo, size = 0, len(c)
+            while lo < size:
+                take = min(step - n, size - lo)
+                parts.append(c if take == size else c.part(lo, lo + take))
+                lo += take
+                n += take
+                if n == step:
+                    yield _events(run, parts)
+                    parts, n = [], 0
+        if parts:
+            yield _events(run, parts)
 
     def push_events(self, by_run, dropped):
-        """Push ``{run: (watchers, events)}``: one EVENTS message a run a turn (its events
+        """Push ``{run: (watchers, [Logged])}``: one EVENTS message a run a turn (its events
         are consecutive: nothing else numbers them), to each of its watchers (those of the
         turn's first message of it: one dropped on the way counts its share of the later
         ones unsent)."""
@@ -1513,6 +1515,28 @@ def _refused_copies(tokens, names, refused):
             left[tb] -= 1
             skip.add(i)
     return skip
+
+
+def _events(run, parts):
+    """The EVENTS message of ``parts`` (consecutive :class:`~transport.Logged` of ``run``):
+    their columns joined, a part's one time repeated for each of its events."""
+    if len(parts) == 1:
+        c = parts[0]
+        return p.Events(run=run, seq=c.seq, actions=c.actions, phases=c.codes,
+                        attempts=c.attempts,
+                        time_ns=np.full(len(c), c.time_ns, np.int64), details=c.details)
+    details = None
+    if any(c.details is not None for c in parts):
+        details = []
+        for c in parts:
+            details.extend(c.details if c.details is not None else [None] * len(c))
+    return p.Events(run=run, seq=parts[0].seq,
+                    actions=list(itertools.chain.from_iterable(c.actions for c in parts)),
+                    phases=np.concatenate([c.codes for c in parts]),
+                    attempts=np.concatenate([c.attempts for c in parts]),
+                    time_ns=np.repeat(np.array([c.time_ns for c in parts], np.int64),
+                                      [len(c) for c in parts]),
+                    details=details)
 
 
 class _Changes:

@@ -23,10 +23,11 @@ evicted log is refused too, not resumed into the new log's numbering.
 """
 
 import collections
-import itertools
 import time
 
-from engine._codes import TERMINAL_PHASES, Phase
+import numpy as np
+
+from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase
 
 # A phase or its name -> the Phase: a dict lookup (Phase(x) costs an enum call, and every
 # recorded change of a watched run takes one).
@@ -37,7 +38,7 @@ def _phase(phase):
     found = _PHASE_OF.get(phase)
     return found if found is not None else Phase(phase)    # else: ValueError naming it
 
-__all__ = ["WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE", "RECHECK"]
+__all__ = ["Logged", "WatchGap", "WatchLog", "RING", "MAX_RUNS", "MAX_LIVE", "RECHECK"]
 
 #: Events kept a run.
 RING = 4096
@@ -53,11 +54,60 @@ class WatchGap(Exception):
     """A resume from a ``seq`` the log no longer holds (too old, or from before a restart)."""
 
 
+class Logged:
+    """Consecutive events of one run recorded together, as columns (what an EVENTS
+    message carries): event ``i`` is ``actions[i]`` entering phase ``codes[i]`` (uint8,
+    ``engine._codes.PHASES``) in attempt ``attempts[i]`` (int32), numbered ``seq + i``, all
+    at ``time_ns``; ``details``: each one's text or None (None when none has one)."""
+
+    __slots__ = ("seq", "actions", "codes", "attempts", "time_ns", "details")
+
+    def __init__(self, seq, actions, codes, attempts, time_ns, details=None):
+        self.seq, self.actions, self.codes, self.attempts = seq, actions, codes, attempts
+        self.time_ns, self.details = time_ns, details
+
+    def __len__(self):
+        return len(self.actions)
+
+    @property
+    def last(self):
+        """The seq of the last event."""
+        return self.seq + len(self.actions) - 1
+
+    def part(self, lo, hi):
+        """Events ``lo`` to ``hi`` (indexes) as a :class:`Logged` of their own."""
+        return Logged(self.seq + lo, self.actions[lo:hi], self.codes[lo:hi],
+                      self.attempts[lo:hi], self.time_ns,
+                      None if self.details is None else self.details[lo:hi])
+
+    def events(self):
+        """The events as ``(seq, action, phase name, attempt, time_ns, detail)`` tuples."""
+        n, t = len(self.actions), self.time_ns
+        details = self.details if self.details is not None else [None] * n
+        return [(self.seq + i, a, PHASES[c].value, att, t, d) for i, (a, c, att, d) in
+                enumerate(zip(self.actions, self.codes.tolist(), self.attempts.tolist(),
+                              details, strict=True))]
+
+
+# A phase or its name -> its code (what the columns hold).
+_CODE_OF = {**PHASE_CODE, **{p.value: c for p, c in PHASE_CODE.items()}}
+
+
+def _codes(phases, n):
+    try:
+        return np.fromiter(map(_CODE_OF.__getitem__, phases), np.uint8, n)
+    except KeyError:
+        for ph in phases:
+            _phase(ph)          # the ValueError naming the bad one
+        raise
+
+
 class _Run:
-    __slots__ = ("ring", "base", "seq", "watchers", "live", "ended")
+    __slots__ = ("ring", "held", "base", "seq", "watchers", "live", "ended")
 
     def __init__(self, ring, base):
-        self.ring = collections.deque(maxlen=ring)   # (seq, action, phase, attempt, t, detail)
+        self.ring = collections.deque()     # Logged, in seq order
+        self.held = 0               # events in the ring
         self.base = base            # the seq before this log's first event
         self.seq = base
         self.watchers = set()       # routing ids
@@ -102,7 +152,8 @@ class WatchLog:
         return [run for run, r in self._runs.items() if r.watchers]
 
     def watch(self, run, conn, since):
-        """Subscribe ``conn`` to ``run``; returns ``(latest seq, events after since)``.
+        """Subscribe ``conn`` to ``run``; returns ``(latest seq, events after since)``, the
+        events a list of :class:`Logged`.
         Raises :class:`WatchGap` when events after ``since`` were dropped or belong to an
         earlier shard process."""
         r = self._runs.get(run)
@@ -114,7 +165,7 @@ class WatchLog:
             r = _Run(self.ring, self._floor)
         else:
             self._runs.move_to_end(run)
-        first = r.ring[0][0] if r.ring else r.seq + 1
+        first = r.ring[0].seq if r.ring else r.seq + 1
         if since and since < self.epoch:
             raise WatchGap(f"watch {run}: seq {since} is from before the shard restarted; "
                            f"the changes since are not kept (re-read the status)")
@@ -133,7 +184,8 @@ class WatchLog:
             self._runs[run] = r
             while len(self._runs) > self.max_runs:
                 self.forget(self._victim())
-        return r.seq, [e for e in r.ring if e[0] > since]
+        return r.seq, [c if c.seq > since else c.part(since + 1 - c.seq, len(c))
+                       for c in r.ring if c.last > since]
 
     def _victim(self):
         """The log to evict: the least recently watched of those nobody watches now, else
@@ -192,68 +244,69 @@ class WatchLog:
 
     def record(self, run, action, phase, attempt, time_ns, detail=None):
         """Append a change of ``action`` (in a watched run) unless it repeats the last one
-        seen for it; returns ``(event tuple, watchers)`` or None."""
-        events, watchers = self.record_changes(run, (action,), (phase,), (attempt,), time_ns,
+        seen for it; returns ``(Logged, watchers)`` or None."""
+        logged, watchers = self.record_changes(run, (action,), (phase,), (attempt,), time_ns,
                                                (detail,))
-        return (events[0], watchers) if events else None
+        return (logged, watchers) if logged is not None else None
 
     def record_many(self, run, actions, phase, attempt, time_ns):
         """:meth:`record` of each of ``actions`` (of one run) with the same non-terminal
-        phase, attempt and time, in order (a fan-out's QUEUED); returns ``(events,
-        watchers)``, events ``[]`` when none was new or the run is not watched."""
+        phase, attempt and time, in order (a fan-out's QUEUED); returns ``(Logged,
+        watchers)``, ``(None, set())`` when none was new or the run is not watched."""
         phase = _phase(phase)
         if phase in TERMINAL_PHASES:
             raise ValueError(f"record_many takes non-terminal phases, not {phase}")
         r = self._runs.get(run)
         if r is None:
-            return [], set()
+            return None, set()
         # record_changes' loop for one non-terminal phase and attempt (a fan-out's QUEUED,
         # every entry new): no per-entry phase lookup or terminal bookkeeping.
-        live, ring, max_live = r.live, r.ring, self.max_live
-        state, value = (phase, attempt), phase.value
-        seq = r.seq
-        events = []
-        for action in actions:
+        live, max_live = r.live, self.max_live
+        state = (phase, attempt)
+        drop = []
+        for i, action in enumerate(actions):
             last = live.get(action)
             if last is not None:
                 if last == state:
+                    drop.append(i)
                     continue
                 live[action] = state
             elif len(live) < max_live:
                 live[action] = state
-            seq += 1
-            events.append((seq, action, value, attempt, time_ns, None))
-        ring.extend(events)
-        r.seq = seq
-        return events, r.watchers
+        kept = _without(actions, drop)
+        n = len(kept)
+        if not n:
+            return None, r.watchers
+        logged = Logged(r.seq + 1, kept, np.full(n, PHASE_CODE[phase], np.uint8),
+                        np.full(n, attempt, np.int32), time_ns)
+        self._append(r, logged)
+        return logged, r.watchers
 
     def record_changes(self, run, actions, phases, attempts, time_ns, details=None):
         """:meth:`record` of each ``(actions[i], phases[i], attempts[i], details[i])`` of
         one run, in order, at one time (a worker's report batch in one loop); returns
-        ``(events, watchers)``, events ``[]`` when none was new or the run is not
+        ``(Logged, watchers)``, ``(None, set())`` when none was new or the run is not
         watched."""
         r = self._runs.get(run)
         if r is None:
-            return [], set()
-        live, ended, ring, max_live, kept = r.live, r.ended, r.ring, self.max_live, self.ring
-        if details is None:
-            details = itertools.repeat(None, len(actions))
-        seq = r.seq
-        events = []
-        given = phase = terminal = value = None
-        for action, p, attempt, detail in zip(actions, phases, attempts, details,
-                                              strict=True):
+            return None, set()
+        live, ended, max_live, kept = r.live, r.ended, self.max_live, self.ring
+        n = len(actions)
+        codes = _codes(phases, n)
+        drop = []
+        given = phase = terminal = None
+        for i, (action, p, attempt) in enumerate(zip(actions, phases, attempts, strict=True)):
             if p is not given:
-                # A batch repeats a few phases: each looked up once a run of equal ones (a
-                # Phase's .value is an enum property, ~0.15 us of Python code a read).
+                # A batch repeats a few phases: each looked up once a run of equal ones.
                 given = p
                 phase = _PHASE_OF.get(p) or _phase(p)
-                terminal, value = phase in TERMINAL_PHASES, phase.value
+                terminal = phase in TERMINAL_PHASES
             if terminal:
                 last = live.pop(action, None)
                 told = ended.get(action)
                 if last is None and told == phase:
-                    continue        # already told (a second report, a re-check)
+                    drop.append(i)  # already told (a second report, a re-check)
+                    continue
                 if told is not None:
                     ended.move_to_end(action)   # a new key goes to the end by itself
                 ended[action] = phase
@@ -263,15 +316,48 @@ class WatchLog:
                 last = live.get(action)
                 if last is not None:
                     if last[1] == attempt and last[0] == phase:
+                        drop.append(i)
                         continue
                     live[action] = (phase, attempt)
                 elif len(live) < max_live:
                     live[action] = (phase, attempt)
-            seq += 1
-            events.append((seq, action, value, attempt, time_ns, detail))
-        ring.extend(events)
-        r.seq = seq
-        return events, r.watchers
+        if len(drop) == n:
+            return None, r.watchers
+        attempts = np.array(attempts, np.int32)
+        if details is not None:
+            details = list(details)
+        if drop:
+            mask = np.ones(n, bool)
+            mask[drop] = False
+            codes, attempts = codes[mask], attempts[mask]
+            actions = _without(actions, drop)
+            if details is not None:
+                details = _without(details, drop)
+        elif type(actions) is not list:
+            actions = list(actions)
+        if details is not None:
+            details = [d or None for d in details] if any(details) else None
+        logged = Logged(r.seq + 1, actions, codes, attempts, time_ns, details)
+        self._append(r, logged)
+        return logged, r.watchers
+
+    def _append(self, r, logged):
+        """Number ``logged`` (its seq already the next) into ``r``'s ring, dropping the
+        oldest events past ``ring``."""
+        r.ring.append(logged)
+        r.seq = logged.last
+        r.held += len(logged)
+        over = r.held - self.ring
+        while over > 0:
+            oldest = r.ring[0]
+            if len(oldest) <= over:
+                r.ring.popleft()
+                r.held -= len(oldest)
+                over -= len(oldest)
+            else:
+                r.ring[0] = oldest.part(over, len(oldest))
+                r.held -= over
+                over = 0
 
     def live(self):
         """``(run, action, last phase, attempt)`` of every tracked non-terminal action."""
@@ -325,3 +411,15 @@ class WatchLog:
             return 0
         last = r.live.get(action)
         return last[1] if last is not None else 0
+
+
+def _without(items, drop):
+    """``items`` (a sequence) as a list without the entries at indexes ``drop`` (ascending)."""
+    if not drop:
+        return items if type(items) is list else list(items)
+    out, lo = [], 0
+    for i in drop:
+        out.extend(items[lo:i])
+        lo = i + 1
+    out.extend(items[lo:])
+    return out
