@@ -1169,44 +1169,6 @@ def test_a_watch_resume_answered_unavailable_keeps_the_watch_going(tmp_path):
         h.close()
 
 
-def test_the_attempts_of_turns_in_commit_are_forgotten_once_their_turn_is_sent(tmp_path):
-    """The loop keeps the attempts its turns recorded until their records join the watch
-    log. Those were forgotten only once no turn at all was in commit: on a shard whose
-    pipeline never emptied (requests overlapping every commit), the map held an entry for
-    every action of a watched run ever enqueued or leased."""
-    store = SlowStore()
-    store.delay = 0.01
-    h = Harness(pipelined_config(tmp_path), store=store)
-    h.start()
-    loop = h.shard._loop
-    clients = [h.client() for _ in range(4)]
-    clients[0].subscribe(RUN)               # the run has a log: its changes are recorded
-    sizes = []
-    stop = threading.Event()
-
-    def load(k, c):
-        for i in range(40):
-            if stop.is_set():
-                return
-            c.enqueue_fanout(spec(f"t{k}-{i}"), [f"t{k}-{i}-{j}" for j in range(20)])
-
-    threads = [threading.Thread(target=load, args=(k, c)) for k, c in enumerate(clients)]
-    try:
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            held = len(loop.attempts) + sum(len(getattr(job.outbox, "attempts", ()))
-                                            for job in list(loop.inflight))
-            sizes.append(held)
-            time.sleep(0.005)
-        assert max(sizes) < 1000, max(sizes)    # 3,200 actions were enqueued
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-        h.close()
-
-
 class ReadFailStore(MemoryStore):
     """A memory store whose next read of a retained outcome fails while ``failing``, once."""
 

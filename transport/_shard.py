@@ -335,7 +335,7 @@ class _Loop:
         # compiled spec; bounded, oldest dropped (then the map is rebuilt).
         self.wire_specs = {}
         # Run leases of watched runs: lease id (token word 0: the action's row) ->
-        # (generation, (run, action, attempt)), so a report names its action and attempt
+        # (generation, run, action, attempt), so a report names its action and attempt
         # without asking the engine or the log.
         # Not capped: one entry a row at most (a new lease of the row replaces it), so the
         # map is bounded by the action table, which is bounded by live work. (A cap that
@@ -343,6 +343,7 @@ class _Loop:
         # than it held: a watcher waited for events that were never recorded.)
         self.leases = {}
         self.new_leases = []         # this turn's entries for it (joined at its flush)
+        self.box = _Outbox()         # the turn being made (its records: attempt_of)
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
         # The re-check of tracked live actions (expiry, retry, timeouts) reads RECHECK of
@@ -366,9 +367,6 @@ class _Loop:
         self.committer = None
         self.inflight = collections.deque()
         self.depth = cfg.transport.commit_pipeline
-        # Attempts recorded by this turn, whose records have not joined the watch log yet
-        # (the turn's outbox's; those of the turns in commit are in theirs, see attempt_of).
-        self.attempts = {}
 
     # ------------------------------------------------------------------ the loop
 
@@ -556,15 +554,11 @@ class _Loop:
     def _turn(self, msgs, backstop):
         started = time.perf_counter_ns()
         eng = self.eng
-        box = _Outbox()
+        box = self.box = _Outbox()
         # The handlers collect into the turn's outbox (sent after its commit).
         self.out, self.pushes, self.stops, self.records = box.out, box.pushes, box.stops, \
             box.records
         self.new_leases = box.leases
-        # Per turn, so they go with its outbox once its records are in the log (one map for
-        # all turns, cleared only when no turn was in commit, grew without bound on a shard
-        # whose pipeline never emptied: an entry for every action of a watched run).
-        self.attempts = box.attempts
         self.want_tick = backstop or self.retick
         self.check = set()          # (run, action) whose phase to re-read after the turn
         self.check_all = self.sweep_due or backstop
@@ -927,7 +921,6 @@ class _Loop:
             return
         if run is not None:
             if ids:
-                self.attempts.update(dict.fromkeys(ids, 0))
                 self.records.append(_Queued(run, ids, self.eng.clock.now_ns()))
             return
         by_run = {}
@@ -935,7 +928,6 @@ class _Loop:
             run = a.rsplit("/", 1)[0]
             if run in self.watch and a not in known:
                 by_run.setdefault(run, []).append(a)
-                self.attempts[a] = 0
         # One entry a run (a fan-out's thousands of records in one record_many pass).
         now = self.eng.clock.now_ns()
         for run, run_ids in by_run.items():
@@ -1111,7 +1103,7 @@ class _Loop:
         engine (``Engine.lease_actions``), its attempt then None (not known here)."""
         # The entry is this lease's only if the generations agree (a stale token of the
         # row, or an entry left by a lease that expired unreported, is not).
-        names = [hit[1] if hit is not None and hit[0] == gen else None
+        names = [hit if hit is not None and hit[0] == gen else None
                  for hit, gen in zip(map(self.leases.get, tokens[:, 0].tolist()),
                                      tokens[:, 1].tolist(), strict=True)]
         miss = [i for i, name in enumerate(names) if name is None]
@@ -1120,7 +1112,7 @@ class _Loop:
             for i, aid in zip(miss, self.eng.lease_actions(tokens[miss], watched),
                               strict=True):
                 if aid is not None:
-                    names[i] = (aid.rsplit("/", 1)[0], aid, None)
+                    names[i] = (None, aid.rsplit("/", 1)[0], aid, None)
         return names
 
     def _watched_reports(self, tokens, names, phases, refused, details=None):
@@ -1135,7 +1127,7 @@ class _Loop:
         for i, name in enumerate(names):
             if name is None or i in skip:
                 continue
-            run, aid, attempt = name
+            _gen, run, aid, attempt = name
             ph = phases[i]
             if ph in _AS_REPORTED:
                 # An accepted report of these is the phase the action is now in: no need
@@ -1163,7 +1155,7 @@ class _Loop:
                 text = ": ".join(x for x in (d.get("cause"), d.get("message")) if x)
                 name = names[d["i"]]
                 if text and name is not None:
-                    why[name[1]] = text
+                    why[name[2]] = text
             self.reread(failed, self.eng.clock.now_ns(), why)
 
     def on_bye(self, conn, c, peer, msg):
@@ -1214,7 +1206,7 @@ class _Loop:
         watched = {}            # group id -> (run key, names, its changes), None: unwatched
         by_run = {}
         initializing = Phase.INITIALIZING   # (an enum member read is a metaclass lookup)
-        new_leases, attempts = self.new_leases, self.attempts
+        new_leases = self.new_leases
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), runs.size], strict=True):
             seg = runs[lo:hi]
             gid = int(gids[lo])
@@ -1236,11 +1228,10 @@ class _Loop:
             prefix = run + "/"
             aids = [prefix + names[k] for k in batch.index[seg].tolist()]
             atts = batch.attempt[seg].tolist()
-            # The lease map's entries: lease id -> (generation, (run, action, attempt)).
+            # The lease map's entries: lease id -> (generation, run, action, attempt).
             new_leases.extend(zip(batch.tokens[seg, 0].tolist(), zip(
-                batch.tokens[seg, 1].tolist(), zip([run] * len(aids), aids, atts, strict=True),
+                batch.tokens[seg, 1].tolist(), itertools.repeat(run, len(aids)), aids, atts,
                 strict=True), strict=True))
-            attempts.update(zip(aids, atts, strict=True))
             changes.extend(aids, initializing, atts)
         self.records.extend(by_run.values())
 
@@ -1306,19 +1297,18 @@ class _Loop:
     # ------------------------------------------------------------------ watches
 
     def record(self, run, action, phase, attempt, now, detail=None):
-        self.attempts[action] = attempt
         self.records.append((run, action, phase, attempt, now, detail))
 
     def attempt_of(self, run, action):
-        # The log learns a turn's records only after its commit: an attempt assigned earlier
-        # in this turn is in self.attempts, one of a turn still in commit in its outbox's
-        # (newest first; a discarded turn's do not count), not yet in the log.
-        att = self.attempts.get(action)
+        # The log learns a turn's records only after its commit: an attempt recorded
+        # earlier in this turn is in its outbox's records, one of a turn still in commit in
+        # that turn's (newest first; a discarded turn's do not count), not yet in the log.
+        att = self.box.attempts().get(action)
         if att is not None:
             return att
         for job in reversed(self.inflight):
             if job.group.state == "pending":
-                att = job.outbox.attempts.get(action)
+                att = job.outbox.attempts().get(action)
                 if att is not None:
                     return att
         return self.watch.attempt_of(run, action)
@@ -1576,16 +1566,19 @@ class _Outbox:
     the REFUSED stops, the LEASES pushes, the watch records (events), the dispatch batch
     (for the status)."""
 
-    __slots__ = ("out", "pushes", "stops", "records", "leases", "attempts", "batch", "now_ns",
-                 "sent", "pushed", "recorded")
+    __slots__ = ("out", "pushes", "stops", "records", "leases", "_attempts", "_attempts_of",
+                 "batch", "now_ns", "sent", "pushed", "recorded")
 
     def __init__(self):
         self.out = []           # (routing id, message, request?)
         self.pushes = []        # (routing id, frames, leases)
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
-        self.leases = []        # (lease id, (gen, (run, action, attempt))): watched leases
-        self.attempts = {}      # action -> attempt of its records (until they join the log)
+        self.leases = []        # (lease id, (gen, run, action, attempt)): watched leases
+        # action -> attempt of its records, made from them when first asked (attempt_of:
+        # rare) and kept up to date with the records added since.
+        self._attempts = {}
+        self._attempts_of = 0
         self.batch = None
         self.now_ns = 0
         # How far its sending got (for salvage, after a bug): answers sent (box.out[:sent]),
@@ -1593,6 +1586,20 @@ class _Outbox:
         self.sent = 0
         self.pushed = 0
         self.recorded = False
+
+    def attempts(self):
+        """Action -> the attempt its latest watch record of this turn names."""
+        att, records = self._attempts, self.records
+        for rec in records[self._attempts_of:]:
+            kind = type(rec)
+            if kind is _Queued:
+                att.update(dict.fromkeys(rec.ids, 0))
+            elif kind is _Changes:
+                att.update(zip(rec.actions, rec.attempts, strict=True))
+            else:
+                att[rec[1]] = rec[3]
+        self._attempts_of = len(records)
+        return att
 
 
 class _Poison(Exception):
