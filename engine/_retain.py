@@ -25,7 +25,9 @@ A run whose last action is reclaimed leaves memory and the store in the same tur
 A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py.
 """
 
+import collections
 import itertools
+import operator
 from dataclasses import dataclass
 from hashlib import blake2b
 
@@ -146,7 +148,15 @@ def _run_marker(run_digest):
 def _keys_of(run_digests, names):
     """Retained keys of ``names``, each after its run's 8-byte digest (``run_digests``: one
     ``bytes`` per name)."""
-    return [digest + _name_key(name) for digest, name in zip(run_digests, names, strict=True)]
+    # Every name encoded in one call (a valid id's name holds no newline; a batch with one,
+    # or with a name too long to keep whole, takes the per-name path).
+    raw = "\n".join(names).encode().split(b"\n") if names else []
+    if len(raw) != len(names) or max(map(len, raw), default=0) > NAME_KEY_MAX:
+        raw = [_name_key(name) for name in names]
+    keys = list(map(operator.add, run_digests, raw))
+    if len(keys) != len(raw):
+        raise ValueError(f"{len(keys)} run digests for {len(raw)} names")
+    return keys
 
 
 @dataclass
@@ -217,10 +227,11 @@ class RetentionMixin:
         # Out of the index and the edges.
         index, recs = self._hash_rows, self._recs
         listed = rows.tolist()
-        get = index.get
-        for h, r in zip(st.a_name_hash[rows].tolist(), listed, strict=True):
-            if get(h) == r:
-                del index[h]
+        # (an entry that names another row is a collision's: it stays)
+        hashes = st.a_name_hash[rows].tolist()
+        mine = np.fromiter(map(index.get, hashes, itertools.repeat(-1)), np.int64,
+                           len(hashes)) == rows
+        collections.deque(map(index.__delitem__, itertools.compress(hashes, mine)), 0)
         if recs:                    # (lean rows, a fan-out's, have no record)
             for r in listed:
                 recs.pop(r, None)
@@ -275,32 +286,37 @@ class RetentionMixin:
             ckey = content_key(content)
             contents[ckey] = content
             info.append((g, ckey, run_key + "/", digest8(run_key)))
-        inv = inv.reshape(-1)
-        which = inv.tolist()
+        which = inv.reshape(-1).tolist()
         gidx = st.a_gidx[rows].tolist()
-        names = [info[j][0].names[k] for j, k in zip(which, gidx, strict=True)]
-        keys = _keys_of([info[j][3] for j in which], names)
+        if len(info) == 1:
+            # One group (a fan-out's rows, the common case): per-row columns made whole.
+            names = list(map(info[0][0].names.__getitem__, gidx))
+            ckeys, prefixes, digests = ([info[0][i]] * n for i in (1, 2, 3))
+        else:
+            names = [info[j][0].names[k] for j, k in zip(which, gidx, strict=True)]
+            ckeys, prefixes, digests = ([info[j][i] for j in which] for i in (1, 2, 3))
+        refs = ([info[j][0].input_ref(k) for j, k in zip(which, gidx, strict=True)]
+                if any(e[0].inputs is not None for e in info) else [None] * n)
+        keys = _keys_of(digests, names)
         lean = st.a_lean[rows] == 1
         quick = (st.a_edges[rows] == 0) & lean
-        inputs = any(e[0].inputs is not None for e in info)
         if quick.all():             # the common case: every value packed in one pass
-            values = self._lean_retained(rows, [info[j] for j in which], gidx, names, inputs)
+            values = self._lean_retained(rows, prefixes, names, ckeys, refs)
         else:
             values = [None] * n
             q = np.flatnonzero(quick).tolist()
             for i, value in zip(q, self._lean_retained(
-                    rows[quick], [info[which[i]] for i in q], [gidx[i] for i in q],
-                    [names[i] for i in q], inputs), strict=True):
+                    rows[quick], [prefixes[i] for i in q], [names[i] for i in q],
+                    [ckeys[i] for i in q], [refs[i] for i in q]), strict=True):
                 values[i] = value
             queues = self._queue_names
             pack = msgpack.Packer(use_bin_type=True).pack
             qis = st.a_queue[rows].tolist()
             for i in np.flatnonzero(~quick).tolist():
-                r, entry = int(rows[i]), info[which[i]]
-                rec = self._rec(r)
+                rec = self._rec(int(rows[i]))
                 ended = max((a.end_ns or 0) for a in rec.attempts) if rec.attempts else now
-                values[i] = pack([entry[2] + names[i], entry[1], entry[0].input_ref(gidx[i]),
-                                  ended, queues[qis[i]], encode_outcome(rec)])
+                values[i] = pack([prefixes[i] + names[i], ckeys[i], refs[i], ended,
+                                  queues[qis[i]], encode_outcome(rec)])
         # The ops a partition (distinct keys: their order does not matter), and the values
         # a lookup must find before the store has them.
         ops, turn = self._ops, self._retained_turn
@@ -325,8 +341,8 @@ class RetentionMixin:
             # The specs their values name, once each, kept a nanosecond past the last
             # outcome naming one (a later reclaim's end, or a stored later one, wins): the
             # sweep reaches a spec after every outcome of it, however its batches fall.
-            for ckey in sorted({info[j][1] for j in (which if sel.size == n else
-                                                     [which[i] for i in sel.tolist()])}):
+            for ckey in sorted(set(ckeys) if sel.size == n else
+                               {ckeys[i] for i in sel.tolist()}):
                 held = self._content_expiry(part, ckey)
                 until = after if held is None or held < after else held
                 self._op(part, "retained", ckey, until + contents[ckey])
@@ -370,11 +386,11 @@ class RetentionMixin:
             self._retained_turn.setdefault(part, {})[_run_marker(digest8(key))] = b""
         self._free_runs.extend(runs.tolist())
 
-    def _lean_retained(self, rows, groups, gidx, names, inputs=True):
-        """The retained values of lean ``rows`` (their ``groups`` entries, indexes in them
-        and names given): packed from the columns in one compiled pass, the outcome being
-        what ``encode_outcome`` of their materialised record gives (their one attempt).
-        ``inputs`` False: no group of theirs has input references."""
+    def _lean_retained(self, rows, prefixes, names, contents, inputs):
+        """The retained values of lean ``rows`` (each one's id as ``prefixes[i] +
+        names[i]``, spec content key and input reference given): packed from the columns in
+        one compiled pass, the outcome being what ``encode_outcome`` of their materialised
+        record gives (their one attempt)."""
         st = self._state
         n = rows.size
         if not n:
@@ -388,10 +404,8 @@ class RetentionMixin:
         for i in np.flatnonzero(fz >= 0).tolist():
             finalizes[i] = self._finalize_status(int(fz[i]))
         return pack_lean_retained(
-            [e[2] for e in groups], names, [e[1] for e in groups],
-            [e[0].input_ref(k) for e, k in zip(groups, gidx, strict=True)] if inputs
-            else [None] * n,
-            st.a_queue[rows], tuple(self._queue_names), phase, _PHASE_VALUES,
+            prefixes, names, contents, inputs, st.a_queue[rows], tuple(self._queue_names),
+            phase, _PHASE_VALUES,
             st.a_enqueued[rows], st.a_gen[rows], st.a_start[rows], st.a_running[rows],
             st.a_done[rows], st.a_cluster[rows], tuple(self._clusters), st.a_worker[rows],
             tuple(self._worker_names), messages, finalizes, _SUCCEEDED, _ABORTED)

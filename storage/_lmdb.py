@@ -605,7 +605,7 @@ class LmdbStore(Store):
                     self._put_run(p, txn, h, run_db, run)
                     run = []
                 if len(op):
-                    self._put_run(p, txn, h, op.db, op.pairs())
+                    self._put_run(p, txn, h, op.db, op)
                 continue
             try:
                 db, key, value = op
@@ -637,21 +637,25 @@ class LmdbStore(Store):
             self._put_run(p, txn, h, run_db, run)
 
     @staticmethod
-    def _put_run(p: int, txn, h, db: str, run: list) -> None:
-        """Put ``run`` (``(key, value)`` pairs, in op order) into database ``db``: one
-        ``putmulti`` (one ``put`` for a single pair). A pair LMDB refuses raises
-        ``InvalidBatch`` naming that op, found by putting the run again one pair at a time
-        (in order, so if every pair goes in that way the result is the run's all the same)."""
+    def _put_run(p: int, txn, h, db: str, run: list | Puts) -> None:
+        """Put ``run`` (``(key, value)`` pairs in op order, or a :class:`Puts` block) into
+        database ``db``: one ``putmulti`` (one ``put`` for a single pair). A pair LMDB
+        refuses raises ``InvalidBatch`` naming that op, found by putting the run again one
+        pair at a time (in order, so if every pair goes in that way the result is the run's
+        all the same)."""
         dbh = h[db]
+        block = type(run) is Puts
         try:
-            if len(run) == 1:
+            if block:
+                txn.cursor(db=dbh).putmulti(run.pairs())
+            elif len(run) == 1:
                 txn.put(run[0][0], run[0][1], db=dbh)
             else:
                 txn.cursor(db=dbh).putmulti(run)
             return
         except (TypeError, ValueError, BufferError, lmdb.BadValsizeError):
             pass
-        for key, value in run:
+        for key, value in (run.pairs() if block else run):
             try:
                 txn.put(key, value, db=dbh)
             except (TypeError, ValueError, BufferError, lmdb.BadValsizeError) as e:

@@ -455,8 +455,9 @@ class Puts:
         return len(self._keys)
 
     def pairs(self):
-        """The ``(key, value)`` pairs, in order (a list, as ``Cursor.putmulti`` takes it)."""
-        return list(zip(self._keys, self._values, strict=True))
+        """An iterator of the ``(key, value)`` pairs, in order (as ``Cursor.putmulti`` takes
+        them: no list of tuples made first)."""
+        return zip(self._keys, self._values, strict=True)
 
     def __eq__(self, other):
         if not isinstance(other, Puts):
