@@ -16,7 +16,6 @@ ERROR answer :class:`ShardError`, both naming the shard and the request. Not thr
 thread drives one client.
 """
 
-import collections
 import dataclasses
 import itertools
 import time
@@ -29,6 +28,7 @@ from engine._config import Config, TransportSettings, load_config
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionId
 from transport import _protocol as p
+from transport._events import EventQueue
 from transport._keys import load_client_keys
 from transport._shards import split_by_shard, tenant_of, tenant_shard
 from transport._sockets import client_socket, send
@@ -136,15 +136,7 @@ class Client:
         self._heartbeat = heartbeat
         self._decoder = p.Decoder(self.settings)
         self._rids = itertools.count(1)
-        self._events = collections.deque()      # EVENTs received, not yet consumed
-        self._watching = {}                     # run -> last seq seen (0: none)
-        self._resync = set()                    # runs whose event stream had a gap
-        # Events pushed before a WATCH from since=0 was answered (a turn committed just
-        # before it: they come after the replay the answer announces), held until that
-        # replay has been taken: run -> events, and run -> the answer's latest seq.
-        self._early = {}
-        self._replay_end = {}
-        self._answering = set()                 # runs whose WATCH answer is awaited now
+        self._q = EventQueue()                  # watched runs, events not taken yet
 
     # ------------------------------------------------------------------ routing
 
@@ -192,16 +184,16 @@ class Client:
         last seq."""
         for link in self._links:
             self._drop(link)
-        for run in list(self._watching):
+        for run in list(self._q.watching):
             self._resume(run)
 
     def _reconnect_link(self, link, runs=None):
         self._drop(link)
-        for run in [r for r in self._watching if self._link_of(r) is link]:
+        for run in [r for r in self._q.watching if self._link_of(r) is link]:
             if runs is None or run in runs:
                 self._resume(run)
             else:
-                self._resync.add(run)       # resumed when asked for (next_event)
+                self._q.resync.add(run)       # resumed when asked for (next_event)
 
     def close(self):
         """Close the sockets (and the context this client made)."""
@@ -351,24 +343,24 @@ class Client:
         """Start receiving EVENTs of ``run`` (from the shard owning it) after ``since``;
         returns the run's latest seq."""
         self._link_of(run)          # a bad key is refused before it is watched
-        self._watching[run] = since
+        self._q.watching[run] = since
         return self._subscribe(run, since)
 
     def unsubscribe(self, run):
         """Stop receiving EVENTs of ``run`` (best effort)."""
-        self._forget_early(run)
-        if self._watching.pop(run, None) is not None:
+        self._q.forget_early(run)
+        if self._q.watching.pop(run, None) is not None:
             link = self._link_of(run)
             if link.sock is not None:
                 send(link.sock, p.encode(p.Unwatch(rid=next(self._rids), run=run)))
-        self._events = collections.deque(e for e in self._events if e.run != run)
+        self._q.drop((run,))
 
     def _resume(self, run):
         # From the last seq accounted for: the last event taken, or the seq just before the
         # first one a WATCH said it would replay. Never from an answer's latest seq: events
         # up to it may still have been on their way (a reconnect drops them).
-        self._forget_early(run)             # the resume replays them
-        return self._subscribe(run, self._watching[run])
+        self._q.forget_early(run)             # the resume replays them
+        return self._subscribe(run, self._q.watching[run])
 
     def _subscribe(self, run, since):
         link = self._link_of(run)
@@ -383,7 +375,7 @@ class Client:
     def _watch_request(self, run, since):
         """The WATCH of ``run`` from ``since``, its answer awaited from now on (pushed
         events of the run are held until it comes: :meth:`_hold`)."""
-        self._answering.add(run)
+        self._q.answering.add(run)
         return p.Watch(rid=next(self._rids), run=run, since=since)
 
     def _watched(self, run, body):
@@ -391,24 +383,24 @@ class Client:
         # What comes next is the replay's first seq (a seq is never 0 once known, so a
         # gap before the first event is seen too, and a shard that restarted since
         # refuses a resume from it: WatchLost).
-        if run in self._watching:
-            self._watching[run] = max(self._watching[run], body["first"] - 1)
-            if run in self._early:
-                self._replay_end[run] = body["seq"]
-                self._release_early(run)
+        if run in self._q.watching:
+            self._q.watching[run] = max(self._q.watching[run], body["first"] - 1)
+            if run in self._q.early:
+                self._q.replay_end[run] = body["seq"]
+                self._q.release_early(run)
         return body["seq"]
 
     def _watch_answered(self, run):
         """The WATCH of ``run`` was answered or will not be (its call ended)."""
-        self._answering.discard(run)
-        if run in self._early and run not in self._replay_end:
+        self._q.answering.discard(run)
+        if run in self._q.early and run not in self._q.replay_end:
             # No answer came (timed out, refused): what was held is fetched again by
             # the resume the next wait for an event makes.
-            del self._early[run]
-            self._resync.add(run)
+            del self._q.early[run]
+            self._q.resync.add(run)
 
     def _watched_labels(self, runs):
-        runs = self._watching if runs is None else runs
+        runs = self._q.watching if runs is None else runs
         links = {id(lk): lk for lk in (self._link_of(r) for r in runs)}
         return _labels(sorted(links.values(), key=lambda lk: lk.index or 0)) or \
             _labels(self._links)
@@ -416,7 +408,7 @@ class Client:
     def next_event(self, timeout=None, refresh=2.0, runs=None):
         """The next new EVENT of a subscribed run (of ``runs`` when given), from whichever
         shard pushes it (every open connection is polled); see :meth:`watch`."""
-        return self._next(self._take_one, timeout, refresh, runs)
+        return self._next(self._q.take_one, timeout, refresh, runs)
 
     def next_events(self, timeout=None, refresh=2.0, runs=None):
         """The next new events of a subscribed run (of ``runs`` when given) as one
@@ -426,23 +418,23 @@ class Client:
         message's, less those already taken). The same events, order and guarantees as
         :meth:`next_event` (which takes them one at a time; the two may be mixed), without
         an object an event: for a caller that follows large runs."""
-        return self._next(self._take_batch, timeout, refresh, runs)
+        return self._next(self._q.take_batch, timeout, refresh, runs)
 
     def _next(self, take, timeout, refresh, runs):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # Only the runs asked for (all when ``runs`` is None): another run's resume waits
             # until it is asked for, so its WatchLost cannot end a wait for these.
-            if self._resync:        # (a comprehension an event cost ~0.3 us)
-                for run in [r for r in self._resync if runs is None or r in runs]:
-                    self._resync.discard(run)
-                    if run in self._watching:
+            if self._q.resync:        # (a comprehension an event cost ~0.3 us)
+                for run in [r for r in self._q.resync if runs is None or r in runs]:
+                    self._q.resync.discard(run)
+                    if run in self._q.watching:
                         self._resume_or_retry(run)
             if runs is None:
-                if self._events:
+                if self._q.queue:
                     return take(0)
             else:
-                for i, e in enumerate(self._events):
+                for i, e in enumerate(self._q.queue):
                     if e.run in runs:
                         return take(i)
             now = time.monotonic()
@@ -455,11 +447,11 @@ class Client:
                 # Silence: resubscribe from the last seq (replays anything a lost push
                 # missed); a shard that cannot answer gets a new connection.
                 redone = set()          # links reconnected (their runs resumed) just now
-                for run in list(self._watching):
+                for run in list(self._q.watching):
                     if runs is not None and run not in runs:
                         continue        # resumed when asked for (see the top of the loop)
                     link = self._link_of(run)
-                    if run not in self._watching or id(link) in redone:
+                    if run not in self._q.watching or id(link) in redone:
                         continue
                     try:
                         self._resume_or_retry(run)
@@ -503,7 +495,7 @@ class Client:
     def _wait(self, ids, timeout, first=None):
         runs = {a.rsplit("/", 1)[0] for a in ids}
         deadline = time.monotonic() + timeout
-        mine = [r for r in runs if r not in self._watching]
+        mine = [r for r in runs if r not in self._q.watching]
         try:
             done = {}
             for a, ph in zip(ids, self._watch_and_status(mine, ids, first), strict=True):
@@ -527,12 +519,11 @@ class Client:
                     # Fell behind the ring: watch from now on, and read what changed
                     # meanwhile (nothing is missed: status first, then new events).
                     for r in runs:
-                        self._watching[r] = 0
-                        self._watching[r] = self._subscribe(r, 0)
-                        self._release_early(r)
-                    self._resync.difference_update(runs)
-                    self._events = collections.deque(
-                        ev for ev in self._events if ev.run not in runs)
+                        self._q.watching[r] = 0
+                        self._q.watching[r] = self._subscribe(r, 0)
+                        self._q.release_early(r)
+                    self._q.resync.difference_update(runs)
+                    self._q.drop(runs)
                     pending = sorted(want)
                     for a, ph in zip(pending, self.status(pending), strict=True):
                         if ph in TERMINAL_PHASES:
@@ -570,7 +561,7 @@ class Client:
         for link, link_runs, idx in by_link.values():
             msgs, whats = [], []
             for r in link_runs:
-                self._watching[r] = 0
+                self._q.watching[r] = 0
                 msgs.append(self._watch_request(r, 0))
                 whats.append(f"WATCH {r}")
             extra = first is not None and link is first[0]
@@ -689,107 +680,10 @@ class Client:
         except p.ProtocolError:
             return None
         if isinstance(msg, p.Events):
-            return self._take_events(msg)
-        if isinstance(msg, p.Event) and not self._take_event(msg):
+            return self._q.take_events(msg)
+        if isinstance(msg, p.Event) and not self._q.take_event(msg):
             return None
         return msg
-
-    def _take_events(self, msg):
-        """Queue the new events of an EVENTS message (consecutive seqs of one run, from
-        ``msg.seq``) as one batch; returns it (None: none was new)."""
-        if self._watching.get(msg.run) == 0:
-            self._hold(msg.run, msg.events())
-            return None
-        skip = self._new_events(msg.run, msg.seq, len(msg.actions))
-        if skip is None:
-            return None
-        if skip:
-            msg = _batch_slice(msg, skip)
-        self._events.append(msg)
-        if msg.run in self._replay_end:
-            self._release_early(msg.run)
-        return msg
-
-    def _hold(self, run, events):
-        """Events of a run not yet told where its log starts (``_watching`` 0): held for
-        after the replay while its WATCH answer is awaited, else a resume is flagged."""
-        if run in self._answering:
-            self._early.setdefault(run, []).extend(events)
-        else:
-            self._resync.add(run)
-
-    def _forget_early(self, run):
-        self._early.pop(run, None)
-        self._replay_end.pop(run, None)
-
-    def _release_early(self, run):
-        """Queue the events held back by :attr:`_early` once the replay before them has
-        been taken (a gap among them flags a resume, as any gap does)."""
-        end = self._replay_end.get(run)
-        if end is None or self._watching.get(run, 0) < end:
-            return
-        del self._replay_end[run]
-        for e in self._early.pop(run, ()):
-            if self._new_events(run, e.seq, 1) is not None:
-                self._events.append(e)
-
-    def _new_events(self, run, seq, n):
-        """For ``n`` consecutive events of ``run`` from ``seq``: how many of them were seen
-        already (the rest are new: the run's last seq moves past them), or None when none
-        is to be taken: the run is not watched, every seq was seen, or a push was lost
-        before them (the shard drops a watcher it cannot send to): the run is then resumed
-        from the last seq seen instead of skipping the gap. At-least-once."""
-        last = self._watching.get(run)
-        if last is None or n == 0 or seq + n - 1 <= last:
-            return None
-        if seq > last + 1:
-            self._resync.add(run)
-            return None
-        self._watching[run] = seq + n - 1
-        return last + 1 - seq if seq <= last else 0
-
-    def _take_event(self, e):
-        """Queue ``e`` if it is the next new event of a watched run."""
-        if self._watching.get(e.run) == 0:
-            self._hold(e.run, (e,))
-            return False
-        if self._new_events(e.run, e.seq, 1) is None:
-            return False
-        self._events.append(e)
-        if e.run in self._replay_end:
-            self._release_early(e.run)
-        return True
-
-    # The queue of events not taken yet (``_events``) holds, in order of arrival: an
-    # ``Event`` (a single push, or one held back during a WATCH), an ``Events`` batch of new
-    # events as pushed (trimmed of those seen before), or a ``_Taking`` batch being taken
-    # one event at a time. A batch becomes Event objects only when next_event reaches it.
-
-    def _take_one(self, i):
-        """Take the first event of entry ``i`` of the queue."""
-        q = self._events
-        item = q[i]
-        kind = type(item)
-        if kind is p.Event:
-            del q[i]
-            return item
-        if kind is p.Events:
-            item = q[i] = _Taking(item.run, collections.deque(item.events()))
-        e = item.events.popleft()
-        if not item.events:
-            del q[i]
-        return e
-
-    def _take_batch(self, i):
-        """Take entry ``i`` of the queue whole, as an ``Events`` batch."""
-        q = self._events
-        item = q[i]
-        del q[i]
-        kind = type(item)
-        if kind is p.Events:
-            return item
-        return _batch_of([item] if kind is p.Event else list(item.events))
-
 
 def _flyte_keys(raw, kind):
     """The action ids of serialised Flyte enqueues (decoded here only to route them)."""
@@ -812,30 +706,3 @@ def _watch_lost(exc, link, run):
     if exc.code == "NOT_FOUND":
         return WatchLost(link.label, f"WATCH {run}", exc.code, exc.error_message)
     return exc
-
-
-class _Taking:
-    """A batch of the event queue that ``next_event`` has begun to take, one at a time."""
-
-    __slots__ = ("run", "events")
-
-    def __init__(self, run, events):
-        self.run, self.events = run, events
-
-
-def _batch_slice(msg, start):
-    """EVENTS ``msg`` from its entry ``start`` on."""
-    return p.Events(run=msg.run, seq=msg.seq + start, actions=msg.actions[start:],
-                    phases=msg.phases[start:], attempts=msg.attempts[start:],
-                    time_ns=msg.time_ns[start:],
-                    details=msg.details[start:] if msg.details is not None else None)
-
-
-def _batch_of(events):
-    """Consecutive :class:`Event` messages of one run as one EVENTS batch."""
-    details = [e.detail for e in events]
-    return p.Events(run=events[0].run, seq=events[0].seq, actions=[e.action for e in events],
-                    phases=np.array([PHASE_CODE[Phase(e.phase)] for e in events], np.uint8),
-                    attempts=np.array([e.attempt for e in events], np.int32),
-                    time_ns=np.array([e.time_ns for e in events], np.int64),
-                    details=details if any(d is not None for d in details) else None)
