@@ -252,7 +252,7 @@ def churn(path, total, live):
     s_end = sample()
     tracemalloc.stop()
     rows = eng.inspect().arrays.a_state.shape[0]
-    retained = sum(1 for key, _ in eng.store.scan("retained") if not is_content_key(key))
+    retained = sum(1 for _p, key, _v in eng.store.scan("retained") if not is_content_key(key))
     runs = len(eng.inspect().runs())
     eng.close()
     w, h, e, o, z = s_warm, s_half, s_end, s_early, s_old_end
