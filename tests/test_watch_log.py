@@ -104,6 +104,35 @@ def test_a_ring_of_batches_replays_what_a_ring_of_single_events_does(seq, cuts, 
         assert len(want[1]) <= ring
 
 
+@settings(max_examples=300, deadline=None)
+@given(before=changes, batch=st.lists(st.sampled_from([f"{RUN}/a{i}" for i in range(6)]),
+                                      min_size=2, max_size=8),
+       phase=st.sampled_from([Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED,
+                              Phase.FAILED]),
+       attempt=st.integers(0, 2), after=changes, max_live=st.integers(1, 8),
+       ring=st.integers(1, 9))
+def test_a_batch_of_one_phase_is_record_one_by_one(before, batch, phase, attempt, after,
+                                                   max_live, ring):
+    """A batch of one phase (applied whole when nothing in it repeats) leaves the log as
+    its changes one at a time do: the same events, live tracking and memory of ended
+    actions (what later changes are compared with)."""
+    one, batched = _log(max_live, ring), _log(max_live, ring)
+    for log in (one, batched):
+        for a, ph, att in before:
+            log.record(RUN, a, ph, att, 3)
+    want = [e for a in batch
+            if (hit := one.record(RUN, a, phase, attempt, 5)) is not None
+            for e in hit[0].events()]
+    got, _ = batched.record_changes(RUN, batch, [phase] * len(batch), [attempt] * len(batch),
+                                    5)
+    assert (got.events() if got is not None else []) == want
+    for log in (one, batched):                  # what the log remembers answers alike
+        for a, ph, att in after:
+            log.record(RUN, a, ph, att, 7)
+    assert sorted(one.live()) == sorted(batched.live())
+    assert _watch(one, 0) == _watch(batched, 0)
+
+
 def test_record_changes_suppresses_repeats_and_bounds_live_tracking():
     log = _log(2)
     a, b, c = (f"{RUN}/{n}" for n in "abc")

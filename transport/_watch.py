@@ -23,6 +23,8 @@ evicted log is refused too, not resumed into the new log's numbering.
 """
 
 import collections
+import itertools
+import operator
 import time
 
 import numpy as np
@@ -292,10 +294,18 @@ class WatchLog:
             return None, set()
         live, ended, max_live, kept = r.live, r.ended, self.max_live, self.ring
         n = len(actions)
+        if len(phases) != n or len(attempts) != n:
+            raise ValueError(f"record_changes: {n} actions, {len(phases)} phases, "
+                             f"{len(attempts)} attempts")
         codes = _codes(phases, n)
         drop = []
         given = phase = terminal = None
-        for i, (action, p, attempt) in enumerate(zip(actions, phases, attempts, strict=True)):
+        # One phase, nothing to leave out (the common batch): applied whole, no loop.
+        alike = n > 1 and type(phases) in (list, tuple) and phases.count(phases[0]) == n and \
+            self._record_alike(r, actions, _PHASE_OF.get(phases[0]) or _phase(phases[0]),
+                               attempts)
+        for i, (action, p, attempt) in enumerate(zip(() if alike else actions, phases,
+                                                     attempts, strict=False)):
             if p is not given:
                 # A batch repeats a few phases: each looked up once a run of equal ones.
                 given = p
@@ -340,6 +350,32 @@ class WatchLog:
         logged = Logged(r.seq + 1, actions, codes, attempts, time_ns, details)
         self._append(r, logged)
         return logged, r.watchers
+
+    def _record_alike(self, r, actions, phase, attempts):
+        """The bookkeeping of :meth:`record_changes` for a batch of one phase (a fan-out's
+        leases, a worker's successes) in a few C passes, when no change of it is a repeat
+        to leave out: no action twice, none already in that state, none ended before, none
+        past ``max_live``. Returns False, having changed nothing, when one might be (the
+        per-change loop decides those)."""
+        live, ended = r.live, r.ended
+        if len(set(actions)) != len(actions):
+            return False
+        if phase in TERMINAL_PHASES:
+            if any(map(ended.__contains__, actions)):
+                return False
+            collections.deque(map(live.pop, actions, itertools.repeat(None)), 0)
+            ended.update(zip(actions, itertools.repeat(phase)))
+            for _ in range(len(ended) - self.ring):
+                ended.popitem(last=False)
+            return True
+        states = list(zip(itertools.repeat(phase), attempts))
+        lasts = list(map(live.get, actions))
+        if any(map(operator.eq, lasts, states)):
+            return False
+        if len(live) + lasts.count(None) > self.max_live:
+            return False
+        live.update(zip(actions, states, strict=True))
+        return True
 
     def _append(self, r, logged):
         """Number ``logged`` (its seq already the next) into ``r``'s ring, dropping the
