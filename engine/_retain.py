@@ -565,9 +565,7 @@ class RetentionMixin:
                                                       f"spec content ({ckey!r:.40})")
         content = None if contents is None else contents.get(ckey)
         if content is None:
-            found, value = self._unwritten_retained(part, ckey)
-            if not found:
-                value = self._store.get(part, "retained", ckey)
+            value = self._content_entry(part, ckey)
             if value is None:
                 raise CorruptRecord(part, "retained", ckey, f"the spec content the retained "
                                                            f"outcome of {aid} names is missing")
@@ -580,12 +578,16 @@ class RetentionMixin:
                           first_enqueued_ns=attempts[0].enqueued_ns if attempts else 0)
         return Retained(text, content, ref, ended, queue, rec)
 
-    def _content_expiry(self, part, ckey):
-        """The retention end (8 bytes big-endian) a spec content's entry in ``part`` holds
-        now (what this turn and turns not yet committed write included), or None."""
+    def _content_entry(self, part, ckey):
+        """A spec content's entry in ``part`` as it is now (what this turn and turns not
+        yet committed write included): its retention end (8 bytes big-endian), then the
+        content; None when there is none."""
         found, value = self._unwritten_retained(part, ckey)
-        if not found:
-            value = self._store.get(part, "retained", ckey)
+        return value if found else self._store.get(part, "retained", ckey)
+
+    def _content_expiry(self, part, ckey):
+        """The retention end a spec content's entry in ``part`` holds now, or None."""
+        value = self._content_entry(part, ckey)
         return None if value is None else value[:8]
 
     def _same_retained(self, ret, spec, input_ref=None):
