@@ -193,7 +193,7 @@ class Client:
             if runs is None or run in runs:
                 self._resume(run)
             else:
-                self._q.resync.add(run)       # resumed when asked for (next_event)
+                self._q.resync.add(run)     # resumed when asked for (next_event)
 
     def close(self):
         """Close the sockets (and the context this client made)."""
@@ -359,7 +359,7 @@ class Client:
         # From the last seq accounted for: the last event taken, or the seq just before the
         # first one a WATCH said it would replay. Never from an answer's latest seq: events
         # up to it may still have been on their way (a reconnect drops them).
-        self._q.forget_early(run)             # the resume replays them
+        self._q.forget_early(run)       # the resume replays them
         return self._subscribe(run, self._q.watching[run])
 
     def _subscribe(self, run, since):
@@ -374,30 +374,18 @@ class Client:
 
     def _watch_request(self, run, since):
         """The WATCH of ``run`` from ``since``, its answer awaited from now on (pushed
-        events of the run are held until it comes: :meth:`_hold`)."""
-        self._q.answering.add(run)
+        events of the run are held until it comes: ``EventQueue.hold``)."""
+        self._q.awaiting(run)
         return p.Watch(rid=next(self._rids), run=run, since=since)
 
     def _watched(self, run, body):
         """Take WATCH ``run``'s answer ``body``; returns the run's latest seq."""
-        # What comes next is the replay's first seq (a seq is never 0 once known, so a
-        # gap before the first event is seen too, and a shard that restarted since
-        # refuses a resume from it: WatchLost).
-        if run in self._q.watching:
-            self._q.watching[run] = max(self._q.watching[run], body["first"] - 1)
-            if run in self._q.early:
-                self._q.replay_end[run] = body["seq"]
-                self._q.release_early(run)
+        self._q.answered(run, body["first"], body["seq"])
         return body["seq"]
 
     def _watch_answered(self, run):
         """The WATCH of ``run`` was answered or will not be (its call ended)."""
-        self._q.answering.discard(run)
-        if run in self._q.early and run not in self._q.replay_end:
-            # No answer came (timed out, refused): what was held is fetched again by
-            # the resume the next wait for an event makes.
-            del self._q.early[run]
-            self._q.resync.add(run)
+        self._q.answer_done(run)
 
     def _watched_labels(self, runs):
         runs = self._q.watching if runs is None else runs

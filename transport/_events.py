@@ -32,6 +32,31 @@ class EventQueue:
         self.replay_end = {}
         self.answering = set()                  # runs whose WATCH answer is awaited now
 
+    def awaiting(self, run):
+        """A WATCH of ``run`` was sent: its events pushed before the answer are held."""
+        self.answering.add(run)
+
+    def answered(self, run, first, seq):
+        """WATCH ``run`` was answered: its replay starts at seq ``first``, its log's latest
+        is ``seq``; events held meanwhile follow that replay."""
+        # What comes next is the replay's first seq (a seq is never 0 once known, so a
+        # gap before the first event is seen too, and a shard that restarted since
+        # refuses a resume from it: WatchLost).
+        if run in self.watching:
+            self.watching[run] = max(self.watching[run], first - 1)
+            if run in self.early:
+                self.replay_end[run] = seq
+                self.release_early(run)
+
+    def answer_done(self, run):
+        """The WATCH of ``run`` was answered or will not be (its call ended)."""
+        self.answering.discard(run)
+        if run in self.early and run not in self.replay_end:
+            # No answer came (timed out, refused): what was held is fetched again by
+            # the resume the next wait for an event makes.
+            del self.early[run]
+            self.resync.add(run)
+
     def drop(self, runs):
         """Forget the events of ``runs`` (a collection) not taken yet."""
         self.queue = collections.deque(e for e in self.queue if e.run not in runs)
