@@ -20,7 +20,7 @@
   for ``CHURN_RETENTION`` (1 s) of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a
   batch, so about 100,000 outcomes are retained at any time and ``schedule()``'s sweep
   deletes the expired ones, as a shard does. The steady state: a warm-up runs until the
-  store's LMDB data files (16 partitions and the journal; LMDB extends a file when it first
+  store's LMDB data files (16 partitions; LMDB extends a file when it first
   writes a page past its end, and reuses freed pages) grew less than ``WARM_TOL`` (0.5%)
   over the last ``WARM_WINDOW`` x ``WARM_STEP`` (500,000) actions (``churn_warm_actions``
   is where; ``churn_steady`` false if ``WARM_MAX`` came first), then ``CHURN`` more actions
@@ -186,7 +186,7 @@ def _memory():
 
 
 def _store_bytes(path):
-    """Bytes of the store's LMDB data files (its 16 partitions and its journal): LMDB
+    """Bytes of the store's LMDB data files (its 16 partitions): LMDB
     extends a file as it first writes a page past its end, so this is how many pages the
     store has ever used at once (freed pages are reused)."""
     return sum(f.stat().st_size for f in Path(path).rglob("data.mdb"))

@@ -4,8 +4,8 @@
   the default LmdbStore (sync on): fan-out batches of ``BATCH`` actions of one task, one group
   commit each, acknowledged after the commit. Measured while building the store below.
 * ``enqueue_distinct_per_s``: the same through ``Engine.enqueue_many`` with ``BATCH``
-  distinct specs per batch (64 tenants, so each group commit spans all 16 partitions and the
-  journal).
+  distinct specs per batch (64 tenants, so each group commit spans all 16 partitions, one
+  carrying the others' redo record).
 * ``reload_1m_s``: a store holding ``N`` (1,000,000) actions, every one holding a delivered
   lease (placed by the real tick, handed out by ``drain_dispatch``), across 16 partitions
   (tenants spread by hash). Timed from just before starting a fresh interpreter to the line it

@@ -7,8 +7,9 @@ What it measures, each the median of ``--repeats`` (3) runs, on ``LmdbStore(sync
 * ``write_1m_group_commit_s``: writing ``--records`` 128-byte records (a numpy structured
   dtype; key = big-endian row number; partition = row % partitions) into a fresh store as
   ``store.commit`` calls of ``--group`` (10,000) records each. Every group spans all
-  partitions, so it is the journaled path: one write transaction per partition plus the
-  journal record, one synced journal commit, then the partition commits (data synced). The
+  partitions, so it is the multi-partition path: one write transaction per partition, the
+  largest (here the first of equal ones) carrying the redo record of the others; its
+  commit and sync, then the other partition commits (data synced). The
   batches are built before the clock starts; only the commits are timed.
 * ``scan_1m_single_s``: ``scan_parallel(store, "actions", record_size=128, dtype=RECORD,
   processes=1)``: one process, cursor scan of every partition straight into one numpy
@@ -18,7 +19,8 @@ What it measures, each the median of ``--repeats`` (3) runs, on ``LmdbStore(sync
   the workers' start-up.
 * ``sync_commit_ms``: median wall time of ``store.commit`` of one 64-byte record in one
   partition (the single-partition path: commit, then ``env.sync(True)``), over 3 x 100 commits.
-  ``sync_commit_16p_ms``: the same with one record in each of the 16 partitions (journaled).
+  ``sync_commit_16p_ms``: the same with one record in each of the 16 partitions (one carries
+  the others' redo record).
 
 Scans run with a warm page cache (the data was just written). Both scans are checked against
 the written records. Data goes to a temporary directory under ``--dir`` (default: the system

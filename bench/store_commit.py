@@ -19,7 +19,11 @@ temp dir, removed afterwards). ``--records`` records of ``--size`` bytes (random
 * ``tuples_overwrite_ms``, ``block_overwrite_ms``: the same keys again (every record
   overwrites one in place, no append possible).
 * ``tuples_16p_ms``, ``block_16p_ms``: the records spread over ``--partitions`` partitions
-  (row % partitions; per partition one block, or its triples): the journaled path.
+  (row % partitions; per partition one block, or its triples): a group of several
+  partitions, made atomic by the redo record of the others that the largest one carries.
+* ``block_skewed_ms``: the block in partition 0 and one record in partition 1 (a turn of a
+  large run that also touches another tenant's action): partition 0 carries the one record,
+  so this costs about a single partition's commit plus partition 1's (compare ``block_ms``).
 * ``*_nosync_ms``: the same single-partition commits with ``sync=False``: the CPU part alone.
 * ``build_tuples_ms``, ``build_block_ms``: building the batch from the two buffers (the
   engine's per-row loop of today vs one ``Records(...)``), not included above.
@@ -136,12 +140,17 @@ def main():
                 add("tuples_overwrite", ms_of(s.commit, {0: triples(rows, buf, size)}))
                 add("block_overwrite", ms_of(s.commit, {0: [
                     Records("actions", rows.astype(">u8"), buf, 8, size)]}))
-                # spread over the partitions (journaled), new keys for each variant
+                # spread over the partitions (one carries the rest), new keys for each variant
                 for variant in ("tuples_16p", "block_16p"):
                     rows = np.arange(next_row[sync], next_row[sync] + n, dtype=np.int64)
                     next_row[sync] += n
                     add(variant, ms_of(s.commit, spread(rows, buf, size, P,
                                                         variant == "block_16p")))
+                rows = np.arange(next_row[sync], next_row[sync] + n, dtype=np.int64)
+                next_row[sync] += n
+                add("block_skewed", ms_of(s.commit, {
+                    0: [Records("actions", rows.astype(">u8"), buf, 8, size)],
+                    1: [("actions", rows[:1].astype(">u8").tobytes(), buf[:size])]}))
             rows = np.arange(n, dtype=np.int64)
             add("build_tuples", ms_of(triples, rows, buf, size))
             add("build_block", ms_of(lambda r: Records("actions", r.astype(">u8"), buf, 8, size),
@@ -152,8 +161,8 @@ def main():
         shutil.rmtree(base, ignore_errors=True)
 
     names = ["tuples", "block", "block_append", "tuples_overwrite", "block_overwrite",
-             "tuples_16p", "block_16p", "tuples_nosync", "block_nosync", "block_append_nosync",
-             "build_tuples", "build_block"]
+             "tuples_16p", "block_16p", "block_skewed", "tuples_nosync", "block_nosync",
+             "block_append_nosync", "build_tuples", "build_block"]
     out = {f"{name}_ms": round(statistics.median(times[name]), 4) for name in names}
     out.update({
         "records": n, "record_size": size, "repeats": args.repeats, "partitions": P,

@@ -5,8 +5,9 @@ Public names::
     partition_of(tenant, partitions)      tenant -> partition, stable forever (blake2b)
     Store                                 the interface (abstract): open, commit, get, scan,
                                           renew, close, partitions, claim_ttl_ns
-    LmdbStore(path, partitions=16, ...)   production: one LMDB environment per partition plus
-                                          a group-commit journal; resize(new_map_size)
+    LmdbStore(path, partitions=16, ...)   production: one LMDB environment per partition, a
+                                          group of several made atomic by a redo record the
+                                          largest carries; resize(new_map_size)
     MemoryStore(partitions=16, ...)       dicts, for pure-logic tests; fail_next(exc)
     scan_parallel(store_or_path, db, record_size=..., ...) -> FixedScan
                                           bulk reload of fixed-size records into numpy
@@ -29,7 +30,7 @@ Typical use (the engine's)::
     store.renew(time.time_ns())                           # every claim_ttl_ns / 3 or so
     store.close()
 
-See ``storage/README.md`` for the design decisions (journal, sync mode, ownership, reload)
+See ``storage/README.md`` for the design decisions (atomic groups, sync mode, ownership, reload)
 and the measurements behind them; each module's docstring has the details.
 """
 

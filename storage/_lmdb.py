@@ -1,32 +1,40 @@
-"""``LmdbStore``: the production store, one LMDB environment per partition plus a journal.
+"""``LmdbStore``: the production store, one LMDB environment per partition.
 
 Layout of ``path``::
 
-    path/p00 ... path/pNN   one LMDB environment per partition, named databases storage.DBS
-    path/journal            the group-commit journal (an LMDB environment: "log", "meta")
+    path/p00 ... path/pNN   one LMDB environment per partition: the named databases
+                            storage.DBS, and "carried" (redo records, below)
 
 Group commit and cross-partition atomicity
 ------------------------------------------
 LMDB transactions do not span environments, so a group touching several partitions is made
-atomic with a small redo journal. ``commit(batch)``:
+atomic by a redo record that one of its partitions carries. ``commit(batch)``:
 
 1. *Write phase.* Begins one write transaction per touched partition (in partition order,
    the lock order every writer follows), checks in each that the partition's claim is still
    ours and applies the ops. For a group that touches more than one partition it records the
-   group number in each (``meta/applied``) and writes the whole batch (msgpack) as one
-   journal record, in a journal write transaction. (A single partition's group leaves
-   ``meta/applied`` alone: nothing replays it, and not touching the meta database spares
-   its commit the pages: 28-29 us of a ~360 us synced commit here.) Nothing is committed
-   yet; any failure here (``StoreFull``, ``OwnershipError``, ``InvalidBatch``, an LMDB
-   error, ``fail_next``, ``KeyboardInterrupt``) aborts every transaction: **nothing is
-   applied anywhere**.
-2. *Commit point.* The journal transaction commits (and syncs). From here on the group is
-   durable even if the process dies before the next step.
-3. *Apply.* Each partition transaction commits (its data pages synced, its meta page not
-   -- LMDB ``metasync=False``, which keeps the database intact on power loss but may lose the
-   last transaction, which the journal still holds).
+   group number in each (``meta/applied``) and writes the ops of every partition but one, the
+   *carrier* (the one with the most to write), as one redo record (msgpack) in the carrier's
+   own transaction (database ``carried``, keyed by the group number). (A single partition's
+   group leaves ``meta/applied`` alone: nothing replays it, and not touching the meta
+   database spares its commit the pages: 28-29 us of a ~360 us synced commit here.) Nothing
+   is committed yet; any failure here (``StoreFull``, ``OwnershipError``, ``InvalidBatch``,
+   an LMDB error, ``fail_next``, ``KeyboardInterrupt``) aborts every transaction: **nothing
+   is applied anywhere**.
+2. *Commit point.* The carrier's transaction commits and its environment is synced: its own
+   part and the redo record of the others are durable together, so from here on the group
+   is durable even if the process dies before the next step.
+3. *Apply.* Each other partition transaction commits (its data pages synced, its meta page
+   not -- LMDB ``metasync=False``, which keeps the database intact on power loss but may lose
+   the last transaction, which the carrier's record still holds).
 
-A group that touches a single partition skips the journal: its transaction commits and the
+So a group writes its data once, plus a copy of what its smaller partitions write: a turn
+of a large fan-out that also touches a small run writes the small run's part twice, not the
+fan-out's. (Until 2026-12-04 a separate journal environment took a copy of the whole group:
+a 4,000-action turn with 10 actions of another run packed and synced a 6 MB journal record,
+25-38 ms of the committer's CPU.)
+
+A group that touches a single partition has no record: its transaction commits and the
 environment is synced (``env.sync(True)``): one transaction, atomic by itself.
 
 A :class:`storage.Records` block is written with ``Cursor.putmulti`` over ``(key, value)``
@@ -41,27 +49,30 @@ not used by default (``_APPEND``: measured, it does not pay at these sizes). Wit
 block's keys are strictly ascending, the part beyond the database's last key goes in with
 ``append=True``; LMDB refuses, without writing, an appended key that is not greater than the
 last one (``MDB_KEYEXIST``, which ``putmulti`` only counts), so the store checks the order
-first and, should the count ever come up short, puts that part again the ordinary way. The journal
+first and, should the count ever come up short, puts that part again the ordinary way. A redo record
 carries a block as a msgpack extension type (header, keys, values: ``_EXT_RECORDS``; a
 :class:`Puts` block as its two lists: ``_EXT_PUTS``), never as triples, and the replay applies
 it with the same code.
 
-``open`` replays the journal: for every record whose group a partition has not applied
-(``meta/applied`` < group number) it applies that partition's ops, then syncs every partition
-and empties the journal. Replay is exact because every partition applies groups in group
-order and records the last one in the same transaction. The journal is also emptied
-(checkpoint: sync every partition, then delete the records) when it passes
-``journal_checkpoint_bytes`` and at ``close``.
+``open`` replays the redo records of every partition, in group order: for every record whose
+group a partition it names has not applied (``meta/applied`` < group number) it applies that
+partition's ops, then syncs every partition and deletes the records. Replay is exact because
+every partition applies groups in group order and records the last one in the same
+transaction. The records are also deleted (checkpoint: sync every partition, then delete
+them) when those written since the last checkpoint pass ``journal_checkpoint_bytes`` (or a
+quarter of a partition's map, if smaller) and at ``close``.
 
 What is applied when ``commit`` fails part-way:
 
 * failure in the write phase: nothing, anywhere (the store stays usable);
-* failure at the commit point (``StoreFailed``, ``outcome="unknown"``): the journal commit
-  may or may not have reached the disk; the store refuses further writes; after a reopen the
-  group is either entirely present or entirely absent;
+* failure at the commit point (``StoreFailed``, ``outcome="unknown"``): the carrier's commit
+  or sync may or may not have reached the disk; the store refuses further writes; after a
+  reopen the group is either entirely present or entirely absent (a full map at the
+  carrier's commit is not that: LMDB wrote nothing, and it is ``StoreFull``);
 * failure after the commit point (``StoreFailed``, ``outcome="durable"``): some partitions
-  show the group, some do not, until the reopen, which completes it from the journal. A full
-  map there is not a failure: the store completes the group itself (see *Map size*).
+  show the group, some do not, until the reopen, which completes it from the carrier's
+  record. A full map there is not a failure: the store completes the group itself (see *Map
+  size*).
 
 So, as seen after a reopen, a group is all or nothing, whatever failed and wherever the
 process was killed (``tests/test_storage_crash.py`` SIGKILLs a writer at random points and
@@ -70,11 +81,11 @@ checks exactly this).
 Durability
 ----------
 With ``sync=True`` (the default) ``commit`` returns only when the group survives a power
-loss: the journal commit is synced (data then meta), or for a single-partition group the
-partition's commit and ``env.sync(True)``. Partition environments run with ``metasync=False``
-(data synced at commit, meta page synced by the next sync); LMDB documents that mode as
-keeping the database intact (ACI) while possibly losing the last transaction -- which, here,
-the journal still holds until a checkpoint has synced the partition. ``writemap`` is not used:
+loss: the carrier's (or the single partition's) commit and ``env.sync(True)``. Partition
+environments run with ``metasync=False`` (data synced at commit, meta page synced by the next
+sync); LMDB documents that mode as keeping the database intact (ACI) while possibly losing
+the last transaction -- which, for a group's other partitions, the carrier's record still
+holds until a checkpoint has synced them. ``writemap`` is not used:
 measured here it made bulk writes slower (0.92 s vs 0.61 s for 1M 128-byte puts) and small
 synced commits slower (0.23 vs 0.16 ms), and it preallocates each data file to the map size.
 ``sync=False`` opens every environment ``sync=False``: nothing is fsynced; a killed process
@@ -83,34 +94,35 @@ power loss may lose or corrupt recent transactions. For tests and benchmarks onl
 
 Map size
 --------
-``map_size`` is per partition (the journal gets ``map_size * partitions``). Only the pages
-used are allocated on disk. How far maps grow is the caller's policy (the engine doubles them
-up to ``storage.max_map_size``): when the write phase of a group finds a partition's map full,
-``commit`` raises ``StoreFull`` with nothing applied; ``resize(new_map_size)`` grows every map
-(no transaction may be open in this process, i.e. not while a ``scan`` generator is alive)
-and the same commit can then be retried. The store grows a map by itself only to finish what
+``map_size`` is per partition. Only the pages used are allocated on disk. How far maps grow
+is the caller's policy (the engine doubles them up to ``storage.max_map_size``): when the
+write phase of a group finds a partition's map full, ``commit`` raises ``StoreFull`` with
+nothing applied; ``resize(new_map_size)`` grows every map (no transaction may be open in
+this process, i.e. not while a ``scan`` generator is alive) and the same commit can then be
+retried. The store grows a map by itself only to finish what
 is already decided, for as long as that one write needs it, and then sets it back:
 
 * *after the commit point*: near a full map LMDB's commit of a partition often needs a page or
   two more than the write phase used, and fails (it writes nothing). The group is durable, so
   it is completed: that partition's map is grown and its part applied again in a new
-  transaction (exactly the replay). If the data now passes the map, the partition is *over*
-  and refuses every new group with ``StoreFull`` until ``resize`` grows it: so a partition
-  passes its map by at most what one commit needed, and the caller's limit holds otherwise;
-* *at open*: claims and the journal replay. LMDB opens a map no smaller than the data it
+  transaction (exactly the replay). (The carrier's own commit failing so is the commit point
+  failing: nothing was written anywhere, ``StoreFull`` names the carrier.) If the data now
+  passes the map, the partition is *over* and refuses every new group with ``StoreFull``
+  until ``resize`` grows it: so a partition passes its map by at most what one commit
+  needed, and the caller's limit holds otherwise;
+* *at open*: claims and the replay. LMDB opens a map no smaller than the data it
   holds, but with no room to spare, whatever the configured ``map_size``; a replay that needs
   room grows the map until it fits. A store therefore always reopens with its own config;
 * the store's own records (``renew``, the claims released at ``close``, checkpoints).
 
-The journal's map is full only for a new group (nothing applied): it is checkpointed and the
-commit tried again, and when even the emptied journal cannot hold the group's record (LMDB
-needs contiguous pages for it) the journal's map grows, for good: it only holds the groups in
-flight. Besides, the journal is checkpointed as soon as it passes a quarter of its map (or
-``journal_checkpoint_bytes``, if smaller), so a small map rarely gets there.
+A carrier's redo records count against its map like its data; they are deleted at the
+checkpoint, so they hold at most ``journal_checkpoint_bytes`` (or a quarter of a map) past
+what the groups in flight need.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -154,18 +166,24 @@ __all__ = ["LmdbStore", "partition_dir"]
 DEFAULT_MAP_SIZE = 1 << 30
 DEFAULT_CHECKPOINT_BYTES = 64 << 20
 #: A map the store grows by itself, for as long as one write needs it (finishing a group the
-#: journal holds, or the store's own records: claims, journal replay, checkpoints), grows by
+#: redo record holds, or the store's own records: claims, the replay, checkpoints), grows by
 #: 1/16 of its size, at least 32 pages; the step doubles on every further try of the same
 #: write, at most _GROW_TRIES times. Afterwards the map is set back (see ``_restore_map``).
 _GROW_DIV = 16
 _GROW_MIN = 32 * mmap.PAGESIZE
 _GROW_TRIES = 20
 _DB_INDEX = {name: i for i, name in enumerate(DBS)}
+#: The database of a partition's redo records (the other partitions' ops of the groups it
+#: carried, keyed by group number): the store's own, not one of ``DBS``.
+_CARRIED = "carried"
+_ENV_DBS = (*DBS, _CARRIED)
 _ZERO = (0).to_bytes(8, "big")
 
 #: Testing hook: if set, called with a stage name at the points of a group commit where a
-#: crash matters ("journal-committed", "partition-committed"); it may raise (an injected I/O
-#: error) or kill the process. Production code never sets it.
+#: crash matters ("carrier-committed": the carrier committed and synced, no other partition
+#: yet; "partition-committed": before a partition's commit, after the commit point when the
+#: group has one); it may raise (an injected I/O error) or kill the process. Production code
+#: never sets it.
 _crash_hook = None
 
 
@@ -194,7 +212,7 @@ _APPEND = False
 _PUT_CHUNK = 1024
 
 
-def _journal_default(obj):
+def _redo_default(obj):
     """msgpack ``default``: a :class:`Records` or :class:`Puts` block as its extension type,
     any other bytes-like object (a numpy slice) as bytes."""
     if isinstance(obj, Puts):
@@ -203,18 +221,40 @@ def _journal_default(obj):
     if isinstance(obj, Records):
         n = len(obj)
         if n > 0xFFFFFFFF or obj.value_size > 0xFFFFFFFF:
-            raise ValueError(f"{obj!r} is too large for one journal record")
+            raise ValueError(f"{obj!r} is too large for one redo record")
         return msgpack.ExtType(_EXT_RECORDS, b"".join((
             _RECORDS_HEADER.pack(_DB_INDEX[obj.db], obj.key_size, obj.value_size, n),
             obj.keys, obj.values)))
     try:
         return bytes(memoryview(obj))
     except TypeError:
-        raise TypeError(f"cannot journal a {type(obj).__name__}") from None
+        raise TypeError(f"cannot write a {type(obj).__name__} in a redo record") from None
 
 
-def _journal_ext(code: int, data: bytes) -> Records | Puts:
-    """msgpack ``ext_hook`` of the journal: a :class:`Records` block back (views of ``data``)
+def _touch(txn, db) -> None:
+    """A write that leaves nothing (LMDB commits no transaction without a change)."""
+    txn.put(_ZERO, b"", db=db)      # group 0 never exists
+    txn.delete(_ZERO, db=db)
+
+
+def _weight(ops) -> int:
+    """Roughly the bytes ``ops`` write (which partition of a group carries the others)."""
+    n = 0
+    for op in ops:
+        if isinstance(op, Records):
+            n += len(op) * (op.key_size + op.value_size)
+        elif isinstance(op, Puts):
+            n += len(op) * 64
+        else:
+            try:
+                n += 16 + len(op[1]) + (len(op[2]) if op[2] is not None else 0)
+            except (TypeError, IndexError):
+                n += 64     # malformed: the write phase names it
+    return n
+
+
+def _redo_ext(code: int, data: bytes) -> Records | Puts:
+    """msgpack ``ext_hook`` of a redo record: a :class:`Records` block back (views of ``data``)
     or a :class:`Puts` block; anything else is a corrupt record (``ValueError``)."""
     if code == _EXT_PUTS:
         try:
@@ -252,9 +292,8 @@ def _abort(txns) -> None:
 
 
 class _MapFull(Exception):
-    """Internal to ``open``: environment ``where`` (a partition, or ``partitions``: the
-    journal) is full; everything was aborted and the attempt is to be retried after growing
-    it."""
+    """Internal to ``open``: partition ``where`` is full; everything was aborted and the
+    attempt is to be retried after growing it."""
 
     def __init__(self, where: int):
         self.where = where
@@ -292,13 +331,12 @@ class LmdbStore(Store):
         self._checkpoint_bytes = int(journal_checkpoint_bytes)
         self._envs: list[lmdb.Environment] = []
         self._dbh: list[dict[str, object]] = []
-        self._jenv: lmdb.Environment | None = None
-        self._jlog = None
         self._claim: Claim | None = None
         self._claim_raw = None     # the claim record as this store last wrote it
         self._shard: str | None = None
         self._next_gid = 1
-        self._journal_bytes = 0
+        self._carried_bytes = 0     # redo records written since the last checkpoint
+        self._carriers: set[int] = set()    # partitions holding some of them
         self._readers = 0
         self._failed: StoreFailed | None = None
         self._lost: OwnershipError | None = None
@@ -339,7 +377,7 @@ class LmdbStore(Store):
     # ------------------------------------------------------------------ open / close
 
     def _env_kwargs(self) -> dict:
-        return dict(subdir=True, create=True, max_dbs=len(DBS), sync=self._sync,
+        return dict(subdir=True, create=True, max_dbs=len(_ENV_DBS), sync=self._sync,
                     metasync=False, max_spare_txns=1)
 
     def _check_dirs(self) -> None:
@@ -361,7 +399,6 @@ class LmdbStore(Store):
         self.path.mkdir(parents=True, exist_ok=True)
         self._check_dirs()
         envs: list[lmdb.Environment] = []
-        jenv = None
         try:
             for p in range(self.partitions):
                 try:
@@ -373,19 +410,11 @@ class LmdbStore(Store):
                                          f"allows one open per process)") from None
                     raise CorruptRecord(p, "meta", None,
                                         f"cannot open the LMDB environment: {e}") from None
-            try:
-                jenv = lmdb.open(str(self.path / "journal"),
-                                 map_size=self._map_size * self.partitions,
-                                 subdir=True, create=True, max_dbs=2, sync=self._sync,
-                                 metasync=self._sync, max_spare_txns=1)
-            except lmdb.Error as e:
-                raise CorruptRecord(None, "meta", None,
-                                    f"cannot open the journal environment: {e}") from None
-            self._open_locked(envs, jenv, shard, now_ns)
+            self._open_locked(envs, shard, now_ns)
         except BaseException:
-            for env in [*envs, *([jenv] if jenv is not None else [])]:
+            for env in envs:
                 env.close()
-            self._envs, self._dbh, self._jenv = [], [], None
+            self._envs, self._dbh = [], []
             raise
 
     def _init_env(self, p: int | None, env, txn, expected_layout: dict, names) -> dict:
@@ -419,25 +448,26 @@ class LmdbStore(Store):
                                 f"another partition)")
         return {n: env.open_db(n.encode(), txn=txn, create=True) for n in names}
 
-    def _open_locked(self, envs, jenv, shard: str, now_ns: int) -> None:
-        """Claims, journal replay and the emptied journal, retried after growing whichever map
-        was full: a group the journal holds is always completed, whatever map size the store
-        is opened with (LMDB opens a map no smaller than the data it holds, but possibly with
-        no room to spare). A map grown here is set back afterwards (``_restore_map``)."""
+    def _open_locked(self, envs, shard: str, now_ns: int) -> None:
+        """Claims, the replay of the redo records and their deletion, retried after growing
+        whichever map was full: a group a carrier's record holds is always completed,
+        whatever map size the store is opened with (LMDB opens a map no smaller than the data
+        it holds, but possibly with no room to spare). A map grown here is set back
+        afterwards (``_restore_map``)."""
         P = self.partitions
-        tries = [0] * (P + 1)           # growth steps per environment (index P: the journal)
-        before = {}                     # environment index -> its map size before growing
+        tries = [0] * P                 # growth steps per partition
+        before = {}                     # partition -> its map size before growing
         while True:
             try:
-                claim, jlog, last = self._open_attempt(envs, jenv, shard, now_ns)
+                claim, last = self._open_attempt(envs, shard, now_ns)
                 break
             except _MapFull as full:
                 where = full.where
-            env = jenv if where == P else envs[where]
+            env = envs[where]
             before.setdefault(where, env.info()["map_size"])
             if tries[where] >= _GROW_TRIES:
-                name = "the journal" if where == P else f"partition {where}"
-                raise StoreError(f"store {self.path}: map full while opening (claims or journal "
+                name = f"partition {where}"
+                raise StoreError(f"store {self.path}: map full while opening (claims or the "
                                  f"replay): {name} still full at map_size "
                                  f"{env.info()['map_size']} after growing it "
                                  f"{_GROW_TRIES} times")
@@ -450,28 +480,28 @@ class LmdbStore(Store):
         over = set()
         for where, size in before.items():
             try:
-                if self._restore_map(jenv if where == P else envs[where], size) and where < P:
+                if self._restore_map(envs[where], size):
                     over.add(where)
             except lmdb.Error as e:
                 raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
-        self._envs, self._jenv, self._jlog = envs, jenv, jlog
+        self._envs = envs
         self._over = over
         # LMDB keeps the larger of the configured and the used size
         self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))
         self._claim, self._shard = claim, shard
         self._claim_raw = claim.encode()
         self._next_gid = last + 1
-        self._journal_bytes = 0
+        self._carried_bytes = 0
+        self._carriers = set()
         self._failed = self._lost = None
 
-    def _open_attempt(self, envs, jenv, shard: str, now_ns: int):
-        """One attempt of :meth:`_open_locked`; :class:`_MapFull` (everything aborted) names
-        the environment that was full. Retrying after a partial success is exact: a
-        partition that committed holds our claim (same shard: taken over again) and
-        ``meta/applied`` (its replayed groups are skipped)."""
+    def _open_attempt(self, envs, shard: str, now_ns: int):
+        """One attempt of :meth:`_open_locked`: ``(claim, last group number)``;
+        :class:`_MapFull` (everything aborted) names the partition that was full. Retrying
+        after a partial success is exact: a partition that committed holds our claim (same
+        shard: taken over again) and ``meta/applied`` (its replayed groups are skipped)."""
         P = self.partitions
         txns = []
-        jtxn = None
         where = None
         try:
             handles = []
@@ -480,7 +510,7 @@ class LmdbStore(Store):
                 txn = env.begin(write=True)
                 txns.append(txn)
                 handles.append(self._init_env(p, env, txn,
-                                              {"partitions": P, "partition": p}, DBS))
+                                              {"partitions": P, "partition": p}, _ENV_DBS))
             # ownership: all or nothing
             for p, txn in enumerate(txns):
                 raw = txn.get(META_CLAIM, db=handles[p]["meta"])
@@ -491,29 +521,30 @@ class LmdbStore(Store):
             for p, txn in enumerate(txns):
                 where = p
                 txn.put(META_CLAIM, enc, db=handles[p]["meta"])
-            # journal: replay what a crash left unapplied
-            where = P
-            jtxn = jenv.begin(write=True)
-            jh = self._init_env(None, jenv, jtxn, {"partitions": P, "journal": 1},
-                                ("log", "meta"))
+            # the redo records: replay what a crash left unapplied, in group order
             applied = []
             for p, txn in enumerate(txns):
                 raw = txn.get(META_APPLIED, db=handles[p]["meta"])
                 applied.append(int.from_bytes(raw, "big") if raw is not None else 0)
             last = max(applied)
             self._dbh = handles
-            for gkey, raw in jtxn.cursor(db=jh["log"]):
-                gid = int.from_bytes(gkey, "big")
+            records = sorted(
+                (int.from_bytes(gkey, "big"), p, gkey, raw)
+                for p, txn in enumerate(txns)
+                for gkey, raw in txn.cursor(db=handles[p][_CARRIED]))
+            carriers = {p for _gid, p, _gkey, _raw in records}
+            for gid, carrier, gkey, raw in records:
                 last = max(last, gid)
                 try:
-                    entry = msgpack.unpackb(raw, use_list=False, ext_hook=_journal_ext)
+                    entry = msgpack.unpackb(raw, use_list=False, ext_hook=_redo_ext)
                     parts = [(int(p), ops) for p, ops in entry]
                 except Exception as e:  # noqa: BLE001
-                    raise CorruptRecord(None, "log", gkey,
-                                        f"undecodable journal record ({e})") from None
+                    raise CorruptRecord(carrier, _CARRIED, gkey,
+                                        f"undecodable redo record ({e})") from None
                 for p, ops in parts:
-                    if not 0 <= p < P:
-                        raise CorruptRecord(None, "log", gkey, f"partition {p} out of range")
+                    if not 0 <= p < P or p == carrier:
+                        raise CorruptRecord(carrier, _CARRIED, gkey,
+                                            f"redo record names partition {p}")
                     if applied[p] < gid:
                         where = p
                         self._apply(p, txns[p], ops)
@@ -525,24 +556,27 @@ class LmdbStore(Store):
             txns = []
             for env in envs:
                 env.sync(True)
-            where = P
-            jtxn.drop(jh["log"], delete=False)
-            jtxn.commit()
-            jtxn = None
+            # Every record is applied and synced: delete them (a crash before this only
+            # replays them again, and each is then skipped).
+            for p in sorted(carriers):
+                where = p
+                txn = envs[p].begin(write=True)
+                txns.append(txn)
+                txn.drop(handles[p][_CARRIED], delete=False)
+                txn.commit()
+                txns = []
         except lmdb.MapFullError:
             raise _MapFull(where) from None
         except lmdb.Error as e:
             raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
         finally:
             _abort(txns)
-            if jtxn is not None:
-                _abort([jtxn])
-        return claim, jh["log"], last
+        return claim, last
 
     def close(self) -> None:
-        """Checkpoint the journal, release the claims still ours (expiry 0, so another shard
-        may open at once), close. After a :class:`StoreFailed` or a lost claim it only closes
-        (the next ``open`` repairs). Idempotent."""
+        """Checkpoint (delete the redo records), release the claims still ours (expiry 0, so
+        another shard may open at once), close. After a :class:`StoreFailed` or a lost claim it
+        only closes (the next ``open`` repairs). Idempotent."""
         if not self._envs:
             return
         error = None
@@ -566,9 +600,7 @@ class LmdbStore(Store):
                 error = e
         for env in self._envs:
             env.close()
-        if self._jenv is not None:
-            self._jenv.close()
-        self._envs, self._dbh, self._jenv, self._jlog = [], [], None, None
+        self._envs, self._dbh = [], []
         if error is not None:
             raise StoreError(f"store {self.path}: error while closing: {error}") from error
 
@@ -709,90 +741,70 @@ class LmdbStore(Store):
         for p, _ops in parts:
             if p in self._over:
                 raise StoreFull(p, self._envs[p].info()["map_size"])
-        journaled = len(parts) > 1
-        if journaled and self._journal_bytes >= min(
-                self._checkpoint_bytes, self._jenv.info()["map_size"] // 4):
+        several = len(parts) > 1
+        if several and self._carried_bytes >= min(self._checkpoint_bytes,
+                                                    self._map_size // 4):
             self._checkpoint_before(None)
         gid = self._next_gid
         gkey = gid.to_bytes(8, "big")
-        jtries = 0
-        while True:
+        # The carrier (the commit point) writes its own part and a copy of the others': the
+        # partition with the most to write, so the copy is the smaller share.
+        carrier = max(range(len(parts)), key=lambda i: _weight(parts[i][1])) \
+            if several else 0
+        try:
+            txns, entry = self._write_phase(parts, carrier if several else None, gkey)
+        except StoreFull as full:
+            if not (several and self._carriers):
+                raise
+            # The redo records since the last checkpoint may be what fills the map: delete
+            # them (nothing of this group is applied) and try once more.
+            self._checkpoint_before(full)
+            txns, entry = self._write_phase(parts, carrier, gkey)
+        if several:
+            self._carried_bytes += len(entry) + 64
+            self._carriers.add(parts[carrier][0])
+        # The carrier first: its commit (and sync) is the commit point.
+        order = [carrier, *(i for i in range(len(parts)) if i != carrier)]
+        for n, i in enumerate(order):
+            p, ops = parts[i]
+            point = n == 0      # the group's commit point (a single partition's: its commit)
             try:
-                txns, jtxn, entry = self._write_phase(parts, journaled, gkey)
-            except StoreFull as e:
-                if e.partition is not None:
-                    raise
-                full = e
-            else:
-                if not journaled:
-                    break
-                # 2. commit point
-                try:
-                    jtxn.commit()
-                    break
-                except lmdb.MapFullError:
-                    # LMDB aborted the transaction before writing anything
-                    _abort(txns)
-                    full = StoreFull(None, self._jenv.info()["map_size"])
-                except BaseException as e:
-                    _abort(txns)
-                    self._failed = StoreFailed(
-                        f"journal commit of group {gid} failed ({type(e).__name__}: {e}); "
-                        f"outcome unknown until the store is reopened (then all or nothing)",
-                        None, "unknown")
-                    raise self._failed from e
-            # The journal's map is full; nothing was applied. Empty the journal and try again;
-            # if even the empty journal cannot hold this group's record (it needs contiguous
-            # pages), grow the journal's map: it only ever holds the groups in flight.
-            if self._journal_bytes:
-                self._checkpoint_before(full)
-                continue
-            if jtries >= _GROW_TRIES:
-                raise full
-            try:
-                self._grow(self._jenv, jtries)
-            except (lmdb.Error, StoreError) as e:
-                raise full from e
-            jtries += 1
-        if journaled:
-            self._journal_bytes += len(entry) + 64
-        # 3. apply
-        for i, (p, ops) in enumerate(parts):
-            try:
-                if _crash_hook is not None:
-                    _crash_hook("journal-committed" if i == 0 and journaled
-                                else "partition-committed")
+                if _crash_hook is not None and not (several and point):
+                    _crash_hook("carrier-committed" if n == 1 else "partition-committed")
                 try:
                     txns[i].commit()
                 except lmdb.MapFullError:
                     # LMDB aborted the transaction before writing anything
-                    if not journaled:
+                    if point:
                         raise StoreFull(p, self._envs[p].info()["map_size"]) from None
                     self._complete(p, ops, gkey)
-                if not journaled and self._sync:
+                if point and self._sync:
                     self._envs[p].sync(True)
             except BaseException as e:
-                _abort(txns[i:])
+                _abort([txns[j] for j in order[n:]])
                 if isinstance(e, StoreFull) or (isinstance(e, OwnershipError)
                                                 and e is self._lost):
                     raise
-                outcome = "durable" if journaled else "unknown"
+                durable = several and not point
                 self._failed = StoreFailed(
-                    f"partition {p}: commit of group {gid} failed after "
-                    f"{'the journal commit' if journaled else 'the write phase'} "
-                    f"({type(e).__name__}: {e}); "
-                    + ("the group is durable and a reopen completes it" if journaled
-                       else "outcome unknown until the store is reopened"),
-                    p, outcome)
+                    f"partition {p}: commit of group {gid} failed "
+                    + (f"after its commit point (partition {parts[carrier][0]}'s commit)"
+                       if durable else "at its commit point")
+                    + f" ({type(e).__name__}: {e}); "
+                    + ("the group is durable and a reopen completes it" if durable
+                       else "outcome unknown until the store is reopened (then all or "
+                            "nothing)"),
+                    p, "durable" if durable else "unknown")
                 raise self._failed from e
         self._next_gid = gid + 1
 
-    def _write_phase(self, parts, journaled: bool, gkey: bytes):
+    def _write_phase(self, parts, carrier: int | None, gkey: bytes):
         """Begin a write transaction per partition of ``parts``, check the claims, apply the
-        ops, and for a journaled group write its journal record: ``(txns, jtxn, entry)``,
-        nothing committed. Any failure aborts everything (nothing applied) and raises."""
+        ops, and for a group of several partitions (``carrier``: the index in ``parts`` of
+        the one that carries the others' redo record) record the group number in each and
+        write that record in the carrier's transaction: ``(txns, record)``, nothing
+        committed. Any failure aborts everything (nothing applied) and raises."""
         txns = []
-        jtxn = None
         entry = None
         where = None
         try:
@@ -812,49 +824,46 @@ class LmdbStore(Store):
                         self._lost = e
                         raise
                 self._apply(p, txn, ops)
-                if journaled:
-                    # Only a journaled group needs its number here (the replay skips what
-                    # a partition applied); a single partition's group is atomic by itself,
-                    # and leaving the meta database alone spares the commit its pages.
+                if carrier is not None:
+                    # Only a group of several partitions needs its number here (the replay
+                    # skips what a partition applied); a single partition's group is atomic
+                    # by itself, and leaving the meta database alone spares the commit its
+                    # pages.
                     txn.put(META_APPLIED, gkey, db=meta)
             if self._fail_next is not None:
                 exc, self._fail_next = self._fail_next, None
                 raise exc
-            if journaled:
-                where = None
+            if carrier is not None:
                 try:
-                    entry = msgpack.packb(parts, default=_journal_default)
+                    entry = msgpack.packb([part for i, part in enumerate(parts) if i != carrier],
+                                          default=_redo_default)
                 except (TypeError, ValueError) as e:
-                    raise InvalidBatch(f"batch cannot be journaled: {e}") from None
-                jtxn = self._jenv.begin(write=True)
-                jtxn.put(gkey, entry, db=self._jlog)
+                    raise InvalidBatch(f"batch cannot be written as a redo record: {e}") from None
+                where = parts[carrier][0]
+                txns[carrier].put(gkey, entry, db=self._dbh[where][_CARRIED])
         except BaseException as e:
             _abort(txns)
-            if jtxn is not None:
-                _abort([jtxn])
             if isinstance(e, lmdb.MapFullError):
-                raise StoreFull(where, self._jenv.info()["map_size"] if where is None
-                                else self._envs[where].info()["map_size"]) from None
+                raise StoreFull(where, self._envs[where].info()["map_size"]) from None
             if isinstance(e, lmdb.Error):
-                w = "journal" if where is None else f"partition {where}"
-                raise StoreError(f"{w}: LMDB error while writing: {e}; nothing of this commit "
-                                 f"was applied") from e
+                raise StoreError(f"partition {where}: LMDB error while writing: {e}; nothing "
+                                 f"of this commit was applied") from e
             raise
-        return txns, jtxn, entry
+        return txns, entry
 
     def _checkpoint_before(self, full: StoreFull | None) -> None:
-        """Checkpoint the journal before the write phase of a commit (nothing of it applied);
-        ``full``: the journal's map was full (raised if the checkpoint fails)."""
+        """Checkpoint before the write phase of a commit (nothing of it applied); ``full``:
+        a map was full (raised if the checkpoint fails)."""
         try:
             self._checkpoint(settle=full is not None)
         except lmdb.Error as e:
             if full is not None:
                 raise full from e
-            raise StoreError(f"store {self.path}: journal checkpoint failed: {e}; nothing "
+            raise StoreError(f"store {self.path}: checkpoint failed: {e}; nothing "
                              f"of this commit was applied") from e
 
     def _complete(self, p: int, ops, gkey: bytes) -> None:
-        """Partition ``p``'s commit of a group the journal already holds failed on a full map
+        """Partition ``p``'s commit of a group its carrier already holds failed on a full map
         (LMDB's commit needs pages of its own, past those the write phase used) and LMDB
         aborted it. The group is durable and must be completed: grow ``p``'s map for as long
         as it takes and apply its part again, exactly as the replay at open would."""
@@ -931,34 +940,34 @@ class LmdbStore(Store):
                 self._restore_map(env, before)
 
     def _checkpoint(self, settle: bool = False) -> None:
-        """Sync every partition, then delete this store's journal records (every one of them
-        is applied). Only records up to our last group are deleted, never a newer owner's:
-        a process that lost its claims without noticing yet cannot delete the journal record
-        of a group the new owner has not applied yet.
+        """Sync every partition, then delete the redo records this store wrote since the last
+        checkpoint (every one of them is applied). Only records up to our last group are
+        deleted, never a newer owner's: a process that lost its claims without noticing yet
+        cannot delete the record of a group the new owner has not applied yet.
 
         LMDB reuses the pages a transaction frees only two transactions later; ``settle``
-        (the journal's map was full) commits one more, empty-handed write transaction so that
-        the very next one can use them."""
-        if self._journal_bytes == 0:
+        (a map was full) commits one more, empty-handed write transaction in each carrier so
+        that the very next one can use them."""
+        if not self._carriers:
             return
         for env in self._envs:
             env.sync(True)
 
-        def delete_applied(jtxn):
-            cur = jtxn.cursor(db=self._jlog)
-            if cur.first():
-                while int.from_bytes(cur.key() or b"\xff" * 8, "big") < self._next_gid:
-                    if not cur.delete():
-                        break
+        for p in sorted(self._carriers):
+            db = self._dbh[p][_CARRIED]
 
-        def touch(jtxn):
-            jtxn.put(_ZERO, b"", db=self._jlog)    # group 0 never exists: no trace left
-            jtxn.delete(_ZERO, db=self._jlog)
+            def delete_applied(txn, db=db):
+                cur = txn.cursor(db=db)
+                if cur.first():
+                    while int.from_bytes(cur.key() or b"\xff" * 8, "big") < self._next_gid:
+                        if not cur.delete():
+                            break
 
-        self._write_growing(self._jenv, delete_applied)
-        self._journal_bytes = 0
-        if settle:
-            self._write_growing(self._jenv, touch)
+            self._write_growing(self._envs[p], delete_applied)
+            if settle:
+                self._write_growing(self._envs[p], functools.partial(_touch, db=db))
+        self._carriers.clear()
+        self._carried_bytes = 0
 
     def renew(self, now_ns: int) -> int:
         self._check_writable()
@@ -1023,10 +1032,9 @@ class LmdbStore(Store):
         return expiry
 
     def resize(self, new_map_size: int) -> None:
-        """Grow every partition's map to ``new_map_size`` bytes (the journal's to
-        ``new_map_size * partitions``). Only growth; no transaction may be open in this
-        process (not while a :meth:`scan` generator is alive). Before :meth:`open` it only
-        sets the size to open with."""
+        """Grow every partition's map to ``new_map_size`` bytes. Only growth; no transaction
+        may be open in this process (not while a :meth:`scan` generator is alive). Before
+        :meth:`open` it only sets the size to open with."""
         new = _page_round(int(new_map_size))
         if new < self._map_size:
             raise ValueError(f"map_size can only grow: {new} < {self._map_size}")
@@ -1039,8 +1047,6 @@ class LmdbStore(Store):
                 if env.info()["map_size"] < new:
                     env.set_mapsize(new)
                     self._over.discard(p)
-            if self._jenv is not None and self._jenv.info()["map_size"] < new * self.partitions:
-                self._jenv.set_mapsize(new * self.partitions)
         except lmdb.Error as e:
             raise StoreError(f"store {self.path}: resize to {new} failed: {e}") from e
         self._map_size = new

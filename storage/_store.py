@@ -51,9 +51,9 @@ Bulk op: a block of variable-size puts
 ``Puts(db, keys, values)`` (``keys`` and ``values`` lists of ``bytes``, the same length) means
 the triples ``(db, keys[i], values[i])`` in order, at its place in the list, as a
 :class:`Records` block does for fixed sizes: only puts, never into ``meta``. A store applies
-it with one ``putmulti`` and journals it as its two lists; what LMDB refuses in it (an empty
-or too long key) fails the commit naming the pair. Built, it checks its database and lists
-(every pair too, in the ``LEASEHOLD_DEBUG=1`` build).
+it with one ``putmulti`` and carries it in a redo record as its two lists; what LMDB refuses
+in it (an empty or too long key) fails the commit naming the pair. Built, it checks its
+database and lists (every pair too, in the ``LEASEHOLD_DEBUG=1`` build).
 
 The ``meta`` database is shared with the store itself: the keys in
 :data:`RESERVED_META_KEYS` (``schema``, ``layout``, ``claim``, ``applied``) are the store's own
@@ -65,9 +65,9 @@ Errors
 Every failure of a store operation is a :class:`StoreError`; the subclasses say what the caller
 should do:
 
-* :class:`StoreFull` -- the map of a partition (or of the journal) is full. Nothing of the
-  commit was applied; grow the map (``LmdbStore.resize``) and retry, or refuse the transition.
-  A group is refused this way only before its commit point: once the journal holds it,
+* :class:`StoreFull` -- the map of a partition is full. Nothing of the commit was applied;
+  grow the map (``LmdbStore.resize``) and retry, or refuse the transition. A group is refused
+  this way only before its commit point: once a partition's redo record holds it,
   ``LmdbStore`` completes it, growing the map it needs (see its "Map size" section).
 * :class:`OwnershipError` -- another shard holds (``open``) or took over (``renew``,
   ``commit``) a partition. Nothing was applied; after ``renew``/``commit`` raise it the caller
@@ -120,8 +120,8 @@ __all__ = [
     "StoreFull",
 ]
 
-#: The named databases of every partition, in a fixed order (the order is part of the journal
-#: format: the journal stores a database by its index in this tuple).
+#: The named databases of every partition, in a fixed order (the order is part of the redo
+#: record format: a record names a database by its index in this tuple).
 DBS: tuple[str, ...] = (
     "actions", "specs", "attempts", "envs", "finalize", "history", "queues", "meta", "runs",
     "workers", "retained", "expiry",
@@ -139,7 +139,10 @@ DBS: tuple[str, ...] = (
 #: Version 5: a retained outcome names its spec's content by key (``engine._retain``,
 #: ``content_key``), stored once a partition beside the outcomes, instead of holding a copy;
 #: older code would read the key as the spec.
-SCHEMA_VERSION = 5
+#: Version 6: a group of several partitions is made atomic by a redo record its largest
+#: partition carries (``storage._lmdb``), not by a journal environment: older code would not
+#: replay those records, and this code does not read an older store's journal.
+SCHEMA_VERSION = 6
 #: LMDB's default key size limit, enforced by every store so that a batch accepted by
 #: ``MemoryStore`` is also accepted by ``LmdbStore``.
 MAX_KEY_SIZE = 511
@@ -198,16 +201,15 @@ class InvalidBatch(StoreError, ValueError):
 
 
 class StoreFull(StoreError):
-    """The LMDB map of ``partition`` (``None``: the journal) is full at ``map_size`` bytes.
-    The transaction was aborted: nothing of the commit was applied, anywhere."""
+    """The LMDB map of ``partition`` is full at ``map_size`` bytes. The transaction was
+    aborted: nothing of the commit was applied, anywhere."""
 
-    def __init__(self, partition: int | None, map_size: int):
+    def __init__(self, partition: int, map_size: int):
         self.partition, self.map_size = partition, map_size
-        where = "journal" if partition is None else f"partition {partition}"
         super().__init__(
-            f"map full: {where}, map_size {_fmt_size(map_size)}; raise storage.map_size "
-            f"(LmdbStore(map_size=...)) or grow it with LmdbStore.resize(new_map_size). "
-            f"Nothing of this commit was applied."
+            f"map full: partition {partition}, map_size {_fmt_size(map_size)}; raise "
+            f"storage.map_size (LmdbStore(map_size=...)) or grow it with "
+            f"LmdbStore.resize(new_map_size). Nothing of this commit was applied."
         )
 
     def __reduce__(self):
@@ -215,13 +217,14 @@ class StoreFull(StoreError):
 
 
 class CorruptRecord(StoreError):
-    """A record that this store cannot have written: ``partition`` (``None``: the journal),
+    """A record that this store cannot have written: ``partition`` (``None``: the store as a
+    whole),
     database ``db``, ``key`` (``None`` when the whole environment is unreadable), and
     ``problem`` (what was wrong)."""
 
     def __init__(self, partition: int | None, db: str, key: bytes | None, problem: str):
         self.partition, self.db, self.key, self.problem = partition, db, key, problem
-        where = "journal" if partition is None else f"partition {partition}"
+        where = "the store" if partition is None else f"partition {partition}"
         what = f"key {key!r}" if key is not None else "environment"
         super().__init__(f"corrupt or foreign record: {where}, db {db!r}, {what}: {problem}")
 
@@ -234,7 +237,7 @@ class StoreFailed(StoreError):
 
     ``outcome`` is ``"unknown"`` (the failure hit the commit point itself: after a reopen the
     group is either entirely present or entirely absent) or ``"durable"`` (the group had
-    reached the journal: after a reopen it is entirely present). Either way some partitions
+    passed its commit point: after a reopen it is entirely present). Either way some partitions
     may show the group and others not *until the store is reopened*, which is why every
     further ``commit``/``renew`` raises: close, reopen, reload memory from disk."""
 
@@ -419,7 +422,7 @@ class Puts:
     their lengths are wrong; a key or value LMDB refuses fails the commit naming it (the
     ``LEASEHOLD_DEBUG=1`` build checks every pair when built). What the engine writes a
     reclaimed action (its retained outcome, its expiry entry): one op for thousands, put
-    with one ``putmulti`` and journaled as two lists, not a triple each."""
+    with one ``putmulti`` and carried in a redo record as two lists, not a triple each."""
 
     __slots__ = ("_db", "_keys", "_values")
 
@@ -611,7 +614,7 @@ class Store(ABC):
         taken over too (a restart; the old incarnation is fenced out by the new token).
         Creates the store if it does not exist; a store of another schema or partition count
         raises :class:`CorruptRecord`. For ``LmdbStore`` it also finishes any group commit a
-        crash interrupted (journal replay) before returning.
+        crash interrupted (the replay of its redo records) before returning.
         """
 
     @abstractmethod

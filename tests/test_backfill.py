@@ -448,7 +448,7 @@ def test_runtime_samples_leave_a_success_on_its_partition_and_reach_the_store_wi
     [a] = start(eng, clock, [cpu_job("r1", "etl")])
     clock.advance(3)
     eng.complete(a.action, a.generation)
-    assert store.groups[-1] == [part]   # the success alone: no partition 0, no journal
+    assert store.groups[-1] == [part]   # the success alone: no partition 0, no redo record
     key = eng.history_key(cpu_job("r1", "etl"))
     assert eng.predicted_runtime(key) is not None
     assert stored_samples(store, "etl") == 0    # not in the store yet (a crash loses it)

@@ -416,7 +416,8 @@ def test_a_full_map_grows_to_a_max_below_twice_its_size(tmp_path):
     eng.close()
 
 
-# Issue 15: groups spanning two partitions (so they go through the journal) on a small map.
+# Issue 15: groups spanning two partitions (so one carries the other's redo record) on a small
+# map.
 TENANTS6 = ["acme", "beta", "corp", "dyn", "echo", "fox"]     # partitions 1 0 1 0 1 1 of 2
 
 
@@ -445,9 +446,10 @@ def assert_queued_exactly(eng, acked):
 
 
 def test_mixed_tenant_groups_on_a_small_map_grow_and_reopen_with_the_same_config(tmp_path):
-    # About 2,700 actions in, a partition's commit after the journal needed one more page than
-    # the write phase: the shard used to fail (StoreFailed, then a reopen at the configured map
-    # size could not replay the journal) and could not restart with its own config.
+    # About 2,700 actions in, a partition's commit after the commit point needed one more page
+    # than the write phase: the shard used to fail (StoreFailed, then a reopen at the
+    # configured map size could not replay the group) and could not restart with its own
+    # config.
     path = tmp_path / "s"
     cfg = mixed_config(path, "1Gi")
     eng = Engine(cfg, clock=ManualClock())

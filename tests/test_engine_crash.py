@@ -13,7 +13,7 @@ random moment, reloads the store, and checks:
 Then the next child carries on from the same store, and so on: many kills in a row. The
 store runs on the smallest map the config allows (``storage.map_size = "1Mi"``): the busiest
 partitions pass it, so maps fill (in write phases and in partition commits after the
-journal), grow, and every restart opens them again at the configured size.
+commit point), grow, and every restart opens them again at the configured size.
 Run by pytest; the same file is the child (``python tests/test_engine_crash.py child ...``).
 """
 

@@ -109,7 +109,7 @@ class Harness:
         if self.kind == "memory":
             self.backing.data[partition][db][key] = value
             return
-        env = lmdb.open(str(self.path / f"p{partition:02d}"), max_dbs=len(DBS),
+        env = lmdb.open(str(self.path / f"p{partition:02d}"), max_dbs=len(DBS) + 1,
                         map_size=1 << 22)
         try:
             with env.begin(write=True, db=env.open_db(db.encode())) as txn:
@@ -314,7 +314,7 @@ def test_single_partition_store_full(hl):
     s.close()
 
 
-@pytest.mark.parametrize("stage", ["journal-committed", "partition-committed"])
+@pytest.mark.parametrize("stage", ["carrier-committed", "partition-committed"])
 def test_failure_after_commit_point_is_completed_by_reopen(hl, monkeypatch, stage):
     s = hl.new()
     s.open("a", T0)
@@ -340,26 +340,31 @@ def test_failure_after_commit_point_is_completed_by_reopen(hl, monkeypatch, stag
     s.close()
 
 
-# Issue 15: a full map inside a journaled group (after the commit point) and at open.
+# Issue 15: a full map inside a group of several partitions (after the commit point) and at
+# open.
 
 
-def two_partition_group(g, size=300):
-    return {0: [("actions", k(g), b"x" * size)], 1: [("actions", k(g), b"y" * size)]}
+def two_partition_group(g, size=300, carried=300):
+    # Partition 0 (the larger part, or the first of two alike) carries partition 1's.
+    return {0: [("actions", k(g), b"x" * size)], 1: [("actions", k(g), b"y" * carried)]}
 
 
-def test_a_journaled_group_that_fills_a_partition_at_its_commit_is_completed(hl):
+def test_a_carried_partition_that_fills_at_its_commit_is_completed(hl):
     # Near a full map the write phase of a group fits but LMDB's commit of a partition after
-    # the journal commit needs a page more (~520 groups in, here). The group is durable: the
-    # store grows that map for as long as it takes, completes the group and sets the map back,
-    # then refuses new groups cleanly (no resize here: as at max_map_size), never StoreFailed.
+    # the commit point (the carrier's) needs a page more: partition 1, 100 KB fuller than the
+    # carrier, does ~150 groups in here. The group is durable: the store grows that map for
+    # as long as it takes, completes the group and sets the map back, then refuses new groups
+    # cleanly (no resize here: as at max_map_size), never StoreFailed.
     s = hl.new(map_size=256 << 10, sync=False)
     s.open("a", T0)
+    for i in range(100):
+        s.commit({1: [("specs", k(i), b"z" * 1000)]})
     acked = 0
     with pytest.raises(StoreFull):
         for g in range(5000):
-            s.commit(two_partition_group(g))
+            s.commit(two_partition_group(g, size=400))
             acked += 1
-    assert acked > 500
+    assert acked > 100
     assert [key for _, key, _ in s.scan("actions")] == [k(g) for g in range(acked)] * 2
     s.renew(T0 + S)                   # the store's own records still go in
     s.close()
@@ -372,7 +377,7 @@ def test_a_journaled_group_that_fills_a_partition_at_its_commit_is_completed(hl)
         s.close()
 
 
-def test_journaled_groups_grow_the_maps_with_resize_and_reopen_at_the_configured_size(hl):
+def test_multi_partition_groups_grow_the_maps_with_resize_and_reopen_at_the_configured_size(hl):
     # What the engine does on StoreFull (grow by doubling, retry): never StoreFailed.
     s = hl.new(map_size=256 << 10, sync=False)
     s.open("a", T0)
@@ -394,14 +399,14 @@ def test_journaled_groups_grow_the_maps_with_resize_and_reopen_at_the_configured
 
 def _durable_on_a_grown_map_then_reopen(hl, monkeypatch, big):
     """Commit ``big`` on a map grown past the configured 256 KiB, fail right after the
-    journal commit (the group is durable), reopen at the configured size; returns the error
+    carrier's commit (the group is durable), reopen at the configured size; returns the error
     and the reopened store."""
     s = hl.new(map_size=256 << 10)
     s.open("a", T0)
     s.resize(4 << 20)
 
     def hook(at):
-        if at == "journal-committed":
+        if at == "carrier-committed":
             raise OSError(5, "injected I/O error")
 
     monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
@@ -414,7 +419,7 @@ def _durable_on_a_grown_map_then_reopen(hl, monkeypatch, big):
     return ei.value, s
 
 
-def test_reopen_grows_a_partition_that_the_journal_replay_needs(hl, monkeypatch):
+def test_reopen_grows_a_partition_that_the_replay_needs(hl, monkeypatch):
     # A durable group written while the map was grown; the reopen at the configured (smaller)
     # map size must grow the map to replay it, not refuse to open.
     big = {p: [("actions", k(i), bytes([p]) * (100 << 10)) for i in range(6)] for p in (0, 1)}
@@ -430,35 +435,35 @@ def test_reopen_grows_a_partition_that_the_journal_replay_needs(hl, monkeypatch)
     s.close()
 
 
-def test_a_small_journal_is_checkpointed_before_it_fills(hl):
-    # The journal's map is map_size * partitions, far below the 64 MiB checkpoint threshold:
-    # records of groups that overwrite the same keys would fill it; it is emptied instead.
-    s = hl.new(map_size=64 << 10)
+def test_redo_records_are_deleted_before_they_fill_a_small_map(hl):
+    # A map far below the 64 MiB checkpoint threshold: the carrier's redo records (6 KB a
+    # group here, 1.2 MB in all) would fill its 256 KiB; a checkpoint deletes them first.
+    s = hl.new(map_size=256 << 10)
     s.open("a", T0)
     for g in range(200):
         s.commit({p: [("actions", k(p), bytes([g % 251]) * 2000)] for p in range(P)})
     s.close()
-    s = hl.new(map_size=64 << 10)
+    s = hl.new(map_size=256 << 10)
     s.open("a", T0 + S)
     assert [v for _, _, v in s.scan("actions")] == [bytes([199]) * 2000] * P
     s.close()
 
 
-def test_a_full_journal_is_emptied_and_takes_the_group(hl):
-    # Below the checkpoint threshold the journal (512 KiB here) holds ~270 KiB of records; the
-    # next group's 240 KiB record does not fit: the journal is checkpointed (and, when even
-    # the empty journal has no room for the record's contiguous pages, grown), not refused.
-    s = hl.new(map_size=128 << 10, sync=False)
+def test_a_group_that_fits_only_without_the_redo_records_deletes_them_and_goes_in(hl):
+    # Below the checkpoint threshold (a quarter of the 256 KiB map) the carrier, partition 0,
+    # holds ~56 KiB of redo records; the next group (100 KiB of its own, 3 x 8 KiB to carry)
+    # fits only once they are gone: they are deleted (checkpoint), not the group refused.
+    s = hl.new(map_size=256 << 10, sync=False)
     s.open("a", T0)
-    for g in range(28):
+    for g in range(17):
         s.commit({p: [("actions", k(p), bytes([g]) * 1100)] for p in range(P)})
-    big = {p: [("specs", k(p), bytes([p]) * (60 << 10))] for p in range(P)}
+    big = {p: [("specs", k(p), bytes([p]) * ((100 if p == 0 else 8) << 10))] for p in range(P)}
     s.commit(big)
     s.close()
-    s = hl.new(map_size=128 << 10)
+    s = hl.new(map_size=256 << 10)
     s.open("a", T0 + S)
     assert [v for _, _, v in s.scan("specs")] == [ops[0][2] for ops in big.values()]
-    assert [v for _, _, v in s.scan("actions")] == [bytes([27]) * 1100] * P
+    assert [v for _, _, v in s.scan("actions")] == [bytes([16]) * 1100] * P
     s.close()
 
 
@@ -600,7 +605,7 @@ def mixed_batch(g):
     }
 
 
-@pytest.mark.parametrize("single", [False, True], ids=["journaled", "single-partition"])
+@pytest.mark.parametrize("single", [False, True], ids=["multi-partition", "single-partition"])
 def test_a_block_equals_the_same_records_given_as_triples(h, single):
     s = h.new()
     s.open("a", T0)
@@ -644,7 +649,7 @@ def puts_batch(g):
     return batch
 
 
-@pytest.mark.parametrize("single", [False, True], ids=["journaled", "single-partition"])
+@pytest.mark.parametrize("single", [False, True], ids=["multi-partition", "single-partition"])
 def test_a_puts_block_equals_its_triples_in_list_order(h, single):
     s = h.new()
     s.open("a", T0)
@@ -681,13 +686,13 @@ def test_a_bad_puts_block_is_refused_by_name_and_applies_nothing(h):
     s.close()
 
 
-def test_a_journaled_puts_block_is_replayed_after_a_failure_past_the_commit_point(
+def test_a_carried_puts_block_is_replayed_after_a_failure_past_the_commit_point(
         hl, monkeypatch):
     s = hl.new()
     s.open("a", T0)
 
     def hook(at):
-        if at == "journal-committed":
+        if at == "carrier-committed":
             raise OSError(5, "injected I/O error")
 
     monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
@@ -700,7 +705,7 @@ def test_a_journaled_puts_block_is_replayed_after_a_failure_past_the_commit_poin
     model = {}
     model_apply(model, batch)
     s = hl.new()
-    s.open("a", T0 + S)                     # the replay applies the blocks from the journal
+    s.open("a", T0 + S)                     # the replay applies the blocks from the carrier
     assert state(s) == model
     s.close()
 
@@ -789,8 +794,19 @@ def test_an_append_lmdb_refuses_is_put_again(hl, monkeypatch):
     s.close()
 
 
-@pytest.mark.parametrize("stage", ["journal-committed", "partition-committed"])
-def test_a_journaled_block_is_replayed_after_a_failure_past_the_commit_point(
+def carried_records(path, partition):
+    """The redo records partition ``partition`` of the (closed) store at ``path`` carries."""
+    env = lmdb.open(str(path / f"p{partition:02d}"), max_dbs=len(DBS) + 1, readonly=True,
+                    lock=False)
+    try:
+        with env.begin(db=env.open_db(b"carried", create=False)) as txn:
+            return [bytes(v) for _, v in txn.cursor()]
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("stage", ["carrier-committed", "partition-committed"])
+def test_a_carried_block_is_replayed_after_a_failure_past_the_commit_point(
         hl, monkeypatch, stage):
     s = hl.new()
     s.open("a", T0)
@@ -798,12 +814,9 @@ def test_a_journaled_block_is_replayed_after_a_failure_past_the_commit_point(
     first = mixed_batch(0)
     s.commit(first)
     model_apply(model, first)
-    records = []
 
     def hook(at):
         if at == stage:
-            with s._jenv.begin(db=s._jlog) as txn:
-                records.extend(bytes(v) for _, v in txn.cursor())
             raise OSError(5, "injected I/O error")
 
     monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
@@ -813,32 +826,36 @@ def test_a_journaled_block_is_replayed_after_a_failure_past_the_commit_point(
         s.commit(big)
     assert ei.value.outcome == "durable"
     monkeypatch.setattr(lmdb_store, "_crash_hook", None)
-    # the journal record carries each block as it came: 300 * (8 + 180) bytes, not 300 triples
+    s.close()
+    # Partition 0 (the first of equal parts) carries the others' blocks as they came: 300 *
+    # (8 + 180) bytes each, not 300 triples; its own part is not in the record.
+    records = carried_records(hl.path, 0)
     entry = msgpack.unpackb(records[-1])
+    assert sorted(dict(entry)) == list(range(1, P))
     ops = dict(entry)[P - 1]
     assert isinstance(ops[0], msgpack.ExtType) and ops[0].code == lmdb_store._EXT_RECORDS
     assert len(ops[0].data) == lmdb_store._RECORDS_HEADER.size + 300 * (8 + 180)
-    assert len(records[-1]) < P * (300 * 188 + 100)
-    s.close()
+    assert len(records[-1]) < (P - 1) * (300 * 188 + 100)
     model_apply(model, big)
     s = hl.new()
     s.open("a", T0 + S)
     assert state(s) == model
     s.commit({0: [block("actions", [1, 2])]})
     s.close()
+    assert carried_records(hl.path, 0) == []    # applied everywhere at open, then deleted
 
 
 def test_a_replay_never_undoes_a_single_partition_group(hl, monkeypatch):
-    # A single partition's group records no group number there (only journaled groups are
-    # replayed): a replay of an older journaled group must still leave its writes alone.
+    # A single partition's group records no group number there (only multi-partition groups are
+    # replayed): a replay of an older multi-partition group must still leave its writes alone.
     s = hl.new()
     s.open("a", T0)
-    s.commit({0: [("actions", k(7), b"a0")], 1: [("actions", k(7), b"a1")]})   # journaled
+    s.commit({0: [("actions", k(7), b"a0")], 1: [("actions", k(7), b"a1")]})   # two partitions
     s.commit({0: [("actions", k(7), b"b0"), ("actions", k(8), b"new")]})         # single
     s.commit({1: [("actions", k(7), b"b1")]})                                    # single
 
     def hook(at):
-        if at == "journal-committed":
+        if at == "carrier-committed":
             raise OSError(5, "injected I/O error")
 
     monkeypatch.setattr(lmdb_store, "_crash_hook", hook)
@@ -846,9 +863,9 @@ def test_a_replay_never_undoes_a_single_partition_group(hl, monkeypatch):
         s.commit({1: [("actions", k(9), b"c1")], 2: [("actions", k(9), b"c2")]})
     assert ei.value.outcome == "durable"
     monkeypatch.setattr(lmdb_store, "_crash_hook", None)
-    s.close()                               # failed: no checkpoint, the journal stays
+    s.close()                               # failed: no checkpoint, the records stay
     s = hl.new()
-    s.open("a", T0 + S)                     # replays both journaled groups where missing
+    s.open("a", T0 + S)                     # replays both multi-partition groups where missing
     assert state(s) == {(0, "actions", k(7)): b"b0", (0, "actions", k(8)): b"new",
                         (1, "actions", k(7)): b"b1", (1, "actions", k(9)): b"c1",
                         (2, "actions", k(9)): b"c2"}
@@ -862,8 +879,9 @@ def test_a_replay_never_undoes_a_single_partition_group(hl, monkeypatch):
 
 def test_blocks_on_a_small_map_that_must_grow(hl, monkeypatch):
     # Issue 15's paths with blocks: StoreFull before the commit point (nothing applied, the
-    # caller grows the map and retries), and a journaled group whose partition commit needs
-    # a page more after the journal commit (the store completes it itself).
+    # caller grows the map and retries), and a group of two partitions whose second commit
+    # (partition 1, 100 KB fuller than the carrier) needs a page more after the commit point
+    # (the store completes it itself).
     completed = []
     real = LmdbStore._complete
     monkeypatch.setattr(LmdbStore, "_complete",
@@ -871,15 +889,19 @@ def test_blocks_on_a_small_map_that_must_grow(hl, monkeypatch):
     s = hl.new(map_size=256 << 10, sync=False)
     s.open("a", T0)
     model = {}
+    fill = {1: [("specs", k(i), b"z" * 1000) for i in range(100)]}
+    s.commit(fill)
+    model_apply(model, fill)
     acked = 0
     with pytest.raises(StoreFull):
         for g in range(5000):
-            batch = {p: [block("actions", [g * 2, g * 2 + 1], value_size=150, fill=p)]
-                     for p in (0, 1)}
+            batch = {0: [block("actions", [g * 3, g * 3 + 1, g * 3 + 2], value_size=150)],
+                     1: [block("actions", [g * 3, g * 3 + 1], value_size=150, fill=1)]}
             s.commit(batch)
             model_apply(model, batch)
             acked += 1
-    assert acked > 200 and completed, "the commit after the journal never met a full map"
+    assert acked > 100 and completed == [1] * len(completed) and completed, \
+        "the commit after the commit point never met a full map"
     assert state(s) == model
     s.close()
     s = hl.new(map_size=256 << 10)
@@ -1088,6 +1110,28 @@ def test_foreign_or_corrupt_meta_raises_corrupt_record(h, key, value, expect):
     assert "partition 2" in str(e) and repr(key) in str(e) and expect in str(e)
 
 
+def test_a_store_of_the_journal_schema_is_refused_by_name(hl):
+    # Schema 5 made a group of several partitions atomic with a journal environment this
+    # code never reads: a group it held unapplied would be lost, so that store is refused.
+    s = hl.new()
+    s.open("a", T0)
+    s.close()
+    for p in range(P):
+        hl.tamper(p, "meta", b"schema", msgpack.packb(5))
+    with pytest.raises(CorruptRecord, match="partition 0.*schema 5: a store written by older "
+                                            "code.*never converts a store in place"):
+        hl.new().open("a", T0 + S)
+
+
+def test_a_redo_record_naming_its_own_carrier_is_a_corrupt_record(hl):
+    s = hl.new()
+    s.open("a", T0)
+    s.close()
+    hl.tamper(1, "carried", k(1), msgpack.packb([[1, [["actions", k(5), b"x"]]]]))
+    with pytest.raises(CorruptRecord, match="partition 1, db 'carried'.*names partition 1"):
+        hl.new().open("a", T0 + S)
+
+
 def test_partition_count_mismatch_is_refused(hl):
     s = hl.new(partitions=4)
     s.open("a", T0)
@@ -1210,26 +1254,38 @@ def test_scan_parallel_checks_the_schema(hl):
         scan_parallel(hl.path, "actions", record_size=REC.itemsize, processes=2)
 
 
-def test_journal_is_checkpointed(hl):
-    def journal_entries(store):
-        with store._jenv.begin(db=store._jlog) as txn:
-            return txn.stat(store._jlog)["entries"]
+def carried_elsewhere(path, partition):
+    """How many redo records partition ``partition`` carries, read by another process (LMDB
+    opens an environment once per process: this one may hold the store open)."""
+    code = (f"import lmdb; e = lmdb.open({str(path / f'p{partition:02d}')!r}, max_dbs=32, "
+            f"readonly=True); t = e.begin(); print(t.stat(e.open_db(b'carried', txn=t))"
+            f"['entries'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout)
 
+
+def test_redo_records_are_checkpointed(hl):
     s = hl.new(journal_checkpoint_bytes=1)
     s.open("a", T0)
     for i in range(5):
         s.commit({p: [("actions", k(i), b"v%d" % i)] for p in range(P)})
-    s.commit({1: [("actions", k(9), b"single")]})       # single partition: not journaled
-    assert journal_entries(s) == 1                      # only the last multi-partition group
+    s.commit({1: [("actions", k(9), b"single")]})       # single partition: no record
+    assert carried_elsewhere(hl.path, 0) == 1           # only the last multi-partition group
     s.close()
+    assert carried_records(hl.path, 0) == []
     s = hl.new()
     s.open("a", T0 + S)
-    assert journal_entries(s) == 0
     assert len(list(s.scan("actions"))) == 5 * P + 1
     for i in range(3):
         s.commit({p: [("actions", k(i), b"w")] for p in range(P)})
-    assert journal_entries(s) == 3
+    assert carried_elsewhere(hl.path, 0) == 3
+    # The largest part carries: partition 2 here.
+    s.commit({p: [("actions", k(7), b"w" * (9 if p == 2 else 1))] for p in range(P)})
+    assert (carried_elsewhere(hl.path, 0), carried_elsewhere(hl.path, 2)) == (3, 1)
     s.close()
+    assert carried_records(hl.path, 0) == carried_records(hl.path, 2) == []
 
 
 def test_partition_and_read_argument_checks(h):

@@ -5,12 +5,13 @@ state after the last acknowledged group, or after one more (the group in flight 
 landed): every acknowledged group fully present, no group partially present.
 
 Kills land at random times, and (through ``storage._lmdb._crash_hook``) exactly inside the
-commit: after the journal commit before any partition commit, and between partition commits.
+commit: after the commit point (the carrier partition's commit, which holds the redo record of
+the others) before any other partition commit, and between partition commits.
 
 The store runs on a small map (``MAP``, as configured: every open uses it) that the child
 grows by doubling on ``StoreFull``, as the engine does, so maps fill and grow between kills:
-a partition commit after the journal meets a full map, and reopens replay the journal into
-maps that LMDB opened no larger than their data.
+a partition commit after the commit point meets a full map, and reopens replay the carried
+records into maps that LMDB opened no larger than their data.
 
 Run by pytest; the same file is the child (``python tests/test_storage_crash.py child ...``).
 """
@@ -161,8 +162,8 @@ def test_sigkill_never_leaves_a_partial_group(tmp_path):
     model: dict = {}
     done = 0                      # groups applied to `model`
     plan = [("random", None, 0)] * 7 + [
-        ("hook", "journal-committed", 3), ("hook", "partition-committed", 4),
-        ("hook", "journal-committed", 1), ("hook", "partition-committed", 9),
+        ("hook", "carrier-committed", 3), ("hook", "partition-committed", 4),
+        ("hook", "carrier-committed", 1), ("hook", "partition-committed", 9),
     ]
     rng.shuffle(plan)
     deadline = time.monotonic() + 60
@@ -188,8 +189,8 @@ def test_sigkill_never_leaves_a_partial_group(tmp_path):
             apply(model, done)
         state = disk_state(path)
         if state == model:
-            assert not (mode == "hook" and stage == "journal-committed"), (
-                "the journal held the group in flight, the reopen must have completed it")
+            assert not (mode == "hook" and stage == "carrier-committed"), (
+                "the carrier held the group in flight, the reopen must have completed it")
             continue
         apply(model, done + 1)
         done += 1
