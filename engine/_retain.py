@@ -333,8 +333,8 @@ class RetentionMixin:
             heavy = rows[sel[~lean[sel]]]
             out.extend(("attempts", row_key(r), None) for r in heavy.tolist())
             # One block each (a triple a row cost ~0.4 us to apply and, in a group of
-            # several partitions, to journal): the outcomes, then the expiry entries
-            # (retention end, then the key; no value).
+            # several partitions, to carry in a redo record): the outcomes, then the
+            # expiry entries (retention end, then the key; no value).
             out.append(Puts("retained", pkeys, pvalues))
             turn.setdefault(part, {}).update(zip(pkeys, pvalues, strict=True))
             out.append(Puts("expiry", [expire + key for key in pkeys], [b""] * len(pkeys)))
