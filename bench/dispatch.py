@@ -123,13 +123,14 @@ def worker_main(config, receipts_path, slots):
     arrived = []
     start, start_many = sim.start, sim.start_many
 
+    # One entry a call, the attempts it was given and when: the bench's own bookkeeping
+    # stays off the worker's per-lease path (a tuple a lease cost ~5% of its CPU).
     def start_noting(attempt):
-        arrived.append((attempt.action, time.time_ns()))
+        arrived.append(((attempt,), time.time_ns()))
         return start(attempt)
 
     def start_many_noting(attempts):
-        t = time.time_ns()
-        arrived.extend((a.action, t) for a in attempts)
+        arrived.append((attempts, time.time_ns()))
         return start_many(attempts)
 
     sim.start, sim.start_many = start_noting, start_many_noting
@@ -143,8 +144,9 @@ def worker_main(config, receipts_path, slots):
         pass
     w.stop()
     with open(receipts_path, "w") as f:
-        for action, t in arrived:
-            f.write(f"{action} {t}\n")
+        for attempts, t in arrived:
+            for a in attempts:
+                f.write(f"{a.action} {t}\n")
 
 
 def start_processes(tmp, config, slots):
