@@ -25,7 +25,6 @@ A run whose last action is reclaimed leaves memory and the store in the same tur
 A part of :class:`engine.Engine` (a mixin over its shared state); see engine/_engine.py.
 """
 
-import collections
 import itertools
 import operator
 from dataclasses import dataclass
@@ -229,9 +228,13 @@ class RetentionMixin:
         listed = rows.tolist()
         # (an entry that names another row is a collision's: it stays)
         hashes = st.a_name_hash[rows].tolist()
-        mine = np.fromiter(map(index.get, hashes, itertools.repeat(-1)), np.int64,
-                           len(hashes)) == rows
-        collections.deque(map(index.__delitem__, itertools.compress(hashes, mine)), 0)
+        held = np.fromiter(map(index.pop, hashes, itertools.repeat(-1)), np.int64,
+                           len(hashes))
+        # An entry that named a row kept in the table (a collision's) goes back (rare).
+        other = np.flatnonzero((held != rows) & (held >= 0))
+        if other.size:
+            for i in other[~np.isin(held[other], rows)].tolist():
+                index[hashes[i]] = int(held[i])
         if recs:                    # (lean rows, a fan-out's, have no record)
             for r in listed:
                 recs.pop(r, None)
@@ -337,7 +340,7 @@ class RetentionMixin:
             # expiry entries (retention end, then the key; no value).
             out.append(Puts("retained", pkeys, pvalues))
             turn.setdefault(part, {}).update(zip(pkeys, pvalues, strict=True))
-            out.append(Puts("expiry", [expire + key for key in pkeys], [b""] * len(pkeys)))
+            out.append(Puts("expiry", list(map(expire.__add__, pkeys)), [b""] * len(pkeys)))
             # The specs their values name, once each, kept a nanosecond past the last
             # outcome naming one (a later reclaim's end, or a stored later one, wins): the
             # sweep reaches a spec after every outcome of it, however its batches fall.

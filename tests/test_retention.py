@@ -91,6 +91,79 @@ def test_reclaimed_action_answers_from_the_store_and_its_row_is_reused():
     assert [r.verdict for r in eng.heartbeat("w-east", [old])] == [Verdict.STALE]
 
 
+@pytest.mark.parametrize("kept_first", [True, False])
+def test_a_reclaim_where_every_name_shares_one_hash_keeps_the_others_findable(
+        monkeypatch, kept_first):
+    """The index holds one row a name hash (the others are the collisions'): reclaiming
+    rows of that hash takes out their own entries only, whichever row the index held."""
+    import sys
+    for name, module in list(sys.modules.items()):      # every name collides
+        if name.startswith("engine.") and hasattr(module, "name_hash"):
+            monkeypatch.setattr(module, "name_hash", lambda text: 7)
+        if name.startswith("engine.") and hasattr(module, "name_hashes"):
+            monkeypatch.setattr(module, "name_hashes",
+                                lambda texts: np.full(len(texts), 7, dtype=np.uint64))
+    eng, clock = make_engine(config())
+    order = [("kept", ["k0", "k1"]), ("gone", ["g0", "g1", "g2"])]
+    ids = {run: eng.enqueue_fanout(template(run), names)
+           for run, names in (order if kept_first else order[::-1])}
+    clock.advance(1)
+    for a in eng.tick():
+        if a.action.run == "gone":
+            assert eng.report(a.token, Phase.SUCCEEDED) == Verdict.OK
+    assert eng.reclaim() == 3
+    view = eng.inspect()
+    assert all(view.find(a) is not None for a in ids["kept"])
+    assert len({view.find(a) for a in ids["kept"]}) == 2
+    assert all(view.find(a) is None for a in ids["gone"])
+    assert all(eng.phase(a) == Phase.SUCCEEDED for a in ids["gone"])
+    assert all(eng.phase(a) == Phase.INITIALIZING for a in ids["kept"])
+
+
+def test_a_reclaim_of_a_collision_below_the_row_the_index_holds_leaves_no_stale_entry(
+        monkeypatch):
+    """A name hash's index entry can name a row above one of its collisions (the first
+    holder was reclaimed, a later name of that hash took a new row): reclaiming both
+    leaves the hash unindexed, and the names answer from the store."""
+    import sys
+
+    from engine._records import name_hash as real_hash
+    from engine._records import name_hashes as real_hashes
+
+    def one_hash(text):
+        return 7 if text.rsplit("/", 1)[1].startswith("c") else real_hash(text)
+
+    def hashes(texts):
+        return np.array([one_hash(t) for t in texts], np.uint64)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("engine.") and hasattr(module, "name_hash"):
+            monkeypatch.setattr(module, "name_hash", one_hash)
+        if name.startswith("engine.") and hasattr(module, "name_hashes"):
+            monkeypatch.setattr(module, "name_hashes", hashes)
+    assert real_hashes(["acme/p/d/r/u0"])[0] != 7
+    eng, clock = make_engine(config())
+    view = eng.inspect()
+    c0, = eng.enqueue_fanout(template("one"), ["c0"])      # row 0 holds hash 7
+    c1, = eng.enqueue_fanout(template("two"), ["c1"])      # row 1, a collision
+    clock.advance(1)
+    held = {str(a.action): a.token for a in eng.tick()}
+    assert eng.report(held[str(c0)], Phase.SUCCEEDED) == Verdict.OK
+    assert eng.reclaim() == 1                               # row 0 free, hash 7 unheld
+    eng.enqueue_fanout(template("three"), ["u0"])           # takes row 0
+    c2, = eng.enqueue_fanout(template("four"), ["c2"])     # row 2 holds hash 7
+    assert (view.find(c1), view.find(c2)) == (1, 2)
+    clock.advance(1)
+    held.update({str(a.action): a.token for a in eng.tick()})
+    for a in (c1, c2):
+        assert eng.report(held[str(a)], Phase.SUCCEEDED) == Verdict.OK
+    assert eng.reclaim() == 2                               # rows 1 and 2, in that order
+    assert view.find(c1) is None and view.find(c2) is None
+    assert eng.phase(c1) == eng.phase(c2) == Phase.SUCCEEDED
+    c3, = eng.enqueue_fanout(template("five"), ["c3"])
+    assert view.find(c3) is not None and eng.phase(c3) == Phase.QUEUED
+
+
 def test_reenqueue_of_a_retained_action_is_idempotent_and_a_different_spec_refused():
     eng, clock = make_engine(config())
     spec = template("r1")
