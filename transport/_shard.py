@@ -30,6 +30,7 @@ import dataclasses
 import importlib
 import itertools
 import logging
+import operator
 import signal
 import threading
 import time
@@ -82,6 +83,8 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
 # Reported phases that are, once accepted, the action's phase (a failure may be a retry).
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
+# The fields of a lease-map entry (generation, run, action, attempt).
+_GEN_OF, _RUN_OF, _ACTION_OF, _ATTEMPT_OF = (operator.itemgetter(i) for i in range(4))
 # Phases of an action that waits for an assignment.
 _WAITING = frozenset({Phase.QUEUED, Phase.WAITING_FOR_RESOURCES})
 # Endings whose event carries the engine's reason as its detail.
@@ -342,7 +345,7 @@ class _Loop:
         # dropped the oldest entries lost the completions of a fan-out with more leases out
         # than it held: a watcher waited for events that were never recorded.)
         self.leases = {}
-        self.new_leases = []         # this turn's entries for it (joined at its flush)
+        self.new_leases = {}         # this turn's entries for it (joined at its flush)
         self.box = _Outbox()         # the turn being made (its records: attempt_of)
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
@@ -896,8 +899,8 @@ class _Loop:
             names = msg.names
             added = done.added
             prefix = run + "/"
-            self.record_queued([prefix + names[i] for i in np.flatnonzero(added).tolist()]
-                               if not added.all() else [prefix + n for n in names], run=run)
+            self.record_queued(list(map(prefix.__add__, names if added.all() else map(
+                names.__getitem__, np.flatnonzero(added).tolist()))), run=run)
 
     def known_watched(self, ids):
         """The ids (texts; None or another type for a spec without one) of watched runs
@@ -1103,9 +1106,12 @@ class _Loop:
         engine (``Engine.lease_actions``), its attempt then None (not known here)."""
         # The entry is this lease's only if the generations agree (a stale token of the
         # row, or an entry left by a lease that expired unreported, is not).
+        hits = list(map(self.leases.get, tokens[:, 0].tolist()))
+        gens = tokens[:, 1].tolist()
+        if None not in hits and all(map(operator.eq, map(_GEN_OF, hits), gens)):
+            return hits         # (every report names a watched lease: C passes only)
         names = [hit if hit is not None and hit[0] == gen else None
-                 for hit, gen in zip(map(self.leases.get, tokens[:, 0].tolist()),
-                                     tokens[:, 1].tolist(), strict=True)]
+                 for hit, gen in zip(hits, gens, strict=True)]
         miss = [i for i, name in enumerate(names) if name is None]
         watched = self.watch.watched() if miss else ()
         if watched:
@@ -1120,6 +1126,8 @@ class _Loop:
         (``names`` from :meth:`_lease_names`), in the message's order; a failure's (it may
         be a retry) from the phase the engine shows at once, before this turn's tick may
         lease a retry again (``details``: the message's, for the failure's text)."""
+        if not refused and self._watched_alike(tokens, names, phases):
+            return
         skip = _refused_copies(tokens, names, refused) if refused else ()
         by_run = {}
         failed = []
@@ -1157,6 +1165,26 @@ class _Loop:
                 if text and name is not None:
                     why[name[2]] = text
             self.reread(failed, self.eng.clock.now_ns(), why)
+
+    def _watched_alike(self, tokens, names, phases):
+        """:meth:`_watched_reports` of a message whose reports were all accepted, all of
+        one phase the action is now in (a worker's successes), all of leases of one watched
+        run named by the lease map: its records and lease-map removals in a few C passes
+        instead of a Python step a report. False, having done nothing, otherwise."""
+        ph = phases[0]
+        if (ph not in _AS_REPORTED or None in names or phases.count(ph) != len(phases)):
+            return False
+        runs = set(map(_RUN_OF, names))
+        attempts = list(map(_ATTEMPT_OF, names))
+        if len(runs) != 1 or None in attempts:
+            return False
+        changes = _Changes(runs.pop(), self.eng.clock.now_ns())
+        changes.extend(list(map(_ACTION_OF, names)), ph, attempts)
+        self.records.append(changes)
+        if ph in TERMINAL_PHASES:
+            collections.deque(map(self.leases.pop, tokens[:, 0].tolist(),
+                                  itertools.repeat(None)), 0)
+        return True
 
     def on_bye(self, conn, c, peer, msg):
         if msg.drain:
@@ -1226,10 +1254,12 @@ class _Loop:
                 continue
             run, names, changes = hit
             prefix = run + "/"
-            aids = [prefix + names[k] for k in batch.index[seg].tolist()]
+            aids = list(map(prefix.__add__, map(names.__getitem__,
+                                                batch.index[seg].tolist())))
             atts = batch.attempt[seg].tolist()
-            # The lease map's entries: lease id -> (generation, run, action, attempt).
-            new_leases.extend(zip(batch.tokens[seg, 0].tolist(), zip(
+            # The lease map's entries: lease id -> (generation, run, action, attempt) (a
+            # dict updated from pairs: zip reuses each pair's tuple).
+            new_leases.update(zip(batch.tokens[seg, 0].tolist(), zip(
                 batch.tokens[seg, 1].tolist(), itertools.repeat(run, len(aids)), aids, atts,
                 strict=True), strict=True))
             changes.extend(aids, initializing, atts)
@@ -1574,7 +1604,7 @@ class _Outbox:
         self.pushes = []        # (routing id, frames, leases)
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
-        self.leases = []        # (lease id, (gen, run, action, attempt)): watched leases
+        self.leases = {}        # lease id -> (gen, run, action, attempt): watched leases
         # action -> attempt of its records, made from them when first asked (attempt_of:
         # rare) and kept up to date with the records added since.
         self._attempts = {}
