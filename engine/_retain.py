@@ -514,7 +514,9 @@ class RetentionMixin:
         raws = self._store.get_many(part, "retained", keys)
         # What turns not yet in the store write (a pipelined loop nearly always has one in
         # commit): probed a key at a time only when some map holds entries.
-        unwritten = [m[part] for m in self._unwritten_maps() if part in m]
+        # (A fan-out's new names are in none: one C pass a map says so.)
+        unwritten = [m[part] for m in self._unwritten_maps()
+                     if part in m and not m[part].keys().isdisjoint(keys)]
         if unwritten:
             for i, key in enumerate(keys):
                 for m in unwritten:
