@@ -1268,14 +1268,21 @@ class _Loop:
     def _leases(self, batch, idx):
         # Groups in order of first appearance: lists and a dict, no sort (a LEASES message
         # of one lease, the idle round trip, costs what its one group costs).
-        slot, firsts = {}, []      # group id -> its index in groups; first entry of each
-        inverse = []
-        for i, gid in zip(idx.tolist(), batch.group[idx].tolist(), strict=True):
-            k = slot.get(gid)
-            if k is None:
-                k = slot[gid] = len(firsts)
-                firsts.append(i)
-            inverse.append(k)
+        gids = batch.group[idx]
+        if gids.size and (gids == gids[0]).all():
+            # One group (a fan-out's leases, the common case): no step a lease.
+            slot, firsts = {int(gids[0]): 0}, [int(idx[0])]
+            inverse = np.zeros(idx.size, np.int32)
+        else:
+            slot, firsts = {}, []  # group id -> its index in groups; first entry of each
+            inverse = []
+            for i, gid in zip(idx.tolist(), gids.tolist(), strict=True):
+                k = slot.get(gid)
+                if k is None:
+                    k = slot[gid] = len(firsts)
+                    firsts.append(i)
+                inverse.append(k)
+            inverse = np.array(inverse, dtype=np.int32)
         groups, objs, bounds = [], [], []
         for gid, first in zip(slot, firsts, strict=True):
             g = batch.group_of(first)
@@ -1299,27 +1306,31 @@ class _Loop:
         deadline = np.full(n, -1, np.int64)
         queued = np.full(n, -1, np.int64)
         if any(d is not None or q is not None for d, q in bounds):
-            inv = np.array(inverse, dtype=np.int64)
             run = batch.kind[idx] == 0      # a finalize lease has neither bound
             for k, (d, q) in enumerate(bounds):
-                sel = (inv == k) & run
+                sel = (inverse == k) & run
                 if d is not None:
                     deadline[sel] = batch.first_enqueued_ns[idx[sel]] + int(d * 1e9)
                 if q is not None:
                     queued[sel] = batch.attempt_enqueued_ns[idx[sel]] + int(q * 1e9)
         # Names (and input references) by group and index: lists, no numpy scalar a lease.
-        at = list(zip(inverse, batch.index[idx].tolist(), strict=True))
-        names = [objs[k].names[j] for k, j in at]
+        at = batch.index[idx].tolist()
+        if len(objs) == 1:
+            names = list(map(objs[0].names.__getitem__, at))
+        else:
+            at = list(zip(inverse.tolist(), at, strict=True))
+            names = [objs[k].names[j] for k, j in at]
         inputs = None
         if any(g.inputs is not None for g in objs):
-            inputs = [objs[k].input_ref(j) for k, j in at]
+            inputs = (list(map(objs[0].input_ref, at)) if len(objs) == 1 else
+                      [objs[k].input_ref(j) for k, j in at])
             if all(ref is None for ref in inputs):
                 inputs = None
         # The node hint (admission = "nodes"): each lease's pods' nodes, nil for the others.
         hints = batch.nodes
         nodes = [list(hints[i]) if i in hints else None for i in idx.tolist()] if hints else None
         return p.Leases(tokens=batch.tokens[idx], kind=batch.kind[idx],
-                        attempt=batch.attempt[idx], group=np.array(inverse, dtype=np.int32),
+                        attempt=batch.attempt[idx], group=inverse,
                         deadline_ns=deadline, queued_deadline_ns=queued, groups=groups,
                         names=names, inputs=inputs,
                         nodes=nodes if nodes and any(n is not None for n in nodes) else None)
