@@ -266,15 +266,20 @@ class WatchLog:
         live, max_live = r.live, self.max_live
         state = (phase, attempt)
         drop = []
-        for i, action in enumerate(actions):
-            last = live.get(action)
-            if last is not None:
-                if last == state:
-                    drop.append(i)
-                    continue
-                live[action] = state
-            elif len(live) < max_live:
-                live[action] = state
+        if (len(live) + len(actions) <= max_live and live.keys().isdisjoint(actions)
+                and len(set(actions)) == len(actions)):
+            # Every entry new and tracked (a fan-out's QUEUED): C passes, no loop.
+            live.update(zip(actions, itertools.repeat(state)))
+        else:
+            for i, action in enumerate(actions):
+                last = live.get(action)
+                if last is not None:
+                    if last == state:
+                        drop.append(i)
+                        continue
+                    live[action] = state
+                elif len(live) < max_live:
+                    live[action] = state
         kept = _without(actions, drop)
         n = len(kept)
         if not n:
