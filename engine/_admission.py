@@ -191,8 +191,13 @@ class AdmissionMixin:
         rows = self._probe(hashes, texts)
         new = rows < 0
         if new.any() and self._run_may_have_retained(aid):
-            # Names of the run may be retained outcomes (ended, reclaimed).
-            fresh = np.flatnonzero(new).tolist()
+            # Names of the run may be retained outcomes (ended, reclaimed). A run whose
+            # every retained outcome was reclaimed since the filter of reclaimed names
+            # began (engine/_reclaimed.py) probes the store only for the names it may hold.
+            fresh = np.flatnonzero(new)
+            if self._runs.get(aid.run_key) in self._runs_fresh:
+                fresh = fresh[self._reclaimed_names.may_hold(hashes[fresh])]
+            fresh = fresh.tolist()
             for i, ret in zip(fresh, self._retained_names(
                     aid, [names[i] for i in fresh], [texts[i] for i in fresh]),
                               strict=True):
@@ -438,6 +443,8 @@ class AdmissionMixin:
                     self._bind()
                 self._run_keys.append(c.id.run_key)
             self._runs[c.id.run_key] = row
+            if not self._stored_retained(c.id):
+                self._runs_fresh.add(row)
             st.u_cap[row] = c.spec.run_max_action_concurrency
             tenant, grown = st.tenant_row(self._tenants, self.config, c.id.tenant)
             if grown:

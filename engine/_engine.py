@@ -30,6 +30,7 @@ from engine._leases import TokenCodec
 from engine._leasing import LeasingMixin, Refusal
 from engine._model import compile_spec
 from engine._projection import ProjectionMixin
+from engine._reclaimed import ReclaimedNames
 from engine._records import (
     LAYOUT_KEY,
     SECRET_KEY,
@@ -148,6 +149,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._recs = {}             # row -> _Action: rows whose Python record is their truth
         self._hash_rows = {}        # name hash -> row (rows created or looked up since load)
         self._collided = {}         # ActionId -> row, for the rare hash taken by another id
+        # Names reclaimed since this load (a bounded filter), and the run rows whose every
+        # retained outcome is among them (made here, none stored then: engine/_reclaimed.py).
+        self._reclaimed_names = ReclaimedNames()
+        self._runs_fresh = set()
         self._groups = {}           # group id -> EnqueueGroup (loaded on first use)
         self._abort_reasons = {}    # row an abort was called on -> its reason (lean rows)
         # Row an abort was called on -> (partition, [(done_ns, starts, lengths)]): the lean

@@ -212,6 +212,10 @@ class RetentionMixin:
         if not rows.size:
             return 0
         st = self._state
+        if self._reclaimed_names.add(st.a_name_hash[rows]):
+            # The filter was full and starts afresh: no run's reclaimed names are all in
+            # it any more.
+            self._runs_fresh.clear()
         runs, first = np.unique(st.a_run[rows], return_index=True)
         run_parts = st.a_part[rows[first]]
         now = self.clock.now_ns()
@@ -366,6 +370,7 @@ class RetentionMixin:
         if not gone.any():
             return
         runs, parts = runs[gone], parts[gone]
+        self._runs_fresh.difference_update(runs.tolist())
         pairs = np.flatnonzero(np.isin(st.qr_run[:self._n_qruns], runs))
         lanes = np.concatenate([2 * pairs, 2 * pairs + 1])
         if DEBUG and ((st.ln_head[lanes] >= 0).any() or st.ln_in_ring[lanes].any() or (
@@ -498,6 +503,11 @@ class RetentionMixin:
         store has none (one B-tree probe instead of one per name)."""
         if aid.run_key in self._runs:
             return True
+        return self._stored_retained(aid)
+
+    def _stored_retained(self, aid):
+        """Whether the store, or a turn not yet in it, may hold a retained outcome of
+        ``aid``'s run that the engine's run row (if any) did not reclaim."""
         part, run = self._part_of(aid.tenant), digest8(aid.run_key)
         if self._unwritten_retained(part, _run_marker(run))[0]:
             return True     # its run row was freed in a turn not yet committed
