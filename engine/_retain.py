@@ -144,6 +144,13 @@ def _run_marker(run_digest):
     return run_digest + b"\xff"
 
 
+def _objects(values):
+    """A 1-d object array of ``values`` (a list), each element kept as it is."""
+    out = np.empty(len(values), object)
+    out[:] = values
+    return out
+
+
 def _keys_of(run_digests, names):
     """Retained keys of ``names``, each after its run's 8-byte digest (``run_digests``: one
     ``bytes`` per name)."""
@@ -300,8 +307,17 @@ class RetentionMixin:
             names = list(map(info[0][0].names.__getitem__, gidx))
             ckeys, prefixes, digests = ([info[0][i]] * n for i in (1, 2, 3))
         else:
-            names = [info[j][0].names[k] for j, k in zip(which, gidx, strict=True)]
-            ckeys, prefixes, digests = ([info[j][i] for j in which] for i in (1, 2, 3))
+            # Several groups (a reclaim batch spans fan-out batches): each group's names
+            # taken in one map, placed by an object-array scatter; the per-group values by
+            # an object-array gather. No Python step a row.
+            inv = inv.reshape(-1)
+            at = np.empty(n, object)
+            for j, (g, *_rest) in enumerate(info):
+                sel = np.flatnonzero(inv == j)
+                at[sel] = list(map(g.names.__getitem__, st.a_gidx[rows[sel]].tolist()))
+            names = at.tolist()
+            ckeys, prefixes, digests = (
+                _objects([e[i] for e in info])[inv].tolist() for i in (1, 2, 3))
         refs = ([info[j][0].input_ref(k) for j, k in zip(which, gidx, strict=True)]
                 if any(e[0].inputs is not None for e in info) else [None] * n)
         keys = _keys_of(digests, names)
