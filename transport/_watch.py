@@ -114,9 +114,52 @@ class _Run:
         self.seq = base
         self.watchers = set()       # routing ids
         self.live = {}              # action id -> (phase, attempt), non-terminal only
-        # action id -> terminal phase, of the last ``ring`` actions that ended: a repeat
-        # is found in O(1) (scanning the ring for it made a large fan-out quadratic).
-        self.ended = collections.OrderedDict()
+        # The actions that ended last, with their terminal phase: a repeat is found in O(1)
+        # (scanning the ring for it made a large fan-out quadratic).
+        self.ended = _Ended(ring)
+
+
+class _Ended:
+    """Action id -> terminal phase of the actions that ended most recently: at least the
+    last ``bound`` of them, at most twice that. Two generations of plain dicts: a batch
+    goes in with one ``dict.update``, the older generation is dropped whole when the newer
+    fills (an ordered map that dropped its oldest entry one at a time cost most of a
+    fan-out's terminal batch)."""
+
+    __slots__ = ("bound", "new", "old")
+
+    def __init__(self, bound):
+        self.bound = max(1, bound)
+        self.new, self.old = {}, {}
+
+    def get(self, action):
+        told = self.new.get(action)
+        return told if told is not None else self.old.get(action)
+
+    def holds_any(self, actions):
+        """Whether any of ``actions`` is here (C passes)."""
+        return not (self.new.keys().isdisjoint(actions)
+                    and self.old.keys().isdisjoint(actions))
+
+    def add(self, action, phase):
+        """``action`` ended in ``phase`` (again, if here: it becomes the newest)."""
+        self.old.pop(action, None)
+        new = self.new
+        new.pop(action, None)
+        new[action] = phase
+        if len(new) >= self.bound:
+            self.old, self.new = new, {}
+
+    def add_new(self, actions, phase):
+        """:meth:`add` of each of ``actions`` in order, none of them here nor twice in it
+        (the caller checked): the same generations as one at a time, in slices."""
+        i, n = 0, len(actions)
+        while i < n:
+            k = self.bound - len(self.new)
+            self.new.update(zip(actions[i:i + k], itertools.repeat(phase)))
+            i += k
+            if len(self.new) >= self.bound:
+                self.old, self.new = self.new, {}
 
 
 class WatchLog:
@@ -297,18 +340,19 @@ class WatchLog:
         r = self._runs.get(run)
         if r is None:
             return None, set()
-        live, ended, max_live, kept = r.live, r.ended, self.max_live, self.ring
+        live, ended, max_live = r.live, r.ended, self.max_live
         n = len(actions)
         if len(phases) != n or len(attempts) != n:
             raise ValueError(f"record_changes: {n} actions, {len(phases)} phases, "
                              f"{len(attempts)} attempts")
-        codes = _codes(phases, n)
         drop = []
         given = phase = terminal = None
         # One phase, nothing to leave out (the common batch): applied whole, no loop.
         alike = n > 1 and type(phases) in (list, tuple) and phases.count(phases[0]) == n and \
             self._record_alike(r, actions, _PHASE_OF.get(phases[0]) or _phase(phases[0]),
                                attempts)
+        # (Every phase checked before anything changes: a bad one changes nothing.)
+        codes = np.full(n, _CODE_OF[phases[0]], np.uint8) if alike else _codes(phases, n)
         for i, (action, p, attempt) in enumerate(zip(() if alike else actions, phases,
                                                      attempts, strict=False)):
             if p is not given:
@@ -318,15 +362,10 @@ class WatchLog:
                 terminal = phase in TERMINAL_PHASES
             if terminal:
                 last = live.pop(action, None)
-                told = ended.get(action)
-                if last is None and told == phase:
+                if last is None and ended.get(action) == phase:
                     drop.append(i)  # already told (a second report, a re-check)
                     continue
-                if told is not None:
-                    ended.move_to_end(action)   # a new key goes to the end by itself
-                ended[action] = phase
-                if len(ended) > kept:
-                    ended.popitem(last=False)
+                ended.add(action, phase)
             else:
                 last = live.get(action)
                 if last is not None:
@@ -366,14 +405,10 @@ class WatchLog:
         if len(set(actions)) != len(actions):
             return False
         if phase in TERMINAL_PHASES:
-            if any(map(ended.__contains__, actions)):
+            if ended.holds_any(actions):
                 return False
             collections.deque(map(live.pop, actions, itertools.repeat(None)), 0)
-            ended.update(zip(actions, itertools.repeat(phase)))
-            # The oldest past ``ring`` dropped in one C loop (a Python loop of popitem
-            # calls was most of a fan-out's terminal batch).
-            collections.deque(map(ended.popitem, itertools.repeat(False,
-                                                                  len(ended) - self.ring)), 0)
+            ended.add_new(actions, phase)
             return True
         states = list(zip(itertools.repeat(phase), attempts))
         lasts = list(map(live.get, actions))
