@@ -410,8 +410,15 @@ class WatchLog:
             collections.deque(map(live.pop, actions, itertools.repeat(None)), 0)
             ended.add_new(actions, phase)
             return True
-        states = list(zip(itertools.repeat(phase), attempts))
         lasts = list(map(live.get, actions))
+        if type(attempts) in (list, tuple) and attempts.count(attempts[0]) == len(attempts):
+            # One attempt for all (a fan-out's leases): one state tuple shared.
+            state = (phase, attempts[0])
+            if state in lasts or len(live) + lasts.count(None) > self.max_live:
+                return False
+            live.update(zip(actions, itertools.repeat(state)))
+            return True
+        states = list(zip(itertools.repeat(phase), attempts))
         if any(map(operator.eq, lasts, states)):
             return False
         if len(live) + lasts.count(None) > self.max_live:
