@@ -43,8 +43,12 @@ class CommandError(LeaseholdError):
 #: to 24 full collections with them, up to 15-17 ms each, inside loop turns, and spent 0.36
 #: to 0.43 s in the collector; with these, one full collection (start-up's) and 0.24 s.
 #: Cycles are rare in this code (objects go by reference count), so collecting them less
-#: often costs little memory.
-SERVER_GC_THRESHOLD = (5000, 20, 20)
+#: often costs little memory. The young threshold is 50,000: a worker holding a fan-out's
+#: backlog keeps most of what it allocates alive for a while (a held lease, its attempt),
+#: so a young collection walks nearly all of it; over ``bench/dispatch.py`` (50,000
+#: actions) the worker made 30 to 33 collections, 25 to 31 ms, at 5,000, and one, 5 to 12
+#: ms, at 50,000 (the shard 4 to 6 either way: it allocates arrays, not objects a lease).
+SERVER_GC_THRESHOLD = (50_000, 20, 20)
 
 
 def freeze_heap():
