@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import itertools
 import logging
-import operator
 import signal
 import threading
 import time
@@ -59,6 +58,7 @@ from transport._auth import (
 )
 from transport._committer import Committer, CommitterStore
 from transport._keys import load_keyring
+from transport._lease_map import LeaseBatch, LeaseMap
 from transport._shards import check_owned, shard_config
 from transport._sockets import send, server_socket
 from transport._status import SHARD_COUNTERS, StatusWriter
@@ -83,8 +83,6 @@ _CODE_OF = {  # engine error class name -> wire code, for errors without a ``cod
 _KNOWN_CODES = frozenset(p.ERROR_CODES)
 # Reported phases that are, once accepted, the action's phase (a failure may be a retry).
 _AS_REPORTED = frozenset({Phase.INITIALIZING, Phase.RUNNING, Phase.SUCCEEDED})
-# The fields of a lease-map entry (generation, run, action, attempt).
-_GEN_OF, _RUN_OF, _ACTION_OF, _ATTEMPT_OF = (operator.itemgetter(i) for i in range(4))
 # Phases of an action that waits for an assignment.
 _WAITING = frozenset({Phase.QUEUED, Phase.WAITING_FOR_RESOURCES})
 # Endings whose event carries the engine's reason as its detail.
@@ -344,8 +342,8 @@ class _Loop:
         # map is bounded by the action table, which is bounded by live work. (A cap that
         # dropped the oldest entries lost the completions of a fan-out with more leases out
         # than it held: a watcher waited for events that were never recorded.)
-        self.leases = {}
-        self.new_leases = {}         # this turn's entries for it (joined at its flush)
+        self.leases = LeaseMap()
+        self.new_leases = LeaseBatch()   # this turn's entries for it (joined at its flush)
         self.box = _Outbox()         # the turn being made (its records: attempt_of)
         self.backstop_s = max(0.005, cfg.engine.heartbeat_interval / 4)
         self.next_backstop = time.monotonic() + self.backstop_s
@@ -701,7 +699,7 @@ class _Loop:
         # Only now, committed, do this turn's watched leases name their actions (a turn
         # that failed would leave entries naming actions memory no longer holds), and
         # before the pushes leave: a report can only follow its push.
-        self.leases.update(box.leases)
+        self.leases.join(box.leases)
         # Stops before leases: an aborted attempt is stopped before its cleanup arrives.
         for conn, frames, n in box.stops:
             self.shard._count("stops_pushed" if send(self.sock, frames, conn)
@@ -1089,14 +1087,32 @@ class _Loop:
         # One phase for the whole batch (a worker's successes): given once, so the engine
         # checks it once instead of per report.
         same = not kw and n and codes.count(codes[0]) == n
-        names = self._lease_names(msg.tokens) if len(self.watch) else None
+        # What each report names, read before they are applied (the engine names only
+        # live leases): when the lease map names them all, of one run (a fan-out's), in
+        # columns; else a name a report.
+        watching = len(self.watch) > 0
+        named = self.leases.named_run(msg.tokens) if watching else None
+        names = self._lease_names(msg.tokens) if watching and named is None else None
         refused = self.eng.report_many(msg.tokens, phases[0] if same else phases,
                                        worker=worker, **kw)
         self.shard._status.record_refusals("report", refused)
         self.out.append((conn, _refused(msg.rid, refused), True))
         self.want_tick = True
-        if names is not None:
-            self._watched_reports(msg.tokens, names, phases, refused, msg.details)
+        if not watching:
+            return
+        if named is not None and same and not refused and phases[0] in _AS_REPORTED:
+            # All accepted, of one phase the actions are now in (a worker's successes):
+            # the records and the lease map's removals without a step a report.
+            run, aids, attempts = named
+            changes = _Changes(run, self.eng.clock.now_ns())
+            changes.extend(aids, phases[0], attempts)
+            self.records.append(changes)
+            if phases[0] in TERMINAL_PHASES:
+                self.leases.drop(msg.tokens[:, 0])
+            return
+        if names is None:
+            names = self.leases.names(msg.tokens)   # (every one in the map: no engine read)
+        self._watched_reports(msg.tokens, names, phases, refused, msg.details)
 
     def _lease_names(self, tokens):
         """``(run, action, attempt)`` of each token's lease where its run is watched (None
@@ -1106,12 +1122,7 @@ class _Loop:
         engine (``Engine.lease_actions``), its attempt then None (not known here)."""
         # The entry is this lease's only if the generations agree (a stale token of the
         # row, or an entry left by a lease that expired unreported, is not).
-        hits = list(map(self.leases.get, tokens[:, 0].tolist()))
-        gens = tokens[:, 1].tolist()
-        if None not in hits and all(map(operator.eq, map(_GEN_OF, hits), gens)):
-            return hits         # (every report names a watched lease: C passes only)
-        names = [hit if hit is not None and hit[0] == gen else None
-                 for hit, gen in zip(hits, gens, strict=True)]
+        names = self.leases.names(tokens)
         miss = [i for i, name in enumerate(names) if name is None]
         watched = self.watch.watched() if miss else ()
         if watched:
@@ -1126,12 +1137,10 @@ class _Loop:
         (``names`` from :meth:`_lease_names`), in the message's order; a failure's (it may
         be a retry) from the phase the engine shows at once, before this turn's tick may
         lease a retry again (``details``: the message's, for the failure's text)."""
-        if not refused and self._watched_alike(tokens, names, phases):
-            return
         skip = _refused_copies(tokens, names, refused) if refused else ()
         by_run = {}
         failed = []
-        words = None
+        ended = []
         for i, name in enumerate(names):
             if name is None or i in skip:
                 continue
@@ -1150,9 +1159,9 @@ class _Loop:
                 failed.append((run, aid))
                 self.check.add((run, aid))  # and after the turn (an abort's cleanup)
             if ph in TERMINAL_PHASES:
-                if words is None:
-                    words = tokens[:, 0].tolist()
-                self.leases.pop(words[i], None)
+                ended.append(i)
+        if ended:
+            self.leases.drop(tokens[ended, 0])
         self.records.extend(by_run.values())
         if failed:
             # Read now: a retry due at once is leased again by this turn's tick, and read
@@ -1165,26 +1174,6 @@ class _Loop:
                 if text and name is not None:
                     why[name[2]] = text
             self.reread(failed, self.eng.clock.now_ns(), why)
-
-    def _watched_alike(self, tokens, names, phases):
-        """:meth:`_watched_reports` of a message whose reports were all accepted, all of
-        one phase the action is now in (a worker's successes), all of leases of one watched
-        run named by the lease map: its records and lease-map removals in a few C passes
-        instead of a Python step a report. False, having done nothing, otherwise."""
-        ph = phases[0]
-        if (ph not in _AS_REPORTED or None in names or phases.count(ph) != len(phases)):
-            return False
-        runs = set(map(_RUN_OF, names))
-        attempts = list(map(_ATTEMPT_OF, names))
-        if len(runs) != 1 or None in attempts:
-            return False
-        changes = _Changes(runs.pop(), self.eng.clock.now_ns())
-        changes.extend(list(map(_ACTION_OF, names)), ph, attempts)
-        self.records.append(changes)
-        if ph in TERMINAL_PHASES:
-            collections.deque(map(self.leases.pop, tokens[:, 0].tolist(),
-                                  itertools.repeat(None)), 0)
-        return True
 
     def on_bye(self, conn, c, peer, msg):
         if msg.drain:
@@ -1256,13 +1245,10 @@ class _Loop:
             prefix = run + "/"
             aids = list(map(prefix.__add__, map(names.__getitem__,
                                                 batch.index[seg].tolist())))
-            atts = batch.attempt[seg].tolist()
-            # The lease map's entries: lease id -> (generation, run, action, attempt) (a
-            # dict updated from pairs: zip reuses each pair's tuple).
-            new_leases.update(zip(batch.tokens[seg, 0].tolist(), zip(
-                batch.tokens[seg, 1].tolist(), itertools.repeat(run, len(aids)), aids, atts,
-                strict=True), strict=True))
-            changes.extend(aids, initializing, atts)
+            # The lease map's entries: lease id -> (generation, run, action, attempt).
+            new_leases.add(batch.tokens[seg, 0], batch.tokens[seg, 1], run, aids,
+                           batch.attempt[seg])
+            changes.extend(aids, initializing, batch.attempt[seg].tolist())
         self.records.extend(by_run.values())
 
     def _leases(self, batch, idx):
@@ -1615,7 +1601,7 @@ class _Outbox:
         self.pushes = []        # (routing id, frames, leases)
         self.stops = []         # (routing id, frames, tokens) of aborted leases
         self.records = []       # watch records, applied to the log after the commit
-        self.leases = {}        # lease id -> (gen, run, action, attempt): watched leases
+        self.leases = LeaseBatch()  # watched leases pushed: (gen, run, action, attempt)
         # action -> attempt of its records, made from them when first asked (attempt_of:
         # rare) and kept up to date with the records added since.
         self._attempts = {}
