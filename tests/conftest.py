@@ -28,6 +28,21 @@ def pytest_configure(config):
                                 "rebuild with LEASEHOLD_DEBUG=1 (make test-debug does)")
 
 
+def hash_names_with(monkeypatch, name_hash):
+    """Make the engine hash action ids with ``name_hash`` (text -> int) for this test
+    (``name_hashes`` alike): how tests make ids share a 64-bit name hash."""
+    import numpy as np
+
+    def name_hashes(texts):
+        return np.array([name_hash(t) for t in texts], np.uint64)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("engine.") and hasattr(module, "name_hash"):
+            monkeypatch.setattr(module, "name_hash", name_hash)
+        if name.startswith("engine.") and hasattr(module, "name_hashes"):
+            monkeypatch.setattr(module, "name_hashes", name_hashes)
+
+
 def make_engine(config, workers=None, store=None):
     """An Engine over ``config`` (a dict) on a ManualClock and an in-memory store (or
     ``store``), with ``workers`` registered as ``{worker_id: (cluster, slots)}`` (default:

@@ -21,6 +21,7 @@ from engine import (
 )
 from engine._codes import Verdict
 from storage import MemoryStore
+from tests.conftest import hash_names_with
 
 CONFIG = {
     "resources": ["cpu", "memory"],
@@ -275,13 +276,7 @@ def test_specs_enqueued_one_by_one_are_checked_and_stored_as_if_compiled_afresh(
 
 
 def test_a_batch_where_two_names_share_a_hash_keeps_both_findable(monkeypatch):
-    import sys
-    for name, module in list(sys.modules.items()):      # every name collides
-        if name.startswith("engine.") and hasattr(module, "name_hash"):
-            monkeypatch.setattr(module, "name_hash", lambda text: 7)
-        if name.startswith("engine.") and hasattr(module, "name_hashes"):
-            monkeypatch.setattr(module, "name_hashes",
-                                lambda texts: np.full(len(texts), 7, dtype=np.uint64))
+    hash_names_with(monkeypatch, lambda text: 7)      # every name collides
     eng = engine()
     ids = list(eng.enqueue_fanout(template(), ["a", "b", "c"]))
     ids += eng.enqueue_many([template("d")])

@@ -30,7 +30,7 @@ from engine import (
 from engine._codes import PHASES, LeaseKind, RowState, Verdict
 from engine._retain import RETENTION_BATCH
 from storage import SCHEMA_VERSION, CorruptRecord, LmdbStore, MemoryStore
-from tests.conftest import make_engine
+from tests.conftest import hash_names_with, make_engine
 
 
 def config(capacity=16, retention=None, scheduling="GREEDY_CAPACITY", path=None):
@@ -96,13 +96,7 @@ def test_a_reclaim_where_every_name_shares_one_hash_keeps_the_others_findable(
         monkeypatch, kept_first):
     """The index holds one row a name hash (the others are the collisions'): reclaiming
     rows of that hash takes out their own entries only, whichever row the index held."""
-    import sys
-    for name, module in list(sys.modules.items()):      # every name collides
-        if name.startswith("engine.") and hasattr(module, "name_hash"):
-            monkeypatch.setattr(module, "name_hash", lambda text: 7)
-        if name.startswith("engine.") and hasattr(module, "name_hashes"):
-            monkeypatch.setattr(module, "name_hashes",
-                                lambda texts: np.full(len(texts), 7, dtype=np.uint64))
+    hash_names_with(monkeypatch, lambda text: 7)      # every name collides
     eng, clock = make_engine(config())
     order = [("kept", ["k0", "k1"]), ("gone", ["g0", "g1", "g2"])]
     ids = {run: eng.enqueue_fanout(template(run), names)
@@ -125,23 +119,11 @@ def test_a_reclaim_of_a_collision_below_the_row_the_index_holds_leaves_no_stale_
     """A name hash's index entry can name a row above one of its collisions (the first
     holder was reclaimed, a later name of that hash took a new row): reclaiming both
     leaves the hash unindexed, and the names answer from the store."""
-    import sys
-
     from engine._records import name_hash as real_hash
-    from engine._records import name_hashes as real_hashes
 
-    def one_hash(text):
-        return 7 if text.rsplit("/", 1)[1].startswith("c") else real_hash(text)
-
-    def hashes(texts):
-        return np.array([one_hash(t) for t in texts], np.uint64)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("engine.") and hasattr(module, "name_hash"):
-            monkeypatch.setattr(module, "name_hash", one_hash)
-        if name.startswith("engine.") and hasattr(module, "name_hashes"):
-            monkeypatch.setattr(module, "name_hashes", hashes)
-    assert real_hashes(["acme/p/d/r/u0"])[0] != 7
+    hash_names_with(monkeypatch, lambda text: 7 if text.rsplit("/", 1)[1].startswith("c")
+                    else real_hash(text))
+    assert real_hash("acme/p/d/three/u0") != 7
     eng, clock = make_engine(config())
     view = eng.inspect()
     c0, = eng.enqueue_fanout(template("one"), ["c0"])      # row 0 holds hash 7
