@@ -236,3 +236,28 @@ def test_sweep_reads_every_tracked_action_once_a_round_a_bounded_number_a_call()
         got += part
     assert (runs[0], f"{runs[0]}/new") in got and len(got) == 5 + 8
     assert WatchLog().sweep(10) == ([], True)
+
+
+def test_a_repeated_end_is_dropped_for_at_least_the_last_ring_ended_actions():
+    """A log remembers the actions that ended last, at least ``ring`` of them and at most
+    twice that, so a second report of an end is not a second event; one that ended longer
+    ago than that is recorded again (memory stays bounded)."""
+    ring = 3
+    log = _log(8, ring)
+    ended = [f"{RUN}/e{i}" for i in range(2 * ring + 1)]
+
+    def again(action):      # whether a repeat of its SUCCEEDED is recorded
+        return log.record(RUN, action, Phase.SUCCEEDED, 1, 9) is not None
+
+    for i, action in enumerate(ended):
+        assert log.record(RUN, action, Phase.SUCCEEDED, 1, 5) is not None
+        # The last `ring` are always remembered (a repeat of them adds nothing).
+        assert not any(again(a) for a in ended[max(0, i + 1 - ring):i + 1])
+    # Past twice the bound, the first has been forgotten: its repeat is an event again.
+    assert again(ended[0])
+    # A batch of new ends (applied whole) remembers as one at a time does.
+    batch = [f"{RUN}/b{i}" for i in range(2 * ring)]
+    got, _ = log.record_changes(RUN, batch, [Phase.SUCCEEDED] * len(batch),
+                                [1] * len(batch), 6)
+    assert len(got) == len(batch)
+    assert not any(again(a) for a in batch[-ring:])
