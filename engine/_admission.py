@@ -443,8 +443,6 @@ class AdmissionMixin:
                     self._bind()
                 self._run_keys.append(c.id.run_key)
             self._runs[c.id.run_key] = row
-            if not self._stored_retained(c.id):
-                self._runs_fresh.add(row)
             st.u_cap[row] = c.spec.run_max_action_concurrency
             tenant, grown = st.tenant_row(self._tenants, self.config, c.id.tenant)
             if grown:

@@ -149,9 +149,11 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._recs = {}             # row -> _Action: rows whose Python record is their truth
         self._hash_rows = {}        # name hash -> row (rows created or looked up since load)
         self._collided = {}         # ActionId -> row, for the rare hash taken by another id
-        # Names reclaimed since this load (a bounded filter), and the run rows whose every
-        # retained outcome is among them (made here, none stored then: engine/_reclaimed.py).
+        # Names reclaimed since this load (a bounded filter); the run rows whose first
+        # reclaim has been (judged), and those of them whose every retained outcome is in
+        # the filter (none was stored then, and it has not been cleared since: fresh).
         self._reclaimed_names = ReclaimedNames()
+        self._runs_judged = set()
         self._runs_fresh = set()
         self._groups = {}           # group id -> EnqueueGroup (loaded on first use)
         self._abort_reasons = {}    # row an abort was called on -> its reason (lean rows)

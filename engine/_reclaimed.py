@@ -6,7 +6,8 @@ A run that has reclaimed work probes the store for every name of every batch, th
 names almost never are reclaimed ones. This filter holds the name hashes (``a_name_hash``)
 of the actions reclaimed since it was made or last cleared: a name it says is absent was not
 reclaimed in that time, so a run whose every retained outcome is that recent (the engine
-keeps which: ``_runs_fresh``) probes only the names the filter may hold.
+asks the store once, at the run's first reclaim in memory, and keeps which:
+``_runs_fresh``) probes only the names the filter may hold.
 
 It never forgets a name (no deletion: an expired outcome stays a possible hit, which only
 costs a probe). It is bounded: past ``capacity`` names it is cleared, and the engine then

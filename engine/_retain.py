@@ -225,6 +225,14 @@ class RetentionMixin:
             self._runs_fresh.clear()
         runs, first = np.unique(st.a_run[rows], return_index=True)
         run_parts = st.a_part[rows[first]]
+        # A run's first reclaim (of its life in memory) tells whether its retained
+        # outcomes will all be in the filter: only if the store holds none of it yet.
+        judged = self._runs_judged
+        for u, part in zip(runs.tolist(), run_parts.tolist(), strict=True):
+            if u not in judged:
+                judged.add(u)
+                if not self._stored_retained(part, self._run_keys[u]):
+                    self._runs_fresh.add(u)
         now = self.clock.now_ns()
         expire = (now + int(self.config.storage.retention * 1e9)).to_bytes(8, "big")
         self._retain_outcomes(rows, expire, now)
@@ -387,6 +395,7 @@ class RetentionMixin:
             return
         runs, parts = runs[gone], parts[gone]
         self._runs_fresh.difference_update(runs.tolist())
+        self._runs_judged.difference_update(runs.tolist())
         pairs = np.flatnonzero(np.isin(st.qr_run[:self._n_qruns], runs))
         lanes = np.concatenate([2 * pairs, 2 * pairs + 1])
         if DEBUG and ((st.ln_head[lanes] >= 0).any() or st.ln_in_ring[lanes].any() or (
@@ -519,12 +528,12 @@ class RetentionMixin:
         store has none (one B-tree probe instead of one per name)."""
         if aid.run_key in self._runs:
             return True
-        return self._stored_retained(aid)
+        return self._stored_retained(self._part_of(aid.tenant), aid.run_key)
 
-    def _stored_retained(self, aid):
-        """Whether the store, or a turn not yet in it, may hold a retained outcome of
-        ``aid``'s run that the engine's run row (if any) did not reclaim."""
-        part, run = self._part_of(aid.tenant), digest8(aid.run_key)
+    def _stored_retained(self, part, run_key):
+        """Whether the store (partition ``part``), or a turn not yet in it, may hold a
+        retained outcome of run ``run_key``."""
+        run = digest8(run_key)
         if self._unwritten_retained(part, _run_marker(run))[0]:
             return True     # its run row was freed in a turn not yet committed
         # A retained key is the run's digest then a name (ASCII): every one under ``run``

@@ -51,6 +51,12 @@ class CountingStore(MemoryStore):
     def __init__(self):
         super().__init__()
         self.retained_lookups = 0
+        self.retained_scans = 0
+
+    def scan_range(self, partition, db, start=b"", stop=None, limit=None):
+        if db == "retained":
+            self.retained_scans += 1
+        return super().scan_range(partition, db, start, stop, limit)
 
     def get_many(self, partition, db, keys):
         keys = list(keys)
@@ -102,6 +108,26 @@ def test_a_run_made_while_the_store_holds_its_outcomes_looks_every_new_name_up()
     assert eng.enqueue_fanout(template("r"), [f"b{i}" for i in range(50)]).added.all()
     assert store.retained_lookups - before == 50
     assert not eng.enqueue_fanout(template("r"), ["a1"]).added.any()
+
+
+def test_a_run_is_judged_at_its_first_reclaim_and_its_enqueue_probes_the_store_once():
+    """Whether a run's retained outcomes are all in the filter is asked at its first
+    reclaim (off the enqueue path): a new run's fan-out probes the store's retained keys
+    once; a run made again while the store holds its older outcomes is found not fresh
+    then, and keeps looking every new name up."""
+    store = CountingStore()
+    eng, clock = make_engine(config(capacity=64), store=store)
+    eng.enqueue_fanout(template("r"), ["a0", "a1"])
+    assert store.retained_scans == 1
+    finish(eng, clock, {"a0", "a1"})
+    assert eng.reclaim() == 2               # the run leaves memory; its outcomes stay
+    eng.enqueue_fanout(template("r"), ["keep", "live"])     # made anew
+    finish(eng, clock, {"keep"})
+    assert eng.reclaim() == 1               # its first reclaim: the store holds a0, a1
+    before = store.retained_lookups
+    assert eng.enqueue_fanout(template("r"), [f"b{i}" for i in range(50)]).added.all()
+    assert store.retained_lookups - before == 50
+    assert not eng.enqueue_fanout(template("r"), ["a0"]).added.any()
 
 
 @settings(max_examples=60, deadline=None)
