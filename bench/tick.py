@@ -12,6 +12,8 @@ What it measures (bench/README.md has the goals and how to read each number):
   ``Engine.decide()``, whose turn ends by encoding the decided rows into its group;
   ``tick_commit_ms`` is ``Engine.commit()`` of that group on the in-memory store (an LMDB
   commit adds its fdatasync: ``sync_commit_ms`` of ``bench/reload.py``).
+  ``tick_kernel_ms`` is the Cython kernel's pass alone within those decisions
+  (``Inspection.last_kernel_ns``), ``tick_python_ms`` the rest of each (medians of each).
 * ``gate_ms_per_1000``: the resource gate's cost per 1,000 actions: the tick's own gate
   function timed in a C loop over the steady state's pending actions (see
   :func:`measure_gate`).
@@ -83,6 +85,11 @@ def measure_tick(seed, warmup, ticks, admission="shapes", plain_pools=None, cpu_
         "tick_ms_max": round(max(ms), 4),
         # The group commit of the same ticks (encoding the decided rows and the in-memory
         # store's commit), and the two together (what Engine.schedule() costs).
+        # The Cython kernel's pass alone (Inspection.last_kernel_ns), and the rest of the
+        # same decisions (timers, the expiry sweep, encoding the decided rows: Python).
+        "tick_kernel_ms": round(_median([s["kernel_ns"] / 1e6 for s in samples]), 4),
+        "tick_python_ms": round(
+            _median([(s["ns"] - s["kernel_ns"]) / 1e6 for s in samples]), 4),
         "tick_commit_ms": round(_median([s["commit_ns"] / 1e6 for s in samples]), 4),
         "tick_with_commit_ms": round(
             _median([(s["ns"] + s["commit_ns"]) / 1e6 for s in samples]), 4),

@@ -401,7 +401,8 @@ class Workload:
         t2 = perf_counter_ns()
         failed = self.view.unschedulable_count
         self.failed_total += failed
-        out = {"ns": t1 - t0, "commit_ns": t2 - t1, "placed": group.placed, "failed": failed,
+        out = {"ns": t1 - t0, "commit_ns": t2 - t1, "kernel_ns": self.view.last_kernel_ns,
+               "placed": group.placed, "failed": failed,
                "pending": pending,
                "candidates": self.candidates_last_tick(),
                # This decision ran the engine's periodic lease-expiry sweep.

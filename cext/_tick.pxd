@@ -17,6 +17,7 @@ cdef class TickKernel:
     cdef Py_ssize_t n_envs             # environment (warm pool) rows in use
     cdef i64 n_pools_live              # pools currently holding a footprint (reap skips at 0)
     cdef readonly i64 tick_no          # ticks run so far (wait reasons are stamped with it)
+    cdef readonly i64 last_run_ns      # wall time of the last run() (monotonic clock)
     cdef i64 max_candidates            # candidates examined per queue per tick
     cdef bint gate_on                  # resource gate: enforce (1) or count caps only (0)
     cdef int cpu_dim                   # index of cpu in vectors, -1 if not configured

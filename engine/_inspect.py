@@ -157,6 +157,13 @@ class Inspection:
         return self._engine._kernel.tick_no
 
     @property
+    def last_kernel_ns(self):
+        """Wall time of the last tick's kernel pass (the Cython tick alone, run without the
+        GIL), in ns; 0 before the first tick. ``Engine.decide()`` is this plus its timers,
+        expiry sweep and the encoding of what the tick decided."""
+        return self._engine._kernel.last_run_ns
+
+    @property
     def dispatch_head(self):
         """Position of the oldest undrained entry of the dispatch ring (monotonic)."""
         return self._engine._kernel.d_head

@@ -1,6 +1,8 @@
 """Engine behaviour beyond the seed scenarios: ordering, caps, budgets, fast lane,
 dispatch back-pressure, wait reasons, metrics and refusals."""
 
+import time
+
 import pytest
 
 from engine import (
@@ -398,3 +400,20 @@ def test_decided_changes_name_what_a_tick_changed_on_its_own_before_it_placed_an
     assert slow not in got and eng.phase(quiet) == Phase.QUEUED
     eng.schedule()                          # (the expiry's retry is due now: pushed, no change)
     assert quiet not in eng.decided_changes()[0]
+
+
+def test_the_last_kernel_pass_is_timed_within_its_decision():
+    eng, _ = make_engine(config({"q": {"action_concurrency": 6}}))
+    view = eng.inspect()
+    assert view.last_kernel_ns == 0         # no tick yet
+    eng.enqueue_many([spec("A", f"a{i}") for i in range(5)])
+    t0 = time.perf_counter_ns()
+    group = eng.decide()
+    elapsed = time.perf_counter_ns() - t0
+    eng.commit(group)
+    first = view.last_kernel_ns
+    assert group.placed == 5
+    assert 0 < first <= elapsed             # the kernel's pass is a part of the decision
+    eng.schedule()
+    assert view.tick_no == 2
+    assert view.last_kernel_ns > 0          # the second tick's pass
