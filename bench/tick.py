@@ -83,13 +83,13 @@ def measure_tick(seed, warmup, ticks, admission="shapes", plain_pools=None, cpu_
         "tick_ms": round(_median(ms), 4),
         "tick_ms_p90": round(_p90(ms), 4),
         "tick_ms_max": round(max(ms), 4),
-        # The group commit of the same ticks (encoding the decided rows and the in-memory
-        # store's commit), and the two together (what Engine.schedule() costs).
         # The Cython kernel's pass alone (Inspection.last_kernel_ns), and the rest of the
         # same decisions (timers, the expiry sweep, encoding the decided rows: Python).
         "tick_kernel_ms": round(_median([s["kernel_ns"] / 1e6 for s in samples]), 4),
         "tick_python_ms": round(
             _median([(s["ns"] - s["kernel_ns"]) / 1e6 for s in samples]), 4),
+        # The group commit of the same ticks (encoding the decided rows and the in-memory
+        # store's commit), and the two together (what Engine.schedule() costs).
         "tick_commit_ms": round(_median([s["commit_ns"] / 1e6 for s in samples]), 4),
         "tick_with_commit_ms": round(
             _median([(s["ns"] + s["commit_ns"]) / 1e6 for s in samples]), 4),
