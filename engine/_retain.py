@@ -394,8 +394,9 @@ class RetentionMixin:
         if not gone.any():
             return
         runs, parts = runs[gone], parts[gone]
-        self._runs_fresh.difference_update(runs.tolist())
-        self._runs_judged.difference_update(runs.tolist())
+        gone_runs = runs.tolist()
+        self._runs_fresh.difference_update(gone_runs)
+        self._runs_judged.difference_update(gone_runs)
         pairs = np.flatnonzero(np.isin(st.qr_run[:self._n_qruns], runs))
         lanes = np.concatenate([2 * pairs, 2 * pairs + 1])
         if DEBUG and ((st.ln_head[lanes] >= 0).any() or st.ln_in_ring[lanes].any() or (
@@ -408,7 +409,7 @@ class RetentionMixin:
         st.reset_rows("lanes", lanes)
         st.reset_rows("runs", runs)
         self._free_qruns.extend(pairs.tolist())
-        for u, part in zip(runs.tolist(), parts.tolist(), strict=True):
+        for u, part in zip(gone_runs, parts.tolist(), strict=True):
             key = self._run_keys[u]
             del self._runs[key]
             self._run_keys[u] = None
@@ -417,7 +418,7 @@ class RetentionMixin:
             # yet: a marker says so, under its digest and ff (no outcome key is that: a
             # name is ASCII, even one with no characters, which a malformed id may have).
             self._retained_turn.setdefault(part, {})[_run_marker(digest8(key))] = b""
-        self._free_runs.extend(runs.tolist())
+        self._free_runs.extend(gone_runs)
 
     def _lean_retained(self, rows, prefixes, names, contents, inputs):
         """The retained values of lean ``rows`` (each one's id as ``prefixes[i] +
