@@ -21,6 +21,7 @@ from engine import (
     PodGroup,
     RetryPolicy,
     ReusePolicy,
+    SpecError,
     WaitCode,
     parse_config,
 )
@@ -292,11 +293,24 @@ class TenantMachine(RuleBasedStateMachine):
         return eng
 
     def _live(self):
-        """(action id, generation, state) of the leases in flight."""
+        """(action id, generation, state, expired) of the leases in flight; ``expired``: past
+        its expiry, which the next tick's sweep ends (until then a report is refused)."""
         view = self.eng.inspect()
         a, n = view.arrays, view.action_rows
         rows = np.flatnonzero((a.a_gen[:n] != 0) & (a.a_released_gen[:n] != a.a_gen[:n]))
-        return [(str(view.action_at(r)), int(a.a_gen[r]), int(a.a_state[r])) for r in rows]
+        now = self.clock.now_ns()
+        return [(str(view.action_at(r)), int(a.a_gen[r]), int(a.a_state[r]),
+                 bool(a.a_expiry[r] < now)) for r in rows]
+
+    def _report(self, call, expired):
+        """A holder's report: accepted while the lease lives, refused EXPIRED once past its
+        expiry (the lease is not the holder's any more), never anything else."""
+        if not expired:
+            call()
+            return
+        with pytest.raises(SpecError, match="refused: EXPIRED"):
+            call()
+        event("a report past the lease's expiry refused")
 
     @rule(tenant=st.sampled_from(TENANTS), run=st.integers(0, 2),
           queue=st.sampled_from(["strict", "greedy"]), cpu=st.sampled_from([1, 1, 2, 4, 7]),
@@ -323,16 +337,17 @@ class TenantMachine(RuleBasedStateMachine):
     def run(self, data):
         live = [x for x in self._live() if x[2] == 2]       # SENT
         if live:
-            aid, gen, _s = data.draw(st.sampled_from(live))
-            self.eng.mark_running(aid, gen)
+            aid, gen, _s, expired = data.draw(st.sampled_from(live))
+            self._report(lambda: self.eng.mark_running(aid, gen), expired)
 
     @rule(data=st.data(), ok=st.booleans())
     def end(self, data, ok):
         live = self._live()
         if live:
-            aid, gen, _s = data.draw(st.sampled_from(live))
-            self.eng.complete(aid, gen, **({} if ok else dict(
-                phase="FAILED", error_kind="USER", message="boom", recoverable=True)))
+            aid, gen, _s, expired = data.draw(st.sampled_from(live))
+            self._report(lambda: self.eng.complete(aid, gen, **({} if ok else dict(
+                phase="FAILED", error_kind="USER", message="boom", recoverable=True))),
+                expired)
 
     @rule(data=st.data())
     def abort(self, data):
