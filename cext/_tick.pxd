@@ -253,6 +253,9 @@ cdef class TickKernel:
     cdef void _unlink(self, i32 a) noexcept nogil
     cdef void _count_pending(self, i32 a, i64 k) noexcept nogil
     cdef bint _doomed(self, i32 q, i32 a) noexcept nogil
+    cdef u8 _pass_over(self, i32 q, int kind, i64 runs_left, i64* cand, i32* park_head,
+                       i32* park_tail) noexcept nogil
+    cdef void _park(self, i32 lane, i32* park_head, i32* park_tail) noexcept nogil
     cdef bint _queue_held(self, i32 q, u64 held, u64 avail, int* rest) noexcept nogil
     cdef int _queue_rest(self, i32 q, u64 avail) noexcept nogil
     cdef u8 _pool_wait(self, i32 a, u64 avail) noexcept nogil

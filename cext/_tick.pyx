@@ -859,6 +859,9 @@ cdef class TickKernel:
                 # would change nothing but their wait stamps (most of a saturated tick's
                 # work): explain resolves those on demand (resolve_wait).
                 stop = W_QUEUE_HELD
+                if not self.q_strict[q]:
+                    stop = self._pass_over(q, kind, runs_left, &cand, &park_head, &park_tail)
+                    stop_tick = stop == W_DISPATCH_FULL
                 break
             lane = self.q_ring[q, kind]
             if self.ln_scan_tick[lane] != self.tick_no:
@@ -930,6 +933,72 @@ cdef class TickKernel:
 
         self._end_queue(q, now, stop, stop_blocker, head, head_code)
         return stop_tick
+
+    cdef u8 _pass_over(self, i32 q, int kind, i64 runs_left, i64* cand, i32* park_head,
+                       i32* park_tail) noexcept nogil:
+        # The rest of held GREEDY_CAPACITY queue q, passed over as the full scan would have
+        # examined it, so the rings and scan positions (the round robin of the next tick)
+        # are the full scan's: each action a candidate in turn, lanes and lane kinds
+        # alternating, a lane parked when it runs out or, its run capped, when first reached
+        # (stamped as the scan stamps it), the scan stopping at max_candidates. Only the
+        # others' wait stamps are left out. Returns the queue's stop: W_QUEUE_HELD, or
+        # W_DISPATCH_FULL where the full scan would have found the dispatch ring full (it
+        # stops the tick).
+        cdef i32 lane, a, qr, u, t
+        cdef u8 code
+        while True:
+            if self.q_ring[q, kind] < 0:
+                kind ^= 1
+                if self.q_ring[q, kind] < 0:
+                    return W_QUEUE_HELD
+            if cand[0] >= self.max_candidates:
+                # Where the full scan would stop for the limit: the rest stays held (each
+                # has a true reason to wait, resolved on demand).
+                return W_QUEUE_HELD
+            lane = self.q_ring[q, kind]
+            if self.ln_scan_tick[lane] != self.tick_no:
+                self.ln_scan_tick[lane] = self.tick_no
+                self.ln_scan[lane] = self.ln_head[lane]
+            a = self.ln_scan[lane]
+            if a < 0:
+                self._ring_remove(lane)
+                self._park(lane, park_head, park_tail)
+                continue
+            cand[0] += 1
+            # _try_place's count caps, in its order (they are the run's: the lane's).
+            qr = lane >> 1
+            u = self.qr_run[qr]
+            code = W_NONE
+            if runs_left <= 0 and self.qr_adm[qr] == self.qr_rel[qr]:
+                code = W_QUEUE_RUNS
+            elif self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
+                code = W_RUN_ACTIONS
+            else:
+                t = self.u_tenant[u]
+                if (self.tn_run_cap[t] | self.tn_action_cap[t]) != 0:
+                    code = self._tenant_capped(u)
+            if code != W_NONE:
+                self._wait(a, code, -1, -1, -1)
+                self.ln_skip_code[lane] = code
+                self.ln_skip_tick[lane] = self.tick_no
+                self._ring_remove(lane)
+                self._park(lane, park_head, park_tail)
+            elif self.d_tail - self.d_head >= self.d_action.shape[0]:
+                self._wait(a, W_DISPATCH_FULL, -1, -1, -1)
+                return W_DISPATCH_FULL
+            else:
+                self.ln_scan[lane] = self.a_next[a]
+                self.q_ring[q, kind] = self.ln_next[lane]
+            kind ^= 1
+
+    cdef inline void _park(self, i32 lane, i32* park_head, i32* park_tail) noexcept nogil:
+        # Lane (out of its ring) joins the tick's park list of its queue, at its end.
+        self.ln_park[lane] = -1
+        if park_tail[0] >= 0:
+            self.ln_park[park_tail[0]] = lane
+        else:
+            park_head[0] = lane
+        park_tail[0] = lane
 
     cdef bint _queue_held(self, i32 q, u64 held, u64 avail, int* rest) noexcept nogil:
         # True when examining the rest of queue q's actions this tick (its head blocked)

@@ -221,10 +221,10 @@ def _examined_itself(eng, action):
                 or a.q_stop_code[a.a_queue[row]] != WaitCode.QUEUE_HELD)
 
 
-def _random_config(rng):
+def _random_config(rng, strict_share=0.6):
     queues = {}
     for i in range(rng.randrange(2, 5)):
-        strict = rng.random() < 0.6
+        strict = rng.random() < strict_share
         queues[f"q{i}"] = {
             "scheduling": "STRICT_FIFO" if strict else "GREEDY_CAPACITY",
             "priority": rng.choice([0, 10, 10, 50]),
@@ -233,6 +233,8 @@ def _random_config(rng):
         }
         if rng.random() < 0.3:
             queues[f"q{i}"]["max_resources"] = {"cpu": rng.choice([8, 64])}
+        if rng.random() < 0.3:
+            queues[f"q{i}"]["run_concurrency"] = rng.choice([1, 2])
     return {
         "resources": ["cpu", "memory", "gpu:H100"],
         "clusters": {
@@ -247,7 +249,7 @@ def _random_config(rng):
     }
 
 
-def _random_spec(rng, queue, k):
+def _random_spec(rng, queue, k, runs=1):
     roll = rng.random()
     kw = {}
     if roll < 0.1:
@@ -261,14 +263,33 @@ def _random_spec(rng, queue, k):
     else:
         kw = dict(resources={"cpu": rng.choice([1, 4, 16, 40]),
                              **({"gpu": rng.choice([1, 2])} if rng.random() < 0.3 else {})})
-    return act(f"run-{queue}", f"a{k}", queue, **kw)
+    r = rng.randrange(runs)
+    if r == 2:
+        kw["run_max_action_concurrency"] = 2        # this run of each queue capped
+    return act(_run_name(queue, r), f"a{k}", queue, **kw)
+
+
+def _run_name(queue, r):
+    return f"run-{queue}" if r == 0 else f"run-{queue}-{r}"
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_cutting_held_queues_short_changes_no_decision(seed):
-    rng = random.Random(seed)
-    cfg = _random_config(rng)
+    _compare_cut_with_full_scan(random.Random(seed))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_greedy_queues_of_several_runs_cut_short_change_no_decision(seed):
+    """Several runs a queue: a held GREEDY_CAPACITY queue's rest is passed over as the full
+    scan would examine it, so its round robin, and every later decision, is the full
+    scan's too (a held STRICT_FIFO queue's scan resumes where it stopped instead)."""
+    _compare_cut_with_full_scan(random.Random(seed), strict_share=0.0, runs=3)
+
+
+def _compare_cut_with_full_scan(rng, strict_share=0.6, runs=1):
+    cfg = _random_config(rng, strict_share)
     engines = []
     for examine_all in (False, True):
         eng, clock = make_engine(cfg)
@@ -279,7 +300,8 @@ def test_cutting_held_queues_short_changes_no_decision(seed):
     running = []    # (end tick, action, generation), the same for both engines
     checked = 0
     for t in range(30):
-        specs = [_random_spec(rng, rng.choice(queues), k + i) for i in range(rng.randrange(6))]
+        specs = [_random_spec(rng, rng.choice(queues), k + i, runs)
+                 for i in range(rng.randrange(6))]
         k += len(specs)
         ends = [rng.randrange(1, 6) for _ in range(60)]
         outcomes = []
@@ -303,8 +325,9 @@ def test_cutting_held_queues_short_changes_no_decision(seed):
         # now, may name another true reason than the full scan met at its point in the
         # tick: docs/architecture.md, "Held queues".)
         cut, full = engines[0][0], engines[1][0]
-        ids = [i for q in queues for i in cut.live_actions(f"acme/ml/prod/run-{q}")]
-        assert ids == [i for q in queues for i in full.live_actions(f"acme/ml/prod/run-{q}")]
+        keys = [f"acme/ml/prod/{_run_name(q, r)}" for q in queues for r in range(runs)]
+        ids = [i for key in keys for i in cut.live_actions(key)]
+        assert ids == [i for key in keys for i in full.live_actions(key)]
         own = [i for i in ids if _examined_itself(cut, i)]
         assert explanations(cut, own) == explanations(full, own), f"tick {t}"
         checked += len(own)
