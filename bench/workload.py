@@ -24,7 +24,7 @@ Steady state: every queue is topped up to ``pending_per_queue`` (10, so 1,000 pe
 after each tick; assignments are drained, marked running and completed after a duration drawn
 at enqueue (in ticks); the virtual clock advances ``dt`` seconds per tick. With the gate on,
 cluster resources are saturated, so each tick places roughly what the previous ones freed
-(~45-50) and the rest of the ~170 candidates it examines are told why they wait (mostly
+(~45-50) and the rest of the ~280 candidates it examines are told why they wait (mostly
 head-of-line behind blocked STRICT_FIFO gang heads, then cluster capacity, run caps, budgets;
 a queue of which nothing more can be placed is not examined past its blocked head).
 

@@ -178,7 +178,6 @@ cdef class TickKernel:
     cdef i64[:, ::1] e_footprint       # [E, R] replicas x per-pod vector, charged once
     cdef i64[::1] e_gen                # +1 each time the pool starts
     cdef i64[::1] e_released_gen       # pool generation whose footprint was released
-    cdef i64[::1] e_start_tick         # tick_no of the tick that last started the pool
 
     # --- finalize leases (cleanup of an attempt, sticky to its cluster and worker) ---
     cdef u8[::1] fz_state              # ActionState (QUEUED, SENT, DONE)
@@ -221,7 +220,6 @@ cdef class TickKernel:
     cdef i64[::1] s_bq_shadow          # [Q] its budget shadow time (ns); -1 not computed yet
     cdef u8[::1] s_bq_gap              # [Q] 1 = rule (a) open (known, no backfilled overrun)
     cdef i64[::1] s_bq_free            # [R] scratch: budget left while releases accumulate
-    cdef i64[:, ::1] s_qmin            # [C, R] scratch: least demand of a queue's rest fitting c
     cdef i64[::1] s_shadow             # [C] backfill: the holding head's shadow time (ns)
     cdef i64[:, ::1] s_extra           # [C, R] backfill: free at the shadow time beyond its need
     cdef u8[::1] s_bf_gap              # [C] backfill: 1 = rule (a) open (known, no overrun)
@@ -253,12 +251,7 @@ cdef class TickKernel:
     cdef void _unlink(self, i32 a) noexcept nogil
     cdef void _count_pending(self, i32 a, i64 k) noexcept nogil
     cdef bint _doomed(self, i32 q, i32 a) noexcept nogil
-    cdef u8 _pass_over(self, i32 q, int kind, i64 runs_left, i64* cand, i32* park_head,
-                       i32* park_tail) noexcept nogil
-    cdef void _park(self, i32 lane, i32* park_head, i32* park_tail) noexcept nogil
-    cdef bint _queue_held(self, i32 q, u64 held, u64 avail, int* rest) noexcept nogil
-    cdef int _queue_rest(self, i32 q, u64 avail) noexcept nogil
-    cdef u8 _pool_wait(self, i32 a, u64 avail) noexcept nogil
+    cdef bint _queue_held(self, i32 q, u64 held, u64 avail) noexcept nogil
     cdef u8 _held_resolved(self, i32 a) noexcept nogil
     cdef bint _release(self, i32 a, i64 now) noexcept nogil
     cdef void _push_finalize(self, i32 f) noexcept nogil

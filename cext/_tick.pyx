@@ -55,12 +55,6 @@ cdef enum:
     M_POOL_START = 1    # the pool's footprint is charged once, on the pool
     M_FAST = 2          # warm pool already charged: nothing more
 
-# What a queue's scan knows of its actions not yet examined this tick (TickKernel._queue_rest).
-cdef enum:
-    REST_UNKNOWN = 0    # not looked at yet (or a pool started since)
-    REST_KNOWN = 1      # none could take the fast lane; s_qmin is the least demand of the rest
-    REST_MAY_PLACE = 2  # one could take the fast lane now, or too many to look at
-
 
 cdef inline int _spare_short(const i64* demand, const i64* need, const i64* budget,
                              Py_ssize_t n) noexcept nogil:
@@ -251,7 +245,6 @@ cdef class TickKernel:
         self.e_footprint = state.e_footprint
         self.e_gen = state.e_gen
         self.e_released_gen = state.e_released_gen
-        self.e_start_tick = state.e_start_tick
         self.d_action = state.d_action
         self.d_gen = state.d_gen
         self.d_cluster = state.d_cluster
@@ -273,7 +266,6 @@ cdef class TickKernel:
         self.s_bq_shadow = state.s_bq_shadow
         self.s_bq_gap = state.s_bq_gap
         self.s_bq_free = state.s_bq_free
-        self.s_qmin = state.s_qmin
         self.s_shadow = state.s_shadow
         self.s_extra = state.s_extra
         self.s_bf_gap = state.s_bf_gap
@@ -814,8 +806,6 @@ cdef class TickKernel:
         cdef i32 head = -1
         cdef u8 head_code = W_NONE
         cdef int stop_tick = 0
-        cdef int rest = REST_UNKNOWN
-        cdef bint starts_pool
 
         self.q_stop_code[q] = W_NONE
         self.q_stop_blocker[q] = -1
@@ -854,14 +844,11 @@ cdef class TickKernel:
             if cand >= self.max_candidates:
                 stop = W_CANDIDATE_LIMIT
                 break
-            if head >= 0 and self._queue_held(q, held[0], avail[0], &rest):
+            if head >= 0 and self._queue_held(q, held[0], avail[0]):
                 # Nothing more of this queue can be placed this tick, and examining the rest
                 # would change nothing but their wait stamps (most of a saturated tick's
                 # work): explain resolves those on demand (resolve_wait).
                 stop = W_QUEUE_HELD
-                if not self.q_strict[q]:
-                    stop = self._pass_over(q, kind, runs_left, &cand, &park_head, &park_tail)
-                    stop_tick = stop == W_DISPATCH_FULL
                 break
             lane = self.q_ring[q, kind]
             if self.ln_scan_tick[lane] != self.tick_no:
@@ -884,13 +871,8 @@ cdef class TickKernel:
                 self.q_ring[q, kind] = self.ln_next[lane]
                 continue
             cand += 1
-            starts_pool = self.a_env[a] >= 0 and self.e_cluster[self.a_env[a]] < 0
             res = self._try_place(q, a, now, held, avail, &actions_left, &runs_left)
             if res == R_PLACED or res == R_FAILED:
-                if res == R_PLACED and starts_pool:
-                    # Its environment's pool now runs: the rest of that environment may
-                    # take the fast lane (_queue_rest looks again).
-                    rest = REST_UNKNOWN
                 self._unlink(a)
                 if self.ln_in_ring[lane]:
                     self.q_ring[q, kind] = self.ln_next[lane]
@@ -934,166 +916,26 @@ cdef class TickKernel:
         self._end_queue(q, now, stop, stop_blocker, head, head_code)
         return stop_tick
 
-    cdef u8 _pass_over(self, i32 q, int kind, i64 runs_left, i64* cand, i32* park_head,
-                       i32* park_tail) noexcept nogil:
-        # The rest of held GREEDY_CAPACITY queue q, passed over as the full scan would have
-        # examined it, so the rings and scan positions (the round robin of the next tick)
-        # are the full scan's: each action a candidate in turn, lanes and lane kinds
-        # alternating, a lane parked when it runs out or, its run capped, when first reached
-        # (stamped as the scan stamps it), the scan stopping at max_candidates. Only the
-        # others' wait stamps are left out. Returns the queue's stop: W_QUEUE_HELD, or
-        # W_DISPATCH_FULL where the full scan would have found the dispatch ring full (it
-        # stops the tick).
-        cdef i32 lane, a, qr, u, t
-        cdef u8 code
-        while True:
-            if self.q_ring[q, kind] < 0:
-                kind ^= 1
-                if self.q_ring[q, kind] < 0:
-                    return W_QUEUE_HELD
-            if cand[0] >= self.max_candidates:
-                # Where the full scan would stop for the limit: the rest stays held (each
-                # has a true reason to wait, resolved on demand).
-                return W_QUEUE_HELD
-            lane = self.q_ring[q, kind]
-            if self.ln_scan_tick[lane] != self.tick_no:
-                self.ln_scan_tick[lane] = self.tick_no
-                self.ln_scan[lane] = self.ln_head[lane]
-            a = self.ln_scan[lane]
-            if a < 0:
-                self._ring_remove(lane)
-                self._park(lane, park_head, park_tail)
-                continue
-            cand[0] += 1
-            # _try_place's count caps, in its order (they are the run's: the lane's).
-            qr = lane >> 1
-            u = self.qr_run[qr]
-            code = W_NONE
-            if runs_left <= 0 and self.qr_adm[qr] == self.qr_rel[qr]:
-                code = W_QUEUE_RUNS
-            elif self.u_cap[u] > 0 and <i64>(self.u_adm[u] - self.u_rel[u]) >= self.u_cap[u]:
-                code = W_RUN_ACTIONS
-            else:
-                t = self.u_tenant[u]
-                if (self.tn_run_cap[t] | self.tn_action_cap[t]) != 0:
-                    code = self._tenant_capped(u)
-            if code != W_NONE:
-                self._wait(a, code, -1, -1, -1)
-                self.ln_skip_code[lane] = code
-                self.ln_skip_tick[lane] = self.tick_no
-                self._ring_remove(lane)
-                self._park(lane, park_head, park_tail)
-            elif self.d_tail - self.d_head >= self.d_action.shape[0]:
-                self._wait(a, W_DISPATCH_FULL, -1, -1, -1)
-                return W_DISPATCH_FULL
-            else:
-                self.ln_scan[lane] = self.a_next[a]
-                self.q_ring[q, kind] = self.ln_next[lane]
-            kind ^= 1
-
-    cdef inline void _park(self, i32 lane, i32* park_head, i32* park_tail) noexcept nogil:
-        # Lane (out of its ring) joins the tick's park list of its queue, at its end.
-        self.ln_park[lane] = -1
-        if park_tail[0] >= 0:
-            self.ln_park[park_tail[0]] = lane
-        else:
-            park_head[0] = lane
-        park_tail[0] = lane
-
-    cdef bint _queue_held(self, i32 q, u64 held, u64 avail, int* rest) noexcept nogil:
+    cdef bint _queue_held(self, i32 q, u64 held, u64 avail) noexcept nogil:
         # True when examining the rest of queue q's actions this tick (its head blocked)
         # could neither place nor fail any of them, nor change anything another queue's
-        # decision reads: nothing queued could fail on sight; no backfill runs behind its
-        # own head; none of the rest could take the fast lane (a warm pool of its
-        # environment with a free slot and worker); and then, STRICT_FIFO, every cluster
-        # it may use is held by a blocked head already (its waiting actions would add no
-        # hold; the gate places nothing of it), none of them with a reservation still open
-        # (they could backfill there, reserve, or close it); GREEDY_CAPACITY, no cluster
-        # open to it (not held, with a free worker) both has room for and is within the
-        # budget left of even the least demand of the rest whose node shapes fit it.
-        cdef u64 mine, open_
-        cdef int c
-        if (self.examine_all or not self.gate_on or self.q_doomed[q] != 0
+        # decision reads: every cluster open to it is held by a blocked head or has no free
+        # worker; no backfill runs behind its own head; nothing queued could take the fast
+        # lane or fail on sight; and, STRICT_FIFO, its waiting actions would add no hold
+        # (every cluster it may use is held already) and no cluster it may use has a
+        # reservation still open (they could backfill there, reserve, or close it).
+        cdef u64 mine
+        if (self.examine_all or not self.gate_on or self.q_env_pending[q] != 0
+                or self.q_doomed[q] != 0
+                or (self.q_clusters[q] & avail & ~held) != 0
                 or (self.q_backfill[q] and self.s_bf_head[q] >= 0)):
             return False
-        open_ = self.q_clusters[q] & avail & ~held
-        if self.q_strict[q]:
-            mine = self.q_clusters[q]
-            if (open_ != 0 or (mine & ~held) != 0
-                    or (mine & self.bf_held & ~self.bf_contested) != 0):
-                return False
-            if self.q_env_pending[q] == 0:
-                return True
-        elif open_ == 0 and self.q_env_pending[q] == 0:
+        if not self.q_strict[q]:
             return True
-        # Within a tick budgets, free vectors, worker slots and pool slots only shrink and
-        # the rest only loses actions, so what _queue_rest found holds for the whole scan
-        # (but for a pool started meanwhile: _tick_queue asks again).
-        if rest[0] == REST_UNKNOWN:
-            rest[0] = self._queue_rest(q, avail)
-        if rest[0] == REST_MAY_PLACE:
+        mine = self.q_clusters[q]
+        if (mine & ~held) != 0:
             return False
-        while open_ != 0:
-            c = lowest_bit(open_)
-            if (covers(&self.s_qmin[c, 0], &self.s_cfree[c, 0], self.n_res)
-                    and covers(&self.s_qmin[c, 0], &self.s_budget[0], self.n_res)):
-                return False
-            open_ &= ~((<u64>1) << c)
-        return True
-
-    cdef int _queue_rest(self, i32 q, u64 avail) noexcept nogil:
-        # Queue q's actions not yet examined this tick, from each lane's scan position (a
-        # lane parked this tick was examined to its end or is capped: nothing of it places
-        # now): REST_MAY_PLACE when one could take the fast lane now, or when there are
-        # more than max_candidates (not walked: the scan is bounded by that anyway); else
-        # REST_KNOWN, with row c of s_qmin, for each cluster c of the queue, each resource's
-        # least demand over those the gate would weigh whose node shapes fit c (UNLIMITED
-        # when none). One fit mask, environment and demand row per action.
-        cdef Py_ssize_t r
-        cdef i64 n = 0
-        cdef i32 lane, start, a, e, ec
-        cdef int kind, c
-        cdef u64 mine = self.q_clusters[q], fit
-        cdef i64* least
-        cdef const i64* d
-        fit = mine
-        while fit != 0:
-            c = lowest_bit(fit)
-            fit &= ~((<u64>1) << c)
-            for r in range(self.n_res):
-                self.s_qmin[c, r] = UNLIMITED
-        for kind in range(2):
-            start = self.q_ring[q, kind]
-            lane = start
-            while lane >= 0:
-                a = self.ln_scan[lane] if self.ln_scan_tick[lane] == self.tick_no \
-                    else self.ln_head[lane]
-                while a >= 0:
-                    n += 1
-                    if n > self.max_candidates:
-                        return REST_MAY_PLACE
-                    e = self.a_env[a]
-                    if e >= 0 and self.e_cluster[e] >= 0:
-                        # The fast lane or nothing (its pool elsewhere, busy, no worker).
-                        ec = self.e_cluster[e]
-                        if ((mine >> ec) & 1 and (avail >> ec) & 1
-                                and <i64>(self.e_adm[e] - self.e_rel[e]) < self.e_slots[e]):
-                            return REST_MAY_PLACE
-                    else:
-                        d = &self.a_demand[a, 0]
-                        fit = self.a_fit[a] & mine
-                        while fit != 0:
-                            c = lowest_bit(fit)
-                            fit &= ~((<u64>1) << c)
-                            least = &self.s_qmin[c, 0]
-                            for r in range(self.n_res):
-                                if d[r] < least[r]:
-                                    least[r] = d[r]
-                    a = self.a_next[a]
-                lane = self.ln_next[lane]
-                if lane == start:
-                    break
-        return REST_KNOWN
+        return (mine & self.bf_held & ~self.bf_contested) == 0
 
     cdef void _end_queue(self, i32 q, i64 now, u8 stop, i32 stop_blocker, i32 head,
                          u8 head_code) noexcept nogil:
@@ -1795,11 +1637,6 @@ cdef class TickKernel:
                 code = W_RUN_ACTIONS
             elif self._tenant_capped(u) != W_NONE:
                 code = self._tenant_capped(u)
-            elif self.a_env[a] >= 0 and self.e_cluster[self.a_env[a]] >= 0:
-                # Its environment's pool runs: the fast lane or nothing (the queue was held
-                # only when no action of it could take the fast lane).
-                c = self.e_cluster[self.a_env[a]]
-                code = self._pool_wait(a, self.s_avail)
             else:
                 self._queue_budget(q)
                 dim = first_short_dim(demand, &self.s_budget[0], self.n_res)
@@ -2061,7 +1898,6 @@ cdef class TickKernel:
         if mode == M_POOL_START:
             self.e_cluster[e] = c
             self.e_gen[e] += 1
-            self.e_start_tick[e] = self.tick_no
             self.n_pools_live += 1
         if self.qr_adm[qr] == self.qr_rel[qr]:
             self.q_runs_adm[q] += 1
@@ -2119,31 +1955,14 @@ cdef class TickKernel:
             return self._held_resolved(a)
         return self.q_prev_stop[self.a_queue[a]]
 
-    cdef u8 _pool_wait(self, i32 a, u64 avail) noexcept nogil:
-        # Why queued ``a``, whose environment's pool runs, did not take the fast lane, in the
-        # tick's order: the pool on a cluster its queue may not use, every slot of the pool
-        # busy, no free worker there (with a slot free and a worker, the pool was busy when
-        # its queue was held: a slot freed since).
-        cdef i32 e = self.a_env[a]
-        cdef i32 ec = self.e_cluster[e]
-        if not (self.q_clusters[self.a_queue[a]] >> ec) & 1:
-            return W_POOL_ELSEWHERE
-        if <i64>(self.e_adm[e] - self.e_rel[e]) < self.e_slots[e] and not (avail >> ec) & 1:
-            return W_NO_WORKER
-        return W_POOL_BUSY
-
     cdef u8 _held_resolved(self, i32 a) noexcept nogil:
         # resolve_wait as it answered between the previous tick and this one, for an action
         # that tick did not examine and this one places: neither a count cap nor the budget
-        # held it then (it would not be placed now), so what remains is its pool (running
-        # then: not started by this tick), else a free worker, then a held cluster with room
-        # (HEAD_OF_LINE) or none (CLUSTER_CAPACITY).
+        # held it then (it would not be placed now), so what remains is a free worker, then
+        # a held cluster with room (HEAD_OF_LINE) or none (CLUSTER_CAPACITY).
         cdef u64 fit = self.a_fit[a] & self.q_clusters[self.a_queue[a]] & self.s_prev_avail
         cdef u64 held = fit & self.s_prev_held
         cdef int c
-        cdef i32 e = self.a_env[a]
-        if e >= 0 and self.e_cluster[e] >= 0 and self.e_start_tick[e] != self.tick_no:
-            return self._pool_wait(a, self.s_prev_avail)
         if fit == 0:
             return W_NO_WORKER
         while held != 0:

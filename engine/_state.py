@@ -183,7 +183,6 @@ ENV_FIELDS = {
     "e_footprint": (I64, 0, ("R",)),
     "e_gen": (I64, 0, ()),
     "e_released_gen": (I64, 0, ()),
-    "e_start_tick": (I64, -1, ()),      # the tick that last started the pool (kernel's own)
 }
 FINALIZE_FIELDS = {
     "fz_state": (U8, 0, ()),
@@ -380,7 +379,6 @@ class State:
         self.s_bq_shadow = np.full(q, -1, dtype=I64)
         self.s_bq_gap = np.zeros(q, dtype=U8)
         self.s_bq_free = np.zeros(r, dtype=I64)
-        self.s_qmin = np.zeros((c, r), dtype=I64)   # least demand of a queue's rest, by cluster
         self.s_shadow = np.full(c, NEVER, dtype=I64)
         self.s_extra = np.zeros((c, r), dtype=I64)
         self.s_bf_gap = np.zeros(c, dtype=U8)

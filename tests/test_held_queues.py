@@ -204,8 +204,7 @@ def test_a_warm_pool_behind_a_held_head_still_takes_the_fast_lane():
 
 _RESOLVED = {WaitCode.QUEUE_RUNS, WaitCode.RUN_ACTIONS, WaitCode.TENANT_ACTIONS,
              WaitCode.TENANT_RUNS, WaitCode.QUEUE_BUDGET, WaitCode.NO_WORKER,
-             WaitCode.HEAD_OF_LINE, WaitCode.CLUSTER_CAPACITY, WaitCode.POOL_ELSEWHERE,
-             WaitCode.POOL_BUSY}
+             WaitCode.HEAD_OF_LINE, WaitCode.CLUSTER_CAPACITY}
 
 
 def _examined_itself(eng, action):
@@ -282,9 +281,9 @@ def test_cutting_held_queues_short_changes_no_decision(seed):
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_greedy_queues_of_several_runs_cut_short_change_no_decision(seed):
-    """Several runs a queue: a held GREEDY_CAPACITY queue's rest is passed over as the full
-    scan would examine it, so its round robin, and every later decision, is the full
-    scan's too (a held STRICT_FIFO queue's scan resumes where it stopped instead)."""
+    """GREEDY_CAPACITY queues of three runs (one capped, some queues with a run cap): where
+    the round robin leaves a held queue decides which run goes first next tick, so the cut
+    scan must leave it where the full scan does for the decisions to stay the same."""
     _compare_cut_with_full_scan(random.Random(seed), strict_share=0.0, runs=3)
 
 
@@ -337,122 +336,3 @@ def _compare_cut_with_full_scan(rng, strict_share=0.6, runs=1):
             assert wait in _RESOLVED, (wait, reason)
             assert reason and "QUEUE_HELD" not in reason
     assert checked > 0
-
-
-# ---------------------------------------------------------------------------------------------
-# GREEDY_CAPACITY queues with a cluster open to them: held when nothing left to examine fits
-# what that cluster has free (the least demand of the rest, each resource apart) or the
-# queue's budget, and none of it can take the fast lane of a running warm pool.
-
-
-def greedy_pair():
-    """pair() with ``batch`` (GREEDY_CAPACITY) allowed on both clusters, and the cpu cluster
-    filled to 4 free cpus by two running actions of another run of ``batch``."""
-    out = pair()
-    for eng in out:
-        eng.update_queue("batch", clusters=["cpu"])
-        eng.enqueue_many([act("fill", f"f{i}", "batch", resources={"cpu": 30})
-                          for i in range(2)])
-        placed = eng.tick()
-        assert sorted(a.cluster for a in placed) == ["cpu", "cpu"]
-        for a in placed:
-            eng.mark_running(a.action, a.generation)
-        eng.update_queue("batch", clusters=["gpu", "cpu"])
-        blocked_gang(eng)
-    return out
-
-
-def test_a_greedy_queue_whose_open_cluster_has_no_room_for_the_rest_is_cut_short():
-    cut, full = greedy_pair()
-    ids = [f"acme/ml/prod/b{i}/one" for i in range(8)]
-    for eng in (cut, full):
-        # GPU work (no room on the cpu cluster: no GPUs) and cpu work over the 4 free.
-        eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 1, "gpu": 1})
-                          for i in range(4)]
-                         + [act(f"b{i}", "one", "batch", resources={"cpu": 8})
-                            for i in range(4, 8)])
-        assert eng.tick() == []
-    assert examined(full, "batch") == 8
-    assert examined(cut, "batch") == 1
-    view = cut.inspect()
-    assert view.arrays.q_stop_code[view.queue_index("batch")] == WaitCode.QUEUE_HELD
-    got = explanations(cut, ids)
-    assert got == explanations(full, ids)
-    # (The cpu work would fit the held gpu cluster: behind its hold, as the full scan says.)
-    assert {w for _p, w, _r in got} == {WaitCode.HEAD_OF_LINE}
-
-
-def test_a_greedy_queue_is_not_cut_while_its_least_demand_fits_an_open_cluster():
-    cut, full = greedy_pair()
-    for eng in (cut, full):
-        # The last of the run fits the cpu cluster's 4 free cpus: the scan must reach it.
-        eng.enqueue_many([act("b", f"b{i}", "batch", resources={"cpu": 1, "gpu": 1})
-                          for i in range(5)]
-                         + [act("b", "small", "batch", resources={"cpu": 4})])
-        assert [(str(a.action), a.cluster) for a in eng.tick()] == \
-            [("acme/ml/prod/b/small", "cpu")]
-    assert examined(cut, "batch") == examined(full, "batch") == 6
-
-
-def test_a_greedy_queue_over_its_budget_is_cut_short():
-    cut, full = greedy_pair()
-    ids = [f"acme/ml/prod/b{i}/one" for i in range(5)]
-    for eng in (cut, full):
-        # 60 cpus of the queue run already; a budget of 61 leaves 1, under any demand left.
-        eng.update_queue("batch", max_resources={"cpu": 61})
-        eng.enqueue_many([act(f"b{i}", "one", "batch", resources={"cpu": 2, "gpu": 1})
-                          for i in range(5)])
-        assert eng.tick() == []
-    assert examined(cut, "batch") == 1 < examined(full, "batch")
-    got = explanations(cut, ids)
-    assert got == explanations(full, ids)
-    assert {w for _p, w, _r in got} == {WaitCode.QUEUE_BUDGET}
-
-
-def _busy_pool(eng, replicas=1, concurrency=2):
-    """``batch``'s warm pool env1 on the gpu cluster with every slot taken; returns the pool
-    keywords of an action."""
-    pool = dict(environment="env1", reuse=ReusePolicy(replicas=replicas,
-                                                      concurrency=concurrency),
-                resources={"cpu": 1, "gpu": 1})
-    eng.enqueue_many([act("p", f"run{i}", "batch", **pool) for i in range(concurrency)])
-    for a in eng.tick():
-        eng.mark_running(a.action, a.generation)
-    return pool
-
-
-def test_a_queue_whose_warm_pool_is_busy_is_cut_short_and_explained_by_the_pool():
-    cut, full = pair()
-    ids = [f"acme/ml/prod/p/p{i}" for i in range(4)]
-    for eng in (cut, full):
-        pool = _busy_pool(eng)
-        blocked_gang(eng)
-        eng.enqueue_many([act("b0", "one", "batch", resources={"cpu": 1, "gpu": 1})]
-                         + [act("p", f"p{i}", "batch", **pool) for i in range(4)])
-        assert eng.tick() == []
-    assert examined(cut, "batch") == 1 < examined(full, "batch")
-    got = explanations(cut, ids)
-    assert got == explanations(full, ids)
-    assert {w for _p, w, _r in got} == {WaitCode.POOL_BUSY}
-    # A slot frees: the next action takes the fast lane, and the queue-wait histogram's
-    # reason for it is the pool it waited for, in both engines.
-    for eng in (cut, full):
-        eng.complete("acme/ml/prod/p/run0", 1)
-        assert [str(a.action) for a in eng.tick()] == ["acme/ml/prod/p/p0"]
-        view = eng.inspect()
-        assert view.arrays.a_held_code[view.find("acme/ml/prod/p/p0")] == WaitCode.POOL_BUSY
-
-
-def test_a_pool_started_during_the_scan_lets_the_rest_take_the_fast_lane():
-    cut, full = pair()
-    # Two replicas of 30 cpus: starting the pool leaves the cpu cluster (64) no room for
-    # the least demand the rest had before, but the rest (of its environment) needs none.
-    pool = dict(environment="env2", reuse=ReusePolicy(replicas=2, concurrency=2),
-                resources={"cpu": 30})
-    for eng in (cut, full):
-        eng.update_queue("batch", clusters=["gpu", "cpu"])
-        blocked_gang(eng)
-        eng.enqueue_many([act("b0", "one", "batch", resources={"cpu": 1, "gpu": 1})]
-                         + [act("p", f"p{i}", "batch", **pool) for i in range(4)])
-        placed = [(str(a.action), a.cluster) for a in eng.tick()]
-        assert placed == [(f"acme/ml/prod/p/p{i}", "cpu") for i in range(4)], placed
