@@ -20,9 +20,19 @@ simulate: $(EXT)
 	$(VENV)/bin/leasehold simulate engine/examples/trace.jsonl
 
 # Two pytest workers (-n 2): most of the suite's wall time is real processes starting and
-# waiting on each other, which a second worker overlaps even on two cores.
+# waiting on each other, which a second worker overlaps even on two cores. Each run has a
+# temporary directory of its own: pytest's default is shared by every run of one user and keeps
+# only the newest three, so a second run on the machine would delete a running one's sockets
+# and lock files. Removed after a passing run; a failing run's is kept and named.
+define run_pytest
+base=$$(mktemp -d "$${TMPDIR:-/tmp}/leasehold-pytest.XXXXXX") || exit 1; \
+$(1) $(PY) -m pytest -n 2 --basetemp="$$base"; status=$$?; \
+if [ $$status -eq 0 ]; then rm -rf "$$base"; \
+else echo "make: the failed run's temporary files are in $$base" >&2; fi
+endef
+
 test: $(EXT)
-	$(PY) -m pytest -n 2
+	@$(call run_pytest,); exit $$status
 
 # The same suite against the debug build: bounds and initialisation checks on (wraparound
 # stays off), so a bad or -1 index raises and fails the test it happens in. LEASEHOLD_DEBUG
@@ -32,7 +42,7 @@ test: $(EXT)
 test-debug: $(DEPS)
 	rm -f $(EXT)
 	LEASEHOLD_DEBUG=1 $(PY) setup.py -q build_ext --inplace $(BUILD_JOBS)
-	LEASEHOLD_DEBUG=1 $(PY) -m pytest -n 2; status=$$?; \
+	@$(call run_pytest,LEASEHOLD_DEBUG=1); \
 	if [ "$(KEEP_DEBUG_BUILD)" != 1 ]; then $(MAKE) --no-print-directory build; fi; \
 	exit $$status
 
