@@ -19,7 +19,7 @@ import numpy as np
 
 from engine._errors import ConfigError
 from engine._execution import PLUGINS
-from engine._units import BYTES, DEVICE, UNLIMITED, ResourceSet, parse_quantity
+from engine._units import BYTES, DEVICE, MAX_SECONDS, UNLIMITED, ResourceSet, parse_quantity
 
 __all__ = [
     "Config",
@@ -803,9 +803,6 @@ def _parse_peer(source, name, table, cluster_names):
                       public_key=public_key)
 
 
-#: The longest duration a config may give (10 years): times become int64 nanoseconds added
-#: to the clock (a deadline is now + ttl), so a longer one would overflow, not wait longer.
-MAX_SECONDS = 10 * 365 * 86400
 _MAX_SECONDS_RULE = f"at most {MAX_SECONDS} (10 years)"
 
 

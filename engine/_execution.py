@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 from engine._errors import SpecError
 from engine._tables import table_of
+from engine._units import MAX_SECONDS
 
 __all__ = ["Execution", "PLUGINS", "check_execution"]
 
@@ -110,10 +111,11 @@ def check_execution(ex, gang):
         d = ex.duration
         pair = d if isinstance(d, tuple) else (d, d)
         if (len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                  or not math.isfinite(x) or x < 0 for x in pair)
+                                  or not math.isfinite(x) or x < 0 or x > MAX_SECONDS
+                                  for x in pair)
                 or pair[0] > pair[1]):
             raise SpecError(f"execute.duration {d!r} must be seconds >= 0, or [low, high] "
-                            f"with 0 <= low <= high")
+                            f"with 0 <= low <= high, at most {MAX_SECONDS} (10 years)")
         if ex.fail is not None:
             kind, _, cause = ex.fail.partition(":") if isinstance(ex.fail, str) else ("",) * 3
             if not ((kind == "USER" and not cause)

@@ -9,6 +9,7 @@ import contextlib
 import msgpack
 import numpy as np
 
+from engine._errors import LeaseholdError
 from engine._history import RECORD_SIZE
 from engine._records import (
     FINALIZE_DTYPE,
@@ -109,9 +110,15 @@ class _Turn:
                 eng._clear_dirty()
             elif exc_type is None:
                 eng._commit()
-            elif eng._has_dirty():
+            elif eng._has_dirty() or (eng._stopped is None
+                                      and not issubclass(exc_type, LeaseholdError)):
                 # An error after memory changed: put memory back to what disk holds
-                # (which also discards every pending deferred group).
+                # (which also discards every pending deferred group). A refusal is raised
+                # before anything changes (the engine checks first); anything else (a bug, an
+                # overflow) may have changed memory before a row was marked dirty (rows
+                # allocated, counters moved), so memory is restored then too: otherwise the
+                # next turn writes past a row the store never got, and no reload could read
+                # that store back ("rows are not dense").
                 eng._discard_pending()
                 eng._restore()
         return False

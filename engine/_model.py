@@ -17,7 +17,7 @@ import numpy as np
 from engine._errors import SpecError
 from engine._execution import Execution, check_execution
 from engine._tables import table_of
-from engine._units import UNLIMITED
+from engine._units import MAX_SECONDS, UNLIMITED
 
 __all__ = [
     "ActionId",
@@ -90,6 +90,9 @@ def _seconds(value, what, allow_none=True, allow_zero=False):
         raise SpecError(f"{what}: {value!r} is not a duration (seconds or timedelta)")
     if value < 0 or (value == 0 and not allow_zero):
         raise SpecError(f"{what}: {value!r} must be {'>= 0' if allow_zero else 'positive'}")
+    if value > MAX_SECONDS:
+        # Durations become int64 nanoseconds added to the clock: longer would overflow.
+        raise SpecError(f"{what}: {value!r} is too long (at most {MAX_SECONDS} s, 10 years)")
     return float(value)
 
 

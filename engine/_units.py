@@ -13,11 +13,17 @@ from decimal import Decimal
 
 import numpy as np
 
-__all__ = ["UNLIMITED", "ResourceSet", "parse_quantity", "CPU", "BYTES", "DEVICE", "COUNT"]
+__all__ = ["UNLIMITED", "MAX_SECONDS", "ResourceSet", "parse_quantity", "CPU", "BYTES", "DEVICE",
+           "COUNT"]
 
 # Sentinel for "no limit" / "unknown capacity" in int64 arrays. Far below INT64_MAX so
 # that sums of a few in-flight vectors can never overflow.
 UNLIMITED = 1 << 62
+
+#: The longest duration a config or an action's spec may give (10 years): times become int64
+#: nanoseconds added to the clock (a deadline is now + ttl), so a longer one would overflow,
+#: not wait longer.
+MAX_SECONDS = 10 * 365 * 86400
 
 CPU, BYTES, DEVICE, COUNT = "cpu", "bytes", "device", "count"
 

@@ -23,6 +23,7 @@ from engine import (
     Phase,
     PodGroup,
     RetryPolicy,
+    SpecError,
     Timeouts,
     parse_config,
 )
@@ -660,3 +661,54 @@ def test_a_lease_refused_expired_but_never_swept_is_in_flight_after_a_restart():
     eng, clock = restart(eng, clock, workers={"ww": ("west", 50)})
     assert eng.heartbeat("ww", [a.token]) == []
     assert eng.phase(a.action) == Phase.INITIALIZING
+
+
+class _BuggySeconds(float):
+    """A duration whose arithmetic raises: it passes every check of the spec (it is a finite
+    positive float) and fails where the engine first computes with it, inside the enqueue's
+    turn, as a bug there would."""
+
+    def __mul__(self, other):
+        raise RuntimeError("injected bug")
+
+
+@pytest.mark.parametrize("backing", ["memory", "lmdb"])
+def test_an_unexpected_error_inside_an_enqueue_leaves_memory_as_the_store_holds_it(tmp_path,
+                                                                                  backing):
+    # The second enqueue fails after its row was taken and before anything was marked dirty
+    # (it shares its task: no new history row). Memory must go back to what the store
+    # holds: the next action takes that row, and the store reloads. (Before, the next
+    # enqueue took the row after it, and no reload could read the store: "rows are not
+    # dense".)
+    store = (MemoryStore(4) if backing == "memory"
+             else LmdbStore(str(tmp_path / "data"), partitions=4))
+    eng, clock = open_engine(store)
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/a1", task="t", resources={"cpu": 1})])
+    buggy = ActionSpec(id="acme/p/d/r/a2", task="t", resources={"cpu": 1},
+                       timeouts=Timeouts(max_runtime=_BuggySeconds(60)))
+    with pytest.raises(RuntimeError, match="injected bug"):
+        eng.enqueue_many([buggy])
+    with pytest.raises(NotFound):
+        eng.phase("acme/p/d/r/a2")
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/a3", task="t", resources={"cpu": 1})])
+    assert eng.inspect().action_rows == 2
+    again, _ = restart(eng, clock)
+    assert again.phase("acme/p/d/r/a1") == again.phase("acme/p/d/r/a3") == Phase.QUEUED
+    assert again.inspect().action_rows == 2
+    with pytest.raises(NotFound):
+        again.phase("acme/p/d/r/a2")
+    again.close()
+
+
+@pytest.mark.parametrize("field", ["deadline", "max_queued_time", "max_runtime"])
+def test_a_spec_duration_over_ten_years_is_refused_naming_it(field):
+    eng, _ = open_engine(MemoryStore(4))
+    too_long = 10 * 365 * 86400 + 1
+    with pytest.raises(SpecError, match=f"timeouts.{field}: .* is too long"):
+        eng.enqueue_many([ActionSpec(id="acme/p/d/r/a1", task="t", resources={"cpu": 1},
+                                     timeouts=Timeouts(**{field: too_long}))])
+    with pytest.raises(SpecError, match="runtime_estimate: 1e\\+300 is too long"):
+        eng.enqueue_many([ActionSpec(id="acme/p/d/r/a1", task="t", resources={"cpu": 1},
+                                     runtime_estimate=1e300)])
+    assert eng.inspect().action_rows == 0
+    eng.close()
