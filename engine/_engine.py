@@ -449,6 +449,13 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         finally:
             self._store.close()     # the claims go even when that last write failed
 
+    @property
+    def stopped(self):
+        """Why this engine serves no more (``"ownership lost: ..."``: another shard took its
+        store over, so every further turn is refused), or None while it serves. A process
+        whose engine stopped must exit: it no longer owns anything it holds in memory."""
+        return self._stopped
+
     def renew(self):
         """Renew the shard's partition claims (call well within ``storage.claim_ttl``);
         ``OwnershipError`` means another shard took over: this one must stop."""

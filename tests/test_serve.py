@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine import Phase, parse_config
+from engine import LeaseholdError, Phase, load_config, parse_config
 from storage import LmdbStore, MemoryStore
 from tests.conftest import free_port, until
 from transport import (
@@ -284,6 +284,47 @@ def test_a_store_held_by_a_hand_started_shard_is_refused_naming_it(rig):
     assert done.returncode == 2
     line = one_line(done.stderr)
     assert "held by a live shard" in line and f"pid {shard.pid}" in line, line
+
+
+def test_a_second_shard_on_a_live_shards_store_is_refused_and_the_first_serves_on(rig):
+    # The store lets a shard of the same name take a live claim over (a restart); started by
+    # hand next to a running one, that left the first fenced out and serving nothing.
+    cfg = rig.config()
+    first = rig.spawn("shard", "shard", "--config", str(cfg))
+    until(lambda: shard_pid(cfg) == first.pid, 30, "the shard to serve")
+    port = rig.ports[0]
+    other = rig.config("other.toml")    # other ports, the same store
+    done = rig.run("shard", "--config", str(other))
+    assert done.returncode != 0
+    line = one_line(done.stderr)
+    assert "UNAVAILABLE" in line and "held by a live shard" in line, line
+    assert f"pid {first.pid}" in line, line
+    with rig.client(port) as c:
+        c.enqueue_fanout({"id": f"{RUN}/x", "task": "t", "resources": {"cpu": "10m"}}, ["a"])
+        assert c.status([f"{RUN}/a"]) == [Phase.WAITING_FOR_RESOURCES]   # no worker
+    assert first.poll() is None
+
+
+def test_a_shard_whose_store_is_taken_over_exits_non_zero(rig):
+    cfg = rig.config()
+    shard = rig.spawn("shard", "shard", "--config", str(cfg))
+    until(lambda: shard_pid(cfg) == shard.pid, 30, "the shard to serve")
+    conf = load_config(cfg)
+    # What a second incarnation of the same shard name does when it opens the store: takes
+    # the claim over (the store allows it; the CLI refuses it, above).
+    thief = LmdbStore(conf.storage.path, partitions=conf.storage.partitions)
+    thief.open(conf.storage.shard, time.time_ns())
+    try:
+        with rig.client(rig.ports[0]) as c:
+            with pytest.raises(LeaseholdError, match="UNAVAILABLE|taken over"):
+                c.enqueue_fanout({"id": f"{RUN}/x", "task": "t",
+                                  "resources": {"cpu": "10m"}}, ["a"])
+        rc = shard.wait(timeout=30)
+    finally:
+        thief.close()
+    assert rc != 0
+    log = rig.log(shard)
+    assert "stopped serving: ownership lost" in log and "was taken over" in log, log
 
 
 def test_a_taken_port_is_refused_with_one_line_before_anything_starts(rig):

@@ -401,6 +401,11 @@ class _Loop:
                     except Exception:   # a bug: log it, keep serving (memory was restored)
                         log.exception("shard %s: loop turn failed", self.shard.name)
                         self.shard._count("failed_commits")
+                if self.eng.stopped is not None:
+                    # Another shard took the store over: this one owns nothing it holds and
+                    # must not linger bound to its endpoint answering UNAVAILABLE.
+                    raise StoreError(f"shard {self.shard.name} stopped serving: "
+                                     f"{self.eng.stopped}")
                 # Published when no turn is in commit, so the status shows durable state
                 # (what the last sent answers said); a shard always busy publishes anyway
                 # once it is overdue.
@@ -1656,7 +1661,17 @@ def _refused(rid, refused):
 
 def run_shard(config_path, shard_index):
     """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0."""
+    from transport._supervisor import SupervisorError, store_held
+
     shard = Shard(config_path, shard_index, freeze_heap=True)
+    try:
+        # The store would let this process take a running shard's claim over (a restart
+        # of the same shard name), leaving that one fenced and serving nothing: refused.
+        problem = store_held(shard.config.storage.path)
+    except SupervisorError as exc:
+        raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
+    if problem is not None:
+        raise CommandError("UNAVAILABLE", f"shard {shard.name}: {problem}")
     shard.install_signal_handlers()
     try:
         shard.serve()

@@ -207,21 +207,10 @@ class Supervisor:
             self._lock_fd = None
 
     def _check_claims(self):
-        now = time.time_ns()
         for sh in self.shards:
-            path = shard_store_path(self.config, sh.index)
-            claim = _read_claim(path)
-            if claim is None or not claim.live(now):
-                continue
-            if claim.host == socket.gethostname():
-                if not _is_shard_process(claim.pid):
-                    continue        # a dead shard's claim: its successor takes it over
-                raise SupervisorError(
-                    f"store {path} is held by a live shard outside this supervisor: "
-                    f"{claim.describe(now)}; stop it first (SIGTERM {claim.pid})")
-            raise SupervisorError(
-                f"store {path} is claimed from another host: {claim.describe(now)}; "
-                f"stop that shard or wait until its claim expires")
+            problem = store_held(shard_store_path(self.config, sh.index))
+            if problem is not None:
+                raise SupervisorError(problem)
 
     # ------------------------------------------------------------------ start
 
@@ -522,6 +511,26 @@ def _read_lock(fd):
         return "another supervisor (its lock file names no pid yet)"
     return (f"supervisor pid {info['pid']} on host {info.get('host', '?')} (config "
             f"{info.get('config', '?')}, started {info.get('started', '?')})")
+
+
+def store_held(path, now_ns=None):
+    """Why a shard may not open the store at ``path`` now (its claim is live and held by a
+    running shard process on this host, or by any shard on another host), or None. A claim
+    of a process that is gone (a crash) is its successor's to take over. The store itself
+    lets a shard of the same name take a live claim over (a restart), fencing the old
+    holder out: this check is what stops a second process from doing that to a running
+    one. ``SupervisorError`` if the claim cannot be read."""
+    now = time.time_ns() if now_ns is None else now_ns
+    claim = _read_claim(path)
+    if claim is None or not claim.live(now):
+        return None
+    if claim.host == socket.gethostname():
+        if claim.pid == os.getpid() or not _is_shard_process(claim.pid):
+            return None     # a dead shard's claim: its successor takes it over
+        return (f"store {path} is held by a live shard: {claim.describe(now)}; "
+                f"stop it first (SIGTERM {claim.pid})")
+    return (f"store {path} is claimed from another host: {claim.describe(now)}; "
+            f"stop that shard or wait until its claim expires")
 
 
 def _read_claim(path):
