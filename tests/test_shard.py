@@ -1697,3 +1697,55 @@ def test_a_lease_expiry_leased_again_before_the_re_check_read_it_is_seen_queued(
         assert "expired" in events[3].detail
     finally:
         h.close()
+
+
+def test_an_error_repeating_a_long_input_is_cut_to_the_limit_not_dropped(insecure):
+    # An unknown resource's name is repeated by its error: over max_text the client dropped
+    # the answer and the request timed out as UNAVAILABLE.
+    c = insecure.client()
+    limit = insecure.config.transport.max_text
+    name = "r" * (2 * limit)
+    started = time.monotonic()
+    with pytest.raises(ShardError, match="INVALID_ARGUMENT") as err:
+        c.enqueue(spec("a", resources={name: 1}))
+    assert time.monotonic() - started < 4.0     # answered, not the 5 s timeout
+    message = str(err.value)
+    assert name[:200] in message
+    assert len(err.value.error_message) == limit and err.value.error_message.endswith("\u2026")
+
+
+def test_every_name_of_a_spec_is_bounded_on_the_wire_as_its_id_is(insecure):
+    c = insecure.client()
+    long = "t" * (insecure.config.transport.max_name + 1)
+    for field, value in (("task", long), ("environment", long), ("image", long)):
+        with pytest.raises(ShardError, match=f"TOO_LARGE.*{field}.*over the limit"):
+            c.enqueue(spec("a", **{field: value}))
+    with pytest.raises(ShardError, match=r"TOO_LARGE.*pods\[0\]\.role"):
+        c.enqueue({"id": f"{RUN}/a", "task": "t",
+                   "pods": [{"role": long, "replicas": 1, "resources": {"cpu": 1}}]})
+    c.enqueue(spec("a", task="t" * insecure.config.transport.max_name))   # at the limit
+
+
+def test_a_report_with_a_long_message_is_cut_not_refused(insecure):
+    # A plugin's long message (an import error naming a long path) made the whole REPORT
+    # TOO_LARGE: the attempt's outcome was lost and the lease expired as a system error.
+    c = insecure.client()
+    w = insecure.worker()
+    c.subscribe(RUN)
+    c.enqueue(spec("a"))
+    (lease,) = w.leases(timeout=5, want=1)
+    limit = insecure.config.transport.max_text
+    text = "cannot import " + "x" * (3 * limit)
+    assert w.report([lease.token], Phase.FAILED, {0: {
+        "error_kind": "USER", "message": text, "recoverable": False}}) == []
+    assert c.wait([f"{RUN}/a"], timeout=10) == {f"{RUN}/a": Phase.FAILED}
+    details = []
+    while True:
+        try:
+            e = c.next_event(timeout=0.5, runs=(RUN,))
+        except Exception:
+            break
+        if e.phase == "FAILED":
+            details.append(e.detail)
+    assert details and details[-1].startswith("cannot import xxx")
+    assert len(details[-1]) <= limit

@@ -864,6 +864,15 @@ def tokens_array(tokens):
     return np.frombuffer(buf, dtype=TOKEN_DTYPE).reshape(-1, 3)
 
 
+def clip_text(text, limit):
+    """``text`` cut to ``limit`` characters (``transport.max_text``), its end marked: what a
+    peer would otherwise refuse whole as over its limit (an error naming a long input, a
+    plugin's long message)."""
+    if text is None or len(text) <= limit:
+        return text
+    return text[:max(0, limit - 1)] + "\u2026"
+
+
 def encode(msg):
     """``msg`` as a list of frames (bytes and numpy arrays) for
     ``socket.send_multipart(frames, copy=False)``: the arrays go out without a copy (do not

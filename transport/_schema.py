@@ -317,10 +317,15 @@ def quantities(value, key):
     return value
 
 
+#: The names of an action spec bounded by ``transport.max_name`` on the wire, besides its id.
+_SPEC_NAMES = ("task", "environment", "image", "environment_queue", "task_queue", "run_queue")
+
+
 def spec_map(name_limit):
     """An action spec as ``ActionSpec.from_dict`` takes it: a map of plain data with a string
     ``id`` (authorisation reads it before the engine sees the spec)."""
     idcheck = string(name_limit)
+    namecheck = string(name_limit, empty=True)
 
     def check(value, key):
         if type(value) is not dict:
@@ -331,6 +336,16 @@ def spec_map(name_limit):
         plain(value, key)
         if value.get("parent") is not None:
             idcheck(value["parent"], f"{key}.parent")
+        # Every other name is bounded as ids are: a name travels in each lease of the action
+        # and in errors that repeat it (the engine checks what they must be).
+        for name in _SPEC_NAMES:
+            if type(value.get(name)) is str:
+                namecheck(value[name], f"{key}.{name}")
+        pods = value.get("pods")
+        if type(pods) is list:
+            for i, group in enumerate(pods):
+                if type(group) is dict and type(group.get("role")) is str:
+                    namecheck(group["role"], f"{key}.pods[{i}].role")
         return value
 
     return check

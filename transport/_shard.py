@@ -757,6 +757,11 @@ class _Loop:
         self.shard._count("send_ns", time.perf_counter_ns() - started)
 
     def send(self, conn, msg):
+        if isinstance(msg, p.Error) and len(msg.message) > self.settings.max_text:
+            # It may repeat what was wrong (a long name): over the peer's limit, the answer
+            # would be dropped and the request time out instead of failing.
+            msg = p.Error(rid=msg.rid, code=msg.code,
+                          message=p.clip_text(msg.message, self.settings.max_text))
         try:
             frames = p.encode(msg)
         except (TypeError, ValueError, OverflowError) as exc:

@@ -16,6 +16,7 @@ the shard adopts the worker's leases, and its next heartbeat validates or refuse
 
 import collections
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from engine._errors import LeaseholdError
 from transport import _protocol as p
 from transport._plugins import frozen_instance
 from transport._sockets import client_socket, send
+
+log = logging.getLogger("leasehold.worker")
 
 __all__ = ["WorkerConnection", "Lease", "ShardError", "ShardTimeout", "lease_rows", "leases_of"]
 
@@ -273,8 +276,9 @@ class WorkerConnection:
                 break
             try:
                 out.append(self._decoder.decode(frames))
-            except p.ProtocolError:
-                pass            # nothing a shard should send: ignore it
+            except p.ProtocolError as exc:
+                # Nothing a shard should send: dropped, but said (its leases will expire).
+                log.warning("%s: a message from the shard was dropped: %s", self.endpoint, exc)
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break           # asked, not found by a receive that raises (~4 us more)
         return out
@@ -318,8 +322,12 @@ class WorkerConnection:
         for lo in range(0, n, step):
             det = None
             if details:
-                det = [{"i": i - lo, **d} for i, d in sorted(details.items())
-                       if lo <= i < lo + step]
+                # A plugin's message may be long (an import error naming a long path, a
+                # stderr tail): cut to the limit, not refused whole with the report.
+                cut = self.settings.max_text
+                det = [{"i": i - lo, **{k: p.clip_text(v, cut) if isinstance(v, str) else v
+                                        for k, v in d.items()}}
+                       for i, d in sorted(details.items()) if lo <= i < lo + step]
                 det = det or None
             msgs.append(p.Report(rid=next(self._rids), tokens=arr[lo:lo + step],
                                  phases=codes[lo:lo + step], details=det))
@@ -415,8 +423,9 @@ class WorkerConnection:
                 continue
             try:
                 msg = self._decoder.decode(frames)
-            except p.ProtocolError:
-                continue        # nothing a shard should send: ignore it
+            except p.ProtocolError as exc:
+                log.warning("%s: a message from the shard was dropped: %s", self.endpoint, exc)
+                continue
             if isinstance(msg, p.Leases) or (isinstance(msg, p.Refused) and msg.rid is None):
                 self._pushed.append(msg)
                 return msg
