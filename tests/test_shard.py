@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine import ManualClock, Phase, parse_config
+from engine import ManualClock, Phase, SpecError, parse_config
 from engine._codes import LeaseKind, Verdict
 from engine._retain import retained_key
 from storage import LmdbStore, MemoryStore, StoreError
@@ -1749,3 +1749,14 @@ def test_a_report_with_a_long_message_is_cut_not_refused(insecure):
             details.append(e.detail)
     assert details and details[-1].startswith("cannot import xxx")
     assert len(details[-1]) <= limit
+
+
+def test_an_integer_past_64_bits_is_refused_by_the_client_naming_it(insecure):
+    # msgpack cannot carry it: the client raised its OverflowError ("Integer value out of
+    # range"), which the CLI reported as INTERNAL (a bug).
+    c = insecure.client()
+    with pytest.raises(SpecError, match=r"ENQUEUE: cannot be sent: specs\[0\]\.retries\.count = "
+                                        r"100000000000000000000 does not fit in 64 bits"):
+        c.enqueue(spec("a", retries={"count": 10**20}))
+    c.enqueue(spec("a"))            # the connection serves on
+    assert c.status([f"{RUN}/a"]) == [Phase.WAITING_FOR_RESOURCES]

@@ -605,14 +605,15 @@ class Client:
         return [out[m.rid] for m in msgs]
 
     def _send_request(self, link, sock, msg, what):
-        if not send(sock, p.encode(msg)):
+        frames = p.encode_request(msg, what)
+        if not send(sock, frames):
             deadline = time.monotonic() + self.timeout
             while True:
                 if time.monotonic() >= deadline:
                     raise ShardTimeout(f"shard {link.label}: {what}: cannot send (not "
                                        f"connected within {self.timeout}s: down, unreachable "
                                        f"or key refused)")
-                if sock.poll(20, zmq.POLLOUT) and send(sock, p.encode(msg)):
+                if sock.poll(20, zmq.POLLOUT) and send(sock, frames):
                     break
 
     def _call(self, link, msg, what):

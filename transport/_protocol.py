@@ -29,7 +29,7 @@ import numpy as np
 
 from engine._codes import PHASES, LeaseKind, Phase, Verdict
 from engine._config import TransportSettings
-from engine._errors import LeaseholdError
+from engine._errors import LeaseholdError, SpecError
 from transport import _schema as sc
 from transport._schema import SchemaError
 
@@ -884,8 +884,12 @@ def encode(msg):
         value = getattr(msg, key)
         if value is not None or required:
             header[key] = value
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except OverflowError:
+        raise OverflowError(_too_big(header, "")) from None
     if not cols:
-        return [frame0, msgpack.packb(header, use_bin_type=True)]
+        return [frame0, packed]
     arrays = []
     for key, dtype, width in cols:
         value = getattr(msg, key)
@@ -898,3 +902,32 @@ def encode(msg):
     if not n:
         arrays = [b""] * len(arrays)
     return [frame0, msgpack.packb(header, use_bin_type=True), *arrays]
+
+
+def encode_request(msg, what):
+    """:func:`encode` of a request this side makes (``what`` names it): a value msgpack
+    cannot carry (an integer past 64 bits, an object that is not plain data) is the caller's
+    input, refused as ``SpecError`` (INVALID_ARGUMENT) naming it."""
+    try:
+        return encode(msg)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise SpecError(f"{what}: cannot be sent: {exc}") from None
+
+
+def _too_big(value, path):
+    """What msgpack's "Integer value out of range" was about: the path of the first integer
+    of ``value`` that does not fit 64 bits, and the integer."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        if isinstance(value, int) and not -(1 << 63) <= value < (1 << 64):
+            return f"{path or 'a value'} = {value} does not fit in 64 bits"
+        return None
+    for key, item in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = _too_big(item, sub)
+        if found is not None:
+            return found
+    return None if path else "an integer does not fit in 64 bits"

@@ -353,12 +353,13 @@ class WorkerConnection:
     def _send(self, msg, what):
         if self._sock is None:
             raise ShardTimeout(f"shard {self.endpoint}: {what}: not connected")
-        if not send(self._sock, p.encode(msg)):
+        frames = p.encode_request(msg, what)
+        if not send(self._sock, frames):
             # ZMQ_IMMEDIATE: no completed connection yet (or the queue is full). Wait for
             # one within the timeout instead of queuing blindly.
             deadline = time.monotonic() + self.timeout
             while time.monotonic() < deadline:
-                if self._sock.poll(20, zmq.POLLOUT) and send(self._sock, p.encode(msg)):
+                if self._sock.poll(20, zmq.POLLOUT) and send(self._sock, frames):
                     return
             raise ShardTimeout(f"shard {self.endpoint}: {what}: cannot send (not connected "
                                f"within {self.timeout}s: down, unreachable or key refused)")
