@@ -864,8 +864,20 @@ def _parse_cluster(source, resources, name, table):
                 f"admission = 'nodes' only with [[{path}.node_shapes]] (each with a count), "
                 f"else 'shapes'"
             )
+        nodes = sum(s.count for s in shapes)
+        if admission == "nodes" and nodes > MAX_NODES:
+            # Each node is a row of the shard's node table, made at start.
+            raise ConfigError(
+                f"{source}: {path}.node_shapes: {nodes} nodes in all; allowed: at most "
+                f"{MAX_NODES} nodes a cluster with admission = 'nodes' (each is tracked), "
+                f"or admission = 'shapes'"
+            )
     return ClusterConfig(name=name, capacity=capacity, node_shapes=tuple(shapes),
                          admission=admission)
+
+
+#: Nodes a cluster with admission = "nodes" may have (each is a row of the node table).
+MAX_NODES = 100_000
 
 
 def _parse_shape(source, resources, cluster, i, table):

@@ -199,6 +199,10 @@ def vars_of(msg):
      "clusters.east.admission: 'nodes' is invalid with engine.resource_gate = 'off'"),
     ({"admission": "nodes", "node_shapes": [{"count": 1, "allocatable": NODE}]},
      {"max_node_pods": 0}, {}, "engine.max_node_pods"),
+    # Each node is a row made at start: 200 million ran the shard out of memory there.
+    ({"admission": "nodes", "node_shapes": [{"count": 60_000, "allocatable": NODE},
+                                            {"count": 40_001, "allocatable": NODE}]}, {}, {},
+     "clusters.east.node_shapes: 100001 nodes in all; allowed: at most 100000 nodes"),
 ])
 def test_bad_admission_config_is_refused_naming_the_key(cluster, engine, queue, message):
     cfg = {"resources": ["cpu", "gpu:H100"], "clusters": {"east": cluster},
