@@ -373,7 +373,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             raise ConfigError(f"queue {name}: stored live change no longer valid: {exc}") \
                 from None
 
-    def update_queue(self, name, **changes):
+    def update_queue(self, name, /, **changes):
         """Change a queue live (same keys as its config table). In-flight work is untouched;
         the new limits gate the next admission. The change is durable (it survives a
         restart, on top of the config file's table). Returns the new queue config."""

@@ -53,7 +53,7 @@ class Execution:
         """An :class:`Execution` from plain data; unknown keys are refused."""
         if isinstance(data, cls):
             return data
-        kw = table_of(cls, data, "execute")
+        kw = table_of(cls, data, "execute", check_required=False)   # (plugin: said below)
         if isinstance(kw.get("command"), list):
             kw["command"] = tuple(kw["command"])
         if isinstance(kw.get("duration"), list):
@@ -92,12 +92,18 @@ def check_execution(ex, gang):
                 raise SpecError(f"execute.env: {k!r} is not an environment variable name")
             if not isinstance(v, str):
                 raise SpecError(f"execute.env.{k} must be a string, not {v!r}")
+            if "\0" in v:
+                raise SpecError(f"execute.env.{k} contains a NUL byte (no process can take it)")
     if ex.plugin == "process":
         cmd = ex.command
         if (not isinstance(cmd, tuple) or not cmd
                 or not all(isinstance(a, str) for a in cmd) or not cmd[0]):
             raise SpecError("execute.command must be a non-empty list of strings (argv) "
                             "for the process plugin")
+        for i, arg in enumerate(cmd):
+            if "\0" in arg:
+                raise SpecError(f"execute.command[{i}] contains a NUL byte (no process can "
+                                f"take it)")
     elif ex.plugin == "python":
         if gang:
             raise SpecError("the python plugin runs single-pod actions; run a gang's pods "

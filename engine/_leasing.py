@@ -66,14 +66,22 @@ class Refusal:
 class LeasingMixin:
     """Leases (a part of Engine)."""
 
-    def register_worker(self, worker_id, cluster, slots):
+    def register_worker(self, worker_id, cluster, slots, capacity=None):
         """Connect a worker of ``cluster`` offering ``slots`` lease slots (reconnect: same id).
+        ``capacity`` (``{resource: quantity}``, what the worker measured) is checked, not
+        used yet: the cluster's capacity is the config's, its free capacity what heartbeats
+        say.
 
         After a restart, a worker that held leases adopts them when it registers again
         (same id): its next heartbeat validates them. A worker registering again within a
         running shard starts a new session, and its old session's leases expire."""
         if not isinstance(worker_id, str) or not worker_id:
             raise SpecError(f"worker id must be a non-empty string, not {worker_id!r}")
+        if capacity is not None:
+            try:
+                self._resources.vector(capacity, unset=-1)
+            except ValueError as exc:   # (as a heartbeat's free_capacity)
+                raise SpecError(f"worker {worker_id}: capacity: {exc}") from None
         if cluster not in self._cluster_index:
             raise NotFound(f"worker {worker_id}: cluster {cluster!r} is not configured "
                            f"(clusters: {', '.join(self._clusters)})")

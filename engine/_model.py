@@ -247,9 +247,23 @@ def compile_spec(spec, resources, queue_names, default_queue):
         raise SpecError(f"action {aid}: {exc}") from None
 
 
+def _name(value, what, optional=True):
+    """A name of a spec (task, environment, image, pod role): a string without a NUL byte
+    (it names things in other systems: a process, a path, an image reference)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{what}: {value!r} is not a name (a non-empty string)")
+    if "\0" in value:
+        raise SpecError(f"{what}: {value!r} contains a NUL byte")
+
+
 def _compile(spec, aid, resources, queue_names, default_queue):
     if not isinstance(spec.task, str) or not spec.task:
         raise SpecError("task name is required (a non-empty string)")
+    _name(spec.task, "task")
+    _name(spec.environment, "environment")
+    _name(spec.image, "image")
     parent = None
     if spec.parent is not None:
         parent = ActionId.parse(spec.parent)
@@ -280,6 +294,7 @@ def _compile(spec, aid, resources, queue_names, default_queue):
                 raise SpecError(f"pods: {group!r} is not a PodGroup")
             if not isinstance(group.role, str) or not group.role:
                 raise SpecError("pods: every group needs a role")
+            _name(group.role, "pods: role")
             if group.role in roles:
                 raise SpecError(f"pods: role {group.role!r} appears twice")
             roles.add(group.role)

@@ -120,6 +120,11 @@ def test_environment_identity_is_stable_and_changes_with_what_defines_the_pool()
     ({"timeouts": Timeouts(max_runtime="1h")}, "is not a duration"),
     ({"parent": "acme/proj/dev/OTHER/p"}, "is in another run"),
     ({"parent": "acme/proj/dev/r1/a1"}, "cannot be its own parent"),
+    ({"task": "t\0x"}, "task: 't.x00x' contains a NUL byte"),
+    ({"environment": {"bogus": 1}}, "environment: {'bogus': 1} is not a name"),
+    ({"image": 7}, "image: 7 is not a name"),
+    ({"pods": (PodGroup("w\0", 1, {}),)}, "pods: role: 'w.x00' contains a NUL byte"),
+    ({"timeouts": Timeouts(max_queued_time=1e12)}, "timeouts.max_queued_time: .* is too long"),
 ])
 def test_bad_specs_are_refused_naming_the_action_and_the_field(kw, message):
     with pytest.raises(SpecError, match=message) as err:
@@ -140,6 +145,12 @@ def test_timedeltas_and_from_dict():
         ActionSpec.from_dict({"id": "a/b/c/d/e", "task": "t", "colour": "red"})
     with pytest.raises(SpecError, match="retries: unknown key\\(s\\) tries"):
         ActionSpec.from_dict({"id": "a/b/c/d/e", "task": "t", "retries": {"tries": 1}})
+    # A missing key is named, not a Python call's complaint about its arguments.
+    with pytest.raises(SpecError,
+                       match="^action spec: missing key\\(s\\) task \\(required: id, task\\)"):
+        ActionSpec.from_dict({"id": "a/b/c/d/e"})
+    with pytest.raises(SpecError, match="^pods\\[\\]: missing key\\(s\\) replicas, resources"):
+        ActionSpec.from_dict({"id": "a/b/c/d/e", "task": "t", "pods": [{"role": "w"}]})
     assert np.array_equal(compile_(resources=None).demand, np.zeros(5, dtype=np.int64))
 
 
@@ -177,6 +188,9 @@ def test_an_execute_declaration_round_trips_and_is_kept_on_the_spec():
     ({"plugin": "process", "command": ["ls"], "env": {"1X": "a"}},
      "execute.env: '1X' is not an environment variable name"),
     ({"plugin": "process", "command": ["ls"], "env": {"X": 1}}, "execute.env.X must be a string"),
+    ({"plugin": "process", "command": ["ls", "a\0b"]}, "execute.command[1] contains a NUL"),
+    ({"plugin": "process", "command": ["ls"], "env": {"X": "\0"}}, "execute.env.X contains a NUL"),
+    ({"plugin": "sim", "duration": 1e300}, "at most 315360000"),
     ({"plugin": "python", "function": "os.getpid"}, "must be \"package.module:function\""),
     ({"plugin": "python", "function": "os:getpid", "args": [1]}, "execute.args must be a table"),
     ({"plugin": "sim", "duration": -1}, "execute.duration -1 must be seconds >= 0"),

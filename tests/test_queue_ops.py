@@ -4,7 +4,7 @@ next tick, nothing in flight touched, durable across a restart, settable in the 
 
 import pytest
 
-from engine import ActionSpec, Phase, ResourceExhausted, WaitCode
+from engine import ActionSpec, ConfigError, Phase, ResourceExhausted, WaitCode
 from engine._config import parse_config
 from storage import LmdbStore
 from tests.conftest import make_engine
@@ -93,3 +93,11 @@ def test_the_flags_survive_a_restart_and_can_be_set_in_the_file(tmp_path):
     again.close()
     assert not cfg.queue("q").paused
     assert parse_config(config(paused=True), "<test>").queue("q").paused
+
+
+def test_a_change_may_give_the_queues_own_name_but_not_another():
+    # The name was also update_queue's own parameter: "got multiple values for argument".
+    eng, _ = make_engine(config())
+    assert eng.update_queue("q", name="q", paused=True).paused is True
+    with pytest.raises(ConfigError, match="a queue cannot be renamed"):
+        eng.update_queue("q", name="other")

@@ -1760,3 +1760,11 @@ def test_an_integer_past_64_bits_is_refused_by_the_client_naming_it(insecure):
         c.enqueue(spec("a", retries={"count": 10**20}))
     c.enqueue(spec("a"))            # the connection serves on
     assert c.status([f"{RUN}/a"]) == [Phase.WAITING_FOR_RESOURCES]
+
+
+def test_a_registration_with_a_capacity_that_is_no_quantity_is_refused_naming_it(insecure):
+    with pytest.raises(ShardError, match="INVALID_ARGUMENT.*capacity: cpu: '5 parsecs' has "
+                                         "unit 'parsecs'"):
+        insecure.worker(capacity={"cpu": "5 parsecs"})
+    w = insecure.worker(name="east-2", capacity={"cpu": "500m"})     # a good one registers
+    assert w.heartbeat([], free={"cpu": 0.5}) == []

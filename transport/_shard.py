@@ -1047,7 +1047,7 @@ class _Loop:
     # ------------------------------------------------------------------ workers
 
     def on_register(self, conn, c, peer, msg):
-        self.eng.register_worker(msg.worker, msg.cluster, msg.slots)
+        self.eng.register_worker(msg.worker, msg.cluster, msg.slots, capacity=msg.capacity)
         old = self.worker_conn.get(msg.worker)
         if old is not None and old != conn and old in self.conns:
             self.conns[old].worker = None
