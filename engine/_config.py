@@ -341,6 +341,10 @@ class Config:
 # Public entry points
 
 
+#: The largest config file read (bytes).
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def load_config(path):
     """Read and validate the TOML config file at ``path``.
 
@@ -350,7 +354,15 @@ def load_config(path):
     source = str(path)
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            # Read one byte more than a config may hold: a device or a huge file is refused,
+            # not read into memory.
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: not a config file: larger than "
+                              f"{MAX_CONFIG_BYTES // (1 << 20)} MiB")
+        data = tomllib.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid TOML: nested too deeply") from None
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read the config file: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
@@ -551,9 +563,7 @@ def _parse_storage(source, table):
     _check_keys(source, "storage", table, _STORAGE_KEYS)
     values = {}
     if "path" in table:
-        if not isinstance(table["path"], str) or not table["path"]:
-            raise _invalid(source, "storage.path", table["path"], "a non-empty directory path")
-        values["path"] = table["path"]
+        values["path"] = _dir_path(source, "storage.path", table["path"])
     if "shard" in table:
         values["shard"] = _check_name(source, "storage.shard", table["shard"], key_is_name=False)
     if "partitions" in table:
@@ -597,9 +607,7 @@ def _parse_status(source, table):
     _check_keys(source, "status", table, _STATUS_KEYS)
     values = {}
     if "dir" in table:
-        if not isinstance(table["dir"], str) or not table["dir"]:
-            raise _invalid(source, "status.dir", table["dir"], "a non-empty directory path")
-        values["dir"] = table["dir"]
+        values["dir"] = _dir_path(source, "status.dir", table["dir"])
     if "interval" in table:
         values["interval"] = _seconds(source, "status.interval", table["interval"], False)
     if "metrics" in table:
@@ -647,7 +655,10 @@ def _duration(source, path, value):
 #: Loop turns a shard may have decided and not yet committed (``transport.commit_pipeline``).
 MAX_COMMIT_PIPELINE = 16
 
-_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:[0-9]+|ipc://\S+|inproc://\S+)$")
+# Other processes must reach a shard: tcp (a host name, an IPv4 address, an interface, "*",
+# or a bracketed IPv6 address) or ipc, not inproc.
+_ENDPOINT = re.compile(r"^(tcp://([A-Za-z0-9*][A-Za-z0-9.*-]*|\[[0-9A-Fa-f:.]+\]):[0-9]+"
+                       r"|ipc://[^\s\0]+)$")
 
 
 def _parse_transport(source, table):
@@ -711,9 +722,7 @@ def _parse_worker(source, resources, table):
             values[key] = _seconds(source, f"worker.{key}", table[key], False)
     for key in ("work_dir", "log_dir"):
         if key in table:
-            if not isinstance(table[key], str) or not table[key]:
-                raise _invalid(source, f"worker.{key}", table[key], "a non-empty directory path")
-            values[key] = table[key]
+            values[key] = _dir_path(source, f"worker.{key}", table[key])
     if "default_plugin" in table:
         v = table["default_plugin"]
         if v not in PLUGINS:
@@ -739,10 +748,7 @@ def _parse_security(source, table, cluster_names):
     if "insecure" in table:
         values["insecure"] = _parse_bool(source, "security.insecure", table["insecure"])
     if "keys_dir" in table:
-        if not isinstance(table["keys_dir"], str) or not table["keys_dir"]:
-            raise _invalid(source, "security.keys_dir", table["keys_dir"],
-                           "a non-empty directory path")
-        values["keys_dir"] = table["keys_dir"]
+        values["keys_dir"] = _dir_path(source, "security.keys_dir", table["keys_dir"])
     if "server_key" in table:
         values["server_key"] = _check_name(source, "security.server_key", table["server_key"],
                                            key_is_name=False)
@@ -1091,6 +1097,13 @@ def _int(source, path, value, minimum, maximum=None):
         raise _invalid(source, path, value, allowed)
     if value < minimum or value > top:
         raise _invalid(source, path, value, allowed)
+    return value
+
+
+def _dir_path(source, path, value):
+    """A directory path: a non-empty string without a NUL byte (no system call takes one)."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise _invalid(source, path, value, "a non-empty directory path (no NUL byte)")
     return value
 
 

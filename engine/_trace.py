@@ -145,6 +145,8 @@ def parse_jsonl(lines, source="<trace>"):
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise TraceError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        except RecursionError:
+            raise TraceError(f"{where}: invalid JSON: nested too deeply") from None
         job = _jsonl_job(obj, where, lineno)
         _unique(source, jobs, seen, job, lineno)
     return Trace(source=source, jobs=_sort(jobs))

@@ -408,6 +408,14 @@ class LmdbStore(Store):
                     if "already open" in str(e):
                         raise StoreError(f"{self.path} is already open in this process (LMDB "
                                          f"allows one open per process)") from None
+                    if isinstance(e, lmdb.MemoryError) or "Cannot allocate memory" in str(e):
+                        # The map did not fit the address space left (ulimit -v, many large
+                        # partitions): nothing is wrong with the data.
+                        raise StoreError(
+                            f"{partition_dir(self.path, p)}: cannot map the partition "
+                            f"({self._map_size} bytes) into memory: {e}; lower storage."
+                            f"map_size or raise the address-space limit (ulimit -v). The "
+                            f"store itself is intact.") from None
                     raise CorruptRecord(p, "meta", None,
                                         f"cannot open the LMDB environment: {e}") from None
             self._open_locked(envs, shard, now_ns)

@@ -513,6 +513,19 @@ def test_a_spec_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
         f"byte 20)")
 
 
+def test_a_spec_file_nested_too_deeply_is_one_line_naming_it(tmp_path):
+    # json's RecursionError reached the CLI as INTERNAL (a bug).
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(tmp=tmp_path, port=_free_port(),
+                                 security="[security]\ninsecure = true"))
+    specs = tmp_path / "specs.json"
+    specs.write_text("[" * 100_000)
+    out = cli("submit", specs, "--config", cfg, "--request-timeout", "0.5")
+    assert out.returncode == 2
+    assert one_error_line(out, "INVALID_ARGUMENT") == (
+        f"leasehold: INVALID_ARGUMENT: {specs}: invalid JSON: nested too deeply")
+
+
 def test_an_idle_workers_heartbeat_refreshes_the_free_capacity_it_reports(env):
     # A worker reported 2 cpu free while a 6-cpu action ran; once idle, its empty
     # heartbeats say 8 again, and the gang that needs all 8 is placed.

@@ -487,6 +487,27 @@ def test_load_directory_is_unreadable(tmp_path):
         load_config(tmp_path)
 
 
+@pytest.mark.parametrize("key", ["[storage]\npath", "[status]\ndir", "[worker]\nwork_dir",
+                                 "[worker]\nlog_dir", "[security]\nkeys_dir"])
+def test_a_path_with_a_nul_byte_is_refused_naming_the_key(key):
+    # It passed the check; the shard then failed with "embedded null byte" (INTERNAL).
+    table, name = key.split("\n")
+    config_error(BASE + f'{table}\n{name} = "a\\u0000b"\n',
+                 f"{table[1:-1]}.{name}: 'a\\x00b' is invalid; allowed: a non-empty directory "
+                 f"path (no NUL byte)")
+
+
+def test_a_config_nested_too_deeply_or_too_large_is_refused(tmp_path):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="deep.toml: invalid TOML: nested too deeply"):
+        load_config(deep)
+    huge = tmp_path / "huge.toml"
+    huge.write_bytes(b"#" * (16 << 20) + b"\n")
+    with pytest.raises(ConfigError, match="huge.toml: not a config file: larger than 16 MiB"):
+        load_config(huge)
+
+
 def test_load_bad_toml(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('resources = ["cpu"\n')
@@ -885,11 +906,22 @@ def test_a_map_size_above_the_default_max_names_map_size():
     ('["ipc:///tmp/s", "tcp://h:1", "ipc:///tmp/s"]', "(shards 0 and 2 would bind the same one)"),
     ('["tcp://127.0.0.1:99999"]',
      "transport.endpoints: 'tcp://127.0.0.1:99999' is invalid; allowed: a tcp port 0..65535"),
+    # No other process can reach an inproc endpoint; a host is ASCII (it failed at bind).
+    ('["inproc://x"]', "allowed: a non-empty list of ZeroMQ endpoints (tcp://HOST:PORT or "
+                       "ipc://PATH)"),
+    ('["tcp://\u00fc:5"]', "allowed: a non-empty list of ZeroMQ endpoints"),
 ])
 def test_endpoints_that_cannot_all_bind_are_refused(endpoints, fragment):
     # They passed the check; the second shard then failed "Address already in use" at its
     # start (and the supervisor restarted it), a port past 65535 failed every bind.
     config_error(BASE + f"[transport]\nendpoints = {endpoints}\n", fragment)
+
+
+def test_endpoints_a_shard_may_bind_are_accepted():
+    eps = ["tcp://*:7000", "tcp://[::1]:7001", "tcp://eth0:7002", "tcp://host-1.example:7003",
+           "ipc:///tmp/leasehold-shard"]
+    assert parse(BASE + f"[transport]\nendpoints = {eps!r}\n".replace("'", '"')
+                 ).transport.endpoints == tuple(eps)
 
 
 def test_ephemeral_endpoints_may_repeat():

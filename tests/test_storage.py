@@ -1349,3 +1349,28 @@ def test_partition_and_read_argument_checks(h):
     with pytest.raises(ValueError):
         s.get(0, "actions", b"")
     s.close()
+
+
+def test_a_map_that_does_not_fit_the_address_space_is_not_called_corrupt(tmp_path):
+    # Under `ulimit -v` LMDB's mmap fails with ENOMEM: it was reported as a corrupt record,
+    # inviting an operator to delete a healthy store.
+    script = textwrap.dedent(f"""
+        import resource, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from storage import CorruptRecord, LmdbStore, StoreError
+        vm = int([x for x in open("/proc/self/status") if x.startswith("VmSize")][0]
+                 .split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
+        try:
+            LmdbStore({str(tmp_path / "data")!r}, partitions=2, map_size=4 << 30).open("s", 0)
+        except CorruptRecord as e:
+            print("corrupt:", e)
+        except StoreError as e:
+            print("store:", e)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("store: "), out.stdout
+    assert "cannot map the partition (4294967296 bytes) into memory" in out.stdout
+    assert "The store itself is intact" in out.stdout

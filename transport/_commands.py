@@ -398,6 +398,9 @@ def _load_file(path):
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise CommandError("INVALID_ARGUMENT", f"{path}: invalid {kind[1:].upper()}: "
                            f"{exc}") from None
+    except RecursionError:
+        raise CommandError("INVALID_ARGUMENT", f"{path}: invalid {kind[1:].upper()}: "
+                           f"nested too deeply") from None
     if isinstance(data, dict) and "template" in data:
         unknown = sorted(set(data) - {"template", "names", "inputs"})
         if unknown:
