@@ -6,6 +6,7 @@ socket, thread and store is closed in teardown."""
 import random
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -1768,3 +1769,30 @@ def test_a_registration_with_a_capacity_that_is_no_quantity_is_refused_naming_it
         insecure.worker(capacity={"cpu": "5 parsecs"})
     w = insecure.worker(name="east-2", capacity={"cpu": "500m"})     # a good one registers
     assert w.heartbeat([], free={"cpu": 0.5}) == []
+
+
+def test_leases_of_many_large_specs_go_in_messages_a_worker_can_decode(tmp_path):
+    # One LEASES message a worker: of many distinct large specs it passed the frame limit,
+    # and the worker dropped it whole (every lease then expired).
+    cfg = base_config(tmp_path)
+    cfg = replace(cfg, transport=replace(cfg.transport, max_header_bytes=64 << 10))
+    h = Harness(cfg, store=MemoryStore())
+    h.start()
+    try:
+        c = h.client()
+        # Registered after the enqueues: one tick leases all of them out at once.
+        w = h.worker(slots=1000, settings=cfg.transport, connect=False)
+        big = "v" * 2000
+        ids = []
+        for k in range(20):
+            specs = [spec(f"a{k}-{i}", resources={"cpu": "10m"},
+                          execute={"plugin": "process", "command": ["true"],
+                                   "env": {"PAD": big, "N": f"{k}-{i}"}})
+                     for i in range(10)]
+            ids += c.enqueue_many(specs)
+        w.connect()
+        got = w.leases(timeout=10, want=len(ids))
+        assert sorted(x.action for x in got) == sorted(ids)
+        assert h.shard.counters["leases_unsent"] == 0
+    finally:
+        h.close()

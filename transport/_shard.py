@@ -1210,13 +1210,26 @@ class _Loop:
             conn = self.worker_conn.get(wid)
             for lo in range(0, idx.size, self.settings.max_batch):
                 part = idx[lo:lo + self.settings.max_batch]
-                msg = self._leases(batch, part)
                 if conn is None:
                     self.shard._count("leases_unsent", int(part.size))
                     continue
-                self.pushes.append((conn, p.encode(msg), int(part.size)))
+                for frames, n in self._lease_frames(batch, part):
+                    self.pushes.append((conn, frames, n))
         if len(self.watch):
             self._watched_leases(batch)
+
+    def _lease_frames(self, batch, part):
+        """``[(frames, leases)]``: the LEASES of rows ``part`` of ``batch``, halved until each
+        message is within the frame limits a worker decodes with (leases of many distinct,
+        large specs could pass them; the worker would drop the message whole)."""
+        frames = p.encode(self._leases(batch, part))
+        s = self.settings
+        if part.size > 1 and (len(frames[1]) > s.max_header_bytes or any(
+                memoryview(f).nbytes > s.max_frame_bytes for f in frames[2:])):
+            half = part.size // 2
+            return (self._lease_frames(batch, part[:half])
+                    + self._lease_frames(batch, part[half:]))
+        return [(frames, int(part.size))]
 
     def _watched_leases(self, batch):
         """The INITIALIZING watch records of the run leases of ``batch`` whose runs are
