@@ -813,12 +813,14 @@ _MAX_SECONDS_RULE = f"at most {MAX_SECONDS} (10 years)"
 
 
 def _seconds(source, path, value, positive):
+    # A positive duration is at least a microsecond: less is 0 once made nanoseconds (a
+    # heartbeat interval of 5e-324 s made every lease expire as it was handed out).
     ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value > 0 if positive else value >= 0)
+          and math.isfinite(value) and (value >= 1e-6 if positive else value >= 0)
           and value <= MAX_SECONDS)
     if not ok:
         raise _invalid(source, path, value,
-                       "a number of seconds " + ("> 0" if positive else ">= 0")
+                       "a number of seconds " + (">= 0.000001" if positive else ">= 0")
                        + f" and {_MAX_SECONDS_RULE}")
     return float(value)
 

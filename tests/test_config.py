@@ -842,8 +842,11 @@ def test_tenant_errors_name_the_key(snippet, fragments):
 
 @pytest.mark.parametrize("snippet, fragments", [
     ("[engine]\nheartbeat_interval = 1e300\n",
-     ["engine.heartbeat_interval: 1e+300 is invalid; allowed: a number of seconds > 0 and "
-      "at most 315360000 (10 years)"]),
+     ["engine.heartbeat_interval: 1e+300 is invalid; allowed: a number of seconds "
+      ">= 0.000001 and at most 315360000 (10 years)"]),
+    # Positive, yet 0 once made nanoseconds: every lease expired as it was handed out.
+    ("[engine]\nheartbeat_interval = 5e-324\n", ["engine.heartbeat_interval: 5e-324 is invalid"]),
+    ("[engine]\nfinalize_timeout = 1e-12\n", ["engine.finalize_timeout: 1e-12 is invalid"]),
     ("[engine]\nfinalize_timeout = 1e10\n", ["engine.finalize_timeout: 10000000000.0"]),
     ("[engine]\nexpiry_jitter = 1e12\n", ["engine.expiry_jitter", "10 years"]),
     ("[storage]\nclaim_ttl = 1e300\n", ["storage.claim_ttl", "10 years"]),
