@@ -563,8 +563,8 @@ _SHAPES_CACHED = 4096
 
 def _ns(seconds):
     """A spec duration (seconds; None) as the int64 ns a column holds (NEVER: none, or too
-    long to matter)."""
+    long to matter: a stored spec may predate the 10-year bound)."""
     if seconds is None:
         return NEVER
-    ns = int(seconds * 1e9)
-    return ns if ns < NEVER else NEVER
+    ns = seconds * 1e9
+    return int(ns) if ns < NEVER else NEVER

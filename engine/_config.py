@@ -657,7 +657,7 @@ MAX_COMMIT_PIPELINE = 16
 
 # Other processes must reach a shard: tcp (a host name, an IPv4 address, an interface, "*",
 # or a bracketed IPv6 address) or ipc, not inproc.
-_ENDPOINT = re.compile(r"^(tcp://([A-Za-z0-9*][A-Za-z0-9.*-]*|\[[0-9A-Fa-f:.]+\]):[0-9]+"
+_ENDPOINT = re.compile(r"^(tcp://([A-Za-z0-9_.*-]+|\[[0-9A-Za-z:.%_-]+\]):[0-9]+"
                        r"|ipc://[^\s\0]+)$")
 
 

@@ -70,9 +70,10 @@ class Execution:
         return kind, cause or None
 
 
-def check_execution(ex, gang):
+def check_execution(ex, gang, strict=True):
     """Check an :class:`Execution` (``gang``: the action has several pods); raises
-    ``SpecError`` naming the key that is wrong."""
+    ``SpecError`` naming the key that is wrong. ``strict=False``: a stored one (see
+    ``compile_spec``), without the checks added since (NUL bytes, the 10-year bound)."""
     if not isinstance(ex, Execution):
         raise SpecError(f"execute: {ex!r} is not an Execution")
     if ex.plugin not in PLUGINS:
@@ -92,7 +93,7 @@ def check_execution(ex, gang):
                 raise SpecError(f"execute.env: {k!r} is not an environment variable name")
             if not isinstance(v, str):
                 raise SpecError(f"execute.env.{k} must be a string, not {v!r}")
-            if "\0" in v:
+            if strict and "\0" in v:
                 raise SpecError(f"execute.env.{k} contains a NUL byte (no process can take it)")
     if ex.plugin == "process":
         cmd = ex.command
@@ -100,7 +101,7 @@ def check_execution(ex, gang):
                 or not all(isinstance(a, str) for a in cmd) or not cmd[0]):
             raise SpecError("execute.command must be a non-empty list of strings (argv) "
                             "for the process plugin")
-        for i, arg in enumerate(cmd):
+        for i, arg in enumerate(cmd if strict else ()):
             if "\0" in arg:
                 raise SpecError(f"execute.command[{i}] contains a NUL byte (no process can "
                                 f"take it)")
@@ -117,8 +118,8 @@ def check_execution(ex, gang):
         d = ex.duration
         pair = d if isinstance(d, tuple) else (d, d)
         if (len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                  or not math.isfinite(x) or x < 0 or x > MAX_SECONDS
-                                  for x in pair)
+                                  or not math.isfinite(x) or x < 0
+                                  or (strict and x > MAX_SECONDS) for x in pair)
                 or pair[0] > pair[1]):
             raise SpecError(f"execute.duration {d!r} must be seconds >= 0, or [low, high] "
                             f"with 0 <= low <= high, at most {MAX_SECONDS} (10 years)")

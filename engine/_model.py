@@ -79,7 +79,7 @@ class ActionId:
         return f"{self.run_key}/{self.action}"
 
 
-def _seconds(value, what, allow_none=True, allow_zero=False):
+def _seconds(value, what, allow_none=True, allow_zero=False, cap=MAX_SECONDS):
     if value is None:
         if allow_none:
             return None
@@ -90,7 +90,7 @@ def _seconds(value, what, allow_none=True, allow_zero=False):
         raise SpecError(f"{what}: {value!r} is not a duration (seconds or timedelta)")
     if value < 0 or (value == 0 and not allow_zero):
         raise SpecError(f"{what}: {value!r} must be {'>= 0' if allow_zero else 'positive'}")
-    if value > MAX_SECONDS:
+    if cap is not None and value > cap:
         # Durations become int64 nanoseconds added to the clock: longer would overflow.
         raise SpecError(f"{what}: {value!r} is too long (at most {MAX_SECONDS} s, 10 years)")
     return float(value)
@@ -231,10 +231,13 @@ class CompiledAction:
     env_idle_ttl_ns: int
 
 
-def compile_spec(spec, resources, queue_names, default_queue):
+def compile_spec(spec, resources, queue_names, default_queue, strict=True):
     """Check ``spec`` against the shard's resources and queues and compile it.
 
-    Raises ``SpecError`` with a message naming the action and what is wrong.
+    Raises ``SpecError`` with a message naming the action and what is wrong. ``strict=False``
+    (a spec read back from the store) leaves out the checks added after specs were first
+    stored (the 10-year bound of durations, names without a NUL byte), so a store written
+    by an earlier version reloads as it was accepted.
     """
     if isinstance(spec, dict):
         spec = ActionSpec.from_dict(spec)
@@ -242,7 +245,7 @@ def compile_spec(spec, resources, queue_names, default_queue):
         raise SpecError(f"expected an ActionSpec, got {type(spec).__name__}")
     aid = ActionId.parse(spec.id)
     try:
-        return _compile(spec, aid, resources, queue_names, default_queue)
+        return _compile(spec, aid, resources, queue_names, default_queue, strict)
     except SpecError as exc:
         raise SpecError(f"action {aid}: {exc}") from None
 
@@ -258,12 +261,14 @@ def _name(value, what, optional=True):
         raise SpecError(f"{what}: {value!r} contains a NUL byte")
 
 
-def _compile(spec, aid, resources, queue_names, default_queue):
+def _compile(spec, aid, resources, queue_names, default_queue, strict):
     if not isinstance(spec.task, str) or not spec.task:
         raise SpecError("task name is required (a non-empty string)")
-    _name(spec.task, "task")
-    _name(spec.environment, "environment")
-    _name(spec.image, "image")
+    cap = MAX_SECONDS if strict else None
+    if strict:
+        _name(spec.task, "task")
+        _name(spec.environment, "environment")
+        _name(spec.image, "image")
     parent = None
     if spec.parent is not None:
         parent = ActionId.parse(spec.parent)
@@ -294,7 +299,8 @@ def _compile(spec, aid, resources, queue_names, default_queue):
                 raise SpecError(f"pods: {group!r} is not a PodGroup")
             if not isinstance(group.role, str) or not group.role:
                 raise SpecError("pods: every group needs a role")
-            _name(group.role, "pods: role")
+            if strict:
+                _name(group.role, "pods: role")
             if group.role in roles:
                 raise SpecError(f"pods: role {group.role!r} appears twice")
             roles.add(group.role)
@@ -318,7 +324,7 @@ def _compile(spec, aid, resources, queue_names, default_queue):
             raise SpecError("reuse needs an environment name (its pool is shared by name)")
         replicas = _count(reuse.replicas, "reuse.replicas", 1)
         concurrency = _count(reuse.concurrency, "reuse.concurrency", 1)
-        idle = _seconds(reuse.idle_ttl, "reuse.idle_ttl", allow_none=False)
+        idle = _seconds(reuse.idle_ttl, "reuse.idle_ttl", allow_none=False, cap=cap)
         env_slots = replicas * concurrency
         idle_ns = int(idle * 1e9)
         demand = _total(resources, pods[:1], np.array([replicas]), "reuse")
@@ -333,16 +339,18 @@ def _compile(spec, aid, resources, queue_names, default_queue):
     if not isinstance(retries, RetryPolicy):
         raise SpecError(f"retries: {retries!r} is not a RetryPolicy")
     _count(retries.count, "retries.count", 0)
-    _seconds(retries.backoff_base, "retries.backoff_base", allow_none=False, allow_zero=True)
+    _seconds(retries.backoff_base, "retries.backoff_base", allow_none=False, allow_zero=True,
+             cap=cap)
     if isinstance(retries.backoff_factor, bool) or not isinstance(
             retries.backoff_factor, (int, float)) or not retries.backoff_factor >= 1:
         raise SpecError(f"retries.backoff_factor: {retries.backoff_factor!r} must be >= 1")
-    _seconds(retries.backoff_cap, "retries.backoff_cap", allow_none=False, allow_zero=True)
+    _seconds(retries.backoff_cap, "retries.backoff_cap", allow_none=False, allow_zero=True,
+             cap=cap)
 
     timeouts = spec.timeouts
     if not isinstance(timeouts, Timeouts):
         raise SpecError(f"timeouts: {timeouts!r} is not a Timeouts")
-    bounds = {name: _seconds(getattr(timeouts, name), f"timeouts.{name}")
+    bounds = {name: _seconds(getattr(timeouts, name), f"timeouts.{name}", cap=cap)
               for name in ("deadline", "max_queued_time", "max_runtime")}
     # Durations given as timedelta are stored as seconds, the unit the engine computes in.
     if any(isinstance(getattr(timeouts, n), timedelta) for n in bounds):
@@ -351,11 +359,12 @@ def _compile(spec, aid, resources, queue_names, default_queue):
                                                                  timedelta):
         spec = replace(spec, retries=replace(
             retries, backoff_base=_seconds(retries.backoff_base, "retries.backoff_base",
-                                           allow_zero=True),
-            backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap", allow_zero=True)))
+                                           allow_zero=True, cap=cap),
+            backoff_cap=_seconds(retries.backoff_cap, "retries.backoff_cap", allow_zero=True,
+                                 cap=cap)))
     if spec.reuse is not None and isinstance(spec.reuse.idle_ttl, timedelta):
         spec = replace(spec, reuse=replace(spec.reuse, idle_ttl=float(idle)))
-    estimate = _seconds(spec.runtime_estimate, "runtime_estimate")
+    estimate = _seconds(spec.runtime_estimate, "runtime_estimate", cap=cap)
     if estimate is not None:
         if bounds["max_runtime"] is not None and estimate > bounds["max_runtime"]:
             raise SpecError(f"runtime_estimate {estimate:g}s exceeds timeouts.max_runtime "
@@ -364,7 +373,7 @@ def _compile(spec, aid, resources, queue_names, default_queue):
             spec = replace(spec, runtime_estimate=estimate)
 
     if spec.execute is not None:
-        check_execution(spec.execute, gang=int(pod_counts.sum()) > 1)
+        check_execution(spec.execute, gang=int(pod_counts.sum()) > 1, strict=strict)
 
     mac = spec.run_max_action_concurrency
     if isinstance(mac, bool) or not isinstance(mac, int) or mac < 0 or mac == 1:

@@ -922,7 +922,7 @@ def test_endpoints_that_cannot_all_bind_are_refused(endpoints, fragment):
 
 def test_endpoints_a_shard_may_bind_are_accepted():
     eps = ["tcp://*:7000", "tcp://[::1]:7001", "tcp://eth0:7002", "tcp://host-1.example:7003",
-           "ipc:///tmp/leasehold-shard"]
+           "tcp://my_host:7004", "tcp://[fe80::1%eth0]:7005", "ipc:///tmp/leasehold-shard"]
     assert parse(BASE + f"[transport]\nendpoints = {eps!r}\n".replace("'", '"')
                  ).transport.endpoints == tuple(eps)
 

@@ -712,3 +712,26 @@ def test_a_spec_duration_over_ten_years_is_refused_naming_it(field):
                                      runtime_estimate=1e300)])
     assert eng.inspect().action_rows == 0
     eng.close()
+
+
+def test_a_store_written_before_the_spec_duration_bound_still_reloads(monkeypatch):
+    # Stored specs are compiled again on reload: one an earlier version accepted (a max_runtime
+    # of 20 years meant "no bound") must not make the store unreadable ("corrupt").
+    import engine._model
+
+    twenty_years = 20 * 365 * 86400
+    eng, clock = open_engine(MemoryStore(4))
+    monkeypatch.setattr(engine._model, "MAX_SECONDS", float("inf"))    # the earlier rules
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/a1", task="t", resources={"cpu": 1},
+                                 timeouts=Timeouts(max_runtime=twenty_years,
+                                                   deadline=twenty_years))])
+    monkeypatch.undo()
+    with pytest.raises(SpecError, match="too long"):     # refused now at enqueue
+        eng.enqueue_many([ActionSpec(id="acme/p/d/r/a2", task="t", resources={"cpu": 1},
+                                     timeouts=Timeouts(max_runtime=twenty_years))])
+    again, clock = restart(eng, clock)
+    assert again.phase("acme/p/d/r/a1") == Phase.QUEUED
+    assert again.explain("acme/p/d/r/a1").phase == Phase.QUEUED
+    placed = again.tick()
+    assert [str(a.action) for a in placed] == ["acme/p/d/r/a1"]
+    again.close()
