@@ -105,6 +105,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._stopped = None        # why the shard stopped (lost ownership), or None
         self._tenant_parts = {}     # tenant -> partition (a cache of partition_of)
         self._depth = 0             # nesting of transitions in the current loop turn
+        self._turn_failed = False   # a call inside this turn raised something unexpected
         self._deferring = False     # the current turn is deferred (decide / deferred_turn)
         self._hand_out_own = False  # ... and may hand out what is not committed yet
         self._pending = collections.deque()   # deferred groups not committed yet, in order
@@ -450,6 +451,14 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             self._store.close()     # the claims go even when that last write failed
 
     @property
+    def turn_failed(self):
+        """True when a call inside the current loop turn raised something other than the
+        engine's own refusals (a bug, an overflow): memory may hold part of that call, so
+        the turn is undone when it ends (memory restored to what the store holds) and
+        nothing of it is written, even if the caller went on after the error."""
+        return self._turn_failed
+
+    @property
     def stopped(self):
         """Why this engine serves no more (``"ownership lost: ..."``: another shard took its
         store over, so every further turn is refused), or None while it serves. A process
@@ -642,8 +651,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         queued and later actions of the key predict from it at once. Durable like every
         transition. A malformed record or key raises ``ValueError`` naming the key; nothing
         changes."""
+        self.history.load(key, data)    # (before the turn: a refusal changes nothing)
         with self._turn():
-            self.history.load(key, data)
             self._task_row(key)
             self._history_dirty.add(key)
             self._refresh_prediction(key, self._tasks[key])

@@ -101,7 +101,20 @@ class _Turn:
     def __exit__(self, exc_type, exc, tb):
         eng = self._eng
         eng._depth -= 1
+        if exc_type is not None and not issubclass(exc_type, (LeaseholdError, StoreError)):
+            # Not a refusal (those are raised before anything changes): memory may hold part
+            # of the call (rows taken, counters moved, before any row was marked dirty).
+            eng._turn_failed = True
         if eng._depth == 0:
+            failed, eng._turn_failed = eng._turn_failed, False
+            if exc_type is None and failed:
+                # The caller went on after that error (a shard answers it and serves the
+                # turn's other requests): nothing of the turn may be written.
+                eng._discard_pending()
+                eng._restore()
+                raise StoreError("a call inside this loop turn failed unexpectedly: memory "
+                                 "was restored to what the store holds and nothing of the "
+                                 "turn was written")
             if exc_type is None and eng._deferring:
                 # (A tick that placed anything has dirty arrays: no _has_dirty call.)
                 eng._pending_batch = (eng._encode() if eng._dirty_arrays or eng._has_dirty()
@@ -110,15 +123,12 @@ class _Turn:
                 eng._clear_dirty()
             elif exc_type is None:
                 eng._commit()
-            elif eng._has_dirty() or (eng._stopped is None
-                                      and not issubclass(exc_type, LeaseholdError)):
+            elif eng._has_dirty() or (failed and eng._stopped is None):
                 # An error after memory changed: put memory back to what disk holds
-                # (which also discards every pending deferred group). A refusal is raised
-                # before anything changes (the engine checks first); anything else (a bug, an
-                # overflow) may have changed memory before a row was marked dirty (rows
-                # allocated, counters moved), so memory is restored then too: otherwise the
-                # next turn writes past a row the store never got, and no reload could read
-                # that store back ("rows are not dense").
+                # (which also discards every pending deferred group). After an unexpected
+                # error that is so even with nothing marked dirty: otherwise the next turn
+                # could write past a row the store never got, and no reload could read that
+                # store back ("rows are not dense").
                 eng._discard_pending()
                 eng._restore()
         return False

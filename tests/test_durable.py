@@ -735,3 +735,39 @@ def test_a_store_written_before_the_spec_duration_bound_still_reloads(monkeypatc
     placed = again.tick()
     assert [str(a.action) for a in placed] == ["acme/p/d/r/a1"]
     again.close()
+
+
+def test_an_error_caught_inside_an_outer_turn_still_undoes_that_turn(tmp_path):
+    # A shard runs every request inside one loop turn and answers an error without ending
+    # the turn: the half-made enqueue must not be committed with the turn's other work.
+    store = LmdbStore(str(tmp_path / "data"), partitions=4)
+    eng, clock = open_engine(store)
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/a1", task="t", resources={"cpu": 1})])
+    buggy = ActionSpec(id="acme/p/d/r/a2", task="t", resources={"cpu": 1},
+                       timeouts=Timeouts(max_runtime=_BuggySeconds(60)))
+    with pytest.raises(StoreError, match="failed unexpectedly: memory was restored"):
+        with eng.turn():
+            eng.enqueue_many([ActionSpec(id="acme/p/d/r/b1", task="u",
+                                         resources={"cpu": 1})])
+            with pytest.raises(RuntimeError, match="injected bug"):
+                eng.enqueue_many([buggy])
+            assert eng.turn_failed
+    assert not eng.turn_failed
+    for aid in ("acme/p/d/r/a2", "acme/p/d/r/b1"):      # nothing of that turn was written
+        with pytest.raises(NotFound):
+            eng.phase(aid)
+    eng.enqueue_many([ActionSpec(id="acme/p/d/r/a3", task="t", resources={"cpu": 1})])
+    again, _ = restart(eng, clock)
+    assert again.phase("acme/p/d/r/a3") == Phase.QUEUED
+    assert again.inspect().action_rows == 2
+    again.close()
+
+
+def test_a_refused_history_record_changes_nothing_and_reloads_nothing():
+    eng, _ = open_engine(MemoryStore(4))
+    history = eng.history
+    with pytest.raises(ValueError, match="bad record header|bytes"):
+        eng.load_history(("t", "cpu=1"), b"not a history record")
+    assert not eng.turn_failed
+    assert eng.history is history           # memory was not reloaded from the store
+    eng.close()

@@ -297,8 +297,8 @@ def test_a_second_shard_on_a_live_shards_store_is_refused_and_the_first_serves_o
     done = rig.run("shard", "--config", str(other))
     assert done.returncode != 0
     line = one_line(done.stderr)
-    assert "UNAVAILABLE" in line and "held by a live shard" in line, line
-    assert f"pid {first.pid}" in line, line
+    assert "UNAVAILABLE" in line and f"is held by shard pid {first.pid} on host" in line, line
+    assert str(cfg) in line, line       # the holder's config, from its lock file
     with rig.client(port) as c:
         c.enqueue_fanout({"id": f"{RUN}/x", "task": "t", "resources": {"cpu": "10m"}}, ["a"])
         assert c.status([f"{RUN}/a"]) == [Phase.WAITING_FOR_RESOURCES]   # no worker

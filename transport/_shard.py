@@ -30,6 +30,7 @@ import dataclasses
 import importlib
 import itertools
 import logging
+import os
 import signal
 import threading
 import time
@@ -832,9 +833,13 @@ class _Loop:
             raise           # the turn fails as a whole
         except LeaseholdError as exc:
             self.error(conn, rid, _code(exc), f"{msg.TYPE.name}: {exc}")
-        except (ValueError, TypeError) as exc:    # an argument the engine refused
-            self.error(conn, rid, "INVALID_ARGUMENT", f"{msg.TYPE.name}: {exc}")
         except Exception as exc:
+            if isinstance(exc, (ValueError, TypeError)) and not self.eng.turn_failed:
+                # An argument refused before the engine changed anything.
+                self.error(conn, rid, "INVALID_ARGUMENT", f"{msg.TYPE.name}: {exc}")
+                return
+            # A bug (or an error part-way through an engine call): the turn is undone and
+            # runs again without this request.
             log.exception("shard %s: %s failed", self.shard.name, msg.TYPE.name)
             raise _Poison(self.index, conn, rid, f"{msg.TYPE.name}: internal error in the shard: "
                                      f"{type(exc).__name__}: {exc}"[:4000]) from exc
@@ -1677,26 +1682,31 @@ def _refused(rid, refused):
                      verdicts=np.array([int(r.verdict) for r in refused], np.uint8))
 
 
+#: The lock file a `leasehold shard` process holds in its store directory.
+SHARD_LOCK_NAME = "shard.lock"
+
+
 def run_shard(config_path, shard_index):
     """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0."""
-    from transport._supervisor import SupervisorError, store_held
+    from transport._supervisor import SupervisorError, hold_lock
 
     shard = Shard(config_path, shard_index, freeze_heap=True)
     try:
         # The store would let this process take a running shard's claim over (a restart
-        # of the same shard name), leaving that one fenced and serving nothing: refused.
-        problem = store_held(shard.config.storage.path)
-    except SupervisorError as exc:
+        # of the same shard name), leaving that one fenced and serving nothing: one shard
+        # process a store on this host, held by a lock the kernel drops when it dies.
+        lock = hold_lock(shard.config.storage.path, SHARD_LOCK_NAME, "shard", config_path)
+    except (SupervisorError, OSError) as exc:
         raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
-    if problem is not None:
-        raise CommandError("UNAVAILABLE", f"shard {shard.name}: {problem}")
-    shard.install_signal_handlers()
     try:
+        shard.install_signal_handlers()
         shard.serve()
     except (zmq.ZMQError, StoreError) as exc:
         # It cannot serve here now (its endpoint is taken, its store is held or broken):
         # UNAVAILABLE, not INTERNAL as if a bug.
         raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
+    finally:
+        os.close(lock)
     return 0
 
 

@@ -178,26 +178,8 @@ class Supervisor:
                 _check_tcp(f"status.metrics {m}", host, port)
 
     def _acquire_lock(self):
-        base = Path(self.config.storage.path)
-        base.mkdir(parents=True, exist_ok=True)
-        path = base / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = _read_lock(fd)
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise SupervisorError(f"store {base}: cannot lock {path}: "
-                                      f"{exc.strerror}") from None
-            raise SupervisorError(f"store {base} is held by {holder}: stop it first "
-                                  f"(SIGTERM) or use another storage.path") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({
-            "pid": os.getpid(), "host": socket.gethostname(), "config": str(self.config_path),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        }).encode() + b"\n")
-        self._lock_fd = fd
+        self._lock_fd = hold_lock(self.config.storage.path, LOCK_NAME, "supervisor",
+                                  self.config_path)
 
     def _release_lock(self):
         if self._lock_fd is not None:
@@ -501,15 +483,44 @@ def _port_holder(port):
     return ""
 
 
-def _read_lock(fd):
+def hold_lock(base, name, role, config_path):
+    """Lock ``base/name`` (``flock``, made if needed) for as long as this process lives or
+    until the returned descriptor is closed; the file says who holds it. A lock held by a
+    live process raises ``SupervisorError`` naming it (the kernel drops the lock of a
+    process that died, so a crash never leaves it held)."""
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _read_lock(fd, role)
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise SupervisorError(f"store {base}: cannot lock {path}: "
+                                  f"{exc.strerror}") from None
+        raise SupervisorError(f"store {base} is held by {holder}: stop it first "
+                              f"(SIGTERM) or use another storage.path") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({
+        "role": role, "pid": os.getpid(), "host": socket.gethostname(),
+        "config": str(config_path),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }).encode() + b"\n")
+    return fd
+
+
+def _read_lock(fd, role):
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         info = json.loads(os.read(fd, 4096).decode() or "{}")
     except (OSError, ValueError):
         info = {}
+    role = info.get("role", role)
     if not info.get("pid"):
-        return "another supervisor (its lock file names no pid yet)"
-    return (f"supervisor pid {info['pid']} on host {info.get('host', '?')} (config "
+        return f"another {role} (its lock file names no pid yet)"
+    return (f"{role} pid {info['pid']} on host {info.get('host', '?')} (config "
             f"{info.get('config', '?')}, started {info.get('started', '?')})")
 
 
