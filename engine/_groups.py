@@ -157,8 +157,9 @@ def check_names(names, inputs):
         if len(inputs) != len(names):
             raise SpecError(f"inputs has {len(inputs)} items for {len(names)} names")
         for i, ref in enumerate(inputs):
-            if ref is not None and (not isinstance(ref, str)
+            if ref is not None and (not isinstance(ref, str) or "\0" in ref
                                     or len(ref.encode()) > MAX_INPUT_REF):
+                # (It reaches the attempt as an environment variable: no NUL byte.)
                 raise SpecError(f"inputs[{i}]: an input reference is a string of at most "
-                                f"{MAX_INPUT_REF} bytes, not {ref!r:.80}")
+                                f"{MAX_INPUT_REF} bytes without a NUL byte, not {ref!r:.80}")
     return names, inputs

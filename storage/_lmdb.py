@@ -416,6 +416,13 @@ class LmdbStore(Store):
                             f"({self._map_size} bytes) into memory: {e}; lower storage."
                             f"map_size or raise the address-space limit (ulimit -v). The "
                             f"store itself is intact.") from None
+                    if not isinstance(e, (lmdb.CorruptedError, lmdb.InvalidError,
+                                          lmdb.VersionMismatchError, lmdb.PanicError,
+                                          lmdb.PageNotFoundError, lmdb.BadChecksumError)):
+                        # Permissions, a read-only file system, a lock: the data may be
+                        # fine, so not "corrupt" (an operator might delete a healthy store).
+                        raise StoreError(f"{partition_dir(self.path, p)}: cannot open the "
+                                         f"LMDB environment: {e}") from None
                     raise CorruptRecord(p, "meta", None,
                                         f"cannot open the LMDB environment: {e}") from None
             self._open_locked(envs, shard, now_ns)

@@ -182,6 +182,8 @@ def test_a_fan_out_again_is_a_no_op_and_only_new_names_are_added():
     (["a", "b"], ["x"], "inputs has 1 items for 2 names"),
     (["a"], [3], r"inputs\[0\]"),
     (["a"], ["x" * 5000], r"inputs\[0\]"),
+    # It reaches the attempt as an environment variable: no process can take a NUL byte.
+    (["a", "b"], ["ok", "s3://x\0y"], r"inputs\[1\]: .* without a NUL byte"),
 ])
 def test_bad_fan_outs_are_refused_naming_the_item_and_store_nothing(names, inputs, match):
     eng = engine()

@@ -1210,6 +1210,16 @@ def test_foreign_lmdb_environment_is_refused(hl):
         hl.new().open("a", T0)
 
 
+def test_an_environment_that_cannot_be_opened_is_not_called_corrupt(hl):
+    # A partition path that is not a directory (permissions and read-only file systems alike):
+    # nothing says the data is bad, so not CorruptRecord (an operator might delete the store).
+    hl.path.mkdir(parents=True, exist_ok=True)
+    (hl.path / "p00").write_text("not a directory")
+    with pytest.raises(StoreError, match="p00: cannot open the LMDB environment") as err:
+        hl.new().open("a", T0)
+    assert not isinstance(err.value, CorruptRecord)
+
+
 # --------------------------------------------------------------------------------------------
 # partition hash
 
