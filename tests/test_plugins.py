@@ -684,6 +684,15 @@ def hog(mb, secs):
     x = "x" * (mb * 2**20)
     time.sleep(secs)
     return len(x)
+
+
+class _BadRepr:
+    def __repr__(self):
+        raise ValueError("repr fails")
+
+
+def bad_repr():
+    return _BadRepr()
 """
 
 
@@ -728,6 +737,27 @@ def test_python_success_output_in_the_log_with_the_pid(tmp_path, plugins, funcs)
     assert "on stderr" in text and "returned {'doubled': 42}" in text
     run_for(plugin, 0.2)
     assert plugin.pools() == [] and gone([int(pid)], 1.0)   # a pool of one, freed
+
+
+def test_python_a_return_value_whose_repr_raises_still_succeeds(tmp_path, plugins, funcs):
+    # The value is ignored; its repr raising was taken for a failure to open the log and the
+    # call ran again as a system error.
+    plugin = plugins(PythonPlugin)
+    att = make_attempt(tmp_path, funcs("bad_repr"))
+    plugin.start(att)
+    changes = drive(plugin, [att.key])[att.key]
+    assert [c.phase for c in changes] == [Phase.RUNNING, Phase.SUCCEEDED]
+    assert "returned a _BadRepr (its repr raised ValueError)" in att.log_path.read_text()
+
+
+def test_process_a_last_line_longer_than_the_tail_is_shown_cut(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin)
+    att = make_attempt(tmp_path, py("raise ValueError('bad config: ' + 'k=v,' * 1000)"))
+    plugin.start(att)
+    out = outcome_of(drive(plugin, [att.key])[att.key])
+    assert out.error_kind == "USER" and "exited with code 1" in out.message
+    tail = out.message.split("tail of its log", 1)[1]
+    assert "k=v,k=v," in tail and "\u2026" in tail      # its end, marked as cut
 
 
 def test_python_exception_is_user_with_the_traceback_tail(tmp_path, plugins, funcs):

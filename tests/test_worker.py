@@ -383,6 +383,42 @@ def test_an_attempt_gets_a_log_path_only_when_its_plugin_logs(rig, tmp_path):
     assert att.log_path.parent.is_dir()     # made for the plugin before start
 
 
+class LoggingFinalizing(Controlled):
+    logs = True
+    finalizes = True
+
+
+def test_an_id_whose_segments_pass_a_file_name_limit_runs_and_the_worker_serves_on(rig):
+    # Ids allow 1,024 characters; a segment over 255 bytes made the attempt's mkdir fail, and
+    # the worker crashed ending it (KeyError: its demand was set but never counted).
+    r = rig(LoggingFinalizing(instant=True))
+    run = "acme/ml/prod/" + "r" * 300
+    long_id, short_id = f"{run}/" + "n" * 400, f"{RUN}/after"
+    r.client.enqueue(spec("x", id=long_id))
+    r.client.enqueue(spec("x", id=short_id))
+    got = r.client.wait([long_id, short_id], timeout=10)
+    assert got == {long_id: Phase.SUCCEEDED, short_id: Phase.SUCCEEDED}
+    att = next(a for a in r.plugin.started.values() if a.action == long_id)
+    assert all(len(part) <= 255 for part in att.log_path.parts)
+    assert all(len(part) <= 255 for part in att.workdir.parts)
+    assert att.log_path.parent.is_dir()     # (the workdir: its finalize lease removes it)
+    assert r.worker.stats()["plugin_errors"] == 0
+
+
+def test_an_attempt_whose_directory_cannot_be_made_fails_alone(rig, tmp_path):
+    # Its start failed before its demand was counted, and ending it raised KeyError out of
+    # the worker's loop: the worker died with every attempt it held.
+    (tmp_path / "afile").write_text("a regular file")
+    r = rig(Logging(instant=True), log_dir=str(tmp_path / "afile" / "logs"))
+    r.client.enqueue(spec("x", retries={"count": 0}))
+    assert r.client.wait([f"{RUN}/x"], timeout=10) == {f"{RUN}/x": Phase.FAILED}
+    exp = r.client.explain(f"{RUN}/x")
+    assert "START_FAILED" in str(exp) and "afile" in str(exp), exp
+    assert r.worker.wait(timeout=0.5) is None       # still serving
+    r.client.enqueue(spec("y", retries={"count": 0}))
+    assert r.client.wait([f"{RUN}/y"], timeout=10) == {f"{RUN}/y": Phase.FAILED}
+
+
 def test_max_runtime_ends_the_attempt_timed_out(rig):
     r = rig()
     r.client.enqueue(spec("slow", timeouts={"max_runtime": 0.3}))
@@ -445,7 +481,15 @@ def test_leasehold_worker_refuses_a_bad_invocation_in_one_line(tmp_path):
     assert out.returncode == 2 and "cluster 'west' is not configured" in out.stderr
     out = _cli("worker", "--config", str(cfg), "--cluster", "east", "--slots", "0")
     assert out.returncode == 2 and "--slots" in out.stderr
-    for o in (out,):
+    # A log directory it cannot make would fail every attempt it took: refused at start.
+    (tmp_path / "afile").write_text("a regular file")
+    cfg.write_text('resources = ["cpu"]\n[clusters.east]\n[security]\ninsecure = true\n'
+                   '[transport]\nendpoints = ["tcp://127.0.0.1:9"]\n'
+                   f'[worker]\nlog_dir = "{tmp_path / "afile" / "logs"}"\n')
+    made = _cli("worker", "--config", str(cfg), "--cluster", "east")
+    assert made.returncode == 2 and "INVALID_CONFIG" in made.stderr
+    assert "worker.log_dir" in made.stderr and "cannot make the directory" in made.stderr
+    for o in (out, made):
         assert "Traceback" not in o.stderr
 
 

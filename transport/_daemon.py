@@ -15,6 +15,7 @@ worker stops every one of those attempts before anyone else can run them twice, 
 reconnects or exits non-zero (``worker.on_shard_lost``).
 """
 
+import hashlib
 import heapq
 import logging
 import math
@@ -303,8 +304,9 @@ class Worker:
         return self.exit_code
 
     def install_signal_handlers(self):
-        """SIGTERM drains; SIGINT stops."""
+        """SIGTERM and SIGHUP (its terminal or session gone) drain; SIGINT stops."""
         signal.signal(signal.SIGTERM, lambda *_: self.drain())
+        signal.signal(signal.SIGHUP, lambda *_: self.drain())
         signal.signal(signal.SIGINT, lambda *_: self.stop(timeout=0))
 
     def stats(self):
@@ -608,10 +610,12 @@ class Worker:
             if how is None:         # a failure is not kept: each lease reports its own
                 how = made[id(h.spec)] = self._how(h)
             spec, ex, plugin, demand, pods = how
-            h.demand = demand
             att = self._attempt(h, spec, ex, plugin, pods)
             h.attempt, h.plugin = att, plugin
             h.cleanup = plugin.finalizes
+            # Set only where it is counted: an attempt that failed before (its directory
+            # could not be made) has nothing to uncount when it ends.
+            h.demand = demand
             held = self._held_shapes.get(id(demand))
             if held is None:
                 self._held_shapes[id(demand)] = [demand, 1]
@@ -695,6 +699,12 @@ class Worker:
         # segments of [A-Za-z0-9_.-] starting alphanumeric: safe as paths. Strings (joining
         # Path objects cost more than the sim plugin's start).
         run, _, name = action.rpartition("/")
+        if len(action) > _SHORT_SEGMENTS:
+            # A segment may pass a file system's 255-byte name limit (ids allow 1,024
+            # characters): a long one is cut and told apart by a digest of it.
+            run = "/".join(map(_path_segment, run.split("/")))
+            name = _path_segment(name)
+            action = f"{run}/{name}"
         logs = f"{self._logs}/{run}"
         return f"{self._work}/{action}/{attempt}", logs, f"{logs}/{name}.{attempt}.log"
 
@@ -1037,6 +1047,20 @@ class Worker:
                                                                strict=True)}
 
 
+#: Action ids up to this long have no path segment that needs cutting (_path_segment).
+_SHORT_SEGMENTS = 200
+_SEGMENT_KEEP = 160
+
+
+def _path_segment(segment):
+    """``segment`` as a file name: itself up to _SHORT_SEGMENTS characters, else its first
+    _SEGMENT_KEEP and a digest of the whole (room is left for ``.ATTEMPT.log``)."""
+    if len(segment) <= _SHORT_SEGMENTS:
+        return segment
+    digest = hashlib.blake2b(segment.encode(), digest_size=8).hexdigest()
+    return f"{segment[:_SEGMENT_KEEP]}~{digest}"
+
+
 def _make_dir(path):
     """``Path(path).mkdir(parents=True, exist_ok=True)`` in one system call when the parent
     exists (a directory an attempt, made on the way to starting it)."""
@@ -1077,6 +1101,13 @@ def _default_name(config, cluster):
 def run_worker(config_path, cluster, name=None, slots=None, node=None):
     """``leasehold worker``: serve until SIGTERM (drain) or SIGINT; returns the exit code."""
     w = Worker(config_path, cluster, name=name, slots=slots, node=node)
+    for what, path in (("worker.work_dir", w.work_dir), ("worker.log_dir", w.log_dir)):
+        # Made now: one it cannot make would fail every attempt it takes.
+        try:
+            _make_dir(path)
+        except OSError as exc:
+            raise CommandError("INVALID_CONFIG", f"worker {w.name}: {what} {path}: cannot "
+                               f"make the directory: {exc.strerror or exc}") from None
     w.install_signal_handlers()
     freeze_heap()       # its own process: start-up objects leave the collector's view
     try:

@@ -245,7 +245,10 @@ class _Child:
                 done = self._failed(cid, "raise", exc, logf)
                 done["started"] = True
                 return done
-            text = repr(result)
+            try:
+                text = repr(result)
+            except BaseException as exc:    # the value is ignored: its repr may not fail it
+                text = f"a {type(result).__name__} (its repr raised {type(exc).__name__})"
             if len(text) > REPR_CHARS:
                 text = text[:REPR_CHARS] + "..."
             logf.write(f"leasehold: returned {text}\n")

@@ -60,8 +60,10 @@ def log_tail(path, max_bytes=TAIL_BYTES, max_lines=TAIL_LINES):
     except OSError:
         return ""
     lines = data.decode("utf-8", "replace").splitlines()
-    if size > max_bytes and lines:
+    if size > max_bytes and len(lines) > 1:
         lines = lines[1:]           # the first line was cut by the seek
+    elif size > max_bytes and lines:
+        lines[0] = "\u2026" + lines[0]    # one line longer than the tail: its end, marked
     return "\n".join(lines[-max_lines:])
 
 
