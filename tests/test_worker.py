@@ -419,6 +419,23 @@ def test_an_attempt_whose_directory_cannot_be_made_fails_alone(rig, tmp_path):
     assert r.client.wait([f"{RUN}/y"], timeout=10) == {f"{RUN}/y": Phase.FAILED}
 
 
+def test_a_second_worker_of_the_same_name_displaces_the_first_which_exits_loudly(rig, caplog):
+    # Both registered again at every request, taking the name from each other: every lease
+    # of both expired. The later one keeps the name; the earlier one stops and exits 2.
+    r = rig(Controlled(instant=True))
+    second = Worker(r.cfg, "east", name="east-1", slots=10,
+                    plugins={"sim": Controlled(instant=True)},
+                    endpoints=[r.shard.endpoint], timeout=2.0).start()
+    try:
+        assert r.worker.wait(timeout=10) == 2       # the first one, at its next heartbeat
+        assert "registered by another connection" in caplog.text
+        r.client.enqueue(spec("after"))
+        assert r.client.wait([f"{RUN}/after"], timeout=10) == {f"{RUN}/after": Phase.SUCCEEDED}
+        assert second.wait(timeout=0.5) is None     # the second one serves on
+    finally:
+        second.stop(timeout=10)
+
+
 def test_max_runtime_ends_the_attempt_timed_out(rig):
     r = rig()
     r.client.enqueue(spec("slow", timeouts={"max_runtime": 0.3}))

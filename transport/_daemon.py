@@ -449,6 +449,9 @@ class Worker:
             sent, _at = self._inflight.pop((sh.index, msg.rid), (None, 0.0))
             if msg.code == "NOT_FOUND" and "not registered" in msg.message:
                 self._reregister(sh, sent)
+            elif msg.code == "ALREADY_EXISTS" and "registered by another connection" in \
+                    msg.message:
+                self._displaced(sh, msg.message, now)
             else:
                 self._count("report_errors")
                 log.error("worker %s: shard %s answered %s with %s: %s", self.name,
@@ -995,6 +998,18 @@ class Worker:
                     log.warning("worker %s: shard %s still unreachable: %s", self.name,
                                 sh.conn.endpoint, exc)
                     sh.retry_at = time.monotonic() + 1.0
+
+    def _displaced(self, sh, why, now):
+        # Another worker took this one's name at the shard: serving on would take it back
+        # at every request, and both workers' leases would expire. Stop, loudly.
+        held = [h for h in self._held.values() if h.shard == sh.index]
+        log.error("worker %s: shard %s: %s; stopping the %d attempt(s) held from it and "
+                  "exiting", self.name, sh.conn.endpoint, why, len(held))
+        for h in held:
+            self._stop_attempt(h, "another worker took this one's name")
+            self._forget(h)
+        self.exit_code = 2
+        self._stop.set()
 
     def _lose(self, sh, now):
         held = [h for h in self._held.values() if h.shard == sh.index]

@@ -121,11 +121,12 @@ def _plain(value):
 class _Conn:
     """One connection (routing id): its requests outstanding this turn, its worker."""
 
-    __slots__ = ("outstanding", "worker")
+    __slots__ = ("outstanding", "worker", "displaced")
 
     def __init__(self):
         self.outstanding = 0
         self.worker = None
+        self.displaced = None   # the worker id another connection registered after this one
 
 
 class Shard:
@@ -1052,10 +1053,18 @@ class _Loop:
     # ------------------------------------------------------------------ workers
 
     def on_register(self, conn, c, peer, msg):
+        current = self.worker_conn.get(msg.worker)
+        if c.displaced == msg.worker and current not in (None, conn) and current in self.conns:
+            # Registered again from another connection since: two live workers share one
+            # name, each taking the name back from the other at its next request (every
+            # lease of both then expired). The later one keeps it; this one is told so.
+            raise _Displaced(_displaced_text(msg.worker))
         self.eng.register_worker(msg.worker, msg.cluster, msg.slots, capacity=msg.capacity)
-        old = self.worker_conn.get(msg.worker)
+        c.displaced = None
+        old = current
         if old is not None and old != conn and old in self.conns:
             self.conns[old].worker = None
+            self.conns[old].displaced = msg.worker
         self.worker_conn[msg.worker] = conn
         c.worker = msg.worker
         self.session_no += 1
@@ -1064,6 +1073,8 @@ class _Loop:
         self.want_tick = True
 
     def _worker(self, conn, c, msg):
+        if c.worker is None and c.displaced is not None:
+            raise _Displaced(f"{msg.TYPE.name}: {_displaced_text(c.displaced)}")
         if c.worker is None or self.worker_conn.get(c.worker) != conn:
             raise _NotRegistered(f"{msg.TYPE.name}: this connection has not registered a "
                                  f"worker (send REGISTER first)")
@@ -1671,6 +1682,16 @@ class _NotRegistered(LeaseholdError):
 
 class _Unimplemented(LeaseholdError):
     code = "UNIMPLEMENTED"
+
+
+class _Displaced(LeaseholdError):
+    code = "ALREADY_EXISTS"
+
+
+def _displaced_text(worker):
+    return (f"worker {worker!r} was registered by another connection after this one: a "
+            f"worker's name must be unique (is another process running as {worker!r}?); "
+            f"this connection holds no session")
 
 
 def _refused(rid, refused):
