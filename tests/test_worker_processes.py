@@ -269,6 +269,28 @@ def test_a_worker_stopped_past_expiry_stops_its_attempts_when_resumed(cluster, t
     assert b.poll() is None
 
 
+def test_a_worker_resumed_after_a_pause_runs_the_retry_it_is_given(cluster, tmp_path):
+    # Resumed, it heartbeated the old session first (the shard then placed the retry there)
+    # and abandoned that session a moment later: the retry's lease expired unused and the
+    # action needed a third attempt.
+    c = cluster()
+    a = c.worker("east-1", slots=10)
+    marks = tmp_path / "attempts"
+    c.client.subscribe(RUN)
+    c.client.enqueue(spec("p", {"plugin": "process", "command": [
+        "sh", "-c", f"echo $$ >> {marks}; sleep 2"]}))
+    until(lambda: marks.exists() and marks.read_text().strip(), 30, "the first attempt")
+    os.kill(a.pid, signal.SIGSTOP)
+    time.sleep(3.0)                     # past the lease ttl (1.2 s): the lease expires
+    os.kill(a.pid, signal.SIGCONT)
+    seen, done = events_until_done(c, {f"{RUN}/p"}, 60)
+    assert done == {f"{RUN}/p": "SUCCEEDED"}
+    final = [e for e in seen if e.action == f"{RUN}/p" and e.phase == "SUCCEEDED"]
+    assert final[-1].attempt == 2, [(e.phase, e.attempt, e.detail) for e in seen]
+    assert len(marks.read_text().split()) == 2      # two processes started, not three
+    assert a.poll() is None
+
+
 def test_an_action_over_its_memory_limit_is_oom_and_retried(cluster):
     c = cluster(system_retries=1)
     c.worker()

@@ -390,6 +390,12 @@ class Worker:
             now = time.monotonic()
             ready = dict(poller.poll(max(0, math.ceil((self._next_due(now) - now) * 1000))))
             now = time.monotonic()
+            # A shard silent past the lease ttl is lost before anything of it is taken or
+            # sent: after a pause (SIGSTOP, a frozen VM) a lease pushed meanwhile would be
+            # started, or a heartbeat would tell the shard the old session lives and has room
+            # (so it places work there), and the worker would then abandon that session, the
+            # lease just given expiring with it.
+            self._check_shards(now)
             for sh in self._shards:
                 # A socket with nothing to read is not asked (a receive that finds nothing
                 # raises, ~8 us), unless a blocking call queued pushes on it meanwhile.
@@ -415,7 +421,6 @@ class Worker:
             self._fire_timers(now)
             self._flush_reports(now)
             self._heartbeats(now)
-            self._check_shards(now)
             if self._drain.is_set() and self._drain_step(now):
                 break
 
