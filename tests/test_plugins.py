@@ -372,6 +372,21 @@ def test_process_command_not_found_or_not_executable_is_a_user_error(tmp_path, p
     script.write_text("#!/bin/sh\nexit 0\n")
     with pytest.raises(UserError, match="not-executable"):
         plugin.start(make_attempt(tmp_path, proc(str(script))))
+    # Said as what it is (the OS says "Permission denied" of a directory, and "not found" of
+    # a script whose interpreter is missing); not a program at all is the user's too (it was
+    # a system error, retried).
+    with pytest.raises(UserError, match="cannot be run: it is a directory"):
+        plugin.start(make_attempt(tmp_path, proc(str(tmp_path))))
+    orphan = tmp_path / "orphan.sh"
+    orphan.write_text("#!/no/such/interpreter\nexit 0\n")
+    orphan.chmod(0o755)
+    with pytest.raises(UserError, match=r"not found \(its #! interpreter\?\)"):
+        plugin.start(make_attempt(tmp_path, proc(str(orphan))))
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\x00\x01\x02 not a program")
+    garbage.chmod(0o755)
+    with pytest.raises(UserError, match="cannot be run: Exec format error"):
+        plugin.start(make_attempt(tmp_path, proc(str(garbage))))
     assert plugin.poll() == [] and children_left() == []
 
 

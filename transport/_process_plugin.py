@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import time
@@ -65,6 +66,19 @@ def log_tail(path, max_bytes=TAIL_BYTES, max_lines=TAIL_LINES):
     elif size > max_bytes and lines:
         lines[0] = "\u2026" + lines[0]    # one line longer than the tail: its end, marked
     return "\n".join(lines[-max_lines:])
+
+
+def _why_not_run(exc, command):
+    """Why ``command`` could not be run, as a user reads it (the OS says "Permission denied"
+    of a directory, and "not found" of a script whose #! interpreter is missing)."""
+    path = shutil.which(command) if os.sep not in command else command
+    if path is not None and os.path.isdir(path):
+        return "it is a directory"
+    if isinstance(exc, FileNotFoundError):
+        if path is not None and os.path.isfile(path):
+            return "not found (its #! interpreter?)"
+        return "not found"
+    return exc.strerror
 
 
 def signal_name(number):
@@ -638,10 +652,22 @@ class ProcessPlugin(Plugin):
             if exc.filename is not None and str(exc.filename) == str(attempt.workdir):
                 raise PluginError(f"pod {pod.name}: workdir {attempt.workdir}: "
                                   f"{exc.strerror}") from exc
-            what = "not found" if isinstance(exc, FileNotFoundError) else exc.strerror
             raise UserError(f"pod {pod.name}: command {attempt.execute.command[0]!r} "
-                            f"cannot be run: {what}") from exc
-        except (OSError, subprocess.SubprocessError) as exc:
+                            f"cannot be run: {_why_not_run(exc, attempt.execute.command[0])}"
+                            ) from exc
+        except OSError as exc:
+            if exc.errno != errno.ENOEXEC:
+                if cgroup is not None:
+                    cgroup.remove()
+                raise PluginError(f"pod {pod.name}: cannot start "
+                                  f"{attempt.execute.command[0]!r}: {exc}") from exc
+            # Not a program this machine runs (no #! line, another architecture): the
+            # declaration's fault, not the machine's; a retry would fail the same way.
+            if cgroup is not None:
+                cgroup.remove()
+            raise UserError(f"pod {pod.name}: command {attempt.execute.command[0]!r} "
+                            f"cannot be run: {exc.strerror}") from exc
+        except subprocess.SubprocessError as exc:
             # SubprocessError: preexec_fn failed, the pod could not enter its cgroup.
             if cgroup is not None:
                 cgroup.remove()
