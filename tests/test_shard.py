@@ -1796,3 +1796,18 @@ def test_leases_of_many_large_specs_go_in_messages_a_worker_can_decode(tmp_path)
         assert h.shard.counters["leases_unsent"] == 0
     finally:
         h.close()
+
+
+def test_a_request_over_the_frame_limits_is_refused_by_the_client_at_once(insecure):
+    # The shard drops a frame over its limit with the connection: the request went
+    # unanswered and timed out as UNAVAILABLE ("no answer within 10 s").
+    c = insecure.client()
+    limit = insecure.config.transport.max_header_bytes
+    big = "x" * (limit + 1)
+    started = time.monotonic()
+    with pytest.raises(SpecError, match="ENQUEUE: cannot be sent: its header is .* bytes, over "
+                                        "the limit .* \\(transport.max_header_bytes\\)"):
+        c.enqueue(spec("a", execute={"plugin": "process", "command": ["echo", big]}))
+    assert time.monotonic() - started < 1.0
+    c.enqueue(spec("a"))            # nothing was sent: the connection serves on
+    assert c.status([f"{RUN}/a"]) == [Phase.WAITING_FOR_RESOURCES]

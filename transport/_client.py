@@ -605,7 +605,7 @@ class Client:
         return [out[m.rid] for m in msgs]
 
     def _send_request(self, link, sock, msg, what):
-        frames = p.encode_request(msg, what)
+        frames = p.encode_request(msg, what, self.settings)
         if not send(sock, frames):
             deadline = time.monotonic() + self.timeout
             while True:

@@ -904,14 +904,29 @@ def encode(msg):
     return [frame0, msgpack.packb(header, use_bin_type=True), *arrays]
 
 
-def encode_request(msg, what):
+def encode_request(msg, what, settings=None):
     """:func:`encode` of a request this side makes (``what`` names it): a value msgpack
     cannot carry (an integer past 64 bits, an object that is not plain data) is the caller's
-    input, refused as ``SpecError`` (INVALID_ARGUMENT) naming it."""
+    input, refused as ``SpecError`` (INVALID_ARGUMENT) naming it; so is, with ``settings``
+    (the transport limits the peer shares), a frame over its limit, which the peer would
+    drop with the connection, unanswered (the request timed out instead)."""
     try:
-        return encode(msg)
+        frames = encode(msg)
     except (OverflowError, TypeError, ValueError) as exc:
         raise SpecError(f"{what}: cannot be sent: {exc}") from None
+    if settings is not None:
+        header = len(frames[1])
+        if header > settings.max_header_bytes:
+            raise SpecError(f"{what}: cannot be sent: its header is {header} bytes, over the "
+                            f"limit {settings.max_header_bytes} (transport.max_header_bytes): "
+                            f"send it in smaller requests")
+        for f in frames[2:]:
+            n = memoryview(f).nbytes
+            if n > settings.max_frame_bytes:
+                raise SpecError(f"{what}: cannot be sent: a frame of {n} bytes, over the "
+                                f"limit {settings.max_frame_bytes} "
+                                f"(transport.max_frame_bytes): send it in smaller requests")
+    return frames
 
 
 def _too_big(value, path):

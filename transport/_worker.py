@@ -353,7 +353,7 @@ class WorkerConnection:
     def _send(self, msg, what):
         if self._sock is None:
             raise ShardTimeout(f"shard {self.endpoint}: {what}: not connected")
-        frames = p.encode_request(msg, what)
+        frames = p.encode_request(msg, what, self.settings)
         if not send(self._sock, frames):
             # ZMQ_IMMEDIATE: no completed connection yet (or the queue is full). Wait for
             # one within the timeout instead of queuing blindly.
