@@ -454,13 +454,18 @@ def _keys_generate(args):
     return 0
 
 
+#: The largest count a flag takes (slots, ticks): far past any use, far inside 64 bits.
+MAX_FLAG_COUNT = 1_000_000_000
+
+
 def _positive_int(text):
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    if not 1 <= value <= MAX_FLAG_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer from 1 to "
+                                         f"{MAX_FLAG_COUNT}")
     return value
 
 
