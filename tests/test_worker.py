@@ -459,7 +459,8 @@ def test_a_silent_shard_makes_the_worker_stop_what_it_holds_and_exit(rig):
     assert r.worker.stats()["shard_lost"] == 1
 
 
-def test_a_drain_takes_no_new_work_and_lets_running_attempts_finish(rig):
+def test_a_drain_takes_no_new_work_and_lets_running_attempts_finish(rig, caplog):
+    caplog.set_level("INFO", logger="leasehold.worker")
     r = rig(slots=1)
     r.client.enqueue(spec("first"))
     until(lambda: r.plugin.actions_started() == [f"{RUN}/first"], what="start")
@@ -469,6 +470,7 @@ def test_a_drain_takes_no_new_work_and_lets_running_attempts_finish(rig):
     r.plugin.finish(f"{RUN}/first", Outcome.succeeded())
     until(lambda: r.client.status([f"{RUN}/first"]) == [Phase.SUCCEEDED], what="SUCCEEDED")
     assert r.worker.wait(timeout=10) == 0
+    assert "worker east-1: stopped (drained), exit code 0" in caplog.text    # said at the end
     # The drained worker took nothing new: the second action waits for another worker.
     assert r.plugin.actions_started() == [f"{RUN}/first"]
     assert r.client.status([f"{RUN}/second"])[0] in (Phase.QUEUED,

@@ -283,6 +283,9 @@ class Worker:
             self._shutdown()
         if self.exit_code is None:
             self.exit_code = 0
+        # The last line of its log says it ended, and how (a drain, a stop, a lost shard).
+        log.info("worker %s: stopped (%s), exit code %d", self.name,
+                 "drained" if self._drain.is_set() else "stopped", self.exit_code)
         return self.exit_code
 
     def stop(self, timeout=30.0):
