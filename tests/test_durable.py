@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import (
     ActionId,
@@ -770,4 +772,65 @@ def test_a_refused_history_record_changes_nothing_and_reloads_nothing():
         eng.load_history(("t", "cpu=1"), b"not a history record")
     assert not eng.turn_failed
     assert eng.history is history           # memory was not reloaded from the store
+    eng.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(plan=st.lists(st.tuples(st.sampled_from(["ok", "bug", "refused", "tick"]),
+                               st.booleans(), st.integers(0, 2)),
+                     min_size=1, max_size=10))
+def test_no_error_inside_a_turn_leaves_memory_apart_from_the_store(plan):
+    """Enqueues that succeed, are refused, or fail part-way (a bug), alone or inside an outer
+    turn whose caller catches the error and goes on, with ticks between: after every step
+    memory is what a reload from the store gives, every acknowledged enqueue is there, and
+    nothing of a failed one or of a turn that held one."""
+    eng, clock = open_engine(MemoryStore(4))
+    acked, gone, n = [], [], 0
+    for kind, nested, task in plan:
+        if kind == "tick":
+            eng.tick()
+        else:
+            n += 1
+            aid = f"acme/p/d/r{task}/a{n}"
+            kw = {}
+            if kind == "bug":
+                kw["timeouts"] = Timeouts(max_runtime=_BuggySeconds(60))
+            elif kind == "refused":
+                kw["run_queue"] = "no-such-queue"
+            one = ActionSpec(id=aid, task=f"t{task}", resources={"cpu": 1}, **kw)
+            with_it = ActionSpec(id=f"acme/p/d/r{task}/b{n}", task=f"t{task}",
+                                 resources={"cpu": 1})
+            expected = RuntimeError if kind == "bug" else SpecError
+            if nested:
+                def both(one=one, with_it=with_it, expected=expected):
+                    with eng.turn():
+                        eng.enqueue_many([with_it])
+                        if kind == "ok":
+                            eng.enqueue_many([one])
+                        else:
+                            with pytest.raises(expected):
+                                eng.enqueue_many([one])
+                if kind == "bug":
+                    with pytest.raises(StoreError, match="failed unexpectedly"):
+                        both()
+                    gone += [aid, str(with_it.id)]
+                else:
+                    both()
+                    acked.append(str(with_it.id))
+                    (acked if kind == "ok" else gone).append(aid)
+            elif kind == "ok":
+                eng.enqueue_many([one])
+                acked.append(aid)
+            else:
+                with pytest.raises(expected):
+                    eng.enqueue_many([one])
+                gone.append(aid)
+        assert not eng.turn_failed
+        eng, clock = restart(eng, clock)
+        assert eng.inspect().action_rows == len(acked)
+        for aid in acked:
+            eng.phase(aid)          # raises NotFound if an acknowledged enqueue was lost
+        for aid in gone:
+            with pytest.raises(NotFound):
+                eng.phase(aid)
     eng.close()
