@@ -775,6 +775,18 @@ def test_a_refused_history_record_changes_nothing_and_reloads_nothing():
     eng.close()
 
 
+def _enqueue_in_one_turn(eng, first, second, second_raises):
+    """Enqueue ``first``, then ``second`` in one outer turn, going on when the second raises
+    ``second_raises`` (as a shard answers an error and serves the turn's other requests)."""
+    with eng.turn():
+        eng.enqueue_many([first])
+        if second_raises is None:
+            eng.enqueue_many([second])
+        else:
+            with pytest.raises(second_raises):
+                eng.enqueue_many([second])
+
+
 @settings(max_examples=40, deadline=None)
 @given(plan=st.lists(st.tuples(st.sampled_from(["ok", "bug", "refused", "tick"]),
                                st.booleans(), st.integers(0, 2)),
@@ -802,20 +814,12 @@ def test_no_error_inside_a_turn_leaves_memory_apart_from_the_store(plan):
                                  resources={"cpu": 1})
             expected = RuntimeError if kind == "bug" else SpecError
             if nested:
-                def both(one=one, with_it=with_it, expected=expected):
-                    with eng.turn():
-                        eng.enqueue_many([with_it])
-                        if kind == "ok":
-                            eng.enqueue_many([one])
-                        else:
-                            with pytest.raises(expected):
-                                eng.enqueue_many([one])
                 if kind == "bug":
                     with pytest.raises(StoreError, match="failed unexpectedly"):
-                        both()
+                        _enqueue_in_one_turn(eng, with_it, one, expected)
                     gone += [aid, str(with_it.id)]
                 else:
-                    both()
+                    _enqueue_in_one_turn(eng, with_it, one, None if kind == "ok" else expected)
                     acked.append(str(with_it.id))
                     (acked if kind == "ok" else gone).append(aid)
             elif kind == "ok":
