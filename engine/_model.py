@@ -250,6 +250,12 @@ def compile_spec(spec, resources, queue_names, default_queue, strict=True):
         raise SpecError(f"action {aid}: {exc}") from None
 
 
+#: The fields of an action spec that are names (besides ``id`` and ``parent``): bounded by
+#: ``transport.max_name`` on the wire; the first three name things outside the engine (a
+#: process, a path, an image) and are checked here, the queues against the config.
+SPEC_NAMES = ("task", "environment", "image", "environment_queue", "task_queue", "run_queue")
+
+
 def _name(value, what, optional=True):
     """A name of a spec (task, environment, image, pod role): a string without a NUL byte
     (it names things in other systems: a process, a path, an image reference)."""
@@ -266,9 +272,8 @@ def _compile(spec, aid, resources, queue_names, default_queue, strict):
         raise SpecError("task name is required (a non-empty string)")
     cap = MAX_SECONDS if strict else None
     if strict:
-        _name(spec.task, "task")
-        _name(spec.environment, "environment")
-        _name(spec.image, "image")
+        for field_name in SPEC_NAMES[:3]:
+            _name(getattr(spec, field_name), field_name)
     parent = None
     if spec.parent is not None:
         parent = ActionId.parse(spec.parent)

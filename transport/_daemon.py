@@ -457,9 +457,8 @@ class Worker:
             sent, _at = self._inflight.pop((sh.index, msg.rid), (None, 0.0))
             if msg.code == "NOT_FOUND" and "not registered" in msg.message:
                 self._reregister(sh, sent)
-            elif msg.code == "ALREADY_EXISTS" and "registered by another connection" in \
-                    msg.message:
-                self._displaced(sh, msg.message, now)
+            elif msg.code == "ALREADY_EXISTS" and p.DISPLACED in msg.message:
+                self._displaced(sh, msg.message)
             else:
                 self._count("report_errors")
                 log.error("worker %s: shard %s answered %s with %s: %s", self.name,
@@ -1007,7 +1006,7 @@ class Worker:
                                 sh.conn.endpoint, exc)
                     sh.retry_at = time.monotonic() + 1.0
 
-    def _displaced(self, sh, why, now):
+    def _displaced(self, sh, why):
         # Another worker took this one's name at the shard: serving on would take it back
         # at every request, and both workers' leases would expire. Stop, loudly.
         held = [h for h in self._held.values() if h.shard == sh.index]

@@ -864,6 +864,11 @@ def tokens_array(tokens):
     return np.frombuffer(buf, dtype=TOKEN_DTYPE).reshape(-1, 3)
 
 
+#: What an ALREADY_EXISTS answer to a worker's request says when another connection has
+#: registered its worker name since (the shard says it, the worker acts on it).
+DISPLACED = "registered by another connection"
+
+
 def clip_text(text, limit):
     """``text`` cut to ``limit`` characters (``transport.max_text``), its end marked: what a
     peer would otherwise refuse whole as over its limit (an error naming a long input, a

@@ -14,6 +14,8 @@ the wire expects.
 import math
 import re
 
+from engine._model import SPEC_NAMES
+
 __all__ = [
     "binaries",
     "SchemaError",
@@ -317,10 +319,6 @@ def quantities(value, key):
     return value
 
 
-#: The names of an action spec bounded by ``transport.max_name`` on the wire, besides its id.
-_SPEC_NAMES = ("task", "environment", "image", "environment_queue", "task_queue", "run_queue")
-
-
 def spec_map(name_limit):
     """An action spec as ``ActionSpec.from_dict`` takes it: a map of plain data with a string
     ``id`` (authorisation reads it before the engine sees the spec)."""
@@ -338,7 +336,7 @@ def spec_map(name_limit):
             idcheck(value["parent"], f"{key}.parent")
         # Every other name is bounded as ids are: a name travels in each lease of the action
         # and in errors that repeat it (the engine checks what they must be).
-        for name in _SPEC_NAMES:
+        for name in SPEC_NAMES:
             if type(value.get(name)) is str:
                 namecheck(value[name], f"{key}.{name}")
         pods = value.get("pods")

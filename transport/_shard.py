@@ -1689,7 +1689,7 @@ class _Displaced(LeaseholdError):
 
 
 def _displaced_text(worker):
-    return (f"worker {worker!r} was registered by another connection after this one: a "
+    return (f"worker {worker!r} was {p.DISPLACED} after this one: a "
             f"worker's name must be unique (is another process running as {worker!r}?); "
             f"this connection holds no session")
 
