@@ -1,6 +1,7 @@
 """The supervisor (`leasehold serve`) and the devbox (`leasehold devbox`) as real processes on
 loopback: a shard killed with SIGKILL is restarted and its in-flight work completes; a second
-supervisor on the same data directory, a store held by a hand-started shard, a taken port and
+supervisor on the same data directory, a store held by a hand-started shard or open in another
+process (and not a claim whose pid now runs something else), a taken port and
 an invalid config are each refused with one line; SIGTERM stops everything cleanly (no
 process left); two shards run on stores of their own; the metrics endpoint serves the
 shards' status; the devbox runs its example workload end to end. Also the shard fix the
@@ -284,6 +285,59 @@ def test_a_store_held_by_a_hand_started_shard_is_refused_naming_it(rig):
     assert done.returncode == 2
     line = one_line(done.stderr)
     assert "held by a live shard" in line and f"pid {shard.pid}" in line, line
+
+
+def _store_holder(rig, cfg, then):
+    """A process that opens ``cfg``'s store as its shard would (claiming it), prints "open",
+    then runs ``then`` (Python source) in the same process; its command line names neither
+    leasehold nor a shard."""
+    conf = load_config(cfg)
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from storage import LmdbStore
+        store = LmdbStore({str(conf.storage.path)!r}, partitions={conf.storage.partitions})
+        store.open({conf.storage.shard!r}, time.time_ns())
+        print("open", flush=True)
+        """) + textwrap.dedent(then)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=rig.env, cwd=rig.tmp,
+                            stdout=subprocess.PIPE, text=True)
+    proc.label = "holder"
+    rig.procs.append(proc)
+    rig.seen.add(proc.pid)
+    assert proc.stdout.readline().strip() == "open"
+    return proc
+
+
+def test_a_store_open_in_another_process_is_refused_naming_its_pid(rig):
+    # A program using the engine in process holds the store as a shard would: the
+    # supervisor's shard would take its claim over and fence it out.
+    cfg = rig.config()
+    holder = _store_holder(rig, cfg, "time.sleep(60)\n")
+    done = rig.run("serve", "--config", str(cfg))
+    assert done.returncode == 2
+    line = one_line(done.stderr)
+    assert "held by a live process that has it open" in line, line
+    assert f"pid {holder.pid}" in line, line
+    assert holder.poll() is None
+
+
+def test_a_claim_whose_pid_now_runs_something_else_is_taken_over(rig):
+    # The claim's process is gone as the store's holder but its pid lives on, running
+    # another program whose command line looks like a shard's (a pid reused after a
+    # container restart): the supervisor takes the claim over and serves.
+    cfg = rig.config()
+    holder = _store_holder(rig, cfg, """
+        os.closerange(3, 65536)     # nothing of the store's files is carried over
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)",
+                                  "leasehold", "shard"])
+        """)
+    until(lambda: "shard" in psutil.Process(holder.pid).cmdline(), 10, "the exec")
+    sup = rig.serve(cfg)
+    until(lambda: shard_pid(cfg) is not None, 30, "the shard to serve")
+    with rig.client(rig.ports[0]) as c:
+        c.enqueue_fanout({"id": f"{RUN}/x", "task": "t", "resources": {"cpu": "10m"}}, ["a"])
+        assert c.status([f"{RUN}/a"]) == [Phase.WAITING_FOR_RESOURCES]   # no worker
+    assert sup.poll() is None and holder.poll() is None
 
 
 def test_a_second_shard_on_a_live_shards_store_is_refused_and_the_first_serves_on(rig):

@@ -60,6 +60,7 @@ from transport._auth import (
 from transport._committer import Committer, CommitterStore
 from transport._keys import load_keyring
 from transport._lease_map import LeaseBatch, LeaseMap
+from transport._locks import SHARD_LOCK_NAME, LockHeld, hold_lock
 from transport._shards import check_owned, shard_config
 from transport._sockets import send, server_socket
 from transport._status import SHARD_COUNTERS, StatusWriter
@@ -1703,21 +1704,15 @@ def _refused(rid, refused):
                      verdicts=np.array([int(r.verdict) for r in refused], np.uint8))
 
 
-#: The lock file a `leasehold shard` process holds in its store directory.
-SHARD_LOCK_NAME = "shard.lock"
-
-
 def run_shard(config_path, shard_index):
     """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0."""
-    from transport._supervisor import SupervisorError, hold_lock
-
     shard = Shard(config_path, shard_index, freeze_heap=True)
     try:
         # The store would let this process take a running shard's claim over (a restart
         # of the same shard name), leaving that one fenced and serving nothing: one shard
         # process a store on this host, held by a lock the kernel drops when it dies.
         lock = hold_lock(shard.config.storage.path, SHARD_LOCK_NAME, "shard", config_path)
-    except (SupervisorError, OSError) as exc:
+    except (LockHeld, OSError) as exc:
         raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
     try:
         shard.install_signal_handlers()

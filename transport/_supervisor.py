@@ -31,10 +31,6 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
-import datetime
-import errno
-import fcntl
-import json
 import logging
 import os
 import signal
@@ -53,6 +49,14 @@ from engine._errors import LeaseholdError
 from storage._lmdb import partition_dir
 from storage._store import DBS, META_CLAIM, Claim
 from transport._keys import load_keyring
+from transport._locks import (
+    SHARD_LOCK_NAME,
+    SUPERVISOR_LOCK_NAME,
+    LockHeld,
+    hold_lock,
+    holds_store,
+    lock_holder,
+)
 from transport._metrics import serve_metrics
 from transport._shards import shard_store_path
 from transport._status import StatusError, StatusReader, status_path
@@ -63,7 +67,7 @@ __all__ = ["Supervisor", "SupervisorError", "run_supervisor", "LOCK_NAME", "STAB
 log = logging.getLogger("leasehold.supervisor")
 
 #: The lock file under ``storage.path``.
-LOCK_NAME = "supervisor.lock"
+LOCK_NAME = SUPERVISOR_LOCK_NAME
 #: A shard that served this long before it died is restarted at once.
 STABLE_S = 10.0
 #: Exits in a row (each within STABLE_S of its start) after which the supervisor gives up.
@@ -178,8 +182,11 @@ class Supervisor:
                 _check_tcp(f"status.metrics {m}", host, port)
 
     def _acquire_lock(self):
-        self._lock_fd = hold_lock(self.config.storage.path, LOCK_NAME, "supervisor",
-                                  self.config_path)
+        try:
+            self._lock_fd = hold_lock(self.config.storage.path, LOCK_NAME, "supervisor",
+                                      self.config_path)
+        except LockHeld as exc:
+            raise SupervisorError(str(exc)) from None
 
     def _release_lock(self):
         if self._lock_fd is not None:
@@ -483,51 +490,11 @@ def _port_holder(port):
     return ""
 
 
-def hold_lock(base, name, role, config_path):
-    """Lock ``base/name`` (``flock``, made if needed) for as long as this process lives or
-    until the returned descriptor is closed; the file says who holds it. A lock held by a
-    live process raises ``SupervisorError`` naming it (the kernel drops the lock of a
-    process that died, so a crash never leaves it held)."""
-    base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
-    path = base / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = _read_lock(fd, role)
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise SupervisorError(f"store {base}: cannot lock {path}: "
-                                  f"{exc.strerror}") from None
-        raise SupervisorError(f"store {base} is held by {holder}: stop it first "
-                              f"(SIGTERM) or use another storage.path") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({
-        "role": role, "pid": os.getpid(), "host": socket.gethostname(),
-        "config": str(config_path),
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }).encode() + b"\n")
-    return fd
-
-
-def _read_lock(fd, role):
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        info = json.loads(os.read(fd, 4096).decode() or "{}")
-    except (OSError, ValueError):
-        info = {}
-    role = info.get("role", role)
-    if not info.get("pid"):
-        return f"another {role} (its lock file names no pid yet)"
-    return (f"{role} pid {info['pid']} on host {info.get('host', '?')} (config "
-            f"{info.get('config', '?')}, started {info.get('started', '?')})")
-
-
 def store_held(path, now_ns=None):
-    """Why a shard may not open the store at ``path`` now (its claim is live and held by a
-    running shard process on this host, or by any shard on another host), or None. A claim
-    of a process that is gone (a crash) is its successor's to take over. The store itself
+    """Why a shard may not open the store at ``path`` now (a ``leasehold shard`` holds its
+    lock file, or its claim is live and held by a process on this host that has it open,
+    or by any shard on another host), or None. A claim of a process that is gone (a crash)
+    is its successor's to take over, even once its pid is another process's. The store itself
     lets a shard of the same name take a live claim over (a restart), fencing the old
     holder out: this check is what stops a second process from doing that to a running
     one. ``SupervisorError`` if the claim cannot be read."""
@@ -536,10 +503,14 @@ def store_held(path, now_ns=None):
     if claim is None or not claim.live(now):
         return None
     if claim.host == socket.gethostname():
-        if claim.pid == os.getpid() or not _is_shard_process(claim.pid):
-            return None     # a dead shard's claim: its successor takes it over
-        return (f"store {path} is held by a live shard: {claim.describe(now)}; "
-                f"stop it first (SIGTERM {claim.pid})")
+        holder = lock_holder(path, SHARD_LOCK_NAME, "shard")
+        if holder is not None:
+            return (f"store {path} is held by a live shard: {holder}; stop it first "
+                    f"(SIGTERM)")
+        if claim.pid == os.getpid() or not holds_store(claim.pid, path):
+            return None     # a dead holder's claim (its pid may be another's now)
+        return (f"store {path} is held by a live process that has it open: "
+                f"{claim.describe(now)}; stop it first (SIGTERM {claim.pid})")
     return (f"store {path} is claimed from another host: {claim.describe(now)}; "
             f"stop that shard or wait until its claim expires")
 
@@ -565,15 +536,6 @@ def _read_claim(path):
         return Claim.decode(raw, 0) if raw is not None else None
     finally:
         env.close()
-
-
-def _is_shard_process(pid):
-    """Whether ``pid`` lives and runs a shard (not a stranger that got a dead shard's pid)."""
-    try:
-        cmd = psutil.Process(pid).cmdline()
-    except psutil.Error:
-        return False
-    return "shard" in cmd or any("leasehold" in c for c in cmd)
 
 
 def _exit_text(rc):
