@@ -245,6 +245,7 @@ class WorkerSettings:
     kill_grace: float = 2.0  # seconds between SIGTERM and SIGKILL of a stopped attempt
     work_dir: str = "leasehold-work"  # attempts' scratch directories (removed at cleanup)
     log_dir: str = "leasehold-logs"  # attempts' output, one file an attempt (kept)
+    max_log_bytes: int = 10 << 30  # an attempt writing more to one log is stopped; 0 = none
     default_plugin: str | None = None  # runs actions that declare no execute; None = refuse
     report_free: bool = True  # heartbeats carry the free capacity (capacity minus held)
 
@@ -698,7 +699,8 @@ def _parse_transport(source, table):
 
 
 _WORKER_KEYS = ("slots", "capacity", "node_shapes", "on_shard_lost", "drain_timeout",
-                "kill_grace", "work_dir", "log_dir", "default_plugin", "report_free")
+                "kill_grace", "work_dir", "log_dir", "max_log_bytes", "default_plugin",
+                "report_free")
 
 
 def _parse_worker(source, resources, table):
@@ -723,6 +725,17 @@ def _parse_worker(source, resources, table):
     for key in ("work_dir", "log_dir"):
         if key in table:
             values[key] = _dir_path(source, f"worker.{key}", table[key])
+    if "max_log_bytes" in table:
+        v = table["max_log_bytes"]
+        try:
+            values["max_log_bytes"] = int(parse_quantity("memory", BYTES, v))
+        except ValueError as exc:
+            raise _invalid(source, "worker.max_log_bytes", v,
+                           f"a size in bytes such as \"10Gi\", or 0 for no limit ({exc})"
+                           ) from None
+        if 0 < values["max_log_bytes"] < 1 << 10:
+            raise _invalid(source, "worker.max_log_bytes", v,
+                           "a size of at least 1Ki, or 0 for no limit")
     if "default_plugin" in table:
         v = table["default_plugin"]
         if v not in PLUGINS:

@@ -769,6 +769,9 @@ def test_worker_defaults_and_values():
     assert (w.slots, int(w.capacity[cpu]), w.on_shard_lost, w.drain_timeout, w.kill_grace,
             w.work_dir, w.log_dir, w.default_plugin, w.report_free) == (
         8, 4000, "exit", 5.0, 0.5, "/w", "/l", "sim", False)
+    assert parse(BASE).worker.max_log_bytes == 10 << 30
+    assert parse(BASE + '[worker]\nmax_log_bytes = "64Mi"\n').worker.max_log_bytes == 64 << 20
+    assert parse(BASE + "[worker]\nmax_log_bytes = 0\n").worker.max_log_bytes == 0
     assert parse(BASE).engine.pause_on_expiry is True
     assert parse(BASE + "[engine]\npause_on_expiry = false\n").engine.pause_on_expiry is False
 
@@ -779,6 +782,9 @@ def test_worker_defaults_and_values():
     ("drain_timeout = -2", ("worker.drain_timeout",)),
     ('kill_grace = "soon"', ("worker.kill_grace",)),
     ('work_dir = ""', ("worker.work_dir",)),
+    ("max_log_bytes = -1", ("worker.max_log_bytes", "negative")),
+    ('max_log_bytes = "lots"', ("worker.max_log_bytes", '"10Gi"')),
+    ("max_log_bytes = 100", ("worker.max_log_bytes", "at least 1Ki, or 0")),
     ('default_plugin = "k8s"', ("worker.default_plugin", "process, python, sim")),
     ('report_free = "yes"', ("worker.report_free", "true or false")),
     ("capacity = { tpu = 1 }", ("tpu",)),

@@ -424,6 +424,41 @@ def test_process_memory_limit_breach_is_system_oom(tmp_path, plugins):
     assert outcome_of(seen[small.key]).phase == Phase.SUCCEEDED   # under the limit: runs
 
 
+def test_process_a_pod_writing_past_max_log_bytes_is_stopped_as_a_user_failure(tmp_path,
+                                                                              plugins):
+    plugin = plugins(ProcessPlugin, {"max_log_bytes": 64 * 1024, "log_interval": 0.05})
+    chatty = make_attempt(tmp_path, py("import sys, time\n"
+                                       "for _ in range(2000):\n"
+                                       "    sys.stdout.write('x' * 1023 + '\\n'); "
+                                       "sys.stdout.flush(); time.sleep(0.001)\n"
+                                       "time.sleep(30)"))
+    quiet = make_attempt(tmp_path, py("import time; print('y' * 1000); time.sleep(0.5)"))
+    plugin.start(chatty)
+    plugin.start(quiet)
+    t0 = time.monotonic()
+    seen = drive(plugin, [chatty.key, quiet.key])
+    out = outcome_of(seen[chatty.key])
+    assert (out.phase, out.error_kind) == (Phase.FAILED, "USER")
+    assert str(chatty.log_path) in out.message and "65536 bytes" in out.message, out.message
+    assert "worker.max_log_bytes" in out.message
+    assert time.monotonic() - t0 < 10      # stopped, not left to its 30 s sleep
+    assert outcome_of(seen[quiet.key]).phase == Phase.SUCCEEDED      # under the limit
+    # Bounded by the check's period: ~1 KiB a ms written, checked every 50 ms.
+    assert chatty.log_path.stat().st_size < 64 * 1024 + 1024 * 1024
+
+
+def test_process_max_log_bytes_zero_is_no_limit_and_bad_values_are_refused(tmp_path, plugins):
+    plugin = plugins(ProcessPlugin, {"max_log_bytes": 0, "log_interval": 0.01})
+    att = make_attempt(tmp_path, py("print('z' * 200000)"))
+    plugin.start(att)
+    assert outcome_of(drive(plugin, [att.key])[att.key]).phase == Phase.SUCCEEDED
+    assert plugin.due() is None     # nothing runs: no check is due
+    for bad in ({"max_log_bytes": -1}, {"max_log_bytes": "1Gi"}, {"log_interval": 0}):
+        with pytest.raises(PluginError, match="max_log_bytes|log_interval") as err:
+            ProcessPlugin(bad)
+        assert err.value.cause == "CONFIG"
+
+
 def test_process_stop_kills_the_process_group_and_never_reports(tmp_path, plugins):
     plugin = plugins(ProcessPlugin, {"kill_grace": 5.0})
     # A shell with a child of its own: both are in the pod's process group.
@@ -695,6 +730,13 @@ def binary_out():
     sys.stdout.flush()
 
 
+def chatter(lines):
+    for _ in range(lines):
+        print("x" * 1023, flush=True)
+        time.sleep(0.001)
+    time.sleep(30)
+
+
 def hog(mb, secs):
     x = "x" * (mb * 2**20)
     time.sleep(secs)
@@ -752,6 +794,22 @@ def test_python_success_output_in_the_log_with_the_pid(tmp_path, plugins, funcs)
     assert "on stderr" in text and "returned {'doubled': 42}" in text
     run_for(plugin, 0.2)
     assert plugin.pools() == [] and gone([int(pid)], 1.0)   # a pool of one, freed
+
+
+def test_python_a_call_writing_past_max_log_bytes_fails_user_and_its_pool_mate_is_evicted(
+        tmp_path, plugins, funcs):
+    plugin = plugins(PythonPlugin, {"max_log_bytes": 64 * 1024, "log_interval": 0.05})
+    pool = warm(replicas=1, concurrency=2)
+    chatty = make_attempt(tmp_path, funcs("chatter", lines=2000), reuse=pool, env=b"e1")
+    mate = make_attempt(tmp_path, funcs("sleep", secs=30), reuse=pool, env=b"e1")
+    plugin.start(chatty)
+    plugin.start(mate)
+    seen = drive(plugin, [chatty.key, mate.key])
+    out = outcome_of(seen[chatty.key])
+    assert (out.phase, out.error_kind) == (Phase.FAILED, "USER")
+    assert str(chatty.log_path) in out.message and "65536 bytes" in out.message, out.message
+    evicted = outcome_of(seen[mate.key])
+    assert (evicted.error_kind, evicted.cause) == ("SYSTEM", "EVICTED"), evicted
 
 
 def test_python_a_return_value_whose_repr_raises_still_succeeds(tmp_path, plugins, funcs):

@@ -3,7 +3,8 @@ processes (CURVE keys), driven by a Client. A fan-out of 10,000; a 4-pod gang th
 together and fails as one; a warm pool that runs 1,000 follow-on actions on the same
 processes; a worker killed with SIGKILL whose leases are reassigned; a worker stopped past
 the expiry window whose late reports are refused and whose attempts stop; an action over its
-memory limit reported SYSTEM/OOM and retried; max_runtime; an abort that stops attempts on
+memory limit reported SYSTEM/OOM and retried; one writing past the worker's log limit
+stopped as a USER failure; max_runtime; an abort that stops attempts on
 two workers. Every wait is bounded; every process is killed in teardown."""
 
 import os
@@ -36,7 +37,7 @@ def pid_gone(pid):
 class Cluster:
     """A shard process, worker processes and a client over CURVE; all stopped at the end."""
 
-    def __init__(self, tmp_path, system_retries=3, heartbeat=0.5):
+    def __init__(self, tmp_path, system_retries=3, heartbeat=0.5, worker_extra=""):
         self.tmp = tmp_path
         keys = tmp_path / "keys"
         for name in ("shard", "east-1", "east-2", "acme-app"):
@@ -87,7 +88,7 @@ class Cluster:
             log_dir = "{tmp_path / 'logs'}"
             drain_timeout = 1
             kill_grace = 0.5
-            """))
+            """) + worker_extra)
         self.procs = []
         self.logs = {}
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{self.jobs}"}
@@ -303,6 +304,24 @@ def test_an_action_over_its_memory_limit_is_oom_and_retried(cluster):
     attempts = {e.attempt for e in seen if e.action == f"{RUN}/hog"}
     assert max(attempts) == 2           # one system retry, as configured
     assert "OOM" in str(c.client.explain(f"{RUN}/hog"))
+
+
+def test_an_attempt_writing_past_worker_max_log_bytes_is_stopped_and_fails_user(cluster):
+    c = cluster(worker_extra='max_log_bytes = "64Ki"\n')
+    c.worker()
+    chatty = ("import sys, time\nfor _ in range(100000):\n"
+              "    sys.stdout.write('x' * 1023 + '\\n'); sys.stdout.flush(); time.sleep(0.0005)")
+    c.client.enqueue(spec("chatty", {"plugin": "process",
+                                     "command": [sys.executable, "-c", chatty]}))
+    t0 = time.monotonic()
+    got = c.client.wait(f"{RUN}/chatty", timeout=30)
+    assert got == {f"{RUN}/chatty": Phase.FAILED}
+    assert time.monotonic() - t0 < 20       # stopped, not run to its end (~50 s)
+    text = str(c.client.explain(f"{RUN}/chatty"))
+    assert "worker.max_log_bytes" in text and "65536 bytes" in text, text
+    # A USER failure spends the spec's retries (none): one attempt; a SYSTEM one would have
+    # been retried (system_retries = 3), its reason naming a later attempt's log.
+    assert "chatty.1.log" in text, text
 
 
 def test_max_runtime_ends_a_long_process_timed_out(cluster, tmp_path):

@@ -37,6 +37,7 @@ from transport._metrics import MetricsServer, StatusCollector, serve_metrics
 from transport._plugins import (
     Attempt,
     Change,
+    LogLimit,
     Outcome,
     Plugin,
     PluginError,
@@ -138,6 +139,7 @@ __all__ = [
     "WorkloadFailed",
     "Attempt",
     "Change",
+    "LogLimit",
     "Outcome",
     "Plugin",
     "PluginError",

@@ -214,8 +214,8 @@ class Worker:
         self.timeout = timeout
         if plugins is None:
             from transport._plugins import make_plugins
-            plugins = make_plugins({"process": {"kill_grace": ws.kill_grace},
-                                    "python": {"kill_grace": ws.kill_grace}})
+            common = {"kill_grace": ws.kill_grace, "max_log_bytes": ws.max_log_bytes}
+            plugins = make_plugins({"process": dict(common), "python": dict(common)})
         self.plugins = plugins
         self.exit_code = None
         self._ctx = zmq.Context()

@@ -28,18 +28,20 @@ is a watch stream's socket, ``stop`` deletes the pods, ``cleanup`` deletes what 
 created.
 """
 
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
 from cext import DEBUG
 from engine._codes import Phase
+from engine._config import WorkerSettings
 from engine._errors import LeaseholdError
 from engine._execution import Execution
 from engine._model import ActionSpec
 
-__all__ = ["Attempt", "Change", "Outcome", "Plugin", "PluginError", "Pod", "UserError",
-           "make_plugins"]
+__all__ = ["Attempt", "Change", "LogLimit", "Outcome", "Plugin", "PluginError", "Pod",
+           "UserError", "make_plugins"]
 
 
 def frozen_instance(cls, values):
@@ -201,6 +203,50 @@ class Plugin:
 
     def close(self, timeout=5.0):
         """Default: nothing to free."""
+
+
+class LogLimit:
+    """What a plugin whose attempts write logs bounds them to: options ``max_log_bytes`` (an
+    attempt that wrote more than this to one log is stopped and fails USER; 0: no limit;
+    default ``worker.max_log_bytes``'s) and ``log_interval`` (seconds between checks of the
+    running attempts' log sizes, 1.0). A log is checked, not cut: a process writes to its
+    file directly, so what it writes between two checks is kept."""
+
+    __slots__ = ("max_bytes", "interval", "next")
+
+    def __init__(self, opts, plugin):
+        self.max_bytes = opts.pop("max_log_bytes", WorkerSettings.max_log_bytes)
+        self.interval = float(opts.pop("log_interval", 1.0))
+        if type(self.max_bytes) is not int or self.max_bytes < 0:
+            raise PluginError(f"{plugin} plugin: max_log_bytes must be a byte count >= 0 (0: "
+                              f"no limit), not {self.max_bytes!r}", cause="CONFIG")
+        if not self.interval > 0:
+            raise PluginError(f"{plugin} plugin: log_interval must be > 0 seconds, not "
+                              f"{self.interval!r}", cause="CONFIG")
+        self.next = 0.0
+
+    def due(self, watching):
+        """When the next check is due while ``watching`` (attempts with logs run), or None."""
+        return self.next if watching and self.max_bytes else None
+
+    def check_now(self, now, watching):
+        """Whether a check is due at ``now`` (monotonic); if so, the next one is scheduled."""
+        if not (watching and self.max_bytes) or now < self.next:
+            return False
+        self.next = now + self.interval
+        return True
+
+    def over(self, path):
+        """The size of the log at ``path`` if it is over the limit, else None."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return None     # not made yet, or removed: nothing to bound
+        return size if size > self.max_bytes else None
+
+    def message(self, where, path, size):
+        return (f"{where}wrote {size} bytes to its log {path}, over the worker's limit of "
+                f"{self.max_bytes} bytes (worker.max_log_bytes): stopped")
 
 
 def make_plugins(options=None):

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import msgpack
 
 from engine._codes import Phase
-from transport._plugins import Change, Outcome, Plugin, PluginError, UserError
+from transport._plugins import Change, LogLimit, Outcome, Plugin, PluginError, UserError
 from transport._process_plugin import _Reaper, log_tail, mib, signal_name, tree_rss
 
 __all__ = ["PoolInfo", "PythonPlugin"]
@@ -128,7 +128,9 @@ class PythonPlugin(Plugin):
     warm pool per environment identity, or a process of its own for a non-reusable action
     (the module text and ``docs/plugins.md`` say how). Options: ``kill_grace`` (seconds
     between SIGTERM and SIGKILL, 2.0), ``memory_interval`` (seconds between RSS checks,
-    0.05), ``pidfd`` and ``poll_interval`` (as for the process plugin)."""
+    0.05), ``pidfd``, ``poll_interval``, ``max_log_bytes`` and ``log_interval`` (as for the
+    process plugin: a call that wrote more than ``max_log_bytes`` to its log fails USER, and
+    its process goes, as for :meth:`stop`)."""
 
     name = "python"
     # Calls run in the pool process's own directory (threads share one) and leave only
@@ -141,10 +143,11 @@ class PythonPlugin(Plugin):
         self.memory_interval = float(opts.pop("memory_interval", 0.05))
         use_pidfd = opts.pop("pidfd", True)
         self.poll_interval = float(opts.pop("poll_interval", 0.02))
+        self._logs = LogLimit(opts, "python")
         if opts:
             raise PluginError(f"python plugin: unknown option(s) {', '.join(sorted(opts))} "
-                              f"(known: kill_grace, memory_interval, pidfd, poll_interval)",
-                              cause="CONFIG")
+                              f"(known: kill_grace, log_interval, max_log_bytes, "
+                              f"memory_interval, pidfd, poll_interval)", cause="CONFIG")
         self._reaper = _Reaper(use_pidfd, self.poll_interval)
         self._pools = {}            # env identity -> _Pool (warm pools)
         self._once = set()          # pools of one
@@ -217,6 +220,8 @@ class PythonPlugin(Plugin):
         if now >= self._mem_next and self._limited():
             self._mem_next = now + self.memory_interval
             self._check_memory(changes)
+        if self._logs.check_now(now, self._calls):
+            self._check_logs(changes)
         for pool in list(self._pools.values()):
             if pool.idle_since is not None and now >= pool.idle_since + pool.idle_ttl:
                 self._free(pool)
@@ -238,6 +243,9 @@ class PythonPlugin(Plugin):
             later.append(time.monotonic() + self.poll_interval)
         if self._limited():
             later.append(self._mem_next)
+        logs = self._logs.due(self._calls)
+        if logs is not None:
+            later.append(logs)
         later.extend(p.idle_since + p.idle_ttl for p in self._pools.values()
                      if p.idle_since is not None)
         if later:
@@ -250,18 +258,34 @@ class PythonPlugin(Plugin):
         if call is None:
             return
         self._started(key)
+        self._end_call(call, self._changes)
+
+    def _end_call(self, call, changes):
+        """End ``call`` (taken out of ``_calls``): a call cannot be interrupted inside its
+        thread, so its process goes, and with it the other calls it runs (EVICTED)."""
         child = call.child
         if child is None:
             call.pool.pending.remove(call)
             self._settle(call.pool)
             return
-        # A call cannot be interrupted inside its thread: the process goes, and with it the
-        # other calls it runs.
         child.calls.pop(call.id, None)
         evicted = Outcome.system(
             "EVICTED", f"pool process pid {child.pid} was stopped because another call in it "
                        f"(action {call.attempt.action}) was stopped")
-        self._retire(child, self.kill_grace, evicted, self._changes)
+        self._retire(child, self.kill_grace, evicted, changes)
+
+    def _check_logs(self, changes):
+        for call in list(self._calls.values()):
+            if call.child is None or self._calls.get(call.key) is not call:
+                continue        # not sent yet (nothing written), or ended by an eviction
+            size = self._logs.over(call.attempt.log_path)
+            if size is None:
+                continue
+            del self._calls[call.key]
+            self._started(call.key)
+            outcome = Outcome.user(self._logs.message("", call.attempt.log_path, size))
+            changes.append(Change(call.key, outcome.phase, outcome))
+            self._end_call(call, changes)
 
     def close(self, timeout=5.0):
         self._closed = True

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from engine._codes import Phase
-from transport._plugins import Change, Outcome, Plugin, PluginError, UserError
+from transport._plugins import Change, LogLimit, Outcome, Plugin, PluginError, UserError
 
 __all__ = ["ProcessPlugin", "find_memory_cgroup", "pod_log_path"]
 
@@ -486,7 +486,8 @@ class ProcessPlugin(Plugin):
     (False: poll for exits every ``poll_interval`` seconds, 0.02, instead), ``cgroup``
     (``"auto"``: use the worker's cgroup v2 when it can hold memory limits, else the RSS
     watch; ``"off"``: always the RSS watch; a path: that cgroup v2 directory, which must
-    qualify)."""
+    qualify), ``max_log_bytes`` and ``log_interval`` (:class:`transport._plugins.LogLimit`:
+    a pod that wrote more than that to its log fails its attempt USER)."""
 
     name = "process"
 
@@ -497,10 +498,11 @@ class ProcessPlugin(Plugin):
         use_pidfd = opts.pop("pidfd", True)
         poll_interval = float(opts.pop("poll_interval", 0.02))
         cgroup = opts.pop("cgroup", "auto")
+        self._logs = LogLimit(opts, "process")
         if opts:
             raise PluginError(f"process plugin: unknown option(s) {', '.join(sorted(opts))} "
-                              f"(known: cgroup, kill_grace, memory_interval, pidfd, "
-                              f"poll_interval)", cause="CONFIG")
+                              f"(known: cgroup, kill_grace, log_interval, max_log_bytes, "
+                              f"memory_interval, pidfd, poll_interval)", cause="CONFIG")
         self._reaper = _Reaper(use_pidfd, poll_interval)
         if cgroup == "off":
             self._cgroup_base, why = None, "disabled by the cgroup option"
@@ -589,6 +591,8 @@ class ProcessPlugin(Plugin):
         if self._watched and now >= self._mem_next:
             self._mem_next = now + self.memory_interval
             self._check_memory(changes)
+        if self._logs.check_now(now, self._runs):
+            self._check_logs(changes)
         return changes
 
     def fds(self):
@@ -602,6 +606,9 @@ class ProcessPlugin(Plugin):
             when = 0.0
         if self._watched:
             when = self._mem_next if when is None else min(when, self._mem_next)
+        logs = self._logs.due(self._runs)
+        if logs is not None:
+            when = logs if when is None else min(when, logs)
         return when
 
     def stop(self, key, reason=None):
@@ -723,6 +730,17 @@ class ProcessPlugin(Plugin):
             self._finish(p.run, Outcome.system(
                 "OOM", f"{where}exceeded its memory limit {mib(p.rss_limit)}: resident set "
                        f"{mib(seen)} seen (RSS watch); killed", pod=name), changes)
+
+    def _check_logs(self, changes):
+        for run in list(self._runs.values()):
+            for p in run.pods:
+                size = self._logs.over(p.log_path)
+                if size is not None:
+                    name = p.pod.name if run.attempt.gang else None
+                    where = f"pod {p.pod.name} " if name else ""
+                    self._finish(run, Outcome.user(
+                        self._logs.message(where, p.log_path, size), pod=name), changes)
+                    break
 
     def _finish(self, run, outcome, changes):
         """Report ``outcome`` for ``run`` and stop its pods still running."""
