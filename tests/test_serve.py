@@ -530,6 +530,36 @@ def test_the_devbox_runs_its_example_workload_end_to_end(tmp_path):
     assert (box / "leasehold.toml").exists() and (box / "logs" / "worker.log").exists()
 
 
+def test_a_serving_devbox_whose_worker_dies_says_so_and_stops_everything(tmp_path):
+    # --no-workload serves until Ctrl-C; a worker gone meanwhile was left a zombie and the
+    # devbox went on "serving" what nothing would run.
+    box = tmp_path / "box"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "devbox", "--dir", str(box),
+                             "--no-workload"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        first = proc.stdout.readline()      # bounded: the devbox gives up on its own in 60 s
+        assert "devbox ready in" in first, first
+        [worker] = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                    if "worker" in c.cmdline()]
+        worker.kill()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        for c in psutil.Process().children(recursive=True):
+            if c.pid not in before and c.pid != proc.pid:
+                with_kill(c.pid)
+    assert proc.returncode == 2, out + err
+    line = one_line(err)
+    assert "the worker was killed by SIGKILL" in line and "worker.log" in line, line
+    assert "stopped the rest" in line, line
+    assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+
+
 def test_the_devbox_names_a_dir_it_cannot_use(tmp_path, capsys):
     from engine.cli import main
     afile = tmp_path / "afile"

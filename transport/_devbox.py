@@ -56,6 +56,10 @@ _READY_TIMEOUT_S = 30.0
 _WORKER_STOP_S = 10.0
 
 
+#: Seconds between two looks at the worker and the supervisor while serving (--no-workload).
+_WATCH_S = 0.5
+
+
 class DevboxError(LeaseholdError):
     """The devbox could not start, or something it started failed."""
 
@@ -191,6 +195,20 @@ class Devbox:
                                   f"(log {self.logs / 'worker.log'})")
             time.sleep(0.01)
 
+    def problem(self):
+        """What stopped working since :meth:`start`, or None: the worker exited (its code
+        and the last line of its log; it is reaped here), or the supervisor gave up on its
+        shard (restarted too often)."""
+        rc = self.worker.poll() if self.worker is not None else None
+        if rc is not None:
+            how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in
+                   signal.valid_signals() else f"exited with code {rc}")
+            return (f"the worker {how}: {_tail(self.logs / 'worker.log')} (log "
+                    f"{self.logs / 'worker.log'})")
+        if self.supervisor is not None and self.supervisor.gave_up is not None:
+            return f"the supervisor gave up: {self.supervisor.gave_up}"
+        return None
+
     # ------------------------------------------------------------------ the workload
 
     def run_workload(self, name):
@@ -284,8 +302,9 @@ def run_devbox(directory=None, workload="example", keep=False):
             if workload is None:
                 console.print(f"config {box.config_path}; client key {CLIENT_KEY} (tenant "
                               f"devbox), admin key devbox-admin; Ctrl-C stops", highlight=False)
-                while True:
-                    time.sleep(3600)
+                while (problem := box.problem()) is None:
+                    time.sleep(_WATCH_S)
+                raise DevboxError(f"{problem}; stopped the rest{_kept(box)}")
             summary = box.run_workload(workload)
             box.failed = not summary.ok         # keep the directory: its logs say why
         except KeyboardInterrupt:
