@@ -47,6 +47,19 @@ from storage import (
 __all__ = ["AttemptsMixin"]
 
 
+
+def backoff_delay(retries, n):
+    """Seconds before the retry that follows ``n`` spent ones: ``min(base * factor**n,
+    cap)``. Computed in floats that may not hold ``factor**n`` (2.0**1025, 1e308**2): the
+    cap is then the delay (the power raised OverflowError inside an engine turn)."""
+    if retries.backoff_base == 0:
+        return 0.0
+    try:
+        delay = retries.backoff_base * float(retries.backoff_factor) ** n
+    except OverflowError:
+        return float(retries.backoff_cap)
+    return min(delay, retries.backoff_cap)
+
 class AttemptsMixin:
     """Attempts (a part of Engine)."""
 
@@ -238,7 +251,7 @@ class AttemptsMixin:
         now = self.clock.now_ns()
         r = spec.retries
         n = rec.user_retries + rec.system_retries - 1
-        delay = min(r.backoff_base * r.backoff_factor ** n, r.backoff_cap)
+        delay = backoff_delay(r, n)
         ready = now + int(delay * 1e9)
         t = spec.timeouts
         if t.deadline is not None and ready >= rec.first_enqueued_ns + int(t.deadline * 1e9):

@@ -239,6 +239,28 @@ def test_user_errors_retry_with_backoff_and_a_non_recoverable_one_does_not():
     assert [h.attempt for h in (a1, b, c, d)] == [1, 2, 3, 4]
 
 
+def test_a_backoff_whose_power_overflows_waits_the_cap():
+    # base * factor**n overflowed a float (1e308**2; 2.0**1025 after 1,025 retries) inside
+    # the REPORT's turn: every report of the attempt failed the turn, for good.
+    eng, clock = engine()
+    eng.enqueue(spec("r1", retries=RetryPolicy(count=5, backoff_base=1, backoff_factor=1e308,
+                                               backoff_cap=3)))
+    a = only(eng.tick())
+    waits = []
+    for _ in range(3):
+        eng.report(a.token, Phase.FAILED, error_kind="USER", message="boom")
+        assert eng.phase(a.action) == Phase.QUEUED
+        waited = 0.0
+        while not (got := eng.tick()):
+            clock.advance(0.5)
+            waited += 0.5
+        waits.append(waited)
+        a = only(got)
+    # 1 s (base), then 1e308 s capped at 3 s, then 1e308**2 (no float holds it): the cap.
+    assert waits == [1.0, 3.0, 3.0], waits
+    assert a.attempt == 4
+
+
 def test_deadline_times_out_before_dispatch_even_with_retries_left():
     eng, clock = engine({"A": ("east", 1)})
     eng.enqueue(spec("busy"))
