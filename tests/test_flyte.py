@@ -625,6 +625,27 @@ def test_flyte_enqueues_are_checked_by_tenant_and_bad_bytes_are_named(wire_shard
         wire_shard["acme-app"].status(["acme/ml/dev/r1/a0"])    # nothing was enqueued
 
 
+def test_a_flyte_name_over_the_wire_limits_is_refused_and_nothing_is_stored(wire_shard):
+    # It was stored, and every LEASES message carrying it was dropped by the worker (with
+    # the other leases in it); status, explain and abort of it were refused TOO_LARGE.
+    from transport import ShardError
+
+    c = wire_shard["acme-app"]
+    batch = [request(etl, "ok1"), request(etl, "a" * 1500), request(etl, "ok2")]
+    with pytest.raises(ShardError) as info:
+        c.enqueue_flyte(batch)
+    assert info.value.code == "TOO_LARGE", info.value
+    assert "requests[0..2]" in str(info.value) and "1500 characters" in str(info.value)
+    assert "'names[1]' is 1500 characters, over the limit 1024" in str(info.value)
+    with pytest.raises(ShardError) as info:
+        c.enqueue_flyte(request(etl, "ok3", input_uri="s3://b/" + "x" * 70_000))
+    assert info.value.code == "TOO_LARGE" and "requests[0]" in str(info.value), info.value
+    with pytest.raises(ShardError) as info:
+        c.status([f"acme/ml/dev/r1/{n}" for n in ("ok1", "ok2", "ok3")])
+    assert info.value.code == "NOT_FOUND"                   # nothing was enqueued
+    assert c.enqueue_flyte(request(etl, "ok1")) == ["acme/ml/dev/r1/ok1"]   # and it serves on
+
+
 def test_leasehold_submit_takes_serialised_flyte_files(tmp_path, capsys):
     import socket
 

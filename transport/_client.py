@@ -16,7 +16,6 @@ ERROR answer :class:`ShardError`, both naming the shard and the request. Not thr
 thread drives one client.
 """
 
-import dataclasses
 import itertools
 import time
 
@@ -58,13 +57,6 @@ class CrossShardBatch(LeaseholdError):
                          f"is atomic on one shard only: send one batch per shard "
                          f"(transport.split_by_shard groups them)")
         self.shards = {s: list(ix) for s, ix in groups.items()}
-
-
-def _spec_map(spec):
-    if isinstance(spec, dict):
-        return spec
-    d = dataclasses.asdict(spec)
-    return {k: v for k, v in d.items() if v is not None}
 
 
 class _Link:
@@ -245,14 +237,14 @@ class Client:
         batch goes to one shard: a routing client refuses, before sending anything, a batch
         whose specs' tenants belong to several shards (:class:`CrossShardBatch`; split it
         with ``transport.split_by_shard``)."""
-        maps = [_spec_map(s) for s in specs]
+        maps = [p.spec_map(s) for s in specs]
         link = self._one_link("ENQUEUE", [m.get("id") for m in maps])
         return self._call(link, p.Enqueue(rid=next(self._rids), specs=maps), "ENQUEUE")["ids"]
 
     def enqueue_fanout(self, template, names, inputs=None):
         """Enqueue ``len(names)`` actions sharing ``template`` (one run: one shard);
         returns how many."""
-        template = _spec_map(template)
+        template = p.spec_map(template)
         link = self._one_link("ENQUEUE_FANOUT", [template.get("id")])
         return self._call(link, p.EnqueueFanout(rid=next(self._rids), template=template,
                                                 names=list(names),
@@ -471,7 +463,7 @@ class Client:
         run's WATCH (unless watched already), the ENQUEUE_FANOUT and the STATUS of its ids go
         back to back. Returns ``{action id: Phase}``; an enqueue the shard refuses raises
         its ShardError (nothing is enqueued, and nothing stays watched)."""
-        template = _spec_map(template)
+        template = p.spec_map(template)
         tid = template.get("id")
         run = ActionId.parse(tid).run_key       # (SpecError naming what is wrong)
         link = self._one_link("ENQUEUE_FANOUT", [tid])

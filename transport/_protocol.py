@@ -19,6 +19,7 @@ columns, so their cost does not grow with a Python step per token: a heartbeat o
 tokens decodes into a read-only ``n x 3`` uint64 view of the received frame.
 """
 
+import dataclasses
 import enum
 import itertools
 import re
@@ -907,6 +908,15 @@ def encode(msg):
     if not n:
         arrays = [b""] * len(arrays)
     return [frame0, msgpack.packb(header, use_bin_type=True), *arrays]
+
+
+def spec_map(spec):
+    """An action spec as ENQUEUE carries it: a map as given, or an ``ActionSpec``'s fields
+    as plain data (its unset ones left out)."""
+    if isinstance(spec, dict):
+        return spec
+    d = dataclasses.asdict(spec)
+    return {k: v for k, v in d.items() if v is not None}
 
 
 def encode_request(msg, what, settings=None):

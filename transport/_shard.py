@@ -888,6 +888,7 @@ class _Loop:
             raise _Unimplemented(f"this shard cannot read Flyte messages: {exc}") from None
         fanouts = flyte_fanouts(msg.requests, resources=self.eng.config.resources,
                                 kind=msg.kind)
+        self._check_flyte_limits(fanouts)
         # The tenants are known only now: every action and parent is checked before any
         # is enqueued.
         keys = [key for f in fanouts for key in (
@@ -901,6 +902,24 @@ class _Loop:
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
         self.record_queued(out, known)
+
+    def _check_flyte_limits(self, fanouts):
+        """Each decoded fan-out checked as the ENQUEUE_FANOUT it stands for would be: the
+        limits every lease of it must meet on its way to a worker (a name over
+        ``transport.max_name`` was stored, and every LEASES message carrying it was dropped
+        by the worker, with the other leases in it). A ``ProtocolError`` names the request."""
+        first = 0
+        for f in fanouts:
+            fake = p.EnqueueFanout(rid=0, template=p.spec_map(f.template), names=f.names,
+                                   inputs=f.inputs)
+            try:
+                self.decoder.decode(p.encode(fake))
+            except p.ProtocolError as exc:
+                what = str(exc).removeprefix("ENQUEUE_FANOUT: ")
+                where = (f"requests[{first}]" if len(f.names) == 1 else
+                         f"requests[{first}..{first + len(f.names) - 1}] (one task, one run)")
+                raise p.ProtocolError(exc.code, f"{where}: {what}") from None
+            first += len(f.names)
 
     def on_enqueue_fanout(self, conn, c, peer, msg):
         run = msg.template["id"].rsplit("/", 1)[0]
