@@ -35,7 +35,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from engine._errors import SpecError
+from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, RetryPolicy, ReusePolicy, Timeouts
 from engine._units import BYTES, CPU, format_quantity, parse_quantity
 
@@ -1079,9 +1079,10 @@ def enqueue_flyte(engine, requests, *, kind=None):
     Each fan-out (:func:`flyte_fanouts`) is one ``engine.enqueue_fanout``: compiled once,
     one group commit, atomic. A child enqueued without a ``RunSpec`` (the SDK sends it only
     with a run's first action) takes its run's queue from its parent's stored spec, as Flyte
-    runs do. A batch is decoded whole before the first fan-out is enqueued; a later fan-out
-    refused by the engine (depth, an existing id with another spec) leaves the earlier ones
-    enqueued."""
+    runs do. A batch is decoded whole before the first fan-out is enqueued, and two requests
+    naming one action with different specs are refused (``SpecError``) before anything is;
+    a later fan-out refused by the engine (depth, an existing id with another spec) leaves
+    the earlier ones enqueued: the error says so, and its ``enqueued`` holds their ids."""
     if isinstance(requests, (bytes, bytearray, memoryview, Message)):
         requests = [requests]
     return enqueue_fanouts(engine, flyte_fanouts(requests, resources=engine.config.resources,
@@ -1092,6 +1093,7 @@ def enqueue_fanouts(engine, fanouts):
     """Enqueue decoded :class:`FlyteFanOut`s (:func:`flyte_fanouts`) as
     :func:`enqueue_flyte` does; returns the ``ActionId`` of each action, in order. (The
     shard decodes first, checks every action's tenant, then calls this.)"""
+    _check_distinct(fanouts)
     ids = []
     insp = None
     for f in fanouts:
@@ -1103,8 +1105,37 @@ def enqueue_fanouts(engine, fanouts):
                 parent_spec = insp.record(row).spec
                 if parent_spec.run_queue is not None:
                     t = _with_run_queue(t, parent_spec.run_queue)
-        ids.extend(engine.enqueue_fanout(t, f.names, f.inputs))
+        try:
+            ids.extend(engine.enqueue_fanout(t, f.names, f.inputs))
+        except LeaseholdError as exc:
+            if not ids:
+                raise
+            # The earlier fan-outs stay enqueued (each is atomic, the batch is not): the
+            # error says so, and carries their ids (the shard records their events).
+            exc.args = (f"{exc}; the batch's first {len(ids)} action(s) were enqueued "
+                        f"({ids[0]} .. {ids[-1]}), the rest not",)
+            exc.enqueued = [str(a) for a in ids]
+            raise
     return ids
+
+
+def _check_distinct(fanouts):
+    """Two requests of one batch that name one action with different specs: SpecError
+    before anything is enqueued (the engine would refuse the second as ALREADY_EXISTS
+    after storing the first)."""
+    seen = {}           # action id -> (request index, its template, its input reference)
+    first = 0
+    for f in fanouts:
+        run = f.template.id.rsplit("/", 1)[0]
+        refs = f.inputs if f.inputs is not None else [None] * len(f.names)
+        for j, (name, ref) in enumerate(zip(f.names, refs, strict=True)):
+            aid = f"{run}/{name}"
+            prev = seen.setdefault(aid, (first + j, f.template, ref))
+            if prev[0] != first + j and (prev[2] != ref or replace(prev[1], id=aid) != replace(
+                    f.template, id=aid)):
+                raise SpecError(f"requests[{prev[0]}] and requests[{first + j}] name action "
+                                f"{aid} with different specs")
+        first += len(f.names)
 
 
 def _with_run_queue(spec, queue):

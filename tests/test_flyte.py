@@ -646,6 +646,40 @@ def test_a_flyte_name_over_the_wire_limits_is_refused_and_nothing_is_stored(wire
     assert c.enqueue_flyte(request(etl, "ok1")) == ["acme/ml/dev/r1/ok1"]   # and it serves on
 
 
+def test_a_flyte_batch_naming_one_action_twice_with_two_specs_stores_nothing(wire_shard):
+    from transport import ShardError
+
+    c = wire_shard["acme-app"]
+    with pytest.raises(ShardError) as info:
+        c.enqueue_flyte([request(etl, "n0"), request(train, "n1"), request(etl, "n1")])
+    assert info.value.code == "INVALID_ARGUMENT", info.value
+    assert "requests[1] and requests[2] name action acme/ml/dev/r1/n1 with different specs" \
+        in str(info.value)
+    with pytest.raises(ShardError) as info:
+        c.status(["acme/ml/dev/r1/n0"])
+    assert info.value.code == "NOT_FOUND"                   # nothing was enqueued
+    # The same action twice with one spec is one action (a retried request).
+    assert c.enqueue_flyte([request(etl, "n1"), request(train, "n2"), request(etl, "n1")]) \
+        == ["acme/ml/dev/r1/n1", "acme/ml/dev/r1/n2", "acme/ml/dev/r1/n1"]
+
+
+def test_a_flyte_batch_refused_part_way_names_and_watches_what_it_enqueued(wire_shard):
+    from transport import ShardError
+
+    c = wire_shard["acme-app"]
+    c.subscribe("acme/ml/dev/r1")
+    assert c.enqueue_flyte(request(etl, "p0")) == ["acme/ml/dev/r1/p0"]
+    assert c.next_event(timeout=10).action == "acme/ml/dev/r1/p0"
+    # p1 (etl) is enqueued, then p0 with another task is refused: the error says what was.
+    with pytest.raises(ShardError) as info:
+        c.enqueue_flyte([request(etl, "p1"), request(train, "p0")])
+    assert info.value.code == "ALREADY_EXISTS", info.value
+    assert "first 1 action(s) were enqueued (acme/ml/dev/r1/p1 .. acme/ml/dev/r1/p1)" in \
+        str(info.value)
+    ev = c.next_event(timeout=10)           # its watchers are told, as of any enqueue
+    assert (ev.action, ev.phase) == ("acme/ml/dev/r1/p1", "QUEUED"), ev
+
+
 def test_leasehold_submit_takes_serialised_flyte_files(tmp_path, capsys):
     import socket
 

@@ -898,7 +898,16 @@ class _Loop:
         check_owned(keys, self.shard.shard_index, self.shard.n_shards)
         known = self.known_watched([f"{f.template.id.rsplit('/', 1)[0]}/{n}" for f in fanouts
                                     for n in f.names]) if len(self.watch) else ()
-        out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
+        try:
+            out = [str(a) for a in enqueue_fanouts(self.eng, fanouts)]
+        except LeaseholdError as exc:
+            # A later fan-out refused: the earlier ones are enqueued, and watched (the error
+            # names them).
+            done = getattr(exc, "enqueued", None)
+            if done:
+                self.want_tick = True
+                self.record_queued(done, known)
+            raise
         self.reply(conn, msg.rid, {"ids": out})
         self.want_tick = True
         self.record_queued(out, known)
