@@ -926,8 +926,8 @@ _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 def decode_request(request, kind=None):
     """``request`` (bytes or a message) as a flyteidl2 message: an ``EnqueueActionRequest``
     (queue service) or an ``EnqueueRequest`` (actions service). Bytes are read as
-    ``kind`` ("queue" or "actions"; default "queue"). Raises ``SpecError`` on bytes that
-    are not that message."""
+    ``kind`` ("queue" or "actions"; None: whichever of the two they are, the queue
+    service's first). Raises ``SpecError`` on bytes that are not that message."""
     if isinstance(request, (EnqueueActionRequest, EnqueueRequest)):
         return request
     if isinstance(request, Message):
@@ -938,8 +938,9 @@ def decode_request(request, kind=None):
     if not isinstance(request, bytes):
         raise SpecError(f"expected a flyteidl2 enqueue message or its bytes, not "
                         f"{type(request).__name__}")
-    cls = {None: EnqueueActionRequest, "queue": EnqueueActionRequest,
-           "actions": EnqueueRequest}.get(kind)
+    if kind is None:
+        return _either(request)
+    cls = {"queue": EnqueueActionRequest, "actions": EnqueueRequest}.get(kind)
     if cls is None:
         raise SpecError(f"kind {kind!r}: 'queue' (EnqueueActionRequest) or 'actions' "
                         f"(EnqueueRequest)")
@@ -952,16 +953,37 @@ def decode_request(request, kind=None):
 
 _ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/){4}[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FROM_QUEUE = EnqueueActionRequest.FromString
+_FROM_ACTIONS = EnqueueRequest.FromString
+
+
+def _either(raw):
+    """Bytes of either kind: protobuf reads most bytes as both messages, so the queue
+    service's ``EnqueueActionRequest`` is taken when it carries an action spec and no field
+    it does not know, else the actions service's ``EnqueueRequest`` when it carries an
+    action and no unknown field, else the first reading (whose checks then say what is
+    wrong with it)."""
+    try:
+        queue = _FROM_QUEUE(raw)
+    except DecodeError:
+        queue = None
+    else:
+        if queue.WhichOneof("spec") is not None and not len(UnknownFieldSet(queue)):
+            return queue
+    try:
+        actions = _FROM_ACTIONS(raw)
+    except DecodeError:
+        pass
+    else:
+        if actions.HasField("action") and not len(UnknownFieldSet(actions)):
+            return actions
+    return queue if queue is not None else decode_request(raw, "queue")   # words the error
 
 
 def _decode(request, kind, cache, resources):
     """``(task part, run part, run key, name, parent, input_uri)`` of one request. The hot
     path of a fan-out: one parse, no walk of the fields the tables fully cover."""
     if kind is None and type(request) is bytes:
-        try:
-            msg = _FROM_QUEUE(request)
-        except DecodeError:
-            msg = decode_request(request, kind)     # words the error
+        msg = _either(request)
     else:
         msg = decode_request(request, kind)
     run_spec = None

@@ -447,6 +447,12 @@ def test_actions_service_enqueue_request_is_accepted_the_same_way():
     from_queue = flyte_action(q.SerializeToString())
     from_actions = flyte_action(a.SerializeToString(), kind="actions")
     assert from_actions == from_queue
+    # Without a kind, as the protocol has it: tried as the queue service's, then this one
+    # (it was read as an EnqueueActionRequest carrying no task, and refused).
+    assert flyte_action(a.SerializeToString()) == from_queue
+    assert type(decode_request(a.SerializeToString())) is type(a)
+    assert flyte_fanouts([a.SerializeToString(), q.SerializeToString()])[0].names == ["a0",
+                                                                                       "a0"]
     assert from_queue.input_uri == "s3://in/a0"
     assert decode_request(a) is a
 

@@ -214,6 +214,39 @@ def test_fanout_status_explain_and_metrics(insecure):
     assert {x.input_ref for x in leases} == {f"s3://in/{i}" for i in range(50)}
 
 
+def test_client_arguments_of_the_wrong_kind_are_refused_before_anything_is_sent(insecure):
+    from engine import SpecError
+    from transport import Client, ClientClosed, ShardError
+
+    c = insecure.client()
+    # A string of names was taken for its characters: three actions a, b and c.
+    for call in (lambda: c.enqueue_fanout(spec("map"), "abc"),
+                 lambda: c.enqueue_fanout(spec("map"), ["a"], inputs="s"),
+                 lambda: c.run_fanout(spec("map"), "abc", timeout=1),
+                 lambda: c.enqueue(None), lambda: c.enqueue("id"),
+                 lambda: c.enqueue_many(spec("a")), lambda: c.enqueue_flyte(None),
+                 lambda: c.enqueue_flyte({"a": 1}), lambda: c.enqueue_flyte([None]),
+                 lambda: c.status(None), lambda: c.wait(None, timeout=1)):
+        with pytest.raises(SpecError, match="must be a list|ActionSpec or a map|requests\\[0\\]"):
+            call()
+    with pytest.raises(ShardError):
+        c.status([f"{RUN}/a", f"{RUN}/map"])              # nothing was enqueued
+    for bad in (0, -1, None, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            Client(endpoint=insecure.endpoint, keys=None, timeout=bad)
+    # A refused subscribe leaves the run unwatched: it failed every later event read.
+    with pytest.raises(ShardError, match="since"):
+        c.subscribe(RUN, since=-1)
+    c.subscribe(RUN)
+    c.enqueue(spec("e1"))
+    assert c.next_event(timeout=5).action == f"{RUN}/e1"
+    c.close()
+    c.close()
+    for call in (c.ping, c.reconnect, lambda: c.status([f"{RUN}/e1"])):
+        with pytest.raises(ClientClosed, match="closed"):
+            call()
+
+
 def test_abort_cascades_and_the_worker_is_refused(insecure):
     c = insecure.client()
     w = insecure.worker()

@@ -22,7 +22,7 @@ from transport._auth import (
     peer_of,
     visible_metrics,
 )
-from transport._client import Client, CrossShardBatch, WatchLost
+from transport._client import Client, ClientClosed, CrossShardBatch, WatchLost
 from transport._daemon import Worker, measured_capacity, run_worker
 from transport._keys import (
     ClientKeys,
@@ -154,6 +154,7 @@ __all__ = [
     "measured_capacity",
     "run_worker",
     "Client",
+    "ClientClosed",
     "CrossShardBatch",
     "Lease",
     "leases_of",

@@ -17,6 +17,7 @@ thread drives one client.
 """
 
 import itertools
+import math
 import time
 
 import numpy as np
@@ -33,7 +34,7 @@ from transport._shards import split_by_shard, tenant_of, tenant_shard
 from transport._sockets import client_socket, send
 from transport._worker import ShardError, ShardTimeout
 
-__all__ = ["Client", "CrossShardBatch", "WatchLost"]
+__all__ = ["Client", "ClientClosed", "CrossShardBatch", "WatchLost"]
 
 _TERMINAL_CODES = np.array(sorted(PHASE_CODE[ph] for ph in TERMINAL_PHASES), np.uint8)
 
@@ -41,6 +42,28 @@ _TERMINAL_CODES = np.array(sorted(PHASE_CODE[ph] for ph in TERMINAL_PHASES), np.
 class WatchLost(ShardError):
     """A watch cannot resume: the shard no longer holds the events after the last ``seq``
     seen (its ring moved on, or it restarted). Re-read the status and watch again."""
+
+
+class ClientClosed(LeaseholdError):
+    """A request on a :class:`Client` after its ``close()``."""
+
+    code = "UNAVAILABLE"
+
+
+#: The kind ``ENQUEUE_FLYTE`` names for each flyteidl2 enqueue message.
+_FLYTE_KINDS = {"flyteidl2.workflow.EnqueueActionRequest": "queue",
+                "flyteidl2.actions.EnqueueRequest": "actions"}
+
+
+def _items(value, what):
+    """``value`` as a list of items: a list, tuple or other iterable, not a string, bytes
+    or a map (whose characters or keys would be taken for the items)."""
+    if value is None or isinstance(value, (str, bytes, bytearray, memoryview, dict)):
+        raise SpecError(f"{what} must be a list, not {type(value).__name__}")
+    try:
+        return list(value)
+    except TypeError:
+        raise SpecError(f"{what} must be a list, not {type(value).__name__}") from None
 
 
 class CrossShardBatch(LeaseholdError):
@@ -122,7 +145,12 @@ class Client:
         self.keys = keys
         self.settings = settings or (config.transport if config is not None
                                      else TransportSettings())
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                0 < timeout < math.inf):
+            raise ValueError(f"Client: timeout must be a positive number of seconds, not "
+                             f"{timeout!r}")
         self.timeout = timeout
+        self._closed = False
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._heartbeat = heartbeat
@@ -161,6 +189,8 @@ class Client:
     # ------------------------------------------------------------------ connection
 
     def _socket(self, link):
+        if self._closed:
+            raise ClientClosed("this client is closed: make a new Client")
         if link.sock is None:
             link.sock = client_socket(self._ctx, link.endpoint, self.keys, self.settings,
                                       heartbeat=self._heartbeat)
@@ -174,6 +204,8 @@ class Client:
     def reconnect(self):
         """Drop every connection and open new ones as needed; watches resume from their
         last seq."""
+        if self._closed:
+            raise ClientClosed("this client is closed: make a new Client")
         for link in self._links:
             self._drop(link)
         for run in list(self._q.watching):
@@ -188,7 +220,9 @@ class Client:
                 self._q.resync.add(run)     # resumed when asked for (next_event)
 
     def close(self):
-        """Close the sockets (and the context this client made)."""
+        """Close the sockets (and the context this client made); every later request
+        raises :class:`ClientClosed`. Closing twice is harmless."""
+        self._closed = True
         for link in self._links:
             self._drop(link)
         if self._own_ctx:
@@ -237,7 +271,7 @@ class Client:
         batch goes to one shard: a routing client refuses, before sending anything, a batch
         whose specs' tenants belong to several shards (:class:`CrossShardBatch`; split it
         with ``transport.split_by_shard``)."""
-        maps = [p.spec_map(s) for s in specs]
+        maps = [p.spec_map(s) for s in _items(specs, "specs")]
         link = self._one_link("ENQUEUE", [m.get("id") for m in maps])
         return self._call(link, p.Enqueue(rid=next(self._rids), specs=maps), "ENQUEUE")["ids"]
 
@@ -247,9 +281,9 @@ class Client:
         template = p.spec_map(template)
         link = self._one_link("ENQUEUE_FANOUT", [template.get("id")])
         return self._call(link, p.EnqueueFanout(rid=next(self._rids), template=template,
-                                                names=list(names),
-                                                inputs=list(inputs) if inputs is not None
-                                                else None),
+                                                names=_items(names, "names"),
+                                                inputs=_items(inputs, "inputs")
+                                                if inputs is not None else None),
                           "ENQUEUE_FANOUT")["n"]
 
     def enqueue_flyte(self, requests, kind=None):
@@ -263,8 +297,19 @@ class Client:
         if isinstance(requests, (bytes, bytearray, memoryview)) or hasattr(
                 requests, "SerializeToString"):
             requests = [requests]
-        raw = [bytes(r) if isinstance(r, (bytes, bytearray, memoryview))
-               else r.SerializeToString() for r in requests]
+        raw = []
+        for i, r in enumerate(_items(requests, "requests")):
+            if isinstance(r, (bytes, bytearray, memoryview)):
+                raw.append(bytes(r))
+            elif hasattr(r, "SerializeToString") and hasattr(r, "DESCRIPTOR"):
+                raw.append(r.SerializeToString())
+            else:
+                raise SpecError(f"requests[{i}]: a flyteidl2 enqueue message or its bytes, "
+                                f"not {type(r).__name__}")
+        if kind is None and requests and all(hasattr(r, "DESCRIPTOR") for r in requests):
+            # Message objects say what they are (bytes are tried as either by the shard).
+            kinds = {_FLYTE_KINDS.get(r.DESCRIPTOR.full_name) for r in requests}
+            kind = kinds.pop() if len(kinds) == 1 else None
         link = self._links[0]
         if self.routed:
             link = self._one_link("ENQUEUE_FLYTE", _flyte_keys(raw, kind))
@@ -281,7 +326,7 @@ class Client:
         """The phase of each action id (a list in, a list of Phase out; one id, one Phase).
         A routing client asks each owning shard for its ids (one request a shard)."""
         one = isinstance(actions, (str, ActionId))
-        ids = [str(actions)] if one else [str(a) for a in actions]
+        ids = [str(actions)] if one else [str(a) for a in _items(actions, "actions")]
         groups = split_by_shard(ids, len(self._links)) if self.routed and ids else \
             {None: list(range(len(ids)))}
         phases = [None] * len(ids)
@@ -335,8 +380,20 @@ class Client:
         """Start receiving EVENTs of ``run`` (from the shard owning it) after ``since``;
         returns the run's latest seq."""
         self._link_of(run)          # a bad key is refused before it is watched
+        before = self._q.watching.get(run)
         self._q.watching[run] = since
-        return self._subscribe(run, since)
+        try:
+            return self._subscribe(run, since)
+        except ShardTimeout:
+            raise       # it may be watched there: its events will resume the watch
+        except LeaseholdError:
+            # Refused: watched as before this call, not from a ``since`` every later
+            # resume would send again (and be refused again).
+            if before is None:
+                self._q.watching.pop(run, None)
+            else:
+                self._q.watching[run] = before
+            raise
 
     def unsubscribe(self, run):
         """Stop receiving EVENTs of ``run`` (best effort)."""
@@ -454,7 +511,7 @@ class Client:
         terminal, by watch pushes (no polling: one STATUS after subscribing, then events).
         Returns ``{action id: Phase}``."""
         ids = [str(a) for a in ([actions] if isinstance(actions, (str, ActionId))
-                                else actions)]
+                                else _items(actions, "actions"))]
         return self._wait(ids, timeout)
 
     def run_fanout(self, template, names, inputs=None, timeout=60.0):
@@ -467,8 +524,9 @@ class Client:
         tid = template.get("id")
         run = ActionId.parse(tid).run_key       # (SpecError naming what is wrong)
         link = self._one_link("ENQUEUE_FANOUT", [tid])
-        enqueue = p.EnqueueFanout(rid=next(self._rids), template=template, names=list(names),
-                                  inputs=list(inputs) if inputs is not None else None)
+        enqueue = p.EnqueueFanout(rid=next(self._rids), template=template,
+                                  names=_items(names, "names"),
+                                  inputs=_items(inputs, "inputs") if inputs is not None else None)
         return self._wait([f"{run}/{n}" for n in enqueue.names], timeout,
                           (link, enqueue, "ENQUEUE_FANOUT"))
 

@@ -915,6 +915,8 @@ def spec_map(spec):
     as plain data (its unset ones left out)."""
     if isinstance(spec, dict):
         return spec
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        raise SpecError(f"a spec is an ActionSpec or a map, not {type(spec).__name__}")
     d = dataclasses.asdict(spec)
     return {k: v for k, v in d.items() if v is not None}
 
