@@ -293,7 +293,10 @@ def _flyte_resources(res, where):
             name = _FLYTE_NAMES.get(entry.name)
             at = f"{where}.{side}[{i}]"
             if name is None:
-                label = tasks_pb2.Resources.ResourceName.Name(entry.name)
+                try:
+                    label = tasks_pb2.Resources.ResourceName.Name(entry.name)
+                except ValueError:      # a value this flyteidl2 does not know
+                    label = f"name {entry.name}"
                 raise SpecError(f"{at}: resource {label} is not supported (cpu, memory, "
                                 f"ephemeral storage and gpu are)")
             if name in got:
@@ -335,7 +338,10 @@ def _pod_spec_requests(pod_spec, where):
         raise SpecError(f"{where}.containers: a pod needs at least one container")
     for i, c in enumerate(containers):
         total = _add(total, _container_requests(c, f"{where}.containers[{i}]"))
-    for i, c in enumerate(pod_spec.get("initContainers") or []):
+    inits = pod_spec.get("initContainers") or []
+    if not isinstance(inits, list):
+        raise SpecError(f"{where}.initContainers: {inits!r} is not a list of containers")
+    for i, c in enumerate(inits):
         init = _container_requests(c, f"{where}.initContainers[{i}]")
         total = {n: max(total.get(n, 0), init.get(n, 0)) for n in total.keys() | init.keys()}
     return total
@@ -789,6 +795,9 @@ def _reuse(rp, where):
     idle = _duration(rp.idle_ttl, where + "idle_ttl", zero_is_none=False)
     if idle <= 0:
         raise SpecError(f"{where}idle_ttl: must be positive")
+    if rp.scope not in (tasks_pb2.ReusePolicy.GLOBAL, tasks_pb2.ReusePolicy.RUN):
+        # (An unknown value was taken for GLOBAL: one pool for every run.)
+        raise SpecError(f"{where}scope: {rp.scope} is not a scope (GLOBAL = 0, RUN = 1)")
     # The pool may scale between min and max; the engine reserves max_replicas (the
     # footprint it can reach), so admitting the pool never overcommits a cluster.
     return (ReusePolicy(replicas=rp.max_replicas, concurrency=rp.concurrency, idle_ttl=idle),

@@ -432,6 +432,24 @@ def test_a_pod_templates_containers_add_up_as_kubernetes_reserves_them():
     assert demand(eng, aid) == one(cpu=2250, memory=4 * GiB + 256 * (1 << 20))
 
 
+def test_values_this_flyteidl2_does_not_know_are_refused_naming_the_field():
+    # Each was a raw ValueError / TypeError (INTERNAL from flyte-decode), or, for the
+    # scope, taken for GLOBAL: one pool shared by every run.
+    spec = task_spec(etl)
+    spec.task_template.container.resources.requests.add(name=99, value="1")
+    with pytest.raises(SpecError, match=r"container.resources.requests\[\d\]: resource name "
+                                        r"99 is not supported"):
+        flyte_action(request(etl, spec=spec))
+    spec = task_spec(proxied)
+    spec.task_template.k8s_pod.pod_spec["initContainers"] = 5
+    with pytest.raises(SpecError, match=r"pod_spec.initContainers: 5.0 is not a list"):
+        flyte_action(request(proxied, spec=spec))
+    spec = task_spec(per_run)
+    spec.task_template.reuse_policy.scope = 7
+    with pytest.raises(SpecError, match=r"reuse_policy.scope: 7 is not a scope"):
+        flyte_action(request(per_run, spec=spec))
+
+
 def test_sdk_features_that_are_not_scheduling_inputs_are_accepted_unchanged():
     eng, _ = engine()
     [aid] = enqueue_flyte(eng, request(decorated))
