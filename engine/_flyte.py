@@ -535,8 +535,13 @@ def _task_part(ta, resources):
                    or "primary")
         spec_dict = _struct(pod.pod_spec, tp + "k8s_pod.pod_spec")
         req = _pod_spec_requests(spec_dict, tp + "k8s_pod.pod_spec")
-        image = next((c.get("image") for c in spec_dict.get("containers", [])
-                      if isinstance(c, dict) and c.get("name") == primary), None)
+        named = [c for c in spec_dict.get("containers", [])
+                 if isinstance(c, dict) and c.get("name") == primary]
+        if not named:
+            # (Flyte's propeller fails such a task at start; here it ran with no image.)
+            raise SpecError(f"{tp}k8s_pod.primary_container_name: no container of the pod "
+                            f"spec is named {primary!r}")
+        image = named[0].get("image")
         where = tp + "k8s_pod.pod_spec"
     elif target == "sql":
         raise SpecError(f"{tp}sql: {_REFUSED['sql']}")

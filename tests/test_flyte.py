@@ -444,6 +444,12 @@ def test_values_this_flyteidl2_does_not_know_are_refused_naming_the_field():
     spec.task_template.k8s_pod.pod_spec["initContainers"] = 5
     with pytest.raises(SpecError, match=r"pod_spec.initContainers: 5.0 is not a list"):
         flyte_action(request(proxied, spec=spec))
+    spec = task_spec(proxied)
+    spec.task_template.k8s_pod.primary_container_name = "main"
+    spec.task_template.config["primary_container_name"] = "main"
+    with pytest.raises(SpecError, match=r"k8s_pod.primary_container_name: no container of "
+                                        r"the pod spec is named 'main'"):
+        flyte_action(request(proxied, spec=spec))
     spec = task_spec(per_run)
     spec.task_template.reuse_policy.scope = 7
     with pytest.raises(SpecError, match=r"reuse_policy.scope: 7 is not a scope"):
