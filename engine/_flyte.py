@@ -454,6 +454,10 @@ def _wire(model):
 def _duration(d, where, zero_is_none=True):
     if d.seconds < 0 or d.nanos < 0:
         raise SpecError(f"{where}: a duration cannot be negative")
+    if d.nanos > 999_999_999:
+        # (google.protobuf.Duration: nanos is the fraction of a second; the SDK never
+        # writes more, and a value of more is not a duration.)
+        raise SpecError(f"{where}.nanos: {d.nanos} is over 999999999 (the seconds' fraction)")
     value = d.seconds + d.nanos / 1e9
     if value == 0 and zero_is_none:
         return None         # Flyte: a zero bound is no bound

@@ -450,6 +450,10 @@ def test_values_this_flyteidl2_does_not_know_are_refused_naming_the_field():
     with pytest.raises(SpecError, match=r"k8s_pod.primary_container_name: no container of "
                                         r"the pod spec is named 'main'"):
         flyte_action(request(proxied, spec=spec))
+    spec = task_spec(etl)
+    spec.task_template.metadata.timeout.nanos = 2_000_000_000
+    with pytest.raises(SpecError, match=r"metadata.timeout.nanos: 2000000000 is over"):
+        flyte_action(request(etl, spec=spec))
     spec = task_spec(per_run)
     spec.task_template.reuse_policy.scope = 7
     with pytest.raises(SpecError, match=r"reuse_policy.scope: 7 is not a scope"):
