@@ -535,16 +535,18 @@ def _task_part(ta, resources):
     elif target == "k8s_pod":
         pod = tt.k8s_pod
         _check(pod, tp + "k8s_pod.")
-        primary = (tt.config.get("primary_container_name") or pod.primary_container_name
-                   or "primary")
+        primary, named_by = next(((n, w) for n, w in (
+            (tt.config.get("primary_container_name"), "config.primary_container_name"),
+            (pod.primary_container_name, "k8s_pod.primary_container_name")) if n),
+            ("primary", "k8s_pod.primary_container_name (absent: 'primary')"))
         spec_dict = _struct(pod.pod_spec, tp + "k8s_pod.pod_spec")
         req = _pod_spec_requests(spec_dict, tp + "k8s_pod.pod_spec")
         named = [c for c in spec_dict.get("containers", [])
                  if isinstance(c, dict) and c.get("name") == primary]
         if not named:
             # (Flyte's propeller fails such a task at start; here it ran with no image.)
-            raise SpecError(f"{tp}k8s_pod.primary_container_name: no container of the pod "
-                            f"spec is named {primary!r}")
+            raise SpecError(f"{tp}{named_by}: no container of the pod spec is named "
+                            f"{primary!r}")
         image = named[0].get("image")
         where = tp + "k8s_pod.pod_spec"
     elif target == "sql":

@@ -447,7 +447,7 @@ def test_values_this_flyteidl2_does_not_know_are_refused_naming_the_field():
     spec = task_spec(proxied)
     spec.task_template.k8s_pod.primary_container_name = "main"
     spec.task_template.config["primary_container_name"] = "main"
-    with pytest.raises(SpecError, match=r"k8s_pod.primary_container_name: no container of "
+    with pytest.raises(SpecError, match=r"config.primary_container_name: no container of "
                                         r"the pod spec is named 'main'"):
         flyte_action(request(proxied, spec=spec))
     spec = task_spec(etl)
@@ -669,13 +669,20 @@ def test_a_flyte_name_over_the_wire_limits_is_refused_and_nothing_is_stored(wire
     with pytest.raises(ShardError) as info:
         c.enqueue_flyte(batch)
     assert info.value.code == "TOO_LARGE", info.value
-    assert "requests[0..2]" in str(info.value) and "1500 characters" in str(info.value)
-    assert "'names[1]' is 1500 characters, over the limit 1024" in str(info.value)
+    assert ("requests[1]: the action id is 1515 characters, over the limit 1024 "
+            "(transport.max_name)") in str(info.value), info.value
     with pytest.raises(ShardError) as info:
         c.enqueue_flyte(request(etl, "ok3", input_uri="s3://b/" + "x" * 70_000))
-    assert info.value.code == "TOO_LARGE" and "requests[0]" in str(info.value), info.value
+    assert info.value.code == "TOO_LARGE" and "requests[0]: input_uri is 70007 characters" \
+        in str(info.value), info.value
+    spec = task_spec(etl)
+    spec.environment.name = "e" * 1100
     with pytest.raises(ShardError) as info:
-        c.status([f"acme/ml/dev/r1/{n}" for n in ("ok1", "ok2", "ok3")])
+        c.enqueue_flyte(request(etl, "ok4", spec=spec))
+    assert info.value.code == "TOO_LARGE" and "requests[0]: its environment is 1100 " \
+        "characters" in str(info.value), info.value
+    with pytest.raises(ShardError) as info:
+        c.status([f"acme/ml/dev/r1/{n}" for n in ("ok1", "ok2", "ok3", "ok4")])
     assert info.value.code == "NOT_FOUND"                   # nothing was enqueued
     assert c.enqueue_flyte(request(etl, "ok1")) == ["acme/ml/dev/r1/ok1"]   # and it serves on
 

@@ -533,10 +533,10 @@ def test_the_devbox_runs_its_example_workload_end_to_end(tmp_path):
 def test_a_serving_devbox_whose_worker_dies_says_so_and_stops_everything(tmp_path):
     # --no-workload serves until Ctrl-C; a worker gone meanwhile was left a zombie and the
     # devbox went on "serving" what nothing would run.
-    box = tmp_path / "box"
+    # Its own temporary directory (no --dir): kept, and said so once.
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "devbox", "--dir", str(box),
-                             "--no-workload"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "devbox", "--no-workload"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -556,7 +556,8 @@ def test_a_serving_devbox_whose_worker_dies_says_so_and_stops_everything(tmp_pat
     assert proc.returncode == 2, out + err
     line = one_line(err)
     assert "the worker was killed by SIGKILL" in line and "worker.log" in line, line
-    assert "stopped the rest" in line, line
+    assert "stopped the rest" in line and line.count("directory kept: ") == 1, line
+    assert Path(line.rsplit("directory kept: ", 1)[1]).parent == tmp_path, line
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
 
 

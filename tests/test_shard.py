@@ -242,7 +242,9 @@ def test_client_arguments_of_the_wrong_kind_are_refused_before_anything_is_sent(
     assert c.next_event(timeout=5).action == f"{RUN}/e1"
     c.close()
     c.close()
-    for call in (c.ping, c.reconnect, lambda: c.status([f"{RUN}/e1"])):
+    for call in (c.ping, c.reconnect, lambda: c.status([f"{RUN}/e1"]),
+                 lambda: c.next_event(timeout=5), lambda: c.next_events(),
+                 lambda: c.unsubscribe(RUN), lambda: c.wait([f"{RUN}/e1"], timeout=5)):
         with pytest.raises(ClientClosed, match="closed"):
             call()
 

@@ -188,9 +188,12 @@ class Client:
 
     # ------------------------------------------------------------------ connection
 
-    def _socket(self, link):
+    def _check_open(self):
         if self._closed:
             raise ClientClosed("this client is closed: make a new Client")
+
+    def _socket(self, link):
+        self._check_open()
         if link.sock is None:
             link.sock = client_socket(self._ctx, link.endpoint, self.keys, self.settings,
                                       heartbeat=self._heartbeat)
@@ -204,8 +207,7 @@ class Client:
     def reconnect(self):
         """Drop every connection and open new ones as needed; watches resume from their
         last seq."""
-        if self._closed:
-            raise ClientClosed("this client is closed: make a new Client")
+        self._check_open()
         for link in self._links:
             self._drop(link)
         for run in list(self._q.watching):
@@ -298,7 +300,8 @@ class Client:
                 requests, "SerializeToString"):
             requests = [requests]
         raw = []
-        for i, r in enumerate(_items(requests, "requests")):
+        requests = _items(requests, "requests")
+        for i, r in enumerate(requests):
             if isinstance(r, (bytes, bytearray, memoryview)):
                 raw.append(bytes(r))
             elif hasattr(r, "SerializeToString") and hasattr(r, "DESCRIPTOR"):
@@ -397,6 +400,7 @@ class Client:
 
     def unsubscribe(self, run):
         """Stop receiving EVENTs of ``run`` (best effort)."""
+        self._check_open()
         self._q.forget_early(run)
         if self._q.watching.pop(run, None) is not None:
             link = self._link_of(run)
@@ -458,6 +462,7 @@ class Client:
         return self._next(self._q.take_batch, timeout, refresh, runs)
 
     def _next(self, take, timeout, refresh, runs):
+        self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # Only the runs asked for (all when ``runs`` is None): another run's resume waits

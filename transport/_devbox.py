@@ -304,7 +304,7 @@ def run_devbox(directory=None, workload="example", keep=False):
                               f"devbox), admin key devbox-admin; Ctrl-C stops", highlight=False)
                 while (problem := box.problem()) is None:
                     time.sleep(_WATCH_S)
-                raise DevboxError(f"{problem}; stopped the rest{_kept(box)}")
+                raise DevboxError(f"{problem}; stopped the rest")    # (+ directory kept)
             summary = box.run_workload(workload)
             box.failed = not summary.ok         # keep the directory: its logs say why
         except KeyboardInterrupt:

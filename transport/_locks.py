@@ -96,7 +96,7 @@ def holds_store(pid, path):
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:
-        return True
+        return True     # (AccessDenied: another user's process)
     return any(os.path.realpath(f.path) == data for f in files)
 
 

@@ -334,19 +334,32 @@ def spec_map(name_limit):
         plain(value, key)
         if value.get("parent") is not None:
             idcheck(value["parent"], f"{key}.parent")
-        # Every other name is bounded as ids are: a name travels in each lease of the action
-        # and in errors that repeat it (the engine checks what they must be).
-        for name in SPEC_NAMES:
-            if type(value.get(name)) is str:
-                namecheck(value[name], f"{key}.{name}")
-        pods = value.get("pods")
-        if type(pods) is list:
-            for i, group in enumerate(pods):
-                if type(group) is dict and type(group.get("role")) is str:
-                    namecheck(group["role"], f"{key}.pods[{i}].role")
+        for field, name in spec_names(value):
+            namecheck(name, f"{key}.{field}")
         return value
 
     return check
+
+
+def spec_names(spec):
+    """``(field, name)`` of every name string an action spec carries besides its id and
+    parent (``SPEC_NAMES``, the pod roles), from a map or an ``ActionSpec``: each is
+    bounded as ids are, since it travels in each lease of the action and in errors that
+    repeat it (the engine checks what they must be; other types are its to refuse)."""
+    if type(spec) is dict:
+        get = spec.get
+    else:
+        def get(field):
+            return getattr(spec, field, None)
+    for field in SPEC_NAMES:
+        if type(get(field)) is str:
+            yield field, get(field)
+    pods = get("pods")
+    if isinstance(pods, (list, tuple)):
+        for i, group in enumerate(pods):
+            role = group.get("role") if type(group) is dict else getattr(group, "role", None)
+            if type(role) is str:
+                yield f"pods[{i}].role", role
 
 
 #: Error codes: upper-case words joined by '_' (any such code decodes: newer shards may send

@@ -46,6 +46,7 @@ from engine._errors import LeaseholdError, NotFound
 from engine._model import ActionId
 from storage import LmdbStore, StoreError
 from transport import _protocol as p
+from transport import _schema as sc
 from transport._auth import (
     ADMIN,
     INSECURE,
@@ -888,7 +889,6 @@ class _Loop:
             raise _Unimplemented(f"this shard cannot read Flyte messages: {exc}") from None
         fanouts = flyte_fanouts(msg.requests, resources=self.eng.config.resources,
                                 kind=msg.kind)
-        self._check_flyte_limits(fanouts)
         # The tenants are known only now: every action and parent is checked before any
         # is enqueued.
         keys = [key for f in fanouts for key in (
@@ -896,6 +896,7 @@ class _Loop:
             + ([f.template.parent] if f.template.parent else []))]
         check_tenants(peer, "ENQUEUE_FLYTE", keys)
         check_owned(keys, self.shard.shard_index, self.shard.n_shards)
+        self._check_flyte_limits(fanouts)
         known = self.known_watched([f"{f.template.id.rsplit('/', 1)[0]}/{n}" for f in fanouts
                                     for n in f.names]) if len(self.watch) else ()
         try:
@@ -913,21 +914,39 @@ class _Loop:
         self.record_queued(out, known)
 
     def _check_flyte_limits(self, fanouts):
-        """Each decoded fan-out checked as the ENQUEUE_FANOUT it stands for would be: the
-        limits every lease of it must meet on its way to a worker (a name over
-        ``transport.max_name`` was stored, and every LEASES message carrying it was dropped
-        by the worker, with the other leases in it). A ``ProtocolError`` names the request."""
+        """Each decoded fan-out within the limits its ENQUEUE_FANOUT would meet and every
+        lease of it must meet on its way to a worker: its ids, parent and the spec's names
+        within ``transport.max_name``, its inputs within ``max_text`` (an over-long name was
+        stored, and every LEASES message carrying it was dropped by the worker, with the
+        other leases in it). TOO_LARGE names the request; nothing is enqueued."""
+        s = self.settings
+        name, text = s.max_name, s.max_text
         first = 0
         for f in fanouts:
-            fake = p.EnqueueFanout(rid=0, template=p.spec_map(f.template), names=f.names,
-                                   inputs=f.inputs)
-            try:
-                self.decoder.decode(p.encode(fake))
-            except p.ProtocolError as exc:
-                what = str(exc).removeprefix("ENQUEUE_FANOUT: ")
-                where = (f"requests[{first}]" if len(f.names) == 1 else
-                         f"requests[{first}..{first + len(f.names) - 1}] (one task, one run)")
-                raise p.ProtocolError(exc.code, f"{where}: {what}") from None
+            t = f.template
+            run_len = len(t.id.rsplit("/", 1)[0]) + 1
+            bad = None
+            long_name = max(map(len, f.names), default=0)
+            if run_len + long_name > name:
+                j = next(j for j, n in enumerate(f.names) if run_len + len(n) > name)
+                bad = (j, f"the action id is {run_len + len(f.names[j])} characters, over "
+                          f"the limit {name} (transport.max_name)")
+            elif t.parent is not None and len(t.parent) > name:
+                bad = (0, f"the parent id is {len(t.parent)} characters, over the limit "
+                          f"{name} (transport.max_name)")
+            elif f.inputs is not None and max(
+                    (len(r) for r in f.inputs if r is not None), default=0) > text:
+                j = next(j for j, r in enumerate(f.inputs) if r is not None and len(r) > text)
+                bad = (j, f"input_uri is {len(f.inputs[j])} characters, over the limit {text} "
+                          f"(transport.max_text)")
+            else:
+                for field, value in sc.spec_names(t):
+                    if len(value) > name:
+                        bad = (0, f"its {field} is {len(value)} characters, over the limit "
+                                  f"{name} (transport.max_name)")
+                        break
+            if bad is not None:
+                raise p.ProtocolError("TOO_LARGE", f"requests[{first + bad[0]}]: {bad[1]}")
             first += len(f.names)
 
     def on_enqueue_fanout(self, conn, c, peer, msg):

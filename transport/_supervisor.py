@@ -499,18 +499,19 @@ def store_held(path, now_ns=None):
     holder out: this check is what stops a second process from doing that to a running
     one. ``SupervisorError`` if the claim cannot be read."""
     now = time.time_ns() if now_ns is None else now_ns
+    # A shard holds its lock from its start to its exit, claim or no claim (yet, or still).
+    holder = lock_holder(path, SHARD_LOCK_NAME, "shard")
+    if holder is not None:
+        return f"store {path} is held by a live shard: {holder}; stop it first (SIGTERM)"
     claim = _read_claim(path)
     if claim is None or not claim.live(now):
         return None
     if claim.host == socket.gethostname():
-        holder = lock_holder(path, SHARD_LOCK_NAME, "shard")
-        if holder is not None:
-            return (f"store {path} is held by a live shard: {holder}; stop it first "
-                    f"(SIGTERM)")
         if claim.pid == os.getpid() or not holds_store(claim.pid, path):
             return None     # a dead holder's claim (its pid may be another's now)
-        return (f"store {path} is held by a live process that has it open: "
-                f"{claim.describe(now)}; stop it first (SIGTERM {claim.pid})")
+        return (f"store {path} is held by a live process that has it open (or that this "
+                f"user may not inspect): {claim.describe(now)}; stop it first (SIGTERM "
+                f"{claim.pid})")
     return (f"store {path} is claimed from another host: {claim.describe(now)}; "
             f"stop that shard or wait until its claim expires")
 
