@@ -408,6 +408,12 @@ def test_size_limits_name_the_setting():
             "too many items in 'actions': 4 > 3 (transport.max_batch)", small)
     refused(wire(EnqueueFanout(rid=1, template=SPEC, names=list("abcdef"))), "TOO_LARGE",
             "6 > 5 (transport.max_fanout)", small)
+    # Each name within max_name, but not the action id it makes with its run (15 + 1 + 49):
+    # STATUS, EXPLAIN and ABORT of it would be refused.
+    refused(wire(EnqueueFanout(rid=1, template=SPEC, names=["a", "n" * 49])), "TOO_LARGE",
+            "'names'[1]: the action id is 65 characters, over the limit 64", small)
+    assert Decoder(small).decode(wire(EnqueueFanout(rid=1, template=SPEC,
+                                                    names=["n" * 48]))).names == ["n" * 48]
     refused(wire(Abort(rid=1, action="a/b/c/d/e", reason="x" * 65)), "TOO_LARGE",
             "'reason' is 65 characters, over the limit 64", small)
     refused(wire(Enqueue(rid=1, specs=[{**SPEC, "pad": "x" * 2000}])), "TOO_LARGE",

@@ -505,6 +505,13 @@ def _build_schemas(lim):
     def fanout_post(m, lim):
         if m.inputs is not None and len(m.inputs) != len(m.names):
             raise SchemaError(f"'inputs' has {len(m.inputs)} items for {len(m.names)} names")
+        # Each action's id (its run, '/', its name) within max_name, as every request that
+        # names it must be (STATUS, EXPLAIN, ABORT refused a longer one TOO_LARGE).
+        run = len(m.template["id"].rsplit("/", 1)[0]) + 1
+        if run + max(map(len, m.names), default=0) > lim.max_name:
+            j = next(j for j, n in enumerate(m.names) if run + len(n) > lim.max_name)
+            raise SchemaError(f"'names'[{j}]: the action id is {run + len(m.names[j])} "
+                              f"characters, over the limit {lim.max_name}", "TOO_LARGE")
 
     def report_post(m, lim):
         n = len(m.phases)
