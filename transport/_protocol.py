@@ -507,10 +507,10 @@ def _build_schemas(lim):
             raise SchemaError(f"'inputs' has {len(m.inputs)} items for {len(m.names)} names")
         # Each action's id (its run, '/', its name) within max_name, as every request that
         # names it must be (STATUS, EXPLAIN, ABORT refused a longer one TOO_LARGE).
-        run = len(m.template["id"].rsplit("/", 1)[0]) + 1
-        if run + max(map(len, m.names), default=0) > lim.max_name:
-            j = next(j for j, n in enumerate(m.names) if run + len(n) > lim.max_name)
-            raise SchemaError(f"'names'[{j}]: the action id is {run + len(m.names[j])} "
+        run = m.template["id"].rsplit("/", 1)[0]
+        j = long_action_id(run, m.names, lim.max_name)
+        if j is not None:
+            raise SchemaError(f"'names'[{j}]: the action id is {len(run) + 1 + len(m.names[j])} "
                               f"characters, over the limit {lim.max_name}", "TOO_LARGE")
 
     def report_post(m, lim):
@@ -915,6 +915,15 @@ def encode(msg):
     if not n:
         arrays = [b""] * len(arrays)
     return [frame0, msgpack.packb(header, use_bin_type=True), *arrays]
+
+
+def long_action_id(run, names, limit):
+    """The index of the first of ``names`` whose action id (``run``, '/', the name) is over
+    ``limit`` characters, or None (one C-level pass over the names when none is)."""
+    room = limit - len(run) - 1
+    if max(map(len, names), default=0) <= room:
+        return None
+    return next(j for j, n in enumerate(names) if len(n) > room)
 
 
 def spec_map(spec):

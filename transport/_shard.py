@@ -924,13 +924,12 @@ class _Loop:
         first = 0
         for f in fanouts:
             t = f.template
-            run_len = len(t.id.rsplit("/", 1)[0]) + 1
+            run = t.id.rsplit("/", 1)[0]
             bad = None
-            long_name = max(map(len, f.names), default=0)
-            if run_len + long_name > name:
-                j = next(j for j, n in enumerate(f.names) if run_len + len(n) > name)
-                bad = (j, f"the action id is {run_len + len(f.names[j])} characters, over "
-                          f"the limit {name} (transport.max_name)")
+            j = p.long_action_id(run, f.names, name)
+            if j is not None:
+                bad = (j, f"the action id is {len(run) + 1 + len(f.names[j])} characters, "
+                          f"over the limit {name} (transport.max_name)")
             elif t.parent is not None and len(t.parent) > name:
                 bad = (0, f"the parent id is {len(t.parent)} characters, over the limit "
                           f"{name} (transport.max_name)")
