@@ -495,6 +495,17 @@ def test_an_idle_workers_empty_heartbeat_still_reports_its_free_capacity(tmp_pat
 # ------------------------------------------------------------------------------ devbox
 
 
+def end_devbox(proc, before):
+    """Kill a devbox process still running, and every process below this one that was not
+    there ``before`` (pids)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+    for c in psutil.Process().children(recursive=True):
+        if c.pid not in before and c.pid != proc.pid:
+            with_kill(c.pid)
+
+
 def test_the_devbox_runs_its_example_workload_end_to_end(tmp_path):
     box = tmp_path / "box"
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -505,12 +516,7 @@ def test_the_devbox_runs_its_example_workload_end_to_end(tmp_path):
     try:
         out, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        for c in psutil.Process().children(recursive=True):
-            if c.pid not in before and c.pid != proc.pid:
-                with_kill(c.pid)
+        end_devbox(proc, before)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, out + err
     assert elapsed < 60, elapsed
@@ -547,12 +553,7 @@ def test_a_serving_devbox_whose_worker_dies_says_so_and_stops_everything(tmp_pat
         worker.kill()
         out, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        for c in psutil.Process().children(recursive=True):
-            if c.pid not in before and c.pid != proc.pid:
-                with_kill(c.pid)
+        end_devbox(proc, before)
     assert proc.returncode == 2, out + err
     line = one_line(err)
     assert "the worker was killed by SIGKILL" in line and "worker.log" in line, line
