@@ -440,6 +440,15 @@ def _engine_names(requests, acc, resources, where, ext_where):
             if name not in resources.names:
                 raise SpecError(f"{where}: the task requests {name}, which this engine does "
                                 f"not track (configured: {', '.join(resources.names)})")
+        if acc is not None and not any(n.startswith(acc[0] + ":") for n in out):
+            # An accelerator named with no count of it: nothing to charge, but a device this
+            # engine does not know is a mistake in the declaration, not a CPU-only task.
+            kind, model, _ = acc
+            if not any(n.startswith(f"{kind}:{model}") for n in resources.names):
+                configured = ", ".join(n for n in resources.names if ":" in n) or "none"
+                raise SpecError(f"{ext_where}.gpu_accelerator.device: {model} (wire name "
+                                f"{_wire(model)!r}) is not a configured resource "
+                                f"{kind + ':' + model!r} (configured devices: {configured})")
     return out
 
 

@@ -585,6 +585,20 @@ def test_device_not_configured_names_the_accelerator_field():
                                         r"\(wire name 'nvidia-tesla-h100'\) is not a "
                                         r"configured resource 'gpu:H100'"):
         enqueue_flyte(eng, request(train))
+    # Named with no count of it: nothing to charge, but still a device this engine does not
+    # know (it was accepted as a CPU-only task).
+    spec = task_spec(train)
+    for side in (spec.task_template.container.resources.requests,
+                 spec.task_template.container.resources.limits):
+        for entry in [e for e in side if e.name == tasks_pb2.Resources.GPU]:
+            side.remove(entry)
+    with pytest.raises(SpecError, match=r"extended_resources.gpu_accelerator.device: H100 "
+                                        r"\(wire name 'nvidia-tesla-h100'\) is not a "
+                                        r"configured resource 'gpu:H100'"):
+        enqueue_flyte(eng, request(train, spec=spec))
+    eng, _ = engine()           # H100 configured: a task that asks for none of it is fine
+    [aid] = enqueue_flyte(eng, request(train, spec=spec))
+    assert demand(eng, aid)["gpu:H100"] == 0
 
 
 # --------------------------------------------------------------------------- the CLI
