@@ -47,7 +47,6 @@ from storage import (
 __all__ = ["AttemptsMixin"]
 
 
-
 def backoff_delay(retries, n):
     """Seconds before the retry that follows ``n`` spent ones: ``min(base * factor**n,
     cap)``. Computed in floats that may not hold ``factor**n`` (2.0**1025, 1e308**2): the
@@ -59,6 +58,7 @@ def backoff_delay(retries, n):
     except OverflowError:
         return float(retries.backoff_cap)
     return min(delay, retries.backoff_cap)
+
 
 class AttemptsMixin:
     """Attempts (a part of Engine)."""
