@@ -1757,7 +1757,9 @@ def run_shard(config_path, shard_index):
         # The store would let this process take a running shard's claim over (a restart
         # of the same shard name), leaving that one fenced and serving nothing: one shard
         # process a store on this host, held by a lock the kernel drops when it dies.
-        lock = hold_lock(shard.config.storage.path, SHARD_LOCK_NAME, "shard", config_path)
+        # (The lock file names the config file; ``config_path`` may be a parsed Config.)
+        lock = hold_lock(shard.config.storage.path, SHARD_LOCK_NAME, "shard",
+                         getattr(config_path, "source", config_path))
     except (LockHeld, OSError) as exc:
         raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
     try:
