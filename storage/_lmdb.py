@@ -279,6 +279,42 @@ def _redo_ext(code: int, data: bytes) -> Records | Puts:
         raise ValueError(str(e)) from None
 
 
+def _peek(data_file: Path, read):
+    """``read(env, txn)`` of the LMDB environment holding ``data_file``, opened read-only
+    and closed again (LMDB reads only its meta pages to open it); None when it cannot be
+    opened so (the real open says why)."""
+    try:
+        env = lmdb.open(str(data_file.parent), readonly=True, lock=False, create=False,
+                        subdir=True, max_dbs=len(_ENV_DBS))
+    except lmdb.Error:
+        return None
+    try:
+        with env.begin() as txn:
+            return read(env, txn)
+    except lmdb.Error:
+        return None
+    finally:
+        env.close()
+
+
+def _store_partitions(data_file: Path) -> int | None:
+    """The partition count the layout record of ``data_file``'s environment names, or None
+    when it has none (a file merely created by an open that went no further, or no store:
+    the open itself then says what is wrong)."""
+    def count(env, txn):
+        try:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+        except lmdb.NotFoundError:
+            return None
+        raw = txn.get(META_LAYOUT, db=meta)
+        try:
+            layout = msgpack.unpackb(raw) if raw is not None else None
+        except Exception:  # noqa: BLE001  (a bad record: the open names it)
+            return None
+        return layout.get("partitions") if isinstance(layout, dict) else None
+    return _peek(data_file, count)
+
+
 def _page_round(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
@@ -398,6 +434,7 @@ class LmdbStore(Store):
         now_ns = int(now_ns)
         self.path.mkdir(parents=True, exist_ok=True)
         self._check_dirs()
+        self._check_files()
         envs: list[lmdb.Environment] = []
         try:
             for p in range(self.partitions):
@@ -431,6 +468,35 @@ class LmdbStore(Store):
                 env.close()
             self._envs, self._dbh = [], []
             raise
+
+    def _check_files(self) -> None:
+        """Before anything is opened (LMDB would create a missing file, and map a short one
+        until a read past its end kills the process with SIGBUS): every partition's data
+        file present once one holds a store of this partition count (of another, the
+        layout check refuses it), and none shorter than the pages its meta page says it
+        has."""
+        files = [partition_dir(self.path, p) / "data.mdb" for p in range(self.partitions)]
+        present = [f for f in files if f.exists()]
+        for f in present:
+            self._check_length(f)
+        if present and len(present) < len(files) and any(
+                _store_partitions(f) == self.partitions for f in present):
+            missing = [str(f) for f in files if not f.exists()]
+            raise StoreError(f"store {self.path}: {', '.join(missing)} missing while the "
+                             f"other partitions hold data: a data file was deleted or moved. "
+                             f"Not started with that partition empty (its work would be "
+                             f"lost without a word): put the file back, or move the store "
+                             f"aside to start afresh")
+
+    @staticmethod
+    def _check_length(f: Path) -> None:
+        size = f.stat().st_size
+        need = _peek(f, lambda env, txn: (env.info()["last_pgno"] + 1) * env.stat()["psize"])
+        if need is not None and size < need:
+            raise CorruptRecord(None, "meta", None,
+                                f"{f} is {size} bytes, shorter than the {need} its meta "
+                                f"pages say it holds (truncated?): not opened (reading past "
+                                f"its end would kill the process)")
 
     def _init_env(self, p: int | None, env, txn, expected_layout: dict, names) -> dict:
         """Check (or, for a new environment, create) schema and layout inside ``txn``; return

@@ -1384,3 +1384,33 @@ def test_a_map_that_does_not_fit_the_address_space_is_not_called_corrupt(tmp_pat
     assert out.stdout.startswith("store: "), out.stdout
     assert "cannot map the partition (4294967296 bytes) into memory" in out.stdout
     assert "The store itself is intact" in out.stdout
+
+
+def _store_with_work(path):
+    """An LMDB store of two partitions holding some records, closed."""
+    s = LmdbStore(str(path), partitions=2)
+    s.open("shard-a", 1)
+    s.commit({p: [("actions", (7).to_bytes(8, "big"), b"v" * 3000)] for p in (0, 1)})
+    s.close()
+    return [path / f"p{p:02d}" / "data.mdb" for p in (0, 1)]
+
+
+def test_a_partition_data_file_deleted_is_refused_not_started_empty(tmp_path):
+    # It was made again, empty, and the shard served on without the partition's work.
+    files = _store_with_work(tmp_path / "s")
+    files[1].unlink()
+    with pytest.raises(StoreError, match=r"p01/data.mdb missing while the other partitions "
+                                         r"hold data"):
+        LmdbStore(str(tmp_path / "s"), partitions=2).open("shard-a", 2)
+    assert not files[1].exists()                    # not made again
+    # A store of which no partition was ever made a store still opens (a first start).
+    LmdbStore(str(tmp_path / "fresh"), partitions=2).open("shard-a", 3)
+
+
+def test_a_truncated_data_file_is_refused_naming_it_instead_of_a_bus_error(tmp_path):
+    # LMDB maps the file: reading a page past its end killed the process with SIGBUS.
+    files = _store_with_work(tmp_path / "s")
+    os.truncate(files[1], files[1].stat().st_size // 2)
+    with pytest.raises(CorruptRecord, match=rf"{files[1]} is \d+ bytes, shorter than the "
+                                            r"\d+ its meta pages say it holds"):
+        LmdbStore(str(tmp_path / "s"), partitions=2).open("shard-a", 2)
