@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import tomllib
 import urllib.request
@@ -964,3 +965,38 @@ def test_a_stopped_shard_still_answers_scrapes_and_status_reads_with_its_last_fi
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+
+
+def test_a_status_file_on_a_full_disk_is_a_status_error_not_a_bus_error(tmp_path):
+    # The file was made sparse (ftruncate) and written through its map: on a full disk the
+    # first store was a SIGBUS, and a shard restarted there died with no word. This needs a
+    # file system that can be filled: a 1 MiB tmpfs, which only a privileged user mounts.
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs to mount a tmpfs (root): not run here, so not proven here")
+    try:
+        with open(fs / "filler", "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+        code = textwrap.dedent(f"""
+            from engine import parse_config
+            from transport import StatusError, StatusWriter
+            cfg = parse_config({{"resources": ["cpu"], "clusters": {{"east": {{}}}},
+                                 "queues": {{"q": {{}}}},
+                                 "engine": {{"default_queue": "q"}}}})
+            try:
+                StatusWriter(cfg, 0, {str(fs / "s.status")!r})
+            except StatusError as exc:
+                print("refused:", exc)
+            """)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+        assert "refused:" in done.stdout and "No space left on device" in done.stdout, \
+            done.stdout
+        assert [p.name for p in fs.iterdir()] == ["filler"]     # no temporary file left
+    finally:
+        subprocess.run(["umount", str(fs)], capture_output=True)

@@ -509,6 +509,10 @@ class StatusWriter:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
             try:
                 os.ftruncate(fd, layout.file_bytes)
+                # Blocks allocated now: a sparse file on a full disk is a SIGBUS at the
+                # first store into its map, not an error (a shard restarted on a full
+                # store's disk died so, with no word).
+                os.posix_fallocate(fd, 0, layout.file_bytes)
                 mm = mmap.mmap(fd, layout.file_bytes, mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
