@@ -14,6 +14,7 @@ file, keys at ``offset * key_size`` of the key file, in key order. It prints one
 
 import json
 import mmap
+import os
 import sys
 
 import lmdb
@@ -101,6 +102,16 @@ def scan_fixed(env, dbh, partition, db, count, record_size, key_size, vout, kout
     """Copy the ``count`` records of ``dbh`` (one snapshot) into ``vout``/``kout`` at record
     ``offset`` (``kout`` None: values only); :class:`ScanProblem` names the first bad
     record."""
+    try:
+        _scan_fixed(env, dbh, partition, db, count, record_size, key_size, vout, kout, offset)
+    except lmdb.Error as e:
+        # A damaged page (CorruptedError, PageNotFoundError, ...): the store's, named by
+        # its file, not a bug of the scan.
+        raise ScanProblem(partition, db, None,
+                          f"{os.path.join(env.path(), 'data.mdb')}: {e}") from None
+
+
+def _scan_fixed(env, dbh, partition, db, count, record_size, key_size, vout, kout, offset):
     with env.begin(db=dbh, buffers=False) as txn:
         n = txn.stat(dbh)["entries"]
         if n != count:

@@ -4,6 +4,7 @@ reload scan."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -1414,3 +1415,21 @@ def test_a_truncated_data_file_is_refused_naming_it_instead_of_a_bus_error(tmp_p
     with pytest.raises(CorruptRecord, match=rf"{files[1]} is \d+ bytes, shorter than the "
                                             r"\d+ its meta pages say it holds"):
         LmdbStore(str(tmp_path / "s"), partitions=2).open("shard-a", 2)
+
+
+def test_a_damaged_page_met_by_the_reload_scan_names_the_file(tmp_path):
+    # lmdb.CorruptedError escaped the scan: "INTERNAL ... (a bug)", exit 1, no file named.
+    s = LmdbStore(str(tmp_path / "s"), partitions=1)
+    s.open("shard-a", 1)
+    s.commit({0: [("actions", i.to_bytes(8, "big"), b"v" * 240) for i in range(4000)]})
+    s.close()
+    f = tmp_path / "s" / "p00" / "data.mdb"
+    env = lmdb.open(str(f.parent), readonly=True, lock=False, max_dbs=len(DBS) + 1)
+    last, psize = env.info()["last_pgno"], env.stat()["psize"]
+    env.close()
+    with open(f, "r+b") as fh:          # garbage amid the records' leaves (seeded)
+        fh.seek((last // 2 - 3) * psize)
+        fh.write(random.Random(7).randbytes(6 * psize))
+    with pytest.raises(CorruptRecord, match=rf"partition 0, db 'actions', environment: "
+                                            rf"{f}: .*MDB_CORRUPTED"):
+        scan_parallel(str(tmp_path / "s"), "actions", record_size=240, processes=1)
