@@ -319,7 +319,15 @@ class JournalMixin:
         if isinstance(exc, StoreFailed):
             # Unknown outcome: reopen (finishes or discards the group) and reload.
             store.close()
-            store.open(self.config.storage.shard, self._wall.time_ns())
+            try:
+                store.open(self.config.storage.shard, self._wall.time_ns())
+            except BaseException as reopen:
+                # Closed for good (a full disk): every later turn would fail on a closed
+                # store, serving nothing; stopped, the process exits and its supervisor
+                # restarts it (or gives up, naming this).
+                self._stopped = (f"the store could not be reopened after a failed commit "
+                                 f"({exc}): {reopen}")
+                raise
         self._restore()
         raise exc
 

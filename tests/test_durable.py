@@ -325,6 +325,29 @@ def test_store_failed_reopens_and_reloads():
     assert eng.enqueue(spec(2)) is not None
 
 
+def test_a_store_that_cannot_be_reopened_after_a_failed_commit_stops_the_engine():
+    # A full disk: the reopen failed, the store stayed closed, and every later turn failed
+    # on it ("store is not open"), four times a second, serving nothing, for good.
+    class NoReopen(MemoryStore):
+        refuse = False
+
+        def open(self, shard, now_ns):
+            if self.refuse:
+                raise StoreError("Input/output error")
+            super().open(shard, now_ns)
+
+    store = NoReopen(4)
+    eng, clock = open_engine(store)
+    eng.enqueue(spec(1))
+    store.fail_next(StoreFailed("disk full", outcome="unknown"))
+    store.refuse = True
+    with pytest.raises(StoreError, match="Input/output error"):
+        eng.enqueue(spec(2))
+    assert eng.stopped is not None
+    assert "could not be reopened after a failed commit" in eng.stopped
+    assert "Input/output error" in eng.stopped
+
+
 def test_lost_ownership_stops_the_shard():
     backing = MemoryStore(4)
     eng, clock = open_engine(backing)
