@@ -207,9 +207,10 @@ class StoreFull(StoreError):
     def __init__(self, partition: int, map_size: int):
         self.partition, self.map_size = partition, map_size
         super().__init__(
-            f"map full: partition {partition}, map_size {_fmt_size(map_size)}; raise "
-            f"storage.map_size (LmdbStore(map_size=...)) or grow it with "
-            f"LmdbStore.resize(new_map_size). Nothing of this commit was applied."
+            f"map full: partition {partition}, map_size {_fmt_size(map_size)}; a shard grows "
+            f"a full map by doubling up to storage.max_map_size: raise that setting (with "
+            f"LmdbStore directly: LmdbStore(map_size=...) or LmdbStore.resize(new_map_size)). "
+            f"Nothing of this commit was applied."
         )
 
     def __reduce__(self):

@@ -290,6 +290,7 @@ def test_store_full_applies_nothing_and_resize_lets_it_succeed(hl):
     e = ei.value
     assert e.partition == P - 1 and e.map_size == 512 << 10
     assert f"partition {P - 1}" in str(e) and "512 KiB" in str(e) and "resize" in str(e)
+    assert "raise that setting" in str(e) and "storage.max_map_size" in str(e)  # a shard's cap
     assert content(s) == before
     with pytest.raises(ValueError, match="only grow"):
         s.resize(256 << 10)
