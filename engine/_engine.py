@@ -46,6 +46,7 @@ from storage import (
     CorruptRecord,
     LmdbStore,
     OwnershipError,
+    StoreLost,
     partition_of,
 )
 
@@ -467,7 +468,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
 
     def renew(self):
         """Renew the shard's partition claims (call well within ``storage.claim_ttl``);
-        ``OwnershipError`` means another shard took over: this one must stop."""
+        ``OwnershipError`` means another shard took over, ``StoreLost`` that a data file
+        went from under it: either way this one stops (``stopped`` says why)."""
         try:
             now = self._wall.time_ns()
             out = self._store.renew(now)
@@ -475,6 +477,9 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             return out
         except OwnershipError as exc:
             self._stopped = f"ownership lost: {exc}"
+            raise
+        except StoreLost as exc:
+            self._stopped = f"store lost: {exc}"
             raise
 
     # ------------------------------------------------------------------ workers

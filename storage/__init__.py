@@ -11,7 +11,8 @@ Public names::
     MemoryStore(partitions=16, ...)       dicts, for pure-logic tests; fail_next(exc)
     scan_parallel(store_or_path, db, record_size=..., ...) -> FixedScan
                                           bulk reload of fixed-size records into numpy
-    StoreError > StoreFull, OwnershipError, CorruptRecord, InvalidBatch, StoreFailed
+    StoreError > StoreFull, OwnershipError, CorruptRecord, InvalidBatch, StoreFailed,
+                 StoreLost
     Claim                                 a partition's ownership record
     Records(db, keys, values, key_size, value_size)
                                           a block of fixed-size records: one op of a batch
@@ -55,6 +56,7 @@ from storage._store import (
     StoreError,
     StoreFailed,
     StoreFull,
+    StoreLost,
 )
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreFailed",
+    "StoreLost",
     "StoreFull",
     "partition_of",
     "scan_parallel",

@@ -153,6 +153,7 @@ from storage._store import (
     StoreError,
     StoreFailed,
     StoreFull,
+    StoreLost,
     check_held,
     check_open_claim,
     check_partition,
@@ -277,6 +278,15 @@ def _redo_ext(code: int, data: bytes) -> Records | Puts:
         return Records(DBS[db], m[h:h + n * ks], m[h + n * ks:], ks, vs)
     except InvalidBatch as e:
         raise ValueError(str(e)) from None
+
+
+def _file_id(f: Path):
+    """``(device, inode)`` of ``f``, or None when it does not exist."""
+    try:
+        st = f.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _peek(data_file: Path, read):
@@ -469,6 +479,19 @@ class LmdbStore(Store):
             self._envs, self._dbh = [], []
             raise
 
+    def _check_same_files(self) -> None:
+        """``StoreLost`` when a data file opened is no longer the one at its path (checked at
+        each renewal: what was written since it went is lost)."""
+        for p, opened in enumerate(self._files):
+            f = partition_dir(self.path, p) / "data.mdb"
+            now = _file_id(f)
+            if now != opened:
+                what = "is gone" if now is None else "was replaced by another file"
+                raise StoreLost(f"store {self.path}: {f} {what} since this shard opened it: "
+                                f"its writes since then are in a file no restart reads; "
+                                f"stopped (restore the file from a backup, or restart on "
+                                f"what is there)")
+
     def _check_files(self) -> None:
         """Before anything is opened (LMDB would create a missing file, and map a short one
         until a read past its end kills the process with SIGBUS): every partition's data
@@ -566,6 +589,7 @@ class LmdbStore(Store):
             except lmdb.Error as e:
                 raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
         self._envs = envs
+        self._files = [_file_id(partition_dir(self.path, p) / "data.mdb") for p in range(P)]
         self._over = over
         # LMDB keeps the larger of the configured and the used size
         self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))
@@ -1052,6 +1076,7 @@ class LmdbStore(Store):
 
     def renew(self, now_ns: int) -> int:
         self._check_writable()
+        self._check_same_files()
         expiry = int(now_ns) + self._ttl_ns
         claim = Claim(self._claim.shard, self._claim.pid, self._claim.host, expiry,
                       self._claim.token)

@@ -233,6 +233,12 @@ class CorruptRecord(StoreError):
         return (type(self), (self.partition, self.db, self.key, self.problem))
 
 
+class StoreLost(StoreError):
+    """A data file this process opened is no longer at its path (deleted, or replaced by
+    another file) while the store is open: what it writes goes to a file no restart will
+    read. Raised by ``renew``; the process must stop at once (as for ``OwnershipError``)."""
+
+
 class StoreFailed(StoreError):
     """An error at or after the commit point of a group commit; the store is now unusable.
 

@@ -34,6 +34,7 @@ from storage import (
     StoreError,
     StoreFailed,
     StoreFull,
+    StoreLost,
     partition_of,
     scan_parallel,
 )
@@ -1434,3 +1435,26 @@ def test_a_damaged_page_met_by_the_reload_scan_names_the_file(tmp_path):
     with pytest.raises(CorruptRecord, match=rf"partition 0, db 'actions', environment: "
                                             rf"{f}: .*MDB_CORRUPTED"):
         scan_parallel(str(tmp_path / "s"), "actions", record_size=240, processes=1)
+
+
+def test_a_data_file_deleted_under_an_open_store_stops_it_at_the_next_renewal(tmp_path):
+    # It wrote on into the unlinked file, acknowledging work no restart would read.
+    from engine import Engine, ManualClock, parse_config
+
+    cfg = parse_config({"resources": ["cpu"], "clusters": {"east": {}},
+                        "queues": {"q": {}}, "engine": {"default_queue": "q"},
+                        "storage": {"path": str(tmp_path / "s"), "partitions": 2}})
+    eng = Engine(cfg, clock=ManualClock(0.0), store=LmdbStore(str(tmp_path / "s"),
+                                                               partitions=2))
+    try:
+        eng.enqueue({"id": "acme/p/d/r/a", "task": "t", "resources": {"cpu": 1}})
+        eng.renew()                                     # the files are the ones opened
+        (tmp_path / "s" / "p01" / "data.mdb").unlink()
+        with pytest.raises(StoreLost, match=r"p01/data.mdb is gone since this shard "
+                                            r"opened it"):
+            eng.renew()
+        assert eng.stopped.startswith("store lost: ")
+        with pytest.raises(StoreError):                 # nothing more is acknowledged
+            eng.enqueue({"id": "acme/p/d/r/b", "task": "t", "resources": {"cpu": 1}})
+    finally:
+        eng.close()
