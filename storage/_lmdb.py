@@ -162,7 +162,7 @@ from storage._store import (
     new_claim,
 )
 
-__all__ = ["LmdbStore", "partition_dir"]
+__all__ = ["LmdbStore", "data_file", "partition_dir"]
 
 DEFAULT_MAP_SIZE = 1 << 30
 DEFAULT_CHECKPOINT_BYTES = 64 << 20
@@ -191,6 +191,11 @@ _crash_hook = None
 def partition_dir(path: str | os.PathLike, partition: int) -> Path:
     """The directory of ``partition``'s LMDB environment under a store at ``path``."""
     return Path(path) / f"p{partition:02d}"
+
+
+def data_file(path: str | os.PathLike, partition: int) -> Path:
+    """The LMDB data file of ``partition`` under a store at ``path`` (what LMDB maps)."""
+    return partition_dir(path, partition) / "data.mdb"
 
 
 #: Journal encoding of a :class:`Records` block: msgpack extension type ``_EXT_RECORDS`` whose
@@ -483,7 +488,7 @@ class LmdbStore(Store):
         """``StoreLost`` when a data file opened is no longer the one at its path (checked at
         each renewal: what was written since it went is lost)."""
         for p, opened in enumerate(self._files):
-            f = partition_dir(self.path, p) / "data.mdb"
+            f = data_file(self.path, p)
             now = _file_id(f)
             if now != opened:
                 what = "is gone" if now is None else "was replaced by another file"
@@ -498,7 +503,7 @@ class LmdbStore(Store):
         file present once one holds a store of this partition count (of another, the
         layout check refuses it), and none shorter than the pages its meta page says it
         has."""
-        files = [partition_dir(self.path, p) / "data.mdb" for p in range(self.partitions)]
+        files = [data_file(self.path, p) for p in range(self.partitions)]
         present = [f for f in files if f.exists()]
         for f in present:
             self._check_length(f)
@@ -589,7 +594,7 @@ class LmdbStore(Store):
             except lmdb.Error as e:
                 raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
         self._envs = envs
-        self._files = [_file_id(partition_dir(self.path, p) / "data.mdb") for p in range(P)]
+        self._files = [_file_id(data_file(self.path, p)) for p in range(P)]
         self._over = over
         # LMDB keeps the larger of the configured and the used size
         self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from engine._errors import LeaseholdError
-from storage._lmdb import partition_dir
+from storage._lmdb import data_file
 
 __all__ = ["LockHeld", "SHARD_LOCK_NAME", "SUPERVISOR_LOCK_NAME", "hold_lock", "lock_holder",
            "holds_store"]
@@ -90,7 +90,7 @@ def holds_store(pid, path):
     """Whether process ``pid`` lives and has the LMDB store at ``path`` open (the data file
     of its partition 0: a store is opened whole). A process this user may not inspect
     counts as holding it (nothing tells otherwise)."""
-    data = os.path.realpath(partition_dir(path, 0) / "data.mdb")
+    data = os.path.realpath(data_file(path, 0))
     try:
         files = psutil.Process(pid).open_files()
     except psutil.NoSuchProcess:

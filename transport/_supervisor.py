@@ -46,7 +46,7 @@ import psutil
 
 from engine._config import Config, load_config
 from engine._errors import LeaseholdError
-from storage._lmdb import partition_dir
+from storage._lmdb import data_file, partition_dir
 from storage._store import DBS, META_CLAIM, Claim
 from transport._keys import load_keyring
 from transport._locks import (
@@ -520,7 +520,7 @@ def _read_claim(path):
     """Partition 0's claim of the store at ``path`` (None: no store, or never claimed).
     A store is claimed whole (``LmdbStore.open``), so partition 0 speaks for all."""
     p0 = partition_dir(path, 0)
-    if not (p0 / "data.mdb").exists():
+    if not data_file(path, 0).exists():
         return None
     try:
         env = lmdb.open(str(p0), subdir=True, readonly=True, create=False, lock=True,
