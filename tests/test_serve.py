@@ -63,7 +63,7 @@ class Rig:
         self.env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def config(self, name="leasehold.toml", shards=1, data="data", metrics=True,
-               extra=""):
+               extra="", storage=""):
         ports = [free_port() for _ in range(shards)]
         eps = ", ".join(f'"tcp://127.0.0.1:{p}"' for p in ports)
         self.metrics_port = free_port()
@@ -85,6 +85,7 @@ class Rig:
             [storage]
             path = "{self.tmp / data}"
             partitions = 2
+            {storage}
             [transport]
             endpoints = [{eps}]
             [status]
@@ -361,7 +362,9 @@ def test_a_second_shard_on_a_live_shards_store_is_refused_and_the_first_serves_o
 
 
 def test_a_shard_whose_store_is_taken_over_exits_non_zero(rig):
-    cfg = rig.config()
+    # A long claim: a renewal (every claim_ttl / 3) that found the takeover before the request
+    # came would stop the shard first (the next test), leaving the request unanswered.
+    cfg = rig.config(storage="claim_ttl = 3600")
     shard = rig.spawn("shard", "shard", "--config", str(cfg))
     until(lambda: shard_pid(cfg) == shard.pid, 30, "the shard to serve")
     conf = load_config(cfg)
@@ -380,6 +383,22 @@ def test_a_shard_whose_store_is_taken_over_exits_non_zero(rig):
     assert rc != 0
     log = rig.log(shard)
     assert "stopped serving: ownership lost" in log and "was taken over" in log, log
+
+
+def test_an_idle_shard_whose_store_is_taken_over_finds_it_at_its_renewal_and_exits(rig):
+    cfg = rig.config(storage="claim_ttl = 1")
+    shard = rig.spawn("shard", "shard", "--config", str(cfg))
+    until(lambda: shard_pid(cfg) == shard.pid, 30, "the shard to serve")
+    conf = load_config(cfg)
+    thief = LmdbStore(conf.storage.path, partitions=conf.storage.partitions)
+    thief.open(conf.storage.shard, time.time_ns())
+    try:
+        rc = shard.wait(timeout=30)     # no request: the renewal (every 1/3 s) finds it
+    finally:
+        thief.close()
+    assert rc != 0
+    log = rig.log(shard)
+    assert "stopped serving: ownership lost" in log and "detected during renew" in log, log
 
 
 def test_a_taken_port_is_refused_with_one_line_before_anything_starts(rig):
