@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from engine import Phase, parse_config
-from storage import LmdbStore, MemoryStore, StoreError, StoreFull
+from storage import LmdbStore, MemoryStore, OwnershipError, StoreError, StoreFull
 from tests.conftest import until
 from transport import Client, Enqueue, Error, Reply, Shard, client_socket, decode, encode
 
@@ -179,6 +179,21 @@ def test_a_failed_commit_sends_nothing_of_its_turn_nor_of_the_turn_decided_after
         # ...and the shard serves on: the retried enqueues are acknowledged and durable.
         assert c.enqueue_many([spec("a"), spec("b")]) == [f"{RUN}/a", f"{RUN}/b"]
         assert c.status(f"{RUN}/b") == WAITING
+
+
+def test_a_shard_whose_commit_finds_its_store_taken_over_answers_every_turn_it_decided(rig):
+    # The first failure stops the engine while the turn decided after it is still with the
+    # committer: that turn is answered too before the loop ends (it waited out its timeout).
+    gate = Gate()
+    store = GatedMemoryStore(gate)
+    shard, raw = rig(store)
+    hold_two_turns(shard, raw, gate)
+    store.fail_next(OwnershipError(0, None, "shard-0", "commit"))
+    gate.open()
+    first, second = raw.answer(10), raw.answer(10)
+    assert isinstance(first, Error) and first.rid == 1 and first.code == "UNAVAILABLE"
+    assert isinstance(second, Error) and second.rid == 2 and second.code == "UNAVAILABLE"
+    assert "taken over" in first.message
 
 
 def test_a_full_store_grows_and_both_turns_are_written_in_order(rig, tmp_path):

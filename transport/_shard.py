@@ -407,7 +407,9 @@ class _Loop:
                         self.shard._count("failed_commits")
                 if self.eng.stopped is not None:
                     # Another shard took the store over: this one owns nothing it holds and
-                    # must not linger bound to its endpoint answering UNAVAILABLE.
+                    # must not linger bound to its endpoint answering UNAVAILABLE. The turns
+                    # still in commit are answered first (each was written or refused).
+                    self.settle_all()
                     raise StoreError(f"shard {self.shard.name} stopped serving: "
                                      f"{self.eng.stopped}")
                 # Published when no turn is in commit, so the status shows durable state
