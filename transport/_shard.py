@@ -73,6 +73,8 @@ log = logging.getLogger("leasehold.shard")
 
 #: Messages taken in one loop turn (one group commit); the rest wait for the next turn.
 BATCH = 512
+# How long a closing shard's socket keeps trying to deliver answers already sent (ms).
+CLOSE_LINGER_MS = 1000
 _POLLIN = int(zmq.POLLIN)
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
 # Handlers whose time is counted (Shard.counters): the read paths that grow with a run.
@@ -311,7 +313,10 @@ shard`` runs it).
                 except Exception:       # closing after a failure: report the first
                     log.exception("shard %s: closing the engine", self.name)
             if sock is not None:
-                sock.close(0)
+                # The last turn's answers (and a stopping shard's UNAVAILABLE) may still be
+                # queued: they get a bounded time to leave. close(0) dropped them, and their
+                # senders waited out their timeouts for answers that had been sent.
+                sock.close(linger=CLOSE_LINGER_MS)
             if self._auth is not None:
                 self._auth.stop()
             if self._status is not None:
