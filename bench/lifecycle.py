@@ -72,7 +72,6 @@ from engine import (  # noqa: E402
     is_content_key,
     parse_config,
 )
-from engine._state import ACTION_FIELDS  # noqa: E402
 
 BATCH = 1000
 N = 100_000
@@ -165,7 +164,7 @@ def memory_per_action(path, n):
     full = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     view = eng.inspect()
-    table = sum(getattr(view.arrays, k).nbytes for k in ACTION_FIELDS)
+    table = view.table_bytes("actions")
     rows = view.arrays.a_state.shape[0]
     eng.close()
     del base

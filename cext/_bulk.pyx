@@ -126,9 +126,9 @@ def decided_rows(TickKernel k not None, i64 since):
 def drain_dispatch(TickKernel k not None, i64 n, i64 now, u8 ph_init,
                    i64[::1] a_start not None, u8[::1] a_phase not None,
                    i64[::1] a_delivered_gen not None, const u8[::1] a_edges not None,
-                   const i64[::1] a_enqueued not None, const i32[::1] a_queue not None,
+                   const i64[::1] a_enqueued not None, const i32[:] a_queue not None,
                    const i64[::1] a_group not None, const i32[::1] a_gidx not None,
-                   const u8[::1] a_held_code not None, const i32[::1] fz_action not None,
+                   const u8[:] a_held_code not None, const i32[::1] fz_action not None,
                    const i32[::1] fz_attempt not None, dict out not None):
     """Consume the ``n`` oldest dispatch entries into the columns of ``out`` (arrays of at
     least ``n`` entries, named as :class:`engine.DispatchBatch`'s columns, plus ``lean``,
@@ -172,8 +172,8 @@ def drain_dispatch(TickKernel k not None, i64 n, i64 now, u8 ph_init,
 
 cdef i64 _drain(TickKernel k, i64 n, i64 now, u8 ph_init, Py_ssize_t cap,
                 i64[::1] a_start, u8[::1] a_phase, i64[::1] a_delivered_gen,
-                const u8[::1] a_edges, const i64[::1] a_enqueued, const i32[::1] a_queue,
-                const i64[::1] a_group, const i32[::1] a_gidx, const u8[::1] a_held_code,
+                const u8[::1] a_edges, const i64[::1] a_enqueued, const i32[:] a_queue,
+                const i64[::1] a_group, const i32[::1] a_gidx, const u8[:] a_held_code,
                 const i32[::1] fz_action, const i32[::1] fz_attempt,
                 u8[::1] kind, i64[::1] lease_row, i64[::1] action_row, i64[::1] generation,
                 i32[::1] cluster, i32[::1] worker, i32[::1] attempt, i32[::1] queue,

@@ -24,25 +24,25 @@ cdef inline u8 _not_holder(TickKernel k, i32 holder, i32 worker) noexcept nogil:
     return TOK_UNKNOWN
 
 
-cdef inline u8 _verdict(TickKernel k, const i64* gens, const u8* ends, const i64* expiries,
-                        const i32* holders, u64 rows, u64 row, i64 gen, i32 worker,
-                        i64 now) noexcept nogil:
-    # One lease table's columns (run leases: a_*, finalize leases: fz_*). The order is the
-    # documented one: existence, generation, how it ended, expiry, holder.
-    if row >= rows or gens[row] == 0:
+cdef inline u8 _verdict(TickKernel k, i64 current, u8 end, i64 expiry, i32 holder, i64 gen,
+                        i32 worker, i64 now) noexcept nogil:
+    # One lease's columns (a run lease's a_*, a finalize lease's fz_*), read by the caller
+    # (the run lease columns are strided views of the packed action record). The order is
+    # the documented one: existence, generation, how it ended, expiry, holder.
+    if current == 0:
         return TOK_UNKNOWN
-    if gen < gens[row]:
+    if gen < current:
         return TOK_STALE
-    if gen > gens[row]:
+    if gen > current:
         return TOK_UNKNOWN
-    if ends[row] == END_COMPLETED:
+    if end == END_COMPLETED:
         return TOK_COMPLETED
-    if ends[row] == END_ABORTED:
+    if end == END_ABORTED:
         return TOK_ABORTED
-    if ends[row] == END_EXPIRED or expiries[row] < now:
+    if end == END_EXPIRED or expiry < now:
         return TOK_EXPIRED
-    if worker >= 0 and holders[row] != worker:
-        return _not_holder(k, holders[row], worker)
+    if worker >= 0 and holder != worker:
+        return _not_holder(k, holder, worker)
     return TOK_OK
 
 
@@ -74,11 +74,13 @@ def validate(TickKernel k not None, const u64[:, ::1] tokens not None, i32 worke
             else:
                 row = lease & ~KIND_BIT
                 if lease & KIND_BIT:
-                    v = _verdict(k, &k.fz_gen[0], &k.fz_end[0], &k.fz_expiry[0],
-                                 &k.fz_worker[0], k.fz_gen.shape[0], row, gen, worker, now)
+                    v = TOK_UNKNOWN if row >= <u64>k.fz_gen.shape[0] else _verdict(
+                        k, k.fz_gen[row], k.fz_end[row], k.fz_expiry[row], k.fz_worker[row],
+                        gen, worker, now)
                 else:
-                    v = _verdict(k, &k.a_gen[0], &k.a_end[0], &k.a_expiry[0],
-                                 &k.a_worker[0], k.a_gen.shape[0], row, gen, worker, now)
+                    v = TOK_UNKNOWN if row >= <u64>k.a_gen.shape[0] else _verdict(
+                        k, k.a_gen[row], k.a_end[row], k.a_expiry[row], k.a_worker[row],
+                        gen, worker, now)
             verdicts[i] = v
             valid += v == TOK_OK
         if extend and valid:

@@ -107,6 +107,11 @@ class Inspection:
         size: rows past :attr:`action_rows` etc. are unused)."""
         return _ReadOnlyArrays(self._engine._state)
 
+    def table_bytes(self, table):
+        """Bytes the arrays of ``table`` (``"actions"``, ``"runs"``, ...) take at their
+        allocated size."""
+        return self._engine._state.table_bytes(table)
+
     @property
     def action_rows(self):
         """The action table's high-water row: rows below it hold actions (ended or not),

@@ -159,7 +159,8 @@ def load(store, config, now):
                                                                State.pods_of(config)))
     recs, rows, parts = _one_per_row(recs, rows, parts, "actions")
     n = _check_dense(rows, parts, "actions")
-    ld = _Loading(config, State.for_config(config, preset_rows=n, preset=_PRESET), now)
+    ld = _Loading(config, State.for_config(config, preset_rows=n, preset=_PRESET,
+                                           packed=False), now)
     progress.step("workers, runs, environments")
     _load_small(ld, store)
     progress.step("action columns")
@@ -172,6 +173,7 @@ def load(store, config, now):
     out = _rebuild(ld, n)
     progress.step("timers")
     timers = _timers(ld.st, n, ld.n_fz)
+    ld.st.pack()        # the tick's layout, once every whole-column pass is done
     progress.step("ready")
     progress.close()
     empty = np.zeros(0, dtype=np.int64)

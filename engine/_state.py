@@ -200,6 +200,77 @@ FINALIZE_FIELDS = {
     "fz_give_up": (I64, NEVER, ()),
     "fz_outcome": (U8, 0, ()),          # engine._rows.FZ_OUTCOMES: how it ended (0: not yet)
 }
+# The action columns the tick reads or stamps for each candidate it examines, stored
+# interleaved: one record of PACKED_BYTES per row (two cache lines, 64-byte aligned), each
+# column a strided view of it. A candidate then costs two line fills, not one per column
+# (the kernel's time is its cache misses: bench/README.md). Widest first, so every field is
+# naturally aligned; what a candidate that only waits touches comes first (one line).
+ACTION_PACKED = (
+    "a_fit", "a_wait_tick",
+    "a_state", "a_wait_code", "a_held_code", "a_end", "a_charged", "a_backfilled",
+    "a_run", "a_qrun", "a_env", "a_next", "a_prev", "a_lane", "a_queue",
+    "a_wait_cluster", "a_wait_dim", "a_wait_blocker",
+    # the second line: placement stamps
+    "a_gen", "a_released_gen", "a_expiry", "a_pred_end", "a_queued_tick",
+    "a_cluster", "a_worker", "a_lnext", "a_lprev", "a_task",
+)
+PACKED_BYTES = 128
+_LINE = 64
+
+
+def _packed_dtype():
+    offsets, at = [], 0
+    for name in ACTION_PACKED:
+        size = np.dtype(ACTION_FIELDS[name][0]).itemsize
+        at = -(-at // size) * size                  # naturally aligned
+        offsets.append(at)
+        at += size
+    assert at <= PACKED_BYTES, f"the packed action columns take {at} bytes"
+    return np.dtype({"names": list(ACTION_PACKED),
+                     "formats": [ACTION_FIELDS[n][0] for n in ACTION_PACKED],
+                     "offsets": offsets, "itemsize": PACKED_BYTES})
+
+
+PACKED_DTYPE = _packed_dtype()
+
+
+_FILL = np.zeros(1, PACKED_DTYPE)
+for _name in ACTION_PACKED:
+    _FILL[_name] = ACTION_FIELDS[_name][1]
+# Rows copied at a time into a packed array (a 1 MiB slice of it, which stays in cache
+# while each of its columns is written).
+_PACK_ROWS = 8192
+
+
+def _packed_rows(rows):
+    # 64-byte aligned: each record is its two lines, not parts of three.
+    raw = np.empty(rows * PACKED_BYTES + _LINE, dtype=np.uint8)
+    skip = -raw.ctypes.data % _LINE
+    return raw[skip:skip + rows * PACKED_BYTES].view(PACKED_DTYPE)
+
+
+def _words(rec):
+    # A packed array as rows of 64-bit words: whole-record copies and fills run as plain
+    # integer copies (a structured array's own assignment goes field by field, ~15x slower).
+    return rec.view(np.uint64).reshape(len(rec), PACKED_BYTES // 8)
+
+
+def _alloc_packed(rows, old=None):
+    """The packed record array of ``rows`` rows, the rows of ``old`` (a packed array)
+    copied in, every other row its columns' fill."""
+    rec = _packed_rows(rows)
+    words = _words(rec)
+    first = 0 if old is None else len(old)
+    if first:
+        words[:first] = _words(old)
+    words[first:] = _FILL.view(np.uint64)
+    return rec
+
+
+def _packed_columns(rec):
+    return {name: rec[name] for name in ACTION_PACKED}
+
+
 TABLES = {
     "actions": ACTION_FIELDS,
     "qruns": QRUN_FIELDS,
@@ -214,10 +285,16 @@ TABLES = {
 }
 
 
-def _alloc(fields, rows, n_res, preset_rows=0, preset=(), n_pods=1):
-    # Suffix "R": one entry per resource; "P": one per pod of a node placement.
+def _alloc(fields, rows, n_res, preset_rows=0, preset=(), n_pods=1, packed=False):
+    # Suffix "R": one entry per resource; "P": one per pod of a node placement. ``packed``:
+    # the ACTION_PACKED columns are views of one packed record array (State.pack).
     out = {}
+    if packed:
+        out["a_packed"] = rec = _alloc_packed(rows)
+        out.update(_packed_columns(rec))
     for name, (dtype, fill, suffix) in fields.items():
+        if name in out:
+            continue
         shape = (rows,) + tuple(n_res if s == "R" else n_pods if s == "P" else s
                                 for s in suffix)
         if name in preset and preset_rows:
@@ -246,10 +323,12 @@ class State:
     """All arrays of one shard. Attribute names are the kernel's field names."""
 
     @classmethod
-    def for_config(cls, config, *, preset_rows=0, preset=()):
+    def for_config(cls, config, *, preset_rows=0, preset=(), packed=True):
         """The arrays of a shard of ``config`` (a :class:`~engine.Config`): its layout and
         engine settings, cluster capacities set. ``preset_rows`` and ``preset`` as in
-        :func:`_alloc` (reload writes those columns of those rows itself)."""
+        :func:`_alloc` (reload writes those columns of those rows itself). ``packed=False``:
+        every action column a plain array until :meth:`pack` (reload's whole-column passes
+        are then sequential)."""
         settings = config.engine
         res = config.resources
         st = cls(n_res=len(res), n_clusters=len(config.clusters), n_queues=len(config.queues),
@@ -258,7 +337,7 @@ class State:
                  max_candidates=settings.max_candidates,
                  gate_on=settings.resource_gate == "enforce",
                  cpu_dim=res.cpu_index, res_accel=res.accelerator_mask,
-                 preset_rows=preset_rows, preset=preset,
+                 preset_rows=preset_rows, preset=preset, packed=packed,
                  n_nodes=sum(s.count for c in config.clusters if c.admission == "nodes"
                              for s in c.node_shapes),
                  node_pods=settings.max_node_pods)
@@ -288,7 +367,7 @@ class State:
 
     def __init__(self, *, n_res, n_clusters, n_queues, initial_rows, dispatch_capacity,
                  max_candidates, gate_on, cpu_dim, res_accel, preset_rows=0, preset=(),
-                 n_nodes=0, node_pods=16):
+                 n_nodes=0, node_pods=16, packed=True):
         self.n_res = n_res
         self.n_clusters = n_clusters
         self.n_queues = n_queues
@@ -310,7 +389,7 @@ class State:
             self.rows[table] = sizes[table]
             self.__dict__.update(_alloc(fields, sizes[table], n_res,
                                         preset_rows if table == "actions" else 0, preset,
-                                        self.node_pods))
+                                        self.node_pods, packed and table == "actions"))
         # The node table is sized by the config once (at least one row: never read then).
         self.n_nodes = n_nodes
         self.__dict__.update(_alloc(NODE_FIELDS, max(1, n_nodes), n_res))
@@ -413,8 +492,46 @@ class State:
         tenants[tenant] = row
         return row, grown_
 
+    @property
+    def packed(self):
+        """Whether the ACTION_PACKED columns are views of one packed record array."""
+        return "a_packed" in self.__dict__
+
+    def table_bytes(self, table):
+        """Bytes the arrays of ``table`` take at its allocated size (the packed record
+        array once, with its padding, for the packed action columns)."""
+        packed = TABLES[table] is ACTION_FIELDS and self.packed
+        out = self.a_packed.nbytes if packed else 0
+        for name in TABLES[table]:
+            if not (packed and name in ACTION_PACKED):
+                out += getattr(self, name).nbytes
+        return out
+
+    def pack(self):
+        """Move the ACTION_PACKED columns into one packed record array (their values kept),
+        a slice of rows at a time; a no-op when they are packed already. The caller
+        rebinds the kernel (arrays were replaced)."""
+        if self.packed:
+            return
+        rows = self.rows["actions"]
+        rec = _packed_rows(rows)
+        columns = [(name, getattr(self, name)) for name in ACTION_PACKED]
+        for lo in range(0, rows, _PACK_ROWS):
+            part = rec[lo:lo + _PACK_ROWS]
+            for name, column in columns:
+                part[name] = column[lo:lo + _PACK_ROWS]
+        self.a_packed = rec
+        self.__dict__.update(_packed_columns(rec))
+
     def _resize(self, table, rows):
-        for name, (_dtype, fill, _suffix) in TABLES[table].items():
+        fields = TABLES[table]
+        packed = fields is ACTION_FIELDS and self.packed
+        if packed:
+            self.a_packed = _alloc_packed(rows, old=self.a_packed)
+            self.__dict__.update(_packed_columns(self.a_packed))
+        for name, (_dtype, fill, _suffix) in fields.items():
+            if packed and name in ACTION_PACKED:
+                continue
             setattr(self, name, grown(getattr(self, name), rows, fill))
         self.rows[table] = rows
 
