@@ -57,7 +57,7 @@ cdef class TickKernel:
     cdef i32[:] a_wait_blocker       # action row blocking it (head of line), -1 none
     cdef i64[:] a_queued_tick        # tick_no when it joined its lane (this attempt)
     cdef u8[:] a_held_code           # WaitCode that held it before the tick placing it
-    cdef i64[:] a_expiry             # run lease expiry (ns) while sent or running
+    cdef i64[::1] a_expiry             # run lease expiry (ns) while sent or running
     cdef u8[:] a_end                 # LeaseEnd of the current generation
     cdef i32[:] a_task               # history key row (task name, shape)
     cdef i64[::1] a_est_rt             # its spec's runtime estimate (ns), NEVER = none
