@@ -73,8 +73,10 @@ log = logging.getLogger("leasehold.shard")
 
 #: Messages taken in one loop turn (one group commit); the rest wait for the next turn.
 BATCH = 512
-# How long a closing shard's socket keeps trying to deliver answers already sent (ms).
+# How long a closing shard's socket keeps trying to deliver answers already sent (ms), and
+# how long after its last answer it stays open (s).
 CLOSE_LINGER_MS = 1000
+CLOSE_GRACE_S = 0.5
 _POLLIN = int(zmq.POLLIN)
 _SPEC_CACHE = 4096          # enqueue groups whose wire spec is kept for LEASES
 # Handlers whose time is counted (Shard.counters): the read paths that grow with a run.
@@ -190,6 +192,7 @@ shard`` runs it).
         # thread's own), so an increment needs no lock; a snapshot is one dict copy under
         # the GIL.
         self._status = None         # the shared-memory status (transport/_status.py)
+        self._loop = None           # the decision thread's state while it serves
 
     # ------------------------------------------------------------------ running
 
@@ -314,8 +317,15 @@ shard`` runs it).
                     log.exception("shard %s: closing the engine", self.name)
             if sock is not None:
                 # The last turn's answers (and a stopping shard's UNAVAILABLE) may still be
-                # queued: they get a bounded time to leave. close(0) dropped them, and their
-                # senders waited out their timeouts for answers that had been sent.
+                # queued: they get a bounded time to leave (close(0) dropped them). And a
+                # client's socket (ZMQ_IMMEDIATE) discards what it received but has not read
+                # yet when the connection closes: the socket stays open a moment after the
+                # last answer, so its peer reads it instead of waiting out its timeout.
+                loop = self._loop
+                if loop is not None:
+                    rest = loop.last_send + CLOSE_GRACE_S - time.monotonic()
+                    if rest > 0:
+                        time.sleep(rest)
                 sock.close(linger=CLOSE_LINGER_MS)
             if self._auth is not None:
                 self._auth.stop()
@@ -333,6 +343,7 @@ class _Loop:
         self.eng = eng
         self.store = store          # the engine's store (a CommitterStore), for the committer
         self.sock = sock
+        self.last_send = float("-inf")  # when the last answer was sent (monotonic)
         self.keyring = keyring
         cfg = shard.config
         self.settings = cfg.transport
@@ -784,6 +795,7 @@ class _Loop:
         else:
             self.shard._count("replies")
         send(self.sock, frames, conn)
+        self.last_send = time.monotonic()
 
     def reply(self, conn, rid, body=None):
         self.out.append((conn, p.Reply(rid=rid, body=body), True))
