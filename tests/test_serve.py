@@ -361,17 +361,23 @@ def test_a_second_shard_on_a_live_shards_store_is_refused_and_the_first_serves_o
     assert first.poll() is None
 
 
-def test_a_shard_whose_store_is_taken_over_exits_non_zero(rig):
-    # A long claim: a renewal (every claim_ttl / 3) that found the takeover before the request
-    # came would stop the shard first (the next test), leaving the request unanswered.
-    cfg = rig.config(storage="claim_ttl = 3600")
+def serve_then_take_over(rig, claim_ttl):
+    """A ``leasehold shard`` serving, and its store opened by a second incarnation of the
+    same shard name, which takes the claim over (the store allows it; the CLI refuses it,
+    above). Returns the shard's process and that store (open: close it)."""
+    cfg = rig.config(storage=f"claim_ttl = {claim_ttl}")
     shard = rig.spawn("shard", "shard", "--config", str(cfg))
     until(lambda: shard_pid(cfg) == shard.pid, 30, "the shard to serve")
     conf = load_config(cfg)
-    # What a second incarnation of the same shard name does when it opens the store: takes
-    # the claim over (the store allows it; the CLI refuses it, above).
     thief = LmdbStore(conf.storage.path, partitions=conf.storage.partitions)
     thief.open(conf.storage.shard, time.time_ns())
+    return shard, thief
+
+
+def test_a_shard_whose_store_is_taken_over_exits_non_zero(rig):
+    # A long claim: a renewal (every claim_ttl / 3) that found the takeover before the request
+    # came would stop the shard first (the next test), leaving the request unanswered.
+    shard, thief = serve_then_take_over(rig, 3600)
     try:
         with rig.client(rig.ports[0]) as c:
             with pytest.raises(LeaseholdError, match="UNAVAILABLE|taken over"):
@@ -386,12 +392,7 @@ def test_a_shard_whose_store_is_taken_over_exits_non_zero(rig):
 
 
 def test_an_idle_shard_whose_store_is_taken_over_finds_it_at_its_renewal_and_exits(rig):
-    cfg = rig.config(storage="claim_ttl = 1")
-    shard = rig.spawn("shard", "shard", "--config", str(cfg))
-    until(lambda: shard_pid(cfg) == shard.pid, 30, "the shard to serve")
-    conf = load_config(cfg)
-    thief = LmdbStore(conf.storage.path, partitions=conf.storage.partitions)
-    thief.open(conf.storage.shard, time.time_ns())
+    shard, thief = serve_then_take_over(rig, 1)
     try:
         rc = shard.wait(timeout=30)     # no request: the renewal (every 1/3 s) finds it
     finally:
