@@ -50,21 +50,21 @@ cdef class RecordCodec:
     cdef readonly Py_ssize_t n_res          # resources per demand vector
     cdef readonly Py_ssize_t n_pods         # node placement entries per record (0: none)
     cdef readonly Py_ssize_t action_size    # bytes per action record
-    cdef u8[:] a_state                    # the bound action columns (engine/_state.py)
-    cdef u8[:] a_end                      # lease end
-    cdef u8[:] a_charged                  # charged flag
+    cdef u8[:] a_state                      # the bound action columns (engine/_state.py)
+    cdef u8[:] a_end                        # lease end
+    cdef u8[:] a_charged                    # charged flag
     cdef u8[::1] a_part                     # partition
-    cdef i32[:] a_queue                   # queue
-    cdef i32[:] a_run                     # run
-    cdef i32[:] a_env                     # environment
-    cdef i32[:] a_cluster                 # cluster
-    cdef i32[:] a_worker                  # holder session row
+    cdef i32[:] a_queue                     # queue
+    cdef i32[:] a_run                       # run
+    cdef i32[:] a_env                       # environment
+    cdef i32[:] a_cluster                   # cluster
+    cdef i32[:] a_worker                    # holder session row
     cdef i32[::1] a_parent                  # parent row
     cdef i32[::1] a_attempt                 # attempt number
-    cdef i32[:] a_lane                    # lane (bit 0: fast)
-    cdef u64[:] a_fit                     # fit mask
-    cdef i64[:] a_gen                     # generation
-    cdef i64[:] a_released_gen            # released generation
+    cdef i32[:] a_lane                      # lane (bit 0: fast)
+    cdef u64[:] a_fit                       # fit mask
+    cdef i64[:] a_gen                       # generation
+    cdef i64[:] a_released_gen              # released generation
     cdef i64[::1] a_delivered_gen           # delivered generation
     cdef i64[::1] a_enqueued                # first enqueue
     cdef i64[::1] a_deadline_due            # deadline due
@@ -72,9 +72,9 @@ cdef class RecordCodec:
     cdef i64[::1] a_retry_due               # retry due
     cdef i64[::1] a_runtime_due             # runtime backstop due
     cdef u64[::1] a_name_hash               # name hash
-    cdef i32[:] a_task                    # history key row
-    cdef u8[:] a_backfilled               # placed by backfill
-    cdef i64[:] a_pred_end                # predicted end
+    cdef i32[:] a_task                      # history key row
+    cdef u8[:] a_backfilled                 # placed by backfill
+    cdef i64[:] a_pred_end                  # predicted end
     cdef i64[::1] a_group                   # enqueue group
     cdef i32[::1] a_gidx                    # index in the group
     cdef u8[::1] a_lean                     # lean flag

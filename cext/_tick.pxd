@@ -35,38 +35,38 @@ cdef class TickKernel:
     cdef u8[::1] res_accel             # [R] 1 where the resource is an accelerator
 
     # --- actions (one row per action; its run lease lives in the same row) ---
-    cdef u8[:] a_state               # ActionState
-    cdef i32[:] a_queue              # queue row
-    cdef i32[:] a_run                # run row
-    cdef i32[:] a_qrun               # (queue, run) row; lane = 2 * qrun + fast
-    cdef i32[:] a_lane               # lane row it waits in
-    cdef i32[:] a_env                # environment row, -1 when not reusable
-    cdef i32[:] a_next               # next action in its lane, -1 at the tail
-    cdef i32[:] a_prev               # previous action in its lane, -1 at the head
-    cdef u64[:] a_fit                # clusters that could ever hold it (shapes, capacity)
+    cdef u8[:] a_state                 # ActionState
+    cdef i32[:] a_queue                # queue row
+    cdef i32[:] a_run                  # run row
+    cdef i32[:] a_qrun                 # (queue, run) row; lane = 2 * qrun + fast
+    cdef i32[:] a_lane                 # lane row it waits in
+    cdef i32[:] a_env                  # environment row, -1 when not reusable
+    cdef i32[:] a_next                 # next action in its lane, -1 at the tail
+    cdef i32[:] a_prev                 # previous action in its lane, -1 at the head
+    cdef u64[:] a_fit                  # clusters that could ever hold it (shapes, capacity)
     cdef i64[:, ::1] a_demand          # [N, R] total demand (a pool's footprint if reusable)
-    cdef i64[:] a_gen                # lease generation, +1 per assignment
-    cdef i64[:] a_released_gen       # generation whose in-flight counts were released
-    cdef u8[:] a_charged             # 1 when its demand was charged to queue and cluster
-    cdef i32[:] a_cluster            # cluster of the current assignment, -1 none
-    cdef i32[:] a_worker             # worker of the current assignment, -1 none
-    cdef u8[:] a_wait_code           # WaitCode from the last tick that examined it
-    cdef i64[:] a_wait_tick          # tick_no of that examination
-    cdef i32[:] a_wait_cluster       # cluster the wait is about, -1 none
-    cdef i32[:] a_wait_dim           # resource the wait is about, -1 none
-    cdef i32[:] a_wait_blocker       # action row blocking it (head of line), -1 none
-    cdef i64[:] a_queued_tick        # tick_no when it joined its lane (this attempt)
-    cdef u8[:] a_held_code           # WaitCode that held it before the tick placing it
+    cdef i64[:] a_gen                  # lease generation, +1 per assignment
+    cdef i64[:] a_released_gen         # generation whose in-flight counts were released
+    cdef u8[:] a_charged               # 1 when its demand was charged to queue and cluster
+    cdef i32[:] a_cluster              # cluster of the current assignment, -1 none
+    cdef i32[:] a_worker               # worker of the current assignment, -1 none
+    cdef u8[:] a_wait_code             # WaitCode from the last tick that examined it
+    cdef i64[:] a_wait_tick            # tick_no of that examination
+    cdef i32[:] a_wait_cluster         # cluster the wait is about, -1 none
+    cdef i32[:] a_wait_dim             # resource the wait is about, -1 none
+    cdef i32[:] a_wait_blocker         # action row blocking it (head of line), -1 none
+    cdef i64[:] a_queued_tick          # tick_no when it joined its lane (this attempt)
+    cdef u8[:] a_held_code             # WaitCode that held it before the tick placing it
     cdef i64[::1] a_expiry             # run lease expiry (ns) while sent or running
-    cdef u8[:] a_end                 # LeaseEnd of the current generation
-    cdef i32[:] a_task               # history key row (task name, shape)
+    cdef u8[:] a_end                   # LeaseEnd of the current generation
+    cdef i32[:] a_task                 # history key row (task name, shape)
     cdef i64[::1] a_est_rt             # its spec's runtime estimate (ns), NEVER = none
     cdef i64[::1] a_max_rt             # its spec's max_runtime (ns), NEVER = none
     cdef i64[::1] a_runtime_due        # engine backstop of max_runtime while running, NEVER
-    cdef i64[:] a_pred_end           # predicted end (ns) of the live lease, NEVER = unknown
-    cdef u8[:] a_backfilled          # 1 when the current generation was placed by backfill
-    cdef i32[:] a_lnext              # next live charged lease on its cluster, -1 at the end
-    cdef i32[:] a_lprev              # previous one, -1 at the start
+    cdef i64[:] a_pred_end             # predicted end (ns) of the live lease, NEVER = unknown
+    cdef u8[:] a_backfilled            # 1 when the current generation was placed by backfill
+    cdef i32[:] a_lnext                # next live charged lease on its cluster, -1 at the end
+    cdef i32[:] a_lprev                # previous one, -1 at the start
 
     # --- (queue, run) pairs and their two lanes (regular, fast) ---
     cdef i32[::1] qr_queue             # queue row of the pair
