@@ -1518,9 +1518,9 @@ def test_the_recheck_spread_over_turns_still_sees_every_expiry(tmp_path, monkeyp
     the next turns (reading every one in one turn held the loop for seconds at scale): with
     a budget of 4, each of 30 leases that expire (assigned before the WATCH: only the
     re-check sees them end) still becomes its event."""
-    from transport import _shard as shard_module
+    from transport import _shard_watches
 
-    monkeypatch.setattr(shard_module, "RECHECK", 4)
+    monkeypatch.setattr(_shard_watches, "RECHECK", 4)
     h = Harness(base_config(tmp_path, heartbeat_interval=0.2, expiry_missed_beats=1,
                             expiry_jitter=0.0, system_retries=0), store=MemoryStore())
     h.start()
