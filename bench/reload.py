@@ -11,6 +11,9 @@
   (tenants spread by hash). Timed from just before starting a fresh interpreter to the line it
   prints once ``Engine(config)`` returned (ready to tick): interpreter start, imports, claims,
   parallel scan, rebuild. Median of 3 (each listed).
+* ``first_watch_ms``: a run's first watch on that reloaded table (``Engine.live_states`` of
+  one run of ``BATCH`` live actions among the million, what a shard reads when a run is
+  first watched): median of 9 runs in each reloaded process, then of the three.
 * ``sync_commit_ms``: one small durable transition's commit (``LmdbStore.commit`` of one
   action's records, the engine's store): median of 200. ``enqueue_one_ms``: the whole
   ``Engine.enqueue`` of one action (compile, encode, commit), median of 200.
@@ -63,7 +66,7 @@ def build(path, n):
     eng.register_worker("w-west", "west", 1 << 30)
     enq_s = 0.0
     for b, start in enumerate(range(0, n, BATCH)):
-        template = ActionSpec(id=f"{TENANTS[b % len(TENANTS)]}/p/d/run{b}/map",
+        template = ActionSpec(id=f"{run_key(b)}/map",
                               task=f"task{b % 50}",
                               resources={"cpu": 1 + b % 4, "memory": "2Gi"})
         names = [f"a{i}" for i in range(start, min(n, start + BATCH))]
@@ -87,22 +90,39 @@ from engine import Engine, ManualClock, parse_config
 eng = Engine(parse_config({cfg!r}), clock=ManualClock(time.time_ns()))
 view = eng.inspect()
 print("READY", view.action_rows, int((view.arrays.q_adm - view.arrays.q_rel).sum()), flush=True)
+# A run's first watch reads its live actions (Engine.live_states): timed on the reloaded
+# table, one run of BATCH actions at a time.
+took = []
+for run in {runs!r}:
+    t = time.perf_counter()
+    ids = eng.live_states(run)[0]
+    took.append(time.perf_counter() - t)
+    assert len(ids) > 0, run
+print("WATCH", sorted(took)[len(took) // 2] * 1e3, flush=True)
 eng.close()
 """
 
 
-def reload_once(path):
-    code = CHILD.format(root=str(ROOT), cfg=config(path))
+def run_key(b):
+    """The run key of batch ``b`` of :func:`build`."""
+    return f"{TENANTS[b % len(TENANTS)]}/p/d/run{b}"
+
+
+def reload_once(path, n):
+    batches = -(-n // BATCH)
+    runs = [run_key(b) for b in range(0, batches, max(1, batches // 9))][:9]
+    code = CHILD.format(root=str(ROOT), cfg=config(path), runs=runs)
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     ready = time.perf_counter() - t
+    watch = proc.stdout.readline()
     err = proc.communicate(timeout=300)[1]
-    if not line.startswith("READY"):
+    if not line.startswith("READY") or not watch.startswith("WATCH"):
         raise SystemExit(f"reload failed: {err[-3000:]}")
     _, rows, in_flight = line.split()
-    return ready, int(rows), int(in_flight)
+    return ready, int(rows), int(in_flight), float(watch.split()[1])
 
 
 def distinct_rate(path, batches=20):
@@ -164,7 +184,7 @@ def main():
     if not (args.keep and path.exists()):
         shutil.rmtree(path, ignore_errors=True)
         rate, leases = build(path, args.n)
-    runs = [reload_once(path) for _ in range(3)]
+    runs = [reload_once(path, args.n) for _ in range(3)]
     sync_ms, enqueue_ms = commit_latency(base / "latency")
     distinct = distinct_rate(base / "distinct")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -172,6 +192,9 @@ def main():
         "reload_1m_s": round(statistics.median(r[0] for r in runs), 4),
         "reload_runs_s": [round(r[0], 4) for r in runs],
         "actions": runs[0][1],
+        # A run's first watch on the reloaded table (Engine.live_states of one run of BATCH
+        # actions, median of 9 runs, then of the three reloads).
+        "first_watch_ms": round(statistics.median(r[3] for r in runs), 4),
         "leases_in_flight": runs[0][2],
         "enqueue_durable_per_s": round(rate) if rate else None,
         "enqueue_distinct_per_s": round(distinct),

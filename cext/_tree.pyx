@@ -1,9 +1,11 @@
 """The tree of a run: every descendant of a row, from the children index, in one nogil pass
-(abort walks only the tree it ends, never the whole table)."""
+(abort walks only the tree it ends, never the whole table); every action of a run, from its
+list of parentless actions (``u_child``) and their trees (a run's first watch reads only its
+own rows)."""
 
 from cext._types cimport check_index, i32, i64, u8
 
-__all__ = ["descendants", "unlink_children"]
+__all__ = ["descendants", "link_roots", "run_rows", "unlink_children", "unlink_roots"]
 
 
 def descendants(const i32[::1] child not None, const i32[::1] sibling not None, i64 root,
@@ -27,10 +29,16 @@ def descendants(const i32[::1] child not None, const i32[::1] sibling not None, 
 
 cdef Py_ssize_t _descendants(const i32[::1] child, const i32[::1] sibling, i64 root,
                              i64[::1] out) noexcept nogil:
-    # Breadth first, using ``out`` itself as the queue; -1 when it does not fit.
-    cdef Py_ssize_t head = 0, n = 1, cap = out.shape[0]
-    cdef i32 kid
     out[0] = root
+    return _breadth_first(child, sibling, out, 1)
+
+
+cdef Py_ssize_t _breadth_first(const i32[::1] child, const i32[::1] sibling, i64[::1] out,
+                               Py_ssize_t n) noexcept nogil:
+    # The descendants of out[:n] appended breadth first, ``out`` itself the queue; the new
+    # count, or -1 when they do not fit.
+    cdef Py_ssize_t head = 0, cap = out.shape[0]
+    cdef i32 kid
     while head < n:
         kid = child[out[head]]
         head += 1
@@ -41,6 +49,52 @@ cdef Py_ssize_t _descendants(const i32[::1] child, const i32[::1] sibling, i64 r
             n += 1
             kid = sibling[kid]
     return n
+
+
+def run_rows(const i32[::1] run_child not None, const i32[::1] child not None,
+             const i32[::1] sibling not None, i64 run, i64[::1] out not None):
+    """Write every action row of run row ``run`` into ``out`` (its parentless actions, the
+    list ``run_child[run]`` links through ``sibling``, then their descendants, breadth first)
+    and return how many; ``out`` must have room for them (the action table's size always
+    does)."""
+    check_index(run, run_child.shape[0], "run", "a run row")
+    if sibling.shape[0] != child.shape[0]:
+        raise ValueError("child and sibling columns differ in length")
+    cdef Py_ssize_t n = 0, cap = out.shape[0]
+    cdef i32 kid
+    with nogil:
+        kid = run_child[run]
+        while kid >= 0 and n < cap:
+            out[n] = kid
+            n += 1
+            kid = sibling[kid]
+        if kid >= 0:
+            n = -1
+        else:
+            n = _breadth_first(child, sibling, out, n)
+    if n < 0:
+        raise ValueError(f"out has room for {out.shape[0]} rows, the run is larger (or the "
+                         f"children index has a cycle)")
+    return n
+
+
+def link_roots(i32[::1] run_child not None, i32[::1] sibling not None,
+               const i32[:] run not None, const i64[::1] roots not None):
+    """Link the parentless action rows ``roots`` (ascending) into their runs' lists
+    (``run_child``, through ``sibling``), each row ahead of those before it: the lists as
+    enqueues leave them when rows were taken in row order."""
+    cdef Py_ssize_t i
+    cdef i64 r
+    cdef i32 u
+    for i in range(roots.shape[0]):
+        check_index(roots[i], sibling.shape[0], f"roots[{i}]", "an action row")
+        check_index(run[roots[i]], run_child.shape[0], f"run of roots[{i}]", "a run row")
+    with nogil:
+        for i in range(roots.shape[0]):
+            r = roots[i]
+            u = run[r]
+            sibling[r] = run_child[u]
+            run_child[u] = <i32>r
 
 
 def unlink_children(i32[::1] child not None, i32[::1] sibling not None,
@@ -55,16 +109,33 @@ def unlink_children(i32[::1] child not None, i32[::1] sibling not None,
     for i in range(rows.shape[0]):
         check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
     with nogil:
-        _unlink(child, sibling, parent, mark, rows)
+        _unlink(child, sibling, parent, mark, mark, rows)
 
 
-cdef void _unlink(i32[::1] child, i32[::1] sibling, const i32[::1] parent, u8[::1] mark,
-                  const i64[::1] rows) noexcept nogil:
+def unlink_roots(i32[::1] run_child not None, i32[::1] sibling not None,
+                 const i32[:] run not None, u8[::1] mark not None, u8[::1] seen not None,
+                 const i64[::1] rows not None):
+    """Take the parentless action rows ``rows`` (each with ``mark[row] == 1``) out of their
+    runs' lists (``run_child``): one walk of each run's list. ``seen`` (one byte per run
+    row, zero) is scratch: runs visited are set to 2."""
+    cdef Py_ssize_t i
+    if seen.shape[0] != run_child.shape[0] or mark.shape[0] > sibling.shape[0]:
+        raise ValueError("run lists, mark and seen differ in length")
+    for i in range(rows.shape[0]):
+        check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
+        check_index(run[rows[i]], run_child.shape[0], f"run of rows[{i}]", "a run row")
+    with nogil:
+        _unlink(run_child, sibling, run, mark, seen, rows)
+
+
+cdef void _unlink(i32[::1] child, i32[::1] sibling, const i32[:] owner, u8[::1] mark,
+                  u8[::1] seen, const i64[::1] rows) noexcept nogil:
+    # Each owner's list (a parent's children, a run's parentless actions) walked once.
     cdef Py_ssize_t i
     cdef i32 p, kid, prev, nxt
     for i in range(rows.shape[0]):
-        p = parent[rows[i]]
-        if p < 0 or mark[p] == 2:
+        p = owner[rows[i]]
+        if p < 0 or seen[p] == 2:
             continue
         prev = -1
         kid = child[p]
@@ -79,4 +150,4 @@ cdef void _unlink(i32[::1] child, i32[::1] sibling, const i32[::1] parent, u8[::
             else:
                 prev = kid
             kid = nxt
-        mark[p] = 2
+        seen[p] = 2

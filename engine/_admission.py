@@ -352,13 +352,13 @@ class AdmissionMixin:
             else:
                 st.a_pg_first[mine], st.a_pg_n[mine] = -1, 0
             demand[k] = c.demand
-            if parent >= 0:
-                # Newest child first: each row's next sibling is the one inserted before it.
-                st.a_sibling[mine[0]] = st.a_child[parent]
-                st.a_sibling[mine[1:]] = mine[:-1]
-                st.a_child[parent] = mine[-1]
-            else:
-                st.a_sibling[mine] = -1
+            # Newest first: each row's next sibling is the one inserted before it, in its
+            # parent's children or, parentless, in its run's list.
+            heads = st.a_child if parent >= 0 else st.u_child
+            owner = parent if parent >= 0 else u
+            st.a_sibling[mine[0]] = heads[owner]
+            st.a_sibling[mine[1:]] = mine[:-1]
+            heads[owner] = mine[-1]
             if c.spec.id != str(c.id):
                 c.spec = replace(c.spec, id=str(c.id))
             self._groups[gid] = EnqueueGroup(gid, c, names, inputs)

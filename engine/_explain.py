@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cext._tree import run_rows
 from engine._codes import (
     PHASE_CODE,
     PHASES,
@@ -196,11 +197,18 @@ class ExplainMixin:
         r = self._runs.get(str(run))
         if r is None:
             return []
+        return [str(self._aid(int(row))) for row in self._live_rows(r, limit)]
+
+    def _live_rows(self, r, limit):
+        """The rows of run row ``r`` that have not ended, at most ``limit``, ascending: from
+        the run's own trees (``u_child`` and the children index), not a table scan."""
         st = self._state
-        n = self._next_row
-        rows = np.flatnonzero((st.a_run[:n] == r) & (st.a_state[:n] != ST_FREE)
-                              & (st.a_state[:n] != ST_DONE))[:limit]
-        return [str(self._aid(int(row))) for row in rows]
+        out = np.empty(self._next_row, dtype=np.int64)
+        rows = out[:run_rows(st.u_child, st.a_child, st.a_sibling, r, out)]
+        state = st.a_state[rows]
+        rows = rows[(state != ST_FREE) & (state != ST_DONE)]
+        rows.sort()
+        return rows[:limit]
 
     def live_states(self, run, limit=10_000):
         """The actions of run key ``run`` that have not ended (:meth:`live_actions`: at most
@@ -215,9 +223,7 @@ class ExplainMixin:
         if r is None:
             return [], [], []
         st = self._state
-        n = self._next_row
-        rows = np.flatnonzero((st.a_run[:n] == r) & (st.a_state[:n] != ST_FREE)
-                              & (st.a_state[:n] != ST_DONE))[:limit]
+        rows = self._live_rows(r, limit)
         recs = self._recs
         ids, seen = [], {}          # group id -> (its actions' id prefix, their names)
         lean = ((st.a_lean[rows] != 0) & (st.a_edges[rows] == 0)

@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 
 from cext import RecordCodec
+from cext._tree import link_roots
 from engine._aborts import (
     ABORT_ROWS_START,
     ABORT_ROWS_STOP,
@@ -348,7 +349,7 @@ def _fill_actions(ld, recs, rows, parts, n):
         raise CorruptRecord(None, "actions", None, "run row without a run record")
     if int(st.a_task[:n].max()) >= len(ld.task_names):
         raise CorruptRecord(None, "actions", None, "history key row without a history record")
-    link_children(st, n)
+    link_children(st, n, occupied)
     # A row with an attempts record has its Python record as truth (decoded on first use).
     st.a_edges[:n] = (st.a_lean[:n] == 0) & occupied
     ld.holder = holder      # identities, turned into session rows in _rebuild
@@ -372,13 +373,17 @@ def _counts(values):
     return dict(zip(uniq.tolist(), counts.tolist(), strict=True))
 
 
-def link_children(st, n):
+def link_children(st, n, occupied):
     """Rebuild the children index (``a_child``, ``a_sibling``) of rows ``[:n]`` from their
-    parents, newest child first, as inserts leave it."""
+    parents, newest child first, as inserts leave it; and each run's list of its parentless
+    actions (``u_child``; ``occupied`` marks the rows in use), newest row first."""
     parent = st.a_parent[:n]
-    kids = np.flatnonzero(parent >= 0).astype(np.int32)
     st.a_child[:n] = -1
     st.a_sibling[:n] = -1
+    st.u_child[:] = -1
+    link_roots(st.u_child, st.a_sibling, st.a_run,
+               np.flatnonzero(occupied & (parent < 0)).astype(np.int64))
+    kids = np.flatnonzero(parent >= 0).astype(np.int32)
     if not kids.size:
         return
     # By parent, newest (latest enqueued) first.

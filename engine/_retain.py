@@ -35,7 +35,7 @@ import numpy as np
 
 from cext import DEBUG
 from cext._retained import ATTEMPT_LAYOUT, pack_lean_retained
-from cext._tree import unlink_children
+from cext._tree import unlink_children, unlink_roots
 from engine._codes import PHASES, TERMINAL_PHASES, Phase
 from engine._groups import group_key
 from engine._index import ActionEdges
@@ -238,10 +238,14 @@ class RetentionMixin:
         self._retain_outcomes(rows, expire, now)
         self._prune_abort_rows(rows)
         self._free_finalize(rows)
-        # Out of the children lists of parents still in the table.
+        # Out of the children lists of parents still in the table, and of their runs' lists.
         mark = np.zeros(self._next_row, dtype=np.uint8)
         mark[rows] = 1
         unlink_children(st.a_child, st.a_sibling, st.a_parent, mark, rows)
+        roots = rows[st.a_parent[rows] < 0]
+        if roots.size:
+            unlink_roots(st.u_child, st.a_sibling, st.a_run, mark,
+                         np.zeros(st.u_child.shape[0], dtype=np.uint8), roots)
         # Out of the index and the edges.
         index, recs = self._hash_rows, self._recs
         listed = rows.tolist()
@@ -387,10 +391,16 @@ class RetentionMixin:
         action of the run starts it afresh (its ``max_action_concurrency`` with it); its
         retained outcomes are found in the store (``_run_may_have_retained``)."""
         st = self._state
-        held = st.a_run[:self._next_row]
-        alive = np.zeros(len(self._run_keys), dtype=bool)
-        alive[held[held >= 0]] = True
-        gone = ~alive[runs]
+        # A run with an action in the table has a parentless one in its list (a parent is
+        # reclaimed only after its children).
+        gone = st.u_child[runs] < 0
+        if DEBUG:
+            held = st.a_run[:self._next_row]
+            alive = np.zeros(len(self._run_keys), dtype=bool)
+            alive[held[(held >= 0) & (st.a_state[:self._next_row] != ST_FREE)]] = True
+            if (gone != ~alive[runs]).any():
+                raise AssertionError(f"run lists disagree with the table for runs "
+                                     f"{runs[gone != ~alive[runs]].tolist()}")
         if not gone.any():
             return
         runs, parts = runs[gone], parts[gone]

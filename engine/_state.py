@@ -50,7 +50,8 @@ ACTION_FIELDS = {
     "a_part": (U8, 0, ()),
     "a_parent": (I32, -1, ()),
     # Children index (derived, rebuilt at reload): the newest child, then the next older
-    # sibling, so a cascade visits only the descendants.
+    # sibling, so a cascade visits only the descendants. A parentless action is in its
+    # run's list instead (u_child), linked the same way.
     "a_child": (I32, -1, ()),
     "a_sibling": (I32, -1, ()),
     "a_attempt": (I32, 0, ()),
@@ -127,6 +128,10 @@ RUN_FIELDS = {
     "u_adm": (U64, 0, ()),
     "u_rel": (U64, 0, ()),
     "u_tenant": (I32, -1, ()),          # tenant row (the first segment of the run key)
+    # The run's newest parentless action, linked to the older ones through a_sibling (the
+    # children index's roots: derived, rebuilt at reload); every action of the run is one
+    # of them or a descendant.
+    "u_child": (I32, -1, ()),
 }
 # One row per tenant seen (in memory only: derived from the run keys at reload; caps from
 # the config's [tenants.NAME] or [tenant_defaults]). In flight = adm - rel, as everywhere.

@@ -1647,6 +1647,18 @@ class EngineMachine(RuleBasedStateMachine):
             assert int(s.fz_gen[f.f]) == f.gen, f.__dict__
             if f.status == "sent":
                 assert int(s.fz_expiry[f.f]) == f.expiry, f.__dict__
+        # 8. each run's live actions, read from the run's own trees (its parentless actions'
+        # list and the children index, never a table scan), are the model's, in row order.
+        by_run = {}
+        for a in self.actions.values():
+            if a.status != "done":
+                by_run.setdefault(a.aid.run_key, set()).add(str(a.aid))
+        for run in {a.aid.run_key for a in self.actions.values()}:
+            ids = eng.live_actions(run)
+            assert set(ids) == by_run.get(run, set()), (run, ids, by_run.get(run))
+            rows = [ins.find(ActionId.parse(x)) for x in ids]
+            assert rows == sorted(rows), (run, rows)
+            assert eng.live_states(run)[0] == ids, run
         # 5 and 7: one state per action, agreeing with the model; phases as reported.
         assert ins.dispatch_tail - ins.dispatch_head == len(self.undrained)
         want = {"queued": RowState.QUEUED, "sent": RowState.SENT, "backoff": RowState.BACKOFF,
