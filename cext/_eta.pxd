@@ -23,7 +23,11 @@ cdef class EtaProjector:
     cdef i64[::1] c_hold               # [C] held until (STRICT heads of earlier queues)
     cdef i64[::1] c_hold_q             # [C] ... by the queue being walked (merged after it)
     cdef i32[::1] c_hint               # [C] segment the last search on the cluster began in
-    cdef i32[::1] cls                  # [N] demand class of each action row (project's)
+    # Demand classes (equal demand vectors), assigned as the walk meets them (_class_of):
+    cdef i64[::1] cls_vec              # [K, R] each class's demand vector
+    cdef i32[::1] cls_hash             # [H] open-addressed table of classes by demand, -1 free
+    cdef Py_ssize_t n_cls              # classes assigned in this run (at most K)
+    cdef Py_ssize_t cls_max            # K
     cdef i32[::1] cls_ptr              # [K, C] per class: segments before it are short of it
     cdef i32[::1] lb_seg               # [K, C, 64] per class and runtime bucket: lower bound
     cdef i64[::1] lb_t                 # ... of the start from now (segment, time); -1 none
@@ -50,6 +54,7 @@ cdef class EtaProjector:
                        i64 rt) noexcept nogil
     cdef i32 _split(self, TickKernel k, i32 seg, i64 t) noexcept nogil
     cdef i32 _take(self, TickKernel k, int kind, Py_ssize_t nl) noexcept nogil
+    cdef i32 _class_of(self, TickKernel k, i32 a) noexcept nogil
     cdef void _project_one(self, TickKernel k, i32 a, i64 now, i64 t_min, u64 wmask,
                            bint strict) noexcept nogil
     cdef void _run(self, TickKernel k, i64 now) noexcept nogil

@@ -142,18 +142,22 @@ cdef class EtaProjector:
         self.n_order = 0
         self.n_clusters = c_first.shape[0]
 
-    def project(self, TickKernel k not None, i64 now, i32[::1] cls not None,
-                i32[::1] cls_ptr not None, i32[::1] lb_seg not None, i64[::1] lb_t not None,
-                Py_ssize_t horizon=-1):
+    def project(self, TickKernel k not None, i64 now, i32[::1] cls_ptr not None,
+                i32[::1] lb_seg not None, i64[::1] lb_t not None, i64[::1] cls_vec not None,
+                i32[::1] cls_hash not None, Py_ssize_t horizon=-1):
         """Project the queued actions of ``k`` at time ``now`` (ns): the first ``horizon``
         in the tick's order (every one when -1); the rest are listed in ``order`` with
-        ``ETA_HORIZON``, which bounds the cost on a deep backlog. ``cls``: each action
-        row's demand class (equal demand vectors, equal class; 0 <= class < K, or -1 for
-        none), ``cls_ptr`` K x C and ``lb_seg``, ``lb_t`` K x C x 64 scratch. Sizes are
-        checked here (the caller sizes the arrays from the engine's tables): the timeline
-        holds ``C + 2 x rows`` segments, the outputs one entry per action row."""
+        ``ETA_HORIZON``, which bounds the cost on a deep backlog. Demand classes (equal
+        demand vectors share what their searches found) are assigned as the walk meets
+        them, at most K (``cls_ptr`` K x C, ``lb_seg`` and ``lb_t`` K x C x 64,
+        ``cls_vec`` K x R, ``cls_hash`` a power of two >= 2 K, or empty when K is 0: no
+        classes, the same answers, slower); an action of a demand met after K others is
+        searched from scratch. Sizes are checked here (the caller sizes the arrays from the
+        engine's tables): the timeline holds ``C + 2 x rows`` segments, the outputs one
+        entry per action row. Nothing here is O(queued) but the walk itself."""
         cdef Py_ssize_t n_rows = k.a_state.shape[0]
         cdef Py_ssize_t n_lanes = k.ln_head.shape[0]
+        cdef Py_ssize_t n_cls, h
         if self.n_res != k.n_res:
             raise ValueError("bound for another number of resources")
         if (self.eta.shape[0] < n_rows or self.why.shape[0] < n_rows
@@ -164,28 +168,39 @@ cdef class EtaProjector:
             raise ValueError("scratch arrays must cover the lanes and clusters")
         if self.sg_t.shape[0] < k.n_clusters + 2 * n_rows:
             raise ValueError("the timeline must hold C + 2 x action rows segments")
-        if cls.shape[0] < n_rows or self.c_hint.shape[0] < k.n_clusters:
-            raise ValueError("cls must cover the action table, c_hint the clusters")
+        if self.c_hint.shape[0] < k.n_clusters:
+            raise ValueError("c_hint must cover the clusters")
         if self.n_clusters < k.n_clusters:
             raise ValueError("bound for fewer clusters")
-        cdef Py_ssize_t i, n_cls = cls_ptr.shape[0] // self.n_clusters
-        for i in range(n_rows):
-            if k.a_state[i] == ST_QUEUED and not -1 <= cls[i] < n_cls:
-                raise ValueError(f"cls[{i}]={cls[i]} is not a class of cls_ptr")
+        n_cls = cls_ptr.shape[0] // self.n_clusters
+        if cls_ptr.shape[0] != n_cls * self.n_clusters:
+            raise ValueError("cls_ptr must be K x C")
         if lb_seg.shape[0] != cls_ptr.shape[0] * N_BUCKETS or lb_t.shape[0] != lb_seg.shape[0]:
             raise ValueError("lb_seg and lb_t must be 64 x as long as cls_ptr")
+        if cls_vec.shape[0] != n_cls * self.n_res:
+            raise ValueError("cls_vec must be K x R")
+        h = cls_hash.shape[0]
+        if (h & (h - 1)) != 0 or (n_cls and h < 2 * n_cls):
+            raise ValueError("cls_hash must be a power of two >= 2 K (or empty when K is 0)")
         if horizon < -1:
             raise ValueError(f"horizon {horizon} must be >= 0, or -1 for every action")
         self.horizon = horizon if horizon >= 0 else n_rows
-        cls_ptr[:] = -1
-        lb_t[:] = -1
-        self.cls = cls
+        cls_hash[:] = -1
+        self.cls_vec = cls_vec
+        self.cls_hash = cls_hash
+        self.n_cls = 0
+        self.cls_max = n_cls
         self.cls_ptr = cls_ptr
         self.lb_seg = lb_seg
         self.lb_t = lb_t
         with nogil:
             self._run(k, now)
         return self.n_order
+
+    @property
+    def classes(self):
+        """Demand classes the last projection assigned."""
+        return self.n_cls
 
     # ------------------------------------------------------------------ timeline
 
@@ -376,6 +391,43 @@ cdef class EtaProjector:
             return a
         return -1
 
+    cdef i32 _class_of(self, TickKernel k, i32 a) noexcept nogil:
+        # The demand class of a's demand vector: found in the table, else the next one
+        # (its bounds start unknown), else -1 once K are taken. The table is at least twice
+        # K long, so a probe always ends at a free slot or its class.
+        cdef Py_ssize_t R = self.n_res, r, c, mask
+        cdef const i64* need = &k.a_demand[a, 0]
+        cdef u64 x = 14695981039346656037ULL      # FNV-1a over the vector's words
+        cdef i32 slot
+        if self.cls_max == 0:
+            return -1
+        for r in range(R):
+            x = (x ^ <u64>need[r]) * 1099511628211ULL
+        mask = self.cls_hash.shape[0] - 1
+        slot = <i32>((x ^ (x >> 32)) & <u64>mask)
+        while True:
+            c = self.cls_hash[slot]
+            if c < 0:
+                break
+            r = 0
+            while r < R and self.cls_vec[c * R + r] == need[r]:
+                r += 1
+            if r == R:
+                return <i32>c
+            slot = <i32>((slot + 1) & mask)
+        if self.n_cls == self.cls_max:
+            return -1
+        c = self.n_cls
+        self.n_cls += 1
+        self.cls_hash[slot] = <i32>c
+        for r in range(R):
+            self.cls_vec[c * R + r] = need[r]
+        for r in range(c * self.n_clusters, (c + 1) * self.n_clusters):
+            self.cls_ptr[r] = -1
+        for r in range(c * self.n_clusters * N_BUCKETS, (c + 1) * self.n_clusters * N_BUCKETS):
+            self.lb_t[r] = -1
+        return <i32>c
+
     cdef void _project_one(self, TickKernel k, i32 a, i64 now, i64 t_min, u64 wmask,
                            bint strict) noexcept nogil:
         cdef i32 q = k.a_queue[a]
@@ -385,6 +437,7 @@ cdef class EtaProjector:
         cdef i32 seg = -1, best_seg = -1
         cdef i64 t, t0, rt, best_t = NEVER, acc, best_acc = -1, cpu, best_cpu = -1
         cdef Py_ssize_t r
+        cdef i32 cls = -2       # its demand class, looked up at its first search
         cdef const i64* need = &k.a_demand[a, 0]
         self.order[self.n_order] = a
         self.n_order += 1
@@ -424,7 +477,9 @@ cdef class EtaProjector:
                 t = t0
                 seg = self.c_first[c]
             else:
-                t = self._earliest(k, c, need, t0, rt, self.cls[a], t0 == now, &seg)
+                if cls == -2:
+                    cls = self._class_of(k, a)
+                t = self._earliest(k, c, need, t0, rt, cls, t0 == now, &seg)
             if t >= NEVER or t > best_t:
                 continue
             # Ties go where the gate would send them: most free accelerators, then cpu.

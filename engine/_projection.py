@@ -120,29 +120,17 @@ class ProjectionMixin:
         return got
 
     def _run_projector(self, now, classes=True):
-        """Run the projector at ``now`` and return it. Demand classes (rows with equal
-        demand vectors share one) let it skip, per class, what is already too full
-        (``classes=False``: none, every search from scratch; the same answers, slower)."""
-        st = self._state
+        """Run the projector at ``now`` and return it. Demand classes (actions with equal
+        demand vectors share one) let it skip, per class, what is already too full; the
+        projector assigns them as it meets them, at most ``MAX_CLASS_SLOTS / C``
+        (``classes=False``: none, every search from scratch; the same answers, slower).
+        Nothing here reads the whole table: a deep backlog costs the walk of its first
+        ``engine.eta_horizon`` actions, not a pass over every queued one."""
         p = self._projector()
-        n = self._next_row
-        queued = np.flatnonzero(st.a_state[:n] == ST_QUEUED)
-        cls = np.full(st.a_state.shape[0], -1, np.int32)
-        k_cls = 1
-        if queued.size and classes:
-            _, inv, counts = np.unique(st.a_demand[queued], axis=0, return_inverse=True,
-                                       return_counts=True)
-            # The most common demands get a class (bounded memory: K x C x 65 slots).
-            rank = np.empty(counts.size, np.int32)
-            rank[np.argsort(-counts, kind="stable")] = np.arange(counts.size, dtype=np.int32)
-            got = rank[inv.reshape(-1)]
-            most = max(1, MAX_CLASS_SLOTS // max(1, len(self._clusters)))
-            cls[queued] = np.where(got < most, got, -1)
-            k_cls = int(min(counts.size, most))
-        slots = k_cls * max(1, len(self._clusters))
-        p.project(self._kernel, now, cls, np.empty(slots, np.int32),
-                  np.empty(slots * 64, np.int32), np.empty(slots * 64, np.int64),
-                  self.config.engine.eta_horizon)
+        ptr, seg, t, vec, table = self._eta_classes
+        if not classes:
+            ptr, seg, t, vec, table = ptr[:0], seg[:0], t[:0], vec[:0], table[:0]
+        p.project(self._kernel, now, ptr, seg, t, vec, table, self.config.engine.eta_horizon)
         return p
 
     def _projector(self):
@@ -165,5 +153,13 @@ class ProjectionMixin:
                np.zeros(2 * lanes, np.int32), np.zeros(lanes, np.int32),
                np.zeros(rows, np.int64), np.zeros(rows, np.uint8), np.zeros(rows, np.int32),
                np.zeros(max(1, c), np.int32))
+        # The demand classes' scratch (bounded: K x C x 65 slots of 4 or 8 bytes, ~12 MB at
+        # most; each class's part is set when the projector assigns it).
+        k = max(1, MAX_CLASS_SLOTS // max(1, c))
+        self._eta_classes = (np.empty(k * max(1, c), np.int32),
+                             np.empty(k * max(1, c) * 64, np.int32),
+                             np.empty(k * max(1, c) * 64, np.int64),
+                             np.empty(k * r, np.int64),
+                             np.empty(1 << (2 * k - 1).bit_length(), np.int32))
         self._eta_projector, self._eta_dims = p, (rows, lanes)
         return p
