@@ -54,6 +54,8 @@ MAX_PRIORITY = 1000
 # Clusters are a uint64 bitmask in the tick.
 MAX_CLUSTERS = 64
 MAX_INT32 = 2**31 - 1
+#: Pods one action may place on nodes (engine.max_node_pods): the placement's width.
+MAX_NODE_PODS = 1024
 RESOURCE_GATES = ("enforce", "off")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -538,10 +540,13 @@ def _parse_engine(source, table):
         values["resource_gate"] = _choice(
             source, "engine.resource_gate", table["resource_gate"], RESOURCE_GATES
         )
-    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0),
-                         ("max_node_pods", 1)):
+    for key, minimum in (("expiry_missed_beats", 1), ("system_retries", 0)):
         if key in table:
             values[key] = _int(source, f"engine.{key}", table[key], minimum)
+    if "max_node_pods" in table:
+        values["max_node_pods"] = _int(
+            source, "engine.max_node_pods", table["max_node_pods"], 1,
+            maximum=(MAX_NODE_PODS, "4 bytes a pod in every action row and record"))
     for key, positive in (("heartbeat_interval", True), ("expiry_jitter", False),
                           ("runtime_grace", False), ("finalize_timeout", True)):
         if key in table:
@@ -655,6 +660,8 @@ def _duration(source, path, value):
 
 #: Loop turns a shard may have decided and not yet committed (``transport.commit_pipeline``).
 MAX_COMMIT_PIPELINE = 16
+#: The longest ipc:// path, in bytes: a Unix socket's path (sun_path, 108 bytes with its NUL).
+MAX_IPC_PATH = 107
 
 # Other processes must reach a shard: tcp (a host name, an IPv4 address, an interface, "*",
 # or a bracketed IPv6 address) or ipc, not inproc.
@@ -686,6 +693,10 @@ def _parse_transport(source, table):
                            "a non-empty list of ZeroMQ endpoints (tcp://HOST:PORT or "
                            "ipc://PATH), one per shard")
         for i, e in enumerate(eps):
+            if e.startswith("ipc://") and len(e[len("ipc://"):].encode()) > MAX_IPC_PATH:
+                raise _invalid(source, "transport.endpoints", e,
+                               f"an ipc path of at most {MAX_IPC_PATH} bytes (the system's "
+                               f"limit for a socket's path)")
             port = e.rpartition(":")[2] if e.startswith("tcp://") else None
             if port is not None and int(port) > 65535:
                 raise _invalid(source, "transport.endpoints", e, "a tcp port 0..65535")
@@ -738,7 +749,7 @@ def _parse_worker(source, resources, table):
                            "a size of at least 1Ki, or 0 for no limit")
     if "default_plugin" in table:
         v = table["default_plugin"]
-        if v not in PLUGINS:
+        if not isinstance(v, str) or v not in PLUGINS:
             raise _invalid(source, "worker.default_plugin", v,
                            f"one of {', '.join(PLUGINS)} (or absent: refuse actions that "
                            f"declare no execute)")

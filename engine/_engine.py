@@ -11,6 +11,7 @@ import time
 
 import msgpack
 import numpy as np
+import psutil
 
 from cext import RecordCodec, TickKernel
 from cext._bulk import decided_rows
@@ -40,7 +41,7 @@ from engine._rows import (
     ST_DONE,
     ST_FREE,
 )
-from engine._state import NEVER, State
+from engine._state import NEVER, State, start_bytes
 from engine._timers import TimersMixin
 from storage import (
     CorruptRecord,
@@ -63,6 +64,21 @@ def kernel_pass(kernel, now):
     return kernel.run(now)
 
 
+def _check_fits_memory(config):
+    """Refuse a config whose tables cannot be made on this machine (``engine.initial_capacity``,
+    ``dispatch_capacity``, ``max_node_pods``): a clear error instead of a process that grows
+    until the system kills it."""
+    need = start_bytes(config)
+    have = psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(
+            f"{config.source}: engine.initial_capacity {config.engine.initial_capacity} / "
+            f"dispatch_capacity {config.engine.dispatch_capacity}: the shard's tables would "
+            f"take {need / 2**30:.1f} GiB when made, more than this machine's "
+            f"memory ({have / 2**30:.1f} GiB); start smaller (the tables grow by "
+            f"doubling as work arrives)")
+
+
 class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixin,
              JournalMixin, ExplainMixin, ProjectionMixin, RetentionMixin):
     """One shard's scheduling engine.
@@ -82,6 +98,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
     def __init__(self, config, *, clock=None, secret=None, store=None, wall_clock=None):
         if not isinstance(config, Config):
             config = load_config(config)
+        _check_fits_memory(config)
         self.config = config
         self.clock = clock or SystemClock()
         # Wall time for the partition claims, which other processes judge (``time_ns()``).
@@ -124,10 +141,15 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         # they are judged by other processes).
         self._next_renew_ns = self._wall.time_ns() + self._store.claim_ttl_ns // 3
         try:
-            self._codec = TokenCodec(self._load_meta(secret))
+            secret, meta = self._load_meta(secret)
+            self._codec = TokenCodec(secret)
             self._load()
             if self._refit_layout is not None:
                 self._refit()
+            if meta:
+                # Written once the memory is made: a first start that fails leaves a store
+                # any config can start on, not one that holds this config's layout.
+                self._store.commit({0: meta})
         except BaseException:
             self._store.close()
             raise
@@ -271,7 +293,8 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         return part
 
     def _load_meta(self, secret):
-        """Check (or write) the shard layout and return the token secret."""
+        """Check the shard layout against the store's: the token secret, and the meta
+        records to write (a new store's layout and secret, a changed layout)."""
         store = self._store
         layout = {"resources": list(self._resources.names), "clusters": self._clusters,
                   "queues": self._queue_names,
@@ -324,9 +347,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
             ops.append(("meta", LAYOUT_KEY, msgpack.packb(layout)))
         if stored_secret is None:
             ops.append(("meta", SECRET_KEY, bytes(secret)))
-        if ops:
-            store.commit({0: ops})
-        return secret
+        return secret, ops
 
     def _refit(self):
         # The cluster config changed since the fit masks were stored: recompute them for

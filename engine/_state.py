@@ -224,6 +224,16 @@ PACKED_BYTES = 128
 _LINE = 64
 
 
+# The dispatch channel: a ring of decided leases (engine.dispatch_capacity slots).
+DISPATCH_FIELDS = {
+    "d_action": (I32, -1, ()),
+    "d_gen": (I64, 0, ()),
+    "d_cluster": (I32, -1, ()),
+    "d_worker": (I32, -1, ()),
+    "d_kind": (U8, 0, ()),
+}
+
+
 def _packed_dtype():
     offsets, at = [], 0
     for name in ACTION_PACKED:
@@ -313,6 +323,30 @@ def _alloc(fields, rows, n_res, preset_rows=0, preset=(), n_pods=1, packed=False
     return out
 
 
+def _start_rows(initial_rows, preset_rows=0):
+    # Each table's rows when a State is made (they grow by doubling from there).
+    small = max(16, initial_rows // 4)
+    return {"actions": max(initial_rows, preset_rows), "qruns": small, "lanes": 2 * small,
+            "runs": small, "workers": 16, "envs": small, "finalize": small, "tasks": small,
+            "tenants": 16, "podgroups": 16}
+
+
+def start_bytes(config, preset_rows=0):
+    """Bytes the tables of a shard of ``config`` take when made (``engine.initial_capacity``
+    rows of actions, or ``preset_rows`` when more, and the dispatch channel), before any
+    growth: what a start must be able to allocate."""
+    n_res, pods = len(config.resources), State.pods_of(config)
+    total = 0
+    for table, rows in _start_rows(config.engine.initial_capacity, preset_rows).items():
+        for dtype, _fill, suffix in TABLES[table].values():
+            k = 1
+            for d in suffix:
+                k *= n_res if d == "R" else pods if d == "P" else d
+            total += rows * k * np.dtype(dtype).itemsize
+    slot = sum(np.dtype(dtype).itemsize for dtype, _fill, _suffix in DISPATCH_FIELDS.values())
+    return total + config.engine.dispatch_capacity * slot
+
+
 def _filled(shape, fill, dtype):
     # Zeros come from calloc: pages are mapped (and counted) when first written.
     return np.zeros(shape, dtype=dtype) if fill == 0 else np.full(shape, fill, dtype=dtype)
@@ -383,10 +417,7 @@ class State:
         self.gate_on = gate_on
         self.cpu_dim = cpu_dim
         self.res_accel = np.asarray(res_accel, dtype=U8)
-        small = max(16, initial_rows // 4)
-        sizes = {"actions": max(initial_rows, preset_rows), "qruns": small, "lanes": 2 * small,
-                 "runs": small, "workers": 16, "envs": small, "finalize": small, "tasks": small,
-                 "tenants": 16, "podgroups": 16}
+        sizes = _start_rows(initial_rows, preset_rows)
         # Placements are recorded only when some cluster places pods on nodes: no column
         # otherwise (State.pods_of; the durable record has the same width).
         self.node_pods = node_pods if n_nodes else 0
@@ -444,11 +475,7 @@ class State:
         self.c_node_first = np.zeros(c, dtype=I32)      # its first node row
         self.c_node_n = np.zeros(c, dtype=I32)          # ... and how many
 
-        self.d_action = np.full(dispatch_capacity, -1, dtype=I32)
-        self.d_gen = np.zeros(dispatch_capacity, dtype=I64)
-        self.d_cluster = np.full(dispatch_capacity, -1, dtype=I32)
-        self.d_worker = np.full(dispatch_capacity, -1, dtype=I32)
-        self.d_kind = np.zeros(dispatch_capacity, dtype=U8)
+        self.__dict__.update(_alloc(DISPATCH_FIELDS, dispatch_capacity, n_res))
 
         self.s_budget = np.zeros(r, dtype=I64)
         self.s_free = np.zeros(r, dtype=I64)

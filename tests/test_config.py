@@ -919,6 +919,9 @@ def test_a_map_size_above_the_default_max_names_map_size():
     ('["inproc://x"]', "allowed: a non-empty list of ZeroMQ endpoints (tcp://HOST:PORT or "
                        "ipc://PATH)"),
     ('["tcp://\u00fc:5"]', "allowed: a non-empty list of ZeroMQ endpoints"),
+    # A Unix socket's path has room for 107 bytes: a longer one failed in the client's
+    # connect as INTERNAL (the shard's bind said UNAVAILABLE).
+    (f'["ipc:///tmp/{"a" * 103}"]', "allowed: an ipc path of at most 107 bytes"),
 ])
 def test_endpoints_that_cannot_all_bind_are_refused(endpoints, fragment):
     # They passed the check; the second shard then failed "Address already in use" at its
@@ -937,3 +940,24 @@ def test_ephemeral_endpoints_may_repeat():
     eps = ["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]
     assert parse(BASE + f"[transport]\nendpoints = {eps!r}\n".replace("'", '"')
                  ).transport.endpoints == tuple(eps)
+
+
+def test_an_ipc_path_at_the_systems_limit_is_accepted():
+    ep = f"ipc:///tmp/{'a' * 102}"       # 107 bytes of path
+    assert parse(BASE + f'[transport]\nendpoints = ["{ep}"]\n').transport.endpoints == (ep,)
+
+
+@pytest.mark.parametrize("value", ["2000", "4611686018427387903"])
+def test_max_node_pods_has_an_upper_bound(value):
+    # 2**62 passed the check, crashed the first start (INTERNAL) and, written into the
+    # store's layout first, made the store refuse every later config.
+    config_error(BASE + f"[engine]\nmax_node_pods = {value}\n",
+                 f"engine.max_node_pods: {value} is invalid; allowed: an integer from 1 to "
+                 f"1024 (4 bytes a pod in every action row and record)")
+
+
+@pytest.mark.parametrize("value", ['["sim"]', "{ name = \"sim\" }", "3"])
+def test_a_default_plugin_that_is_not_a_name_is_refused(value):
+    # A list was INTERNAL: "unhashable type: 'list'".
+    config_error(BASE + f"[worker]\ndefault_plugin = {value}\n",
+                 "worker.default_plugin:")

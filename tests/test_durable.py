@@ -861,3 +861,46 @@ def test_no_error_inside_a_turn_leaves_memory_apart_from_the_store(plan):
             with pytest.raises(NotFound):
                 eng.phase(aid)
     eng.close()
+
+
+class _LoadFailsOnce(MemoryStore):
+    """A store whose first scan of fixed records fails (a disk error while a start loads)."""
+
+    failed = False
+
+    def scan_fixed(self, *args, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise OSError("I/O error")
+        return super().scan_fixed(*args, **kwargs)
+
+
+def test_a_first_start_that_fails_writes_nothing_into_the_store():
+    # The layout (and secret) of a new store were written before its memory was made: a
+    # first start that then failed left a store holding that config's layout, refusing
+    # every other config ("a shard with state ...") though it held no state at all.
+    store = _LoadFailsOnce(4)
+    with pytest.raises(OSError, match="I/O error"):
+        Engine(parse_config(CONFIG), clock=ManualClock(), store=store)
+    meta = store.backing.data[0]["meta"]
+    assert b"engine-layout" not in meta and b"engine-secret" not in meta, sorted(meta)
+    cfg = {**CONFIG, "queues": {"cpu": CONFIG["queues"]["cpu"], "gpu": CONFIG["queues"]["gpu"]}}
+    eng = Engine(parse_config(cfg), clock=ManualClock(),
+                 store=MemoryStore(4, backing=store.backing))
+    assert eng.inspect().queue_names() == ["cpu", "gpu"]
+    eng.close()
+    # The next start reads the layout the successful one wrote.
+    with pytest.raises(ConfigError, match="only append queues"):
+        Engine(parse_config(CONFIG), clock=ManualClock(),
+               store=MemoryStore(4, backing=store.backing))
+
+
+def test_tables_larger_than_the_machine_are_refused_at_start():
+    # initial_capacity 2**31 - 1 is a valid int32 row count, but its tables (~0.7 TiB) grew
+    # the process until the system killed it, with no word of why.
+    cfg = {**CONFIG, "engine": {**CONFIG.get("engine", {}), "initial_capacity": 2**31 - 1}}
+    with pytest.raises(ConfigError, match=r"engine.initial_capacity 2147483647 / "
+                                          r"dispatch_capacity \d+: the shard's tables would "
+                                          r"take [\d.]+ GiB when made, more than this "
+                                          r"machine's memory"):
+        Engine(parse_config(cfg), clock=ManualClock(), store=MemoryStore(4))
