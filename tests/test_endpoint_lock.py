@@ -154,3 +154,19 @@ def test_two_sockets_of_one_process_on_one_ipc_endpoint(tmp_path):
         server_socket(ctx, endpoint).close(0)
     finally:
         ctx.destroy(linger=0)     # closes what a failed assertion left open
+
+
+
+def test_an_endpoint_zeromq_cannot_dial_is_unavailable_naming_it(tmp_path):
+    # An ipc path past the system's socket path limit: the connect itself fails. It
+    # reached a user as "INTERNAL: ZMQError: File name too long".
+    from transport import Unreachable
+
+    endpoint = f"ipc://{tmp_path}/{'a' * 200}"
+    c = Client(endpoint=endpoint, timeout=1.0)
+    try:
+        with pytest.raises(Unreachable, match=r"cannot connect: File name too long$") as info:
+            c.ping()
+        assert info.value.code == "UNAVAILABLE" and endpoint in str(info.value)
+    finally:
+        c.close()

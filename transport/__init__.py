@@ -93,7 +93,7 @@ from transport._shards import (
     tenant_shard,
 )
 from transport._sim_plugin import SimPlugin
-from transport._sockets import client_socket, recv, send, server_socket
+from transport._sockets import Unreachable, client_socket, recv, send, server_socket
 from transport._status import (
     ClusterStatus,
     HeadBlocked,
@@ -161,6 +161,7 @@ __all__ = [
     "Shard",
     "ShardError",
     "ShardTimeout",
+    "Unreachable",
     "Logged",
     "WatchLog",
     "WatchLost",

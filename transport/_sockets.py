@@ -25,9 +25,10 @@ import weakref
 import zmq
 
 from engine._config import TransportSettings
+from engine._errors import LeaseholdError
 from transport._auth import ZAP_DOMAIN
 
-__all__ = ["server_socket", "client_socket", "send", "recv"]
+__all__ = ["server_socket", "client_socket", "send", "recv", "Unreachable"]
 
 log = logging.getLogger("leasehold.transport")
 
@@ -183,13 +184,21 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
     return sock
 
 
+class Unreachable(LeaseholdError):
+    """A shard's endpoint cannot be dialled at all (an ipc path too long for the system, a
+    host that does not resolve): ZeroMQ refused the connect itself."""
+
+    code = "UNAVAILABLE"
+
+
 def client_socket(context, endpoint, keys=None, settings=None, routing_id=None,
                   heartbeat=None):
     """A DEALER connected to ``endpoint``: CURVE with ``keys`` (a ClientKeys), or plain when
     ``keys`` is None (a shard run insecure). Messages queue only to a completed connection
     (``ZMQ_IMMEDIATE``), so a send to a shard that is down or refused the key fails with
     :func:`send` returning False instead of piling up. ``heartbeat``: seconds between ZMTP
-    pings; a connection silent for three of them is dropped (None: off)."""
+    pings; a connection silent for three of them is dropped (None: off). An endpoint ZeroMQ
+    cannot dial at all raises :class:`Unreachable`."""
     settings = settings if settings is not None else TransportSettings()
     sock = context.socket(zmq.DEALER)
     try:
@@ -201,7 +210,10 @@ def client_socket(context, endpoint, keys=None, settings=None, routing_id=None,
             sock.curve_serverkey = keys.server_public
             sock.curve_publickey = keys.public
             sock.curve_secretkey = keys.secret
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise Unreachable(f"{endpoint}: cannot connect: {zmq.strerror(exc.errno)}") from None
     except BaseException:
         sock.close(0)
         raise
