@@ -722,7 +722,7 @@ def _parse_worker(source, resources, table):
     if "capacity" in table or "node_shapes" in table:
         # The same rules as a cluster's (shapes without a capacity: their sum).
         sub = {k: table[k] for k in ("capacity", "node_shapes") if k in table}
-        c = _parse_cluster(source, resources, "worker", sub)
+        c = _parse_cluster(source, resources, "worker", sub, path="worker")
         values["capacity"] = c.capacity
         values["node_shapes"] = c.node_shapes
     if "on_shard_lost" in table:
@@ -849,8 +849,9 @@ def _seconds(source, path, value, positive):
     return float(value)
 
 
-def _parse_cluster(source, resources, name, table):
-    path = f"clusters.{name}"
+def _parse_cluster(source, resources, name, table, path=None):
+    # ``path``: where the table is in the file (the worker's own capacity is "worker").
+    path = path or f"clusters.{name}"
     _check_name(source, "clusters", name)
     table = _table(source, path, table)
     _check_keys(source, path, table, _CLUSTER_KEYS)
@@ -863,7 +864,7 @@ def _parse_cluster(source, resources, name, table):
     shapes = []
     seen = set()
     for i, shape_table in enumerate(shapes_list):
-        shape = _parse_shape(source, resources, name, i, shape_table)
+        shape = _parse_shape(source, resources, name, i, shape_table, path)
         if shape.name in seen:
             raise _invalid(
                 source, f"{path}.node_shapes[{i}].name", shape.name,
@@ -912,8 +913,8 @@ def _parse_cluster(source, resources, name, table):
 MAX_NODES = 100_000
 
 
-def _parse_shape(source, resources, cluster, i, table):
-    path = f"clusters.{cluster}.node_shapes[{i}]"
+def _parse_shape(source, resources, cluster, i, table, where):
+    path = f"{where}.node_shapes[{i}]"
     table = _table(source, path, table)
     _check_keys(source, path, table, _SHAPE_KEYS)
     name = (

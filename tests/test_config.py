@@ -961,3 +961,15 @@ def test_a_default_plugin_that_is_not_a_name_is_refused(value):
     # A list was INTERNAL: "unhashable type: 'list'".
     config_error(BASE + f"[worker]\ndefault_plugin = {value}\n",
                  "worker.default_plugin:")
+
+
+@pytest.mark.parametrize("worker, fragment", [
+    ('capacity = { cpu = "7x" }', "worker.capacity.cpu: '7x' has unit 'x'"),
+    ("capacity = 3", "worker.capacity: 3 is invalid; allowed: a table"),
+    ("node_shapes = [{ count = 0, allocatable = { cpu = 4 } }]",
+     "worker.node_shapes[0].count: 0 is invalid"),
+])
+def test_the_workers_own_capacity_errors_name_the_worker_table(worker, fragment):
+    # They said "clusters.worker.capacity...", a key no file has.
+    message = config_error(BASE + f"[worker]\n{worker}\n", fragment)
+    assert "clusters.worker" not in message

@@ -9,6 +9,7 @@ every configured peer's public key into a :class:`Keyring` mapping public keys t
 
 import datetime
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]+")      # the config's rule for names
 
 _BANNER = """#   ****  Generated on {when} by leasehold keys generate  ****
 #   ZeroMQ CURVE {what} Certificate
@@ -67,7 +69,7 @@ def generate_keypair(keys_dir, name, metadata=None, force=False):
     if not force:
         for path in (public_path, secret_path):
             if path.exists():
-                raise FileExistsError(f"{path} exists (pass force to replace the key pair)")
+                raise FileExistsError(f"{path} exists (--force replaces the key pair)")
     for value in (metadata or {}).values():
         if '"' in str(value) or "\n" in str(value):
             raise ValueError(f"metadata value {value!r} may not hold quotes or newlines")
@@ -84,7 +86,18 @@ def generate_keypair(keys_dir, name, metadata=None, force=False):
     return public_path, secret_path
 
 
+def _check_file(path, what):
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: the {what} is not a regular file")
+    return mode
+
+
 def _load(path, what):
+    _check_file(path, what)
     try:
         public, secret = zmq.auth.load_certificate(path)
     except OSError as exc:
@@ -105,11 +118,7 @@ def load_public_key(path):
 def load_secret_key(path):
     """``(public, secret)`` (Z85, 40 bytes each) from the secret file ``path``. Refuses a
     file that others may read (mode & 0o077): a secret that leaked is no secret."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the secret key file: "
-                          f"{exc.strerror or exc}") from None
+    mode = _check_file(path, "secret key file")
     if mode & 0o077:
         raise ConfigError(f"{path}: the secret key file is readable by others "
                           f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
@@ -132,6 +141,9 @@ def load_client_keys(keys_dir, name, server_key):
     """The :class:`ClientKeys` of key pair ``name`` (``KEYS_DIR/NAME.key_secret``) talking
     to the shard whose public key is ``KEYS_DIR/SERVER_KEY.key``."""
     keys_dir = Path(keys_dir)
+    if not isinstance(name, str) or not _KEY_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(f"key {name!r}: not a key name (letters, digits, '_', '.', '-': "
+                          f"the file {keys_dir}/NAME{SECRET_SUFFIX})")
     public, secret = load_secret_key(keys_dir / f"{name}{SECRET_SUFFIX}")
     server = load_public_key(keys_dir / f"{server_key}{PUBLIC_SUFFIX}")
     return ClientKeys(public=public, secret=secret, server_public=server)
@@ -194,7 +206,10 @@ def load_keyring(security):
                 raise ConfigError(f"security.peers.{p.name}.public_key: not a valid Z85 "
                                   f"key") from None
         else:
-            key = load_public_key(keys_dir / f"{p.name}{PUBLIC_SUFFIX}")
+            try:
+                key = load_public_key(keys_dir / f"{p.name}{PUBLIC_SUFFIX}")
+            except ConfigError as exc:
+                raise ConfigError(f"security.peers.{p.name}: {exc}") from None
         peers.append((key, Peer(role=p.role, name=p.name, cluster=p.cluster,
                                 tenants=p.tenants)))
     return Keyring(security.server_key, public, secret, peers)
