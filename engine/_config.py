@@ -640,15 +640,16 @@ def _parse_supervisor(source, table):
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([a-z])", re.ASCII)
+
+
 def _duration(source, path, value):
     """Seconds (a number >= 0) or a string such as "7d", "12h", "30m", "45s"."""
     if isinstance(value, str):
-        text = value.strip()
-        unit = _DURATION_UNITS.get(text[-1:])
-        try:
-            number = float(text[:-1]) if unit else None
-        except ValueError:
-            number = None
+        # ASCII digits only: float() also reads "1_0", " 7 " and other scripts' digits.
+        m = _DURATION.fullmatch(value)
+        unit = _DURATION_UNITS.get(m.group(2)) if m else None
+        number = float(m.group(1)) if unit else None
         if (unit is None or number is None or not math.isfinite(number) or number < 0
                 or number * unit > MAX_SECONDS):
             raise _invalid(source, path, value,

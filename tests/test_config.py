@@ -677,6 +677,11 @@ def test_storage_defaults_and_values():
     ('retention = "-1h"', ("storage.retention",)),
     ('retention = -5', ("storage.retention",)),
     ('retention = true', ("storage.retention",)),
+    # float() read these: other scripts' digits, underscores, spaces inside.
+    ('retention = "\u0663d"', ("storage.retention",)),
+    ('retention = "1_0d"', ("storage.retention", "1_0d")),
+    ('retention = "7 d"', ("storage.retention",)),
+    ('retention = " 7d "', ("storage.retention",)),
     ('paht = "x"', ("paht",)),
 ])
 def test_storage_errors_name_the_key(table, fragments):
