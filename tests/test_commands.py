@@ -290,6 +290,9 @@ def test_submit_refuses_bad_input_naming_it(env, tmp_path):
     out = env.cli("submit", "--id", f"{RUN}/b/c", "--cpu", "1", "--queue", "nope")
     assert out.returncode == 2
     assert "run_queue 'nope' does not exist" in one_error_line(out, "INVALID_ARGUMENT")
+    # An empty --task was the action's name, silently (an empty --image was refused).
+    out = env.cli("submit", "--id", f"{RUN}/b/c", "--cpu", "1", "--task", "")
+    assert "task" in one_error_line(out, "INVALID_ARGUMENT")
     text = tmp_path / "specs.txt"
     text.write_text("{}")
     assert ".json, .jsonl or .toml" in one_error_line(env.cli("submit", text),
@@ -314,6 +317,9 @@ def test_abort_ends_an_action_and_its_worker_is_told(env):
 def test_a_live_queue_update_applies_on_the_next_tick_and_kills_nothing(env):
     out = env.cli("queue", "update", "q", "--action-concurrency", "1", "--json")
     assert _json_of(out)["action_concurrency"] == 1
+    # An empty item was dropped silently ("c," is not "c").
+    assert "--clusters 'east,': an empty cluster name" in one_error_line(
+        env.cli("queue", "update", "q", "--clusters", "east,"), "INVALID_ARGUMENT")
     env.cli("submit", "--id", f"{RUN}/u/a", "--cpu", "1")
     (a,) = env.leases(1)
     env.report([a], Phase.RUNNING)

@@ -306,7 +306,7 @@ def _spec_from_flags(args):
                            "--memory, --gpu or --resource NAME=QTY")
     if args.replicas < 1:
         raise CommandError("INVALID_ARGUMENT", f"--replicas {args.replicas}: allowed: >= 1")
-    spec = {"id": str(aid), "task": args.task or aid.action}
+    spec = {"id": str(aid), "task": aid.action if args.task is None else args.task}
     if args.replicas > 1:
         spec["pods"] = [{"role": "worker", "replicas": args.replicas, "resources": res}]
     else:
@@ -717,7 +717,11 @@ def _changes(args):
     if args.max_accelerators is not None:
         ch["max_accelerators"] = _budget(args.max_accelerators, "--max-accelerators")
     if args.clusters is not None:
-        ch["clusters"] = [c.strip() for c in args.clusters.split(",") if c.strip()]
+        names = [c.strip() for c in args.clusters.split(",")]
+        if args.clusters.strip() and not all(names):
+            raise CommandError("INVALID_ARGUMENT", f"--clusters {args.clusters!r}: an empty "
+                                                   f"cluster name")
+        ch["clusters"] = [c for c in names if c]
     return ch
 
 
