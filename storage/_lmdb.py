@@ -447,7 +447,13 @@ class LmdbStore(Store):
         if type(shard) is not str or not shard:
             raise ValueError(f"shard must be a non-empty str, not {shard!r}")
         now_ns = int(now_ns)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StoreError(f"store {self.path}: exists and is not a directory") from None
+        except OSError as exc:
+            raise StoreError(f"store {self.path}: cannot make the directory: "
+                             f"{exc.strerror or exc}") from None
         self._check_dirs()
         self._check_files()
         envs: list[lmdb.Environment] = []

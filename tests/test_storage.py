@@ -1389,6 +1389,15 @@ def test_a_map_that_does_not_fit_the_address_space_is_not_called_corrupt(tmp_pat
     assert "The store itself is intact" in out.stdout
 
 
+def test_a_store_path_that_is_a_file_is_named_as_such(tmp_path):
+    # It said "[Errno 17] File exists: '...'".
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(StoreError, match=r"afile: exists and is not a directory$"):
+        LmdbStore(str(tmp_path / "afile"), partitions=2).open("s", 0)
+    with pytest.raises(StoreError, match=r"cannot make the directory: Not a directory$"):
+        LmdbStore(str(tmp_path / "afile" / "sub"), partitions=2).open("s", 0)
+
+
 def _store_with_work(path):
     """An LMDB store of two partitions holding some records, closed."""
     s = LmdbStore(str(path), partitions=2)
