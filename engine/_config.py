@@ -427,8 +427,9 @@ def parse_config(data, source="<config>"):
                 source,
                 "engine.default_queue",
                 engine.default_queue,
-                f"a configured queue ({_listing(queues_table)}), "
-                "or 'default' for an implicit default queue",
+                f"a configured queue ({_listing(queues_table)}), or 'default' for an "
+                f"implicit default queue" if queues_table else
+                "'default' (no queues are configured: an implicit default queue)",
             )
         queues.append(_build_queue(source, resources, cluster_names, "default", {}))
     _check_admission(source, engine, clusters, queues)

@@ -978,3 +978,12 @@ def test_the_workers_own_capacity_errors_name_the_worker_table(worker, fragment)
     # They said "clusters.worker.capacity...", a key no file has.
     message = config_error(BASE + f"[worker]\n{worker}\n", fragment)
     assert "clusters.worker" not in message
+
+
+def test_a_default_queue_with_no_queues_configured_names_the_one_choice():
+    # It listed "a configured queue (), or 'default' ...".
+    message = config_error('resources = ["cpu"]\n[clusters.east]\n[engine]\n'
+                           'default_queue = "nope"\n', "engine.default_queue: 'nope' is "
+                           "invalid; allowed: 'default' (no queues are configured: an "
+                           "implicit default queue)")
+    assert "()" not in message

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from engine._config import TransportSettings
 from tests.conftest import until
 from transport import Client, server_socket
 
@@ -170,3 +171,16 @@ def test_an_endpoint_zeromq_cannot_dial_is_unavailable_naming_it(tmp_path):
         assert info.value.code == "UNAVAILABLE" and endpoint in str(info.value)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "10.250.250.250"])
+def test_binding_a_host_that_is_not_this_machines_says_so(host):
+    # ZeroMQ said "No such device" (an unresolvable name) or "Cannot assign requested
+    # address", and the shard passed that on.
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(zmq.ZMQError, match=f"tcp://{host}:7711: '{host}' is not an "
+                                               f"address or interface of this machine"):
+            server_socket(ctx, f"tcp://{host}:7711", None, None, TransportSettings())
+    finally:
+        ctx.term()

@@ -174,7 +174,16 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
             fd, lock_path = _ipc_lock(endpoint)
             # Released by close(), or when the socket is collected unclosed.
             sock._ipc_release = weakref.finalize(sock, _unlock, fd, lock_path)
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno in (errno.ENODEV, errno.EADDRNOTAVAIL):
+                # ZeroMQ's words for a host that is no address or interface of this machine.
+                host = endpoint[len("tcp://"):].rpartition(":")[0]
+                raise zmq.ZMQError(exc.errno, f"{endpoint}: {host!r} is not an address or "
+                                              f"interface of this machine (or does not "
+                                              f"resolve)") from None
+            raise
     except BaseException:
         sock.close(0)
         raise
