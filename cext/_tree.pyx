@@ -87,8 +87,11 @@ def link_roots(i32[::1] run_child not None, i32[::1] sibling not None,
     cdef i64 r
     cdef i32 u
     for i in range(roots.shape[0]):
-        check_index(roots[i], sibling.shape[0], f"roots[{i}]", "an action row")
-        check_index(run[roots[i]], run_child.shape[0], f"run of roots[{i}]", "a run row")
+        # (The names are formatted only for the error: not once a row.)
+        if not 0 <= roots[i] < sibling.shape[0]:
+            check_index(roots[i], sibling.shape[0], f"roots[{i}]", "an action row")
+        if not 0 <= run[roots[i]] < run_child.shape[0]:
+            check_index(run[roots[i]], run_child.shape[0], f"run of roots[{i}]", "a run row")
     with nogil:
         for i in range(roots.shape[0]):
             r = roots[i]
@@ -107,7 +110,8 @@ def unlink_children(i32[::1] child not None, i32[::1] sibling not None,
     if sibling.shape[0] != n or parent.shape[0] < mark.shape[0] or mark.shape[0] > n:
         raise ValueError("children columns and mark differ in length")
     for i in range(rows.shape[0]):
-        check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
+        if not 0 <= rows[i] < mark.shape[0]:
+            check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
     with nogil:
         _unlink(child, sibling, parent, mark, mark, rows)
 
@@ -122,8 +126,10 @@ def unlink_roots(i32[::1] run_child not None, i32[::1] sibling not None,
     if seen.shape[0] != run_child.shape[0] or mark.shape[0] > sibling.shape[0]:
         raise ValueError("run lists, mark and seen differ in length")
     for i in range(rows.shape[0]):
-        check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
-        check_index(run[rows[i]], run_child.shape[0], f"run of rows[{i}]", "a run row")
+        if not 0 <= rows[i] < mark.shape[0]:
+            check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
+        if not 0 <= run[rows[i]] < run_child.shape[0]:
+            check_index(run[rows[i]], run_child.shape[0], f"run of rows[{i}]", "a run row")
     with nogil:
         _unlink(run_child, sibling, run, mark, seen, rows)
 
