@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import socket
+import time
 import weakref
 
 import zmq
@@ -31,6 +32,10 @@ from transport._auth import ZAP_DOMAIN
 __all__ = ["server_socket", "client_socket", "send", "recv", "Unreachable"]
 
 log = logging.getLogger("leasehold.transport")
+
+#: How long a closed ROUTER's ipc endpoint may keep accepting (libzmq closes its listener on
+#: its own thread) before the endpoint's lock is released anyway, in seconds.
+IPC_RELEASE_WAIT_S = 2.0
 
 
 def _common(sock, settings, heartbeat):
@@ -49,11 +54,19 @@ def _common(sock, settings, heartbeat):
 class _Router(zmq.Socket):
     """A ROUTER that releases its endpoint's lock (``_ipc_lock``) when it is closed."""
 
-    _ipc_release = None     # a class attribute: pyzmq takes other names for socket options
+    # Class attributes: pyzmq takes other names for socket options.
+    _ipc_release = None
+    _ipc_path = None
 
     def close(self, linger=None):
         super().close(linger)
         if self._ipc_release is not None:
+            # libzmq closes the listener on its own thread after close() returns: the lock
+            # goes once nothing accepts on the path any more (bounded), or a bind just after
+            # this close finds a listener without its lock and is refused.
+            deadline = time.monotonic() + IPC_RELEASE_WAIT_S
+            while _listening(self._ipc_path) and time.monotonic() < deadline:
+                time.sleep(0.001)
             self._ipc_release()
 
 
@@ -174,6 +187,7 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
             fd, lock_path = _ipc_lock(endpoint)
             # Released by close(), or when the socket is collected unclosed.
             sock._ipc_release = weakref.finalize(sock, _unlock, fd, lock_path)
+            sock._ipc_path = endpoint[len("ipc://"):]
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
