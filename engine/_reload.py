@@ -382,7 +382,7 @@ def link_children(st, n, occupied):
     st.a_sibling[:n] = -1
     st.u_child[:] = -1
     link_roots(st.u_child, st.a_sibling, st.a_run,
-               np.flatnonzero(occupied & (parent < 0)).astype(np.int64))
+               np.flatnonzero(occupied & (parent < 0)).astype(np.int64, copy=False))
     kids = np.flatnonzero(parent >= 0).astype(np.int32)
     if not kids.size:
         return
