@@ -86,12 +86,7 @@ def link_roots(i32[::1] run_child not None, i32[::1] sibling not None,
     cdef Py_ssize_t i
     cdef i64 r
     cdef i32 u
-    for i in range(roots.shape[0]):
-        # (The names are formatted only for the error: not once a row.)
-        if not 0 <= roots[i] < sibling.shape[0]:
-            check_index(roots[i], sibling.shape[0], f"roots[{i}]", "an action row")
-        if not 0 <= run[roots[i]] < run_child.shape[0]:
-            check_index(run[roots[i]], run_child.shape[0], f"run of roots[{i}]", "a run row")
+    _check_rows_and_runs(roots, sibling.shape[0], run, run_child.shape[0], "roots")
     with nogil:
         for i in range(roots.shape[0]):
             r = roots[i]
@@ -122,16 +117,24 @@ def unlink_roots(i32[::1] run_child not None, i32[::1] sibling not None,
     """Take the parentless action rows ``rows`` (each with ``mark[row] == 1``) out of their
     runs' lists (``run_child``): one walk of each run's list. ``seen`` (one byte per run
     row, zero) is scratch: runs visited are set to 2."""
-    cdef Py_ssize_t i
     if seen.shape[0] != run_child.shape[0] or mark.shape[0] > sibling.shape[0]:
         raise ValueError("run lists, mark and seen differ in length")
-    for i in range(rows.shape[0]):
-        if not 0 <= rows[i] < mark.shape[0]:
-            check_index(rows[i], mark.shape[0], f"rows[{i}]", "an action row")
-        if not 0 <= run[rows[i]] < run_child.shape[0]:
-            check_index(run[rows[i]], run_child.shape[0], f"run of rows[{i}]", "a run row")
+    _check_rows_and_runs(rows, mark.shape[0], run, run_child.shape[0], "rows")
     with nogil:
         _unlink(run_child, sibling, run, mark, seen, rows)
+
+
+cdef int _check_rows_and_runs(const i64[::1] rows, Py_ssize_t n_rows, const i32[:] run,
+                              Py_ssize_t n_runs, str name) except -1:
+    # Each of ``rows`` an action row and its run a run row (the message is formatted only
+    # for the error: not once a row).
+    cdef Py_ssize_t i
+    for i in range(rows.shape[0]):
+        if not 0 <= rows[i] < n_rows:
+            check_index(rows[i], n_rows, f"{name}[{i}]", "an action row")
+        if not 0 <= run[rows[i]] < n_runs:
+            check_index(run[rows[i]], n_runs, f"run of {name}[{i}]", "a run row")
+    return 0
 
 
 cdef void _unlink(i32[::1] child, i32[::1] sibling, const i32[:] owner, u8[::1] mark,
