@@ -197,11 +197,6 @@ cdef class EtaProjector:
             self._run(k, now)
         return self.n_order
 
-    @property
-    def classes(self):
-        """Demand classes the last projection assigned."""
-        return self.n_cls
-
     # ------------------------------------------------------------------ timeline
 
     cdef void _seed(self, TickKernel k, int c, i64 now, u64 wmask) noexcept nogil:
