@@ -311,8 +311,7 @@ def _alloc(fields, rows, n_res, preset_rows=0, preset=(), n_pods=1, packed=False
     for name, (dtype, fill, suffix) in fields.items():
         if name in out:
             continue
-        shape = (rows,) + tuple(n_res if s == "R" else n_pods if s == "P" else s
-                                for s in suffix)
+        shape = (rows,) + _shape(suffix, n_res, n_pods)
         if name in preset and preset_rows:
             # The caller writes rows [:preset_rows] itself (reload): touch memory once.
             arr = np.empty(shape, dtype=dtype)
@@ -331,18 +330,20 @@ def _start_rows(initial_rows, preset_rows=0):
             "tenants": 16, "podgroups": 16}
 
 
-def start_bytes(config, preset_rows=0):
+def _shape(suffix, n_res, n_pods):
+    # A column's shape past its rows: "R" one entry per resource, "P" one per pod.
+    return tuple(n_res if s == "R" else n_pods if s == "P" else s for s in suffix)
+
+
+def start_bytes(config):
     """Bytes the tables of a shard of ``config`` take when made (``engine.initial_capacity``
-    rows of actions, or ``preset_rows`` when more, and the dispatch channel), before any
-    growth: what a start must be able to allocate."""
+    rows of actions, and the dispatch channel), before any growth: what a start must be
+    able to allocate."""
     n_res, pods = len(config.resources), State.pods_of(config)
     total = 0
-    for table, rows in _start_rows(config.engine.initial_capacity, preset_rows).items():
+    for table, rows in _start_rows(config.engine.initial_capacity).items():
         for dtype, _fill, suffix in TABLES[table].values():
-            k = 1
-            for d in suffix:
-                k *= n_res if d == "R" else pods if d == "P" else d
-            total += rows * k * np.dtype(dtype).itemsize
+            total += rows * int(np.prod(_shape(suffix, n_res, pods))) * np.dtype(dtype).itemsize
     slot = sum(np.dtype(dtype).itemsize for dtype, _fill, _suffix in DISPATCH_FIELDS.values())
     return total + config.engine.dispatch_capacity * slot
 

@@ -9,7 +9,6 @@ every configured peer's public key into a :class:`Keyring` mapping public keys t
 
 import datetime
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from engine._config import _NAME  # the config's rule for names (a key's too)
 from engine._errors import ConfigError
 from transport._auth import Peer
 
@@ -34,7 +34,6 @@ __all__ = [
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
-_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]+")      # the config's rule for names
 
 _BANNER = """#   ****  Generated on {when} by leasehold keys generate  ****
 #   ZeroMQ CURVE {what} Certificate
@@ -141,7 +140,7 @@ def load_client_keys(keys_dir, name, server_key):
     """The :class:`ClientKeys` of key pair ``name`` (``KEYS_DIR/NAME.key_secret``) talking
     to the shard whose public key is ``KEYS_DIR/SERVER_KEY.key``."""
     keys_dir = Path(keys_dir)
-    if not isinstance(name, str) or not _KEY_NAME.fullmatch(name) or name in (".", ".."):
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         raise ConfigError(f"key {name!r}: not a key name (letters, digits, '_', '.', '-': "
                           f"the file {keys_dir}/NAME{SECRET_SUFFIX})")
     public, secret = load_secret_key(keys_dir / f"{name}{SECRET_SUFFIX}")
