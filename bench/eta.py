@@ -8,12 +8,15 @@ actions each (1 to 8 GPUs, runtime estimates 1 min to 2 h), the capacity filled 
 leases placed by the real tick (each with its estimate, so every release is predicted).
 Per scheduling policy (STRICT_FIFO with backfill, STRICT_FIFO, GREEDY_CAPACITY):
 
-* ``project_ms_{policy}``: median CPU time (``time.process_time``) of one projection of
-  every queued action (``Inspection.project``: the Cython walk alone, uncached).
-* ``explain_first_ms_{policy}``: ``Engine.explain`` of the last queued action right after
-  a tick (the projection plus explain's own position scan); ``explain_cached_ms_{policy}``:
-  the same again on the unchanged state (the projection is reused).
-* ``segments_{policy}``: timeline segments the projection ended with; ``with_eta_share``.
+* ``project_ms_{policy}``: median CPU time (``time.process_time``) of one projection
+  (``Inspection.project``: the Cython walk, uncached, of the first ``engine.eta_horizon``
+  queued actions, default 10,000, and the copies of its per-row answers).
+* ``explain_first_ms_{policy}``: ``Engine.explain`` of the last action enqueued (past the
+  horizon) right after a tick (the projection plus explain's own position count);
+  ``explain_cached_ms_{policy}``: the same again on the unchanged state (the projection is
+  reused).
+* ``queued_{policy}``: queued actions (the queue's depth); ``walked_{policy}``: those the
+  projection walked; ``with_eta_share_{policy}``: the share of the queued ones with an ETA.
 """
 
 import argparse
@@ -71,7 +74,7 @@ def build(scheduling, backfill, queued, seed):
         eng.mark_running(a.action, a.generation)
     clock.set_ns(30_000_000_000)
     eng.tick()
-    return eng, clock
+    return eng, specs[-1].id
 
 
 def cpu_ms(fn):
@@ -91,17 +94,17 @@ def main(argv=None):
     for policy, scheduling, backfill in (("backfill", "STRICT_FIFO", True),
                                          ("fifo", "STRICT_FIFO", False),
                                          ("greedy", "GREEDY_CAPACITY", False)):
-        eng, _clock = build(scheduling, backfill, args.queued, args.seed)
+        eng, last = build(scheduling, backfill, args.queued, args.seed)
         view = eng.inspect()
         eta, _why, order = view.project()
-        out[f"queued_{policy}"] = int(order.size)
+        queued = eng.queue_metrics("gpu")["depth"]
+        out[f"queued_{policy}"] = queued
+        out[f"walked_{policy}"] = int(order.size)
         out[f"live_{policy}"] = sum(len(x) for x in view.live_lists())
         out[f"with_eta_share_{policy}"] = round(
-            float(np.count_nonzero(eta[order] != np.iinfo(np.int64).max)) / max(1, order.size),
-            4)
+            float(np.count_nonzero(eta[order] != np.iinfo(np.int64).max)) / max(1, queued), 4)
         out[f"project_ms_{policy}"] = round(statistics.median(
             cpu_ms(view.project) for _ in range(args.samples)), 2)
-        last = view.action_at(int(order[-1]))
         eng.tick()
         explain = functools.partial(eng.explain, last)
         out[f"explain_first_ms_{policy}"] = round(cpu_ms(explain), 2)

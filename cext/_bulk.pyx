@@ -1,7 +1,8 @@
 """Kernel moves over many rows at once: ``TickKernel.remove``, ``release`` and
 ``push_finalize`` for an array of rows, the same moves in the same order, in one nogil loop
 (a Python call per row was a third of aborting 100,000 actions); and the drain of the
-dispatch ring into a batch's columns in one pass (``drain_dispatch``)."""
+dispatch ring into a batch's columns in one pass (``drain_dispatch``); and an action's place
+in its queue counted over the table in one nogil loop (``queued_ahead``)."""
 
 cimport numpy as cnp
 
@@ -23,7 +24,7 @@ from cext._types cimport (
 )
 
 __all__ = ["remove_many", "release_many", "push_finalize_many", "drain_dispatch",
-           "decided_rows"]
+           "decided_rows", "queued_ahead"]
 
 cnp.import_array()
 
@@ -82,6 +83,26 @@ cdef void _push_finalize_many(TickKernel k, const i64[::1] rows) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(rows.shape[0]):
         k._push_finalize(<i32>rows[i])
+
+
+def queued_ahead(TickKernel k not None, const i64[:] seq not None, i64 n, i64 row):
+    """How many queued actions of row ``row``'s queue were enqueued before it (``seq``: the
+    enqueue order of each row; rows ``0 .. n`` are in use). One pass over the table's rows
+    without the GIL: a numpy expression over the same strided columns took ~19 ms a million
+    rows, most of it in its temporaries."""
+    cdef i64 count = 0, a, s
+    cdef i32 q
+    if not 0 <= n <= min(k.a_state.shape[0], seq.shape[0]):
+        raise ValueError(f"n={n} is not a row count of the table")
+    check_index(row, n, "row", "an action row in use")
+    q = k.a_queue[row]
+    s = seq[row]
+    with nogil:
+        for a in range(n):
+            # seq first: the one contiguous column, and false for about half the rows.
+            if seq[a] < s and k.a_state[a] == ST_QUEUED and k.a_queue[a] == q:
+                count += 1
+    return count
 
 
 def decided_rows(TickKernel k not None, i64 since):

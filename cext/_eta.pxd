@@ -44,6 +44,7 @@ cdef class EtaProjector:
     cdef readonly u8[::1] why          # [N] EtaWhy code
     cdef readonly i32[::1] order       # [N] queued rows in the order they were projected
     cdef readonly Py_ssize_t n_order   # entries of order
+    cdef u8[::1] q_rest                # [Q] EtaWhy of each queue's queued rows not reached
     cdef Py_ssize_t horizon            # actions projected at most (the rest: ETA_HORIZON)
     cdef Py_ssize_t n_projected        # ... so far in this run
 
@@ -58,3 +59,4 @@ cdef class EtaProjector:
     cdef void _project_one(self, TickKernel k, i32 a, i64 now, i64 t_min, u64 wmask,
                            bint strict) noexcept nogil
     cdef void _run(self, TickKernel k, i64 now) noexcept nogil
+    cdef u8 _why_of(self, TickKernel k, i32 a) noexcept

@@ -118,12 +118,19 @@ cdef class EtaProjector:
              i64[::1] c_hold not None, i64[::1] c_hold_q not None, i64[::1] s_key not None,
              i32[::1] s_row not None, i32[::1] s_lanes not None, i32[::1] s_cur not None,
              i64[::1] eta not None, u8[::1] why not None, i32[::1] order not None,
-             i32[::1] c_hint not None):
-        """Bind the timeline, scratch and output arrays (allocated once, grown in Python)."""
+             i32[::1] c_hint not None, u8[::1] q_rest not None):
+        """Bind the timeline, scratch and output arrays (allocated once, grown in Python;
+        ``eta`` and ``why`` are cleared here: a run resets only the rows it listed)."""
         if sg_free.shape[1] != n_res or sg_free.shape[0] != sg_t.shape[0]:
             raise ValueError("sg_free must be [len(sg_t), n_res]")
         if s_lanes.shape[0] != 2 * s_cur.shape[0]:
             raise ValueError("s_lanes must be twice as long as s_cur")
+        if why.shape[0] != eta.shape[0]:
+            raise ValueError("eta and why must be as long")
+        eta[:] = NEVER
+        why[:] = ETA_NOT_QUEUED
+        q_rest[:] = ETA_HORIZON
+        self.q_rest = q_rest
         self.n_res = n_res
         self.sg_t = sg_t
         self.sg_next = sg_next
@@ -146,15 +153,18 @@ cdef class EtaProjector:
                 i32[::1] lb_seg not None, i64[::1] lb_t not None, i64[::1] cls_vec not None,
                 i32[::1] cls_hash not None, Py_ssize_t horizon=-1):
         """Project the queued actions of ``k`` at time ``now`` (ns): the first ``horizon``
-        in the tick's order (every one when -1); the rest are listed in ``order`` with
-        ``ETA_HORIZON``, which bounds the cost on a deep backlog. Demand classes (equal
+        in the tick's order (every one when -1), listed in ``order``. The walk stops there,
+        and at a STRICT_FIFO queue's first action with no ETA when every later one of the
+        queue starts no earlier: the actions not reached are not listed, and
+        :meth:`why_of` says why (``ETA_HORIZON``, ``ETA_BEHIND``). So a deep backlog costs
+        the walk of ``horizon`` actions, not of every queued one. Demand classes (equal
         demand vectors share what their searches found) are assigned as the walk meets
         them, at most K (``cls_ptr`` K x C, ``lb_seg`` and ``lb_t`` K x C x 64,
         ``cls_vec`` K x R, ``cls_hash`` a power of two >= 2 K, or empty when K is 0: no
         classes, the same answers, slower); an action of a demand met after K others is
         searched from scratch. Sizes are checked here (the caller sizes the arrays from the
         engine's tables): the timeline holds ``C + 2 x rows`` segments, the outputs one
-        entry per action row. Nothing here is O(queued) but the walk itself."""
+        entry per action row. Nothing here is O(queued) or O(rows)."""
         cdef Py_ssize_t n_rows = k.a_state.shape[0]
         cdef Py_ssize_t n_lanes = k.ln_head.shape[0]
         cdef Py_ssize_t n_cls, h
@@ -170,6 +180,8 @@ cdef class EtaProjector:
             raise ValueError("the timeline must hold C + 2 x action rows segments")
         if self.c_hint.shape[0] < k.n_clusters:
             raise ValueError("c_hint must cover the clusters")
+        if self.q_rest.shape[0] < k.n_queues:
+            raise ValueError("q_rest must cover the queues")
         if self.n_clusters < k.n_clusters:
             raise ValueError("bound for fewer clusters")
         n_cls = cls_ptr.shape[0] // self.n_clusters
@@ -196,6 +208,30 @@ cdef class EtaProjector:
         with nogil:
             self._run(k, now)
         return self.n_order
+
+    def why_of(self, TickKernel k not None, i32 a):
+        """The ``EtaWhy`` of action row ``a`` in the last run (of ``k``'s state, unchanged
+        since): its own code when the walk listed it, else, when it is queued, the code
+        of the rows its queue's walk did not reach."""
+        if not 0 <= a < self.why.shape[0] or a >= k.a_state.shape[0]:
+            raise IndexError(f"action row {a} is out of range")
+        return EtaWhy(self._why_of(k, a))
+
+    def why_codes(self, TickKernel k not None):
+        """Every action row's ``EtaWhy`` in the last run, as :meth:`why_of` (a copy; a pass
+        over the table, for tests and benches)."""
+        cdef Py_ssize_t n = min(self.why.shape[0], k.a_state.shape[0])
+        cdef Py_ssize_t a
+        out = bytearray(n)
+        cdef unsigned char[::1] o = out
+        for a in range(n):
+            o[a] = self._why_of(k, <i32>a)
+        return out
+
+    cdef u8 _why_of(self, TickKernel k, i32 a) noexcept:
+        if self.why[a] == ETA_NOT_QUEUED and k.a_state[a] == ST_QUEUED:
+            return self.q_rest[k.a_queue[a]]
+        return self.why[a]
 
     # ------------------------------------------------------------------ timeline
 
@@ -500,19 +536,23 @@ cdef class EtaProjector:
             _hold(self.c_hold_q, k.a_fit[a] & k.q_clusters[q] & wmask, best_t)
 
     cdef void _run(self, TickKernel k, i64 now) noexcept nogil:
-        cdef Py_ssize_t i, j, nl = k.ln_head.shape[0], n_rows = k.a_state.shape[0]
+        cdef Py_ssize_t i, j, nl = k.ln_head.shape[0]
         cdef int c, kind
         cdef u64 wmask = 0
         cdef i32 q, lane, start, a, first
         cdef i64 t_min
         cdef bint strict, chain
+        # Clear what the last run wrote: only the rows it listed (bind cleared the rest).
+        for i in range(self.n_order):
+            a = self.order[i]
+            self.eta[a] = NEVER
+            self.why[a] = ETA_NOT_QUEUED
+        for j in range(k.n_queues):
+            self.q_rest[j] = ETA_HORIZON
         self.n_seg = 0
         self.n_steps = 0
         self.n_order = 0
         self.n_projected = 0
-        for i in range(n_rows):
-            self.eta[i] = NEVER
-            self.why[i] = ETA_NOT_QUEUED
         # Clusters with a connected worker that takes work: nothing starts anywhere else.
         for i in range(k.n_workers):
             if k.w_connected[i] and not k.w_paused[i]:
@@ -526,6 +566,8 @@ cdef class EtaProjector:
             q = k.q_order[j]
             if k.q_pending[q] == 0:
                 continue
+            if self.n_projected >= self.horizon:
+                return      # the queued rows of this queue and every later one: q_rest
             strict = k.q_strict[q]
             chain = strict and not k.q_backfill[q]
             t_min = now
@@ -564,19 +606,14 @@ cdef class EtaProjector:
                         a = -1
                         continue
                 if self.n_projected >= self.horizon:
-                    self.order[self.n_order] = a
-                    self.n_order += 1
-                    self.eta[a] = NEVER
-                    self.why[a] = ETA_HORIZON
-                elif chain and t_min >= NEVER and not k.q_paused[q]:
-                    self.order[self.n_order] = a
-                    self.n_order += 1
-                    self.eta[a] = NEVER
-                    self.why[a] = ETA_BEHIND
-                else:
-                    self._project_one(k, a, now, t_min, wmask, strict)
-                    if chain:
-                        t_min = self.eta[a]
+                    return      # this row and every one after it: ETA_HORIZON (q_rest)
+                if chain and t_min >= NEVER and not k.q_paused[q]:
+                    # Every later action of the queue starts no earlier than this one.
+                    self.q_rest[q] = ETA_BEHIND
+                    break
+                self._project_one(k, a, now, t_min, wmask, strict)
+                if chain:
+                    t_min = self.eta[a]
                 a = -1
             # This queue's holds bind the queues after it.
             for c in range(k.n_clusters):

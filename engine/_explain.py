@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cext._bulk import queued_ahead
 from cext._tree import run_rows
 from engine._codes import (
     PHASE_CODE,
@@ -555,9 +556,5 @@ class ExplainMixin:
         return self._kernel.head_eta(row, self.clock.now_ns())
 
     def _position(self, row):
-        st = self._state
-        n = self._next_row
-        q = st.a_queue[row]
-        queued = (st.a_state[:n] == ST_QUEUED) & (st.a_queue[:n] == q)
-        ahead = queued & (st.a_seq[:n] < st.a_seq[row])     # enqueue order
-        return int(np.count_nonzero(ahead)) + 1
+        # 1-based, in enqueue order among the queue's queued actions.
+        return queued_ahead(self._kernel, self._state.a_seq, self._next_row, row) + 1

@@ -399,7 +399,8 @@ class Inspection:
         e = self._engine
         p = e._run_projector(e.clock.now_ns(), classes)
         e._eta_cache = None
-        return (np.array(p.eta), np.array(p.why), np.array(p.order[:p.n_order]))
+        return (np.array(p.eta), np.frombuffer(p.why_codes(e._kernel), np.uint8),
+                np.array(p.order[:p.n_order]))
 
     def position(self, row):
         """1-based place of queued action ``row`` among its queue's queued actions."""

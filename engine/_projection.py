@@ -64,9 +64,11 @@ class ProjectionMixin:
         return self._projected_row(row)
 
     def projection(self):
-        """Every queued action's projected start, in the order the projection walked them
+        """The queued actions' projected starts in the order the projection walked them
         (the tick's order): ``(action ids, eta_ns (int64, -1 unknown), queue names)``, three
-        equal-length lists (for simulations and benches; ``explain`` gives one)."""
+        equal-length lists (for simulations and benches; ``explain`` gives one). Those it
+        did not reach are not listed: past ``engine.eta_horizon``, or behind a STRICT_FIFO
+        action with no ETA (``explain`` says which)."""
         eta, _why, order, _ = self._project()
         rows = order.tolist()
         e = np.where(eta[order] == NEVER, -1, eta[order]).tolist()
@@ -74,10 +76,10 @@ class ProjectionMixin:
         return ([str(self._aid(r)) for r in rows], e, [self._queue_names[q] for q in qs])
 
     def _projected_row(self, row):
-        eta, why, _order, _ = self._project()
-        w = EtaWhy(int(why[row]))
+        eta, _why, _order, _ = self._project()
         t = int(eta[row])
-        return Projected(None if t == NEVER else t, ETA_WHY[w])
+        return Projected(None if t == NEVER else t,
+                         ETA_WHY[self._eta_projector.why_of(self._kernel, row)])
 
     def _queue_projection(self, q):
         """Per queue ``q``: how many queued actions have an ETA, and the projected starts
@@ -85,19 +87,17 @@ class ProjectionMixin:
         (None when that action has none): when the queue's backlog is predicted to have
         started."""
         eta, _why, order, qcol = self._project()
-        mine = order[qcol == q]
-        n = int(mine.size)
-        out = {"queued": n, "with_eta": 0, "p50_ns": None, "p90_ns": None, "last_ns": None}
-        if n == 0:
-            return out
-        t = eta[mine]
-        out["with_eta"] = int(np.count_nonzero(t != NEVER))
-        for key, frac in (("p50_ns", 0.5), ("p90_ns", 0.9)):
+        # The queue's actions the walk reached, in its order; those it did not (past the
+        # horizon, or behind an action with no ETA) come after them and have no ETA.
+        t = eta[order[qcol == q]]
+        n = int(self._state.q_pending[q])
+        out = {"queued": n, "with_eta": int(np.count_nonzero(t != NEVER)), "p50_ns": None,
+               "p90_ns": None, "last_ns": None}
+        for key, frac in (("p50_ns", 0.5), ("p90_ns", 0.9), ("last_ns", 1.0)):
             # The action at that share of the queue's order (nearest rank).
-            v = int(t[max(0, int(np.ceil(frac * n)) - 1)])
-            out[key] = None if v == NEVER else v
-        v = int(t[-1])
-        out["last_ns"] = None if v == NEVER else v
+            i = int(np.ceil(frac * n)) - 1
+            if 0 <= i < t.size and t[i] != NEVER:
+                out[key] = int(t[i])
         return out
 
     def _project(self):
@@ -125,7 +125,7 @@ class ProjectionMixin:
         projector assigns them as it meets them, at most ``MAX_CLASS_SLOTS / C``
         (``classes=False``: none, every search from scratch; the same answers, slower).
         Nothing here reads the whole table: a deep backlog costs the walk of its first
-        ``engine.eta_horizon`` actions, not a pass over every queued one."""
+        ``engine.eta_horizon`` actions, not a pass over every queued one or every row."""
         p = self._projector()
         ptr, seg, t, vec, table = self._eta_classes
         if not classes:
@@ -152,7 +152,7 @@ class ProjectionMixin:
                np.zeros(rows, np.int64), np.zeros(rows, np.int32),
                np.zeros(2 * lanes, np.int32), np.zeros(lanes, np.int32),
                np.zeros(rows, np.int64), np.zeros(rows, np.uint8), np.zeros(rows, np.int32),
-               np.zeros(max(1, c), np.int32))
+               np.zeros(max(1, c), np.int32), np.zeros(int(st.q_pending.shape[0]), np.uint8))
         # The demand classes' scratch (bounded: K x C x 65 slots of 4 or 8 bytes, ~12 MB at
         # most; each class's part is set when the projector assigns it).
         k = max(1, MAX_CLASS_SLOTS // max(1, c))

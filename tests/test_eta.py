@@ -237,3 +237,53 @@ def test_the_projection_stops_at_the_horizon_and_says_so():
     assert all("eta_horizon" in e.projected_why for e in got[4:])
     m = eng.queue_metrics("gpu")["projection"]
     assert (m["queued"], m["with_eta"], m["last_ns"]) == (6, 4, None)
+
+
+def _two_queues(horizon):
+    # "gpu" (STRICT_FIFO, no backfill) walks first: h0 has no estimate, so what it takes
+    # is held for ever once it starts at 100 s; h1 then has no ETA and h2..h4 are behind
+    # it. "cpu" (GREEDY_CAPACITY) has eight 1-GPU actions of 10 s after it.
+    cfg = config(backfill=False)
+    cfg["queues"]["gpu"]["priority"] = 900
+    cfg["queues"]["cpu"] = {"scheduling": "GREEDY_CAPACITY", "priority": 100}
+    cfg["engine"]["eta_horizon"] = horizon
+    eng, clock = make_engine(cfg)
+    start(eng, clock, [job("A", 8, 100)])
+    eng.enqueue_many([job(f"h{i}", 8, None if i == 0 else 10) for i in range(5)]
+                     + [job(f"c{i}", 1, 10, task_queue="cpu") for i in range(8)])
+    eng.tick()
+    return eng
+
+
+def test_the_walk_stops_at_the_horizon_with_the_answers_of_a_whole_walk():
+    # Against a walk that reaches everything: the first H actions it projected keep their
+    # starts; the rest say why they have none (behind a STRICT head with no ETA, or past
+    # the horizon); queue metrics count the same; at most H actions are walked.
+    whole = _two_queues(10_000)
+    ids, etas, queues = whole.projection()
+    runs = [x.split("/")[3] for x in ids]
+    # The strict chain stops at h1 (no ETA): h2..h4 are not walked at all.
+    assert runs[:2] == ["h0", "h1"] and sorted(runs[2:]) == [f"c{i}" for i in range(8)]
+    behind = "an action ahead of it in its STRICT_FIFO queue has no ETA"
+    assert all(whole.explain(aid(f"h{i}")).projected_why == behind for i in range(2, 5))
+    for h in range(1, len(ids) + 2):
+        eng = _two_queues(h)
+        got = eng.projection()
+        assert got == (ids[:h], etas[:h], queues[:h]), h
+        for i, x in enumerate(ids):
+            e = eng.explain(x)
+            if i < h:
+                assert e.projected_start_ns == (None if etas[i] < 0 else etas[i]), (h, x)
+            else:
+                assert e.projected_start_ns is None and "eta_horizon" in e.projected_why
+        # h2..h4 are behind h1 once the walk got past it, else past the horizon too.
+        for i in range(2, 5):
+            why = eng.explain(aid(f"h{i}")).projected_why
+            assert why == behind if h > 2 else "eta_horizon" in why, (h, why)
+        for q, n in (("gpu", 5), ("cpu", 8)):
+            mine = [t for t, qq in zip(etas[:h], queues[:h], strict=True) if qq == q]
+            at = [mine[k] if k < len(mine) and mine[k] >= 0 else None
+                  for k in (-(-n // 2) - 1, -(-9 * n // 10) - 1, n - 1)]
+            m = eng.queue_metrics(q)["projection"]
+            assert m == {"queued": n, "with_eta": sum(t >= 0 for t in mine), "p50_ns": at[0],
+                         "p90_ns": at[1], "last_ns": at[2]}, (h, q, m)

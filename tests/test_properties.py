@@ -179,6 +179,8 @@ def configs(draw):
         "expiry_jitter": draw(st.sampled_from([0.0, 2.0])),
         "system_retries": draw(st.integers(0, 2)),
         "finalize_timeout": draw(st.sampled_from([60.0, 600.0])),
+        # A small horizon: explain's projection stops before most of the queued actions.
+        "eta_horizon": draw(st.sampled_from([1, 2, 10_000])),
     }
     if draw(st.booleans()):
         eng["default_queue"] = "q0"
@@ -1661,6 +1663,11 @@ class EngineMachine(RuleBasedStateMachine):
             assert eng.live_states(run)[0] == ids, run
         # 5 and 7: one state per action, agreeing with the model; phases as reported.
         assert ins.dispatch_tail - ins.dispatch_head == len(self.undrained)
+        # A queued action's place in its queue: 1 + the queued ones enqueued before it.
+        firsts = {}
+        for a in self.actions.values():
+            if a.status == "queued":
+                firsts.setdefault(a.queue, []).append(a.enq_seq)
         want = {"queued": RowState.QUEUED, "sent": RowState.SENT, "backoff": RowState.BACKOFF,
                 "running": RowState.RUNNING, "done": RowState.DONE}
         for a in self.actions.values():
@@ -1684,6 +1691,10 @@ class EngineMachine(RuleBasedStateMachine):
             assert eng.phase(a.aid) == exp.phase, (a.aid, exp)
             if a.status == "queued":
                 assert exp.wait is not None and exp.reason, exp
+                assert exp.position == 1 + sum(x < a.enq_seq for x in firsts[a.queue]), (
+                    a.aid, exp.position)
+                # Projected or not, never "not queued" (the walk may stop before it).
+                assert exp.projected_why != "not queued", exp
                 assert exp.phase == (Phase.WAITING_FOR_RESOURCES if exp.wait in RESOURCE_WAITS
                                      else Phase.QUEUED), exp
             elif a.status == "backoff":
