@@ -219,3 +219,22 @@ def test_queue_list_from_the_status_file_refuses_a_flag_for_the_shard(tmp_path, 
     monkeypatch.setenv("LEASEHOLD_KEY", "ops")
     assert main(["queue", "list", "--config", str(cfg)]) == 2
     assert "INVALID_ARGUMENT" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["status", "acme/p/d/r/a", "--request-timeout", "30"],
+                                     ["worker", "--cluster", "a"]], ids=["client", "worker"])
+def test_a_host_that_does_not_resolve_is_unavailable_at_once_naming_it(tmp_path, capsys,
+                                                                       command):
+    # ZeroMQ resolves the host on its own thread and retries for ever: the client waited out
+    # its request timeout and said "not connected within 30.0s", as if the shard were down.
+    # (".invalid" never resolves: RFC 2606.)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(_insecure_config(tmp_path).read_text().replace(
+        f"ipc://{tmp_path}/s0", "tcp://no-such-host.invalid:7700"))
+    t0 = time.monotonic()
+    assert main([*command, "--config", str(cfg)]) == 2
+    assert time.monotonic() - t0 < 10
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("leasehold: UNAVAILABLE: tcp://no-such-host.invalid:7700: cannot "
+                          "connect: host 'no-such-host.invalid' does not resolve ("), err

@@ -208,10 +208,38 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
 
 
 class Unreachable(LeaseholdError):
-    """A shard's endpoint cannot be dialled at all (an ipc path too long for the system, a
-    host that does not resolve): ZeroMQ refused the connect itself."""
+    """A shard's endpoint cannot be dialled at all: an ipc path too long for the system
+    (ZeroMQ refused the connect itself), or a tcp host that does not resolve."""
 
     code = "UNAVAILABLE"
+
+
+#: getaddrinfo's answers that are final: the name has no address (EAI_AGAIN, a resolver
+#: that did not answer now, is left to ZeroMQ, which resolves again as it reconnects).
+_NO_ADDRESS = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL",
+                                                  "EAI_ADDRFAMILY") if hasattr(socket, name)}
+
+
+def _check_resolves(endpoint):
+    """Raise :class:`Unreachable` naming the host of a ``tcp://`` endpoint that does not
+    resolve. ZeroMQ resolves it on its own thread and retries for ever: the caller only saw
+    its requests time out ("not connected within ..."), as if the shard were down."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    host = host.rpartition(";")[2]          # "SOURCE;HOST": the host dialled is the last
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or host == "*":
+        return                              # ZeroMQ's connect refuses these itself
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in _NO_ADDRESS:
+            raise Unreachable(f"{endpoint}: cannot connect: host {host!r} does not resolve "
+                              f"({exc.strerror})") from None
+    except UnicodeError:
+        raise Unreachable(f"{endpoint}: cannot connect: {host!r} is not a host name") from None
 
 
 def client_socket(context, endpoint, keys=None, settings=None, routing_id=None,
@@ -221,7 +249,7 @@ def client_socket(context, endpoint, keys=None, settings=None, routing_id=None,
     (``ZMQ_IMMEDIATE``), so a send to a shard that is down or refused the key fails with
     :func:`send` returning False instead of piling up. ``heartbeat``: seconds between ZMTP
     pings; a connection silent for three of them is dropped (None: off). An endpoint ZeroMQ
-    cannot dial at all raises :class:`Unreachable`."""
+    cannot dial at all, or a tcp host that does not resolve, raises :class:`Unreachable`."""
     settings = settings if settings is not None else TransportSettings()
     sock = context.socket(zmq.DEALER)
     try:
@@ -233,6 +261,7 @@ def client_socket(context, endpoint, keys=None, settings=None, routing_id=None,
             sock.curve_serverkey = keys.server_public
             sock.curve_publickey = keys.public
             sock.curve_secretkey = keys.secret
+        _check_resolves(endpoint)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
