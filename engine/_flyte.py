@@ -1173,7 +1173,9 @@ def enqueue_fanouts(engine, fanouts):
 def _check_distinct(fanouts):
     """Two requests of one batch that name one action with different specs: SpecError
     before anything is enqueued (the engine would refuse the second as ALREADY_EXISTS
-    after storing the first)."""
+    after storing the first). Two of one fan-out (consecutive requests of one task) naming
+    one action: SpecError naming both (the engine would say only that the fan-out's
+    ``names[j]`` appears twice)."""
     seen = {}           # action id -> (request index, its template, its input reference)
     first = 0
     for f in fanouts:
@@ -1182,6 +1184,9 @@ def _check_distinct(fanouts):
         for j, (name, ref) in enumerate(zip(f.names, refs, strict=True)):
             aid = f"{run}/{name}"
             prev = seen.setdefault(aid, (first + j, f.template, ref))
+            if first <= prev[0] < first + j:
+                raise SpecError(f"requests[{prev[0]}] and requests[{first + j}] both name "
+                                f"action {aid}; send each action once")
             if prev[0] != first + j and (prev[2] != ref or replace(prev[1], id=aid) != replace(
                     f.template, id=aid)):
                 raise SpecError(f"requests[{prev[0]}] and requests[{first + j}] name action "

@@ -787,6 +787,38 @@ tenants = ["acme"]
         shard.stop()
 
 
+def test_a_flyte_file_or_action_given_twice_is_refused_naming_the_files(tmp_path, capsys):
+    # Both said "names[1]: 'a0' appears twice" (consecutive requests of one task are one
+    # fan-out): neither the file nor the action was named. Refused before anything is sent
+    # (no shard listens here).
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'resources = ["cpu", "memory", "ephemeral_storage"]\n[clusters.east]\n'
+                   f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
+                   f"[security]\ninsecure = true\n")
+    files = {}
+    for name, action in (("a.pb", "a0"), ("b.pb", "a1"), ("again.pb", "a0")):
+        files[name] = tmp_path / name
+        files[name].write_bytes(request(etl, action).SerializeToString())
+    a, b, again = (str(files[n]) for n in ("a.pb", "b.pb", "again.pb"))
+    other = f"{tmp_path}/./a.pb"
+    for flytes, message in (
+            ([a, b, a], f"--flyte {a} is given twice: give each file once"),
+            ([a, other], f"--flyte {other} is the file --flyte {a} given again: give each "
+                         f"file once"),
+            ([a, b, again], f"action acme/ml/dev/r1/a0 appears twice: in --flyte {a} and in "
+                            f"--flyte {again}; give each action once")):
+        args = ["submit", "--config", str(cfg), "--request-timeout", "1"]
+        for f in flytes:
+            args += ["--flyte", f]
+        assert main(args) == 2
+        assert capsys.readouterr().err == f"leasehold: INVALID_ARGUMENT: {message}\n"
+    # The engine's own words, for a client sending them together.
+    eng, _ = engine()
+    with pytest.raises(SpecError, match=r"^requests\[0\] and requests\[2\] both name action "
+                                        r"acme/ml/dev/r1/a0; send each action once$"):
+        enqueue_flyte(eng, [files[n].read_bytes() for n in ("a.pb", "b.pb", "again.pb")])
+
+
 def test_flyte_enqueues_are_routed_to_the_tenants_shard_and_refused_by_the_other(tmp_path):
     from engine import parse_config
     from storage import MemoryStore

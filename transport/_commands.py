@@ -446,6 +446,51 @@ def _read_bytes(path):
                            f"{exc.strerror or exc}") from None
 
 
+def _read_flyte_files(paths):
+    """The bytes of each ``--flyte`` file, in order. A file given twice, or two files naming
+    one action, is refused naming them: the shard would say only that a fan-out's
+    ``names[i]`` "appears twice" (consecutive requests of one task are one fan-out)."""
+    raws, seen = [], {}
+    for i, path in enumerate(paths):
+        raws.append(_read_bytes(path))
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue                # (read just above: it went since)
+        first = paths[seen.setdefault((st.st_dev, st.st_ino), i)]
+        if seen[(st.st_dev, st.st_ino)] != i:
+            again = f"--flyte {path} is given twice" if first == path else \
+                f"--flyte {path} is the file --flyte {first} given again"
+            raise CommandError("INVALID_ARGUMENT", f"{again}: give each file once")
+    named = {}
+    for path, aid in _flyte_actions(paths, raws):
+        first = named.setdefault(aid, path)
+        if first != path:
+            raise CommandError("INVALID_ARGUMENT", f"action {aid} appears twice: in --flyte "
+                               f"{first} and in --flyte {path}; give each action once")
+    return raws
+
+
+def _flyte_actions(paths, raws):
+    """``(path, action id)`` of what each file declares, decoded here when the flyte extra
+    is installed (else nothing: the shard checks). A file that does not decode is left to
+    the shard's error, which names it as ``requests[i]``."""
+    try:
+        from engine.flyte import flyte_fanouts
+    except ImportError:
+        return []
+    out = []
+    for path, raw in zip(paths, raws, strict=True):
+        try:
+            fanouts = flyte_fanouts([raw])
+        except SpecError:
+            continue
+        for f in fanouts:
+            run = f.template.id.rsplit("/", 1)[0]
+            out += [(path, f"{run}/{name}") for name in dict.fromkeys(f.names)]
+    return out
+
+
 def submit(args):
     """``leasehold submit``: enqueue, print the ids, optionally wait for the outcomes."""
     if args.flyte:
@@ -453,7 +498,7 @@ def submit(args):
         if given:
             raise CommandError("INVALID_ARGUMENT", f"submit: give --flyte FILE alone, not "
                                f"with {', '.join(given)}")
-        plan = ("flyte", [_read_bytes(f) for f in args.flyte])
+        plan = ("flyte", _read_flyte_files(args.flyte))
     elif args.file is not None:
         given = _flags_given(args)
         if given:
