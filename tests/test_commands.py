@@ -497,6 +497,20 @@ def test_keys_and_roles(tmp_path):
         e.close()
 
 
+def test_a_worker_started_with_another_roles_key_says_the_code_once(tmp_path):
+    # It said "PERMISSION_DENIED: worker acme-app: shard ...: REGISTER: PERMISSION_DENIED:
+    # REGISTER: key ...": the code (and the request) twice.
+    e = Env(tmp_path, secure=True)
+    try:
+        out = cli("worker", "--config", e.config, "--cluster", "east", "--name", "acme-app")
+        assert out.returncode == 2
+        assert one_error_line(out, "PERMISSION_DENIED") == (
+            f"leasehold: PERMISSION_DENIED: worker acme-app: REGISTER: key 'acme-app' is a "
+            f"client key; only worker keys may send it (shard {e.endpoint})")
+    finally:
+        e.close()
+
+
 def test_an_unreachable_shard_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(CONFIG.format(tmp=tmp_path, port=_free_port(),

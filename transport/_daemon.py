@@ -462,7 +462,11 @@ def run_worker(config_path, cluster, name=None, slots=None, node=None):
     freeze_heap()       # its own process: start-up objects leave the collector's view
     try:
         return w.serve()
-    except (ShardTimeout, ShardError) as exc:
+    except ShardError as exc:
+        # The shard's code, once: the CLI prints it before the message (as talk() does).
+        raise CommandError(exc.code, f"worker {w.name}: {exc.error_message} (shard "
+                                     f"{exc.shard})") from None
+    except ShardTimeout as exc:
         # The shard's code stays (UNAVAILABLE: no answer), not INTERNAL as if a bug.
         raise CommandError(exc.code, f"worker {w.name}: {exc}") from None
 
