@@ -328,6 +328,10 @@ def _flyte_decode(args):
         print(f"leasehold: INVALID_ARGUMENT: cannot read {args.file}: {exc.strerror}",
               file=sys.stderr)
         return 2
+    if not raw:
+        # (An empty message decodes, to "the request carries no task action".)
+        print(f"leasehold: INVALID_ARGUMENT: {args.file} is empty: no actions", file=sys.stderr)
+        return 2
     kinds = ("queue", "actions") if args.kind == "auto" else (args.kind,)
     first = None
     for kind in kinds:

@@ -112,9 +112,12 @@ def load_trace(path, fmt=None, swf=None):
             why = ", ".join(f"{n} {r}" for r, n in sorted(trace.skipped_reasons.items()))
             raise TraceError(f"{source}: holds no jobs to simulate: all {trace.skipped} SWF "
                              f"jobs were skipped ({why})")
+        if not text.strip():
+            # Worded as every command that reads a file of actions says it.
+            raise TraceError(f"{source} is empty: no actions")
         what = "only ; comments and blank lines" if fmt == "swf" else \
             "only # comments and blank lines"
-        raise TraceError(f"{source}: holds no jobs ({'empty' if not text.strip() else what})")
+        raise TraceError(f"{source}: holds no jobs ({what})")
     return trace
 
 

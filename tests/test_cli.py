@@ -134,6 +134,27 @@ def test_demo_needs_at_least_one_tick(capsys, ticks):
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, name, code", [
+    (["submit"], "a.json", "INVALID_ARGUMENT"),
+    (["submit"], "a.jsonl", "INVALID_ARGUMENT"),
+    (["submit"], "a.toml", "INVALID_ARGUMENT"),
+    (["submit", "--flyte"], "a.pb", "INVALID_ARGUMENT"),
+    (["flyte-decode"], "a.pb", "INVALID_ARGUMENT"),
+    (["simulate"], "t.jsonl", "INVALID_TRACE"),
+    (["simulate"], "t.swf", "INVALID_TRACE"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_an_empty_input_file_says_so_in_every_format(tmp_path, capsys, command, name, code):
+    # Each format said it its own way: "invalid JSON: Expecting value", "no action specs
+    # (...)", "item 0: action spec: missing key(s) id, task", "requests[0] has 0 bytes" (from
+    # the shard), "the request carries no task action", "holds no jobs (empty)".
+    cfg = _insecure_config(tmp_path)
+    path = tmp_path / name
+    path.write_text("" if name.endswith(".pb") else "\n")
+    extra = ["--config", str(cfg)] if command[0] == "submit" else []
+    assert main([*command, str(path), *extra]) == 2
+    assert capsys.readouterr().err == f"leasehold: {code}: {path} is empty: no actions\n"
+
+
 def test_a_worker_with_no_shard_to_register_with_says_unavailable(tmp_path, capsys):
     # No shard listens: the worker's REGISTER is not answered. That is the shard being
     # unavailable (retry), not an internal error.

@@ -270,16 +270,17 @@ def test_cli_unfit_job_is_an_error_unless_skipped(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("name", "text", "extra", "why"), [
-    ("empty.jsonl", "", [], "holds no jobs (empty)"),
+    ("empty.jsonl", "", [], " is empty: no actions"),
+    ("empty.swf", "\n", [], " is empty: no actions"),
     ("comments.jsonl", "# a header\n\n# and nothing else\n", [],
-     "holds no jobs (only # comments and blank lines)"),
+     ": holds no jobs (only # comments and blank lines)"),
     ("header.swf", "; Version: 2.2\n; MaxJobs: 0\n", [],
-     "holds no jobs (only ; comments and blank lines)"),
+     ": holds no jobs (only ; comments and blank lines)"),
     ("header.txt", "; Version: 2.2\n", ["--format", "swf"],
-     "holds no jobs (only ; comments and blank lines)"),
+     ": holds no jobs (only ; comments and blank lines)"),
     ("skipped.swf", "; SWF\n1 0 0 -1 4 -1 -1 4 -1 -1 1 1 1 1 1 -1 -1 -1\n"
      "2 5 0 100 -1 -1 -1 -1 -1 -1 1 1 1 1 1 -1 -1 -1\n", [],
-     "holds no jobs to simulate: all 2 SWF jobs were skipped (1 no processor count (-1), "
+     ": holds no jobs to simulate: all 2 SWF jobs were skipped (1 no processor count (-1), "
      "1 no run time (-1))"),
 ])
 def test_cli_refuses_a_trace_without_jobs(tmp_path, capsys, name, text, extra, why):
@@ -290,7 +291,7 @@ def test_cli_refuses_a_trace_without_jobs(tmp_path, capsys, name, text, extra, w
     png = tmp_path / "out.png"
     assert main(["simulate", str(path), *EXAMPLE, *extra, "--plot", str(png)]) == 2
     out, err = capsys.readouterr()
-    assert err == f"leasehold: INVALID_TRACE: {path}: {why}\n"
+    assert err == f"leasehold: INVALID_TRACE: {path}{why}\n"
     assert out == "" and not png.exists()
     assert main(["simulate", str(path), *EXAMPLE, *extra, "--json"]) == 2
     assert capsys.readouterr().out == ""

@@ -381,6 +381,8 @@ def _load_file(path):
     except UnicodeDecodeError as exc:
         raise CommandError("INVALID_ARGUMENT", f"{path}: not UTF-8 text ({exc.reason} at "
                            f"byte {exc.start})") from None
+    if not text.strip():
+        raise CommandError("INVALID_ARGUMENT", f"{path} is empty: no actions")
     try:
         if kind == ".toml":
             data = tomllib.loads(text)
@@ -440,10 +442,13 @@ def _check_spec(path, where, spec):
 def _read_bytes(path):
     try:
         with open(path, "rb") as f:
-            return f.read()
+            raw = f.read()
     except OSError as exc:
         raise CommandError("INVALID_ARGUMENT", f"--flyte {path}: cannot read it: "
                            f"{exc.strerror or exc}") from None
+    if not raw:
+        raise CommandError("INVALID_ARGUMENT", f"{path} is empty: no actions")
+    return raw
 
 
 def _read_flyte_files(paths):
