@@ -72,6 +72,16 @@ def test_shard_index_out_of_range_names_the_flag(tmp_path, capsys, index):
     assert not (tmp_path / "data").exists()
 
 
+def test_submit_with_the_sim_plugin_needs_a_duration(tmp_path, capsys):
+    # Without --duration every attempt ran for 0 s, silently (no default is documented).
+    cfg = _insecure_config(tmp_path)
+    assert main(["submit", "--config", str(cfg), "--id", "acme/p/d/r/a", "--cpu", "1",
+                 "--plugin", "sim", "--fail", "USER"]) == 2
+    assert capsys.readouterr().err == ("leasehold: INVALID_ARGUMENT: --plugin sim needs "
+                                       "--duration S: the seconds each attempt holds (0 for "
+                                       "none)\n")
+
+
 @pytest.mark.parametrize("flag", ["--start-timeout", "--stop-timeout"])
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e300", "7x"])
 def test_serve_refuses_a_bad_timeout_flag(tmp_path, capsys, flag, value):

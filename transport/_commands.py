@@ -345,7 +345,11 @@ def _execute_from_flags(args):
         return None
     ex = {"plugin": args.plugin}
     if args.plugin == "sim":
-        ex["duration"] = args.duration if args.duration is not None else 0.0
+        if args.duration is None:
+            # (It ran every attempt for 0 s, silently: no default is documented.)
+            raise CommandError("INVALID_ARGUMENT", "--plugin sim needs --duration S: the "
+                               "seconds each attempt holds (0 for none)")
+        ex["duration"] = args.duration
         if args.fail is not None:
             ex["fail"] = args.fail
         if args.fail_attempts is not None:
