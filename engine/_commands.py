@@ -132,6 +132,20 @@ def _seconds(text):
     return value
 
 
+def wait_seconds(text):
+    """An argparse type: seconds >= 0 (0: do not wait), at most 10 years."""
+    # The config's rule for every duration: a longer wait is a typo, and 1e300 or inf
+    # waited for ever.
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0 and at "
+                                         f"most {MAX_SECONDS} (10 years)")
+    return value
+
+
 def positive_seconds(text):
     """An argparse type: seconds > 0, at most 10 years."""
     # At most 10 years, as every duration of the config (a longer wait is a typo).
@@ -262,7 +276,7 @@ def register(sub):
                    "EnqueueRequest, docs/flyte.md) instead of FILE or flags (repeatable)")
     p.add_argument("--wait", action="store_true",
                    help="wait until every action ended (exit 1 unless all SUCCEEDED)")
-    p.add_argument("--timeout", type=_seconds, metavar="S",
+    p.add_argument("--timeout", type=wait_seconds, metavar="S",
                    help="--wait: give up after S seconds (exit 1)")
     _json(p, "print the ids (and with --wait the phases) as JSON")
     p.set_defaults(func=_lazy(cmd, "submit"))
@@ -305,7 +319,7 @@ def register(sub):
     p.add_argument("actions", nargs="*", metavar="ACTION",
                    help="actions to follow from the start (ids or names in RUN)")
     _shard_options(p)
-    p.add_argument("--timeout", type=_seconds, metavar="S",
+    p.add_argument("--timeout", type=wait_seconds, metavar="S",
                    help="give up after S seconds (exit 1)")
     _json(p, "print every event as a JSON line")
     p.set_defaults(func=_lazy(cmd, "watch"))
@@ -331,7 +345,7 @@ def register(sub):
     p.add_argument("name", help="the queue")
     p.add_argument("--wait", action="store_true",
                    help="wait until nothing is queued or in flight")
-    p.add_argument("--timeout", type=_seconds, metavar="S",
+    p.add_argument("--timeout", type=wait_seconds, metavar="S",
                    help="--wait: give up after S seconds (exit 1)")
     _shard_options(p, shard_help=_EVERY)
     _json(p)

@@ -133,6 +133,22 @@ def test_a_wait_flag_must_be_positive_and_bounded(tmp_path, capsys, value, comma
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["1e300", "inf", "nan", "-1", "315360001", "7x"])
+@pytest.mark.parametrize("command", [
+    ["submit", "--id", "acme/p/d/r/a", "--cpu", "1", "--wait"],
+    ["watch", "acme/p/d/r"],
+    ["queue", "drain", "q", "--wait"],
+], ids=lambda c: c[0] if c[0] != "queue" else "queue drain")
+def test_a_wait_timeout_is_bounded_as_every_duration(tmp_path, capsys, value, command):
+    # 1e300 (and inf) were taken, and the command waited for ever.
+    cfg = _insecure_config(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--config", str(cfg), "--timeout", value])
+    assert info.value.code == 2
+    assert f"argument --timeout: {value!r} is not a number of seconds >= 0 and at most " \
+        f"315360000 (10 years)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ticks", ["0", "-5", "x", "99999999999999999999"])
 def test_demo_needs_at_least_one_tick(capsys, ticks):
     # -5 used to run no tick and print the waits as if that were the demo; past 64 bits a
