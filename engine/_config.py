@@ -12,6 +12,7 @@ Vectors (capacities, node shapes, queue budgets) are read-only ``int64`` arrays 
 
 import math
 import re
+import socket
 import tomllib
 from dataclasses import dataclass, replace
 
@@ -433,6 +434,7 @@ def parse_config(data, source="<config>"):
             )
         queues.append(_build_queue(source, resources, cluster_names, "default", {}))
     _check_admission(source, engine, clusters, queues)
+    _check_ports(source, transport, status)
     return Config(
         source=source,
         resources=resources,
@@ -709,6 +711,71 @@ def _parse_transport(source, table):
                                f"the same one)")
         values["endpoints"] = tuple(eps)
     return replace(TransportSettings(), **values)
+
+
+#: Hosts that bind a port on every address of the machine.
+_EVERY_ADDRESS = ("*", "0.0.0.0", "::")
+
+
+def _check_ports(source, transport, status):
+    """Two sockets of one config that would bind one tcp port on one address: the config
+    check passed them, then the second bind failed "Address already in use" (a shard the
+    supervisor restarted for ever, or the metrics). Spellings differ: a name and its address
+    (``localhost``, ``127.0.0.1``), an interface and its address, every address (``*``,
+    ``0.0.0.0``) and any one. Hosts are resolved only for endpoints that share a port."""
+    binds = []          # (key, value, host, port)
+    for i, e in enumerate(transport.endpoints):
+        if e.startswith("tcp://"):
+            host, _, port = e[len("tcp://"):].rpartition(":")
+            binds.append((f"transport.endpoints[{i}]", e, host, int(port)))
+    if status.metrics is not None:
+        host, _, port = status.metrics.rpartition(":")
+        binds.append(("status.metrics", status.metrics, host, int(port)))
+    addresses = {}
+    for j, (key, value, host, port) in enumerate(binds):
+        for okey, ovalue, ohost, oport in binds[:j]:
+            if port == 0 or port != oport:
+                continue    # (port 0: any free port, a new one for each)
+            mine = addresses.setdefault(host, _bind_addresses(host))
+            theirs = addresses.setdefault(ohost, _bind_addresses(ohost))
+            if mine is None or theirs is None:
+                there = _listing(sorted(theirs)) if theirs is not None else "every address"
+                here = _listing(sorted(mine)) if mine is not None else "every address"
+            else:
+                common = sorted(mine & theirs)
+                if not common:
+                    continue
+                there, here = common[0], f"{common[0]} too"
+            other = "no other endpoint" if key.startswith("transport") else "no endpoint"
+            raise _invalid(source, key, value,
+                           f"a port {other} binds on the same address ({okey} {ovalue!r} "
+                           f"binds port {port} on {there}, this one on {here})")
+
+
+def _bind_addresses(host):
+    """The addresses a bind to ``host`` takes, as ZeroMQ resolves it (an interface's name,
+    else the name's addresses, IPv4 when it has any): None for every address; the host
+    itself when it does not resolve here."""
+    host = host[1:-1] if host.startswith("[") else host
+    if host in _EVERY_ADDRESS:
+        return None
+    import psutil
+
+    found = psutil.net_if_addrs().get(host)
+    if found:
+        addrs = [(a.family, a.address.split("%")[0]) for a in found
+                 if a.family in (socket.AF_INET, socket.AF_INET6)]
+    else:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            return {host}
+        addrs = [(family, sockaddr[0].split("%")[0]) for family, _, _, _, sockaddr in infos]
+    v4 = {a for family, a in addrs if family == socket.AF_INET}
+    out = v4 or {a for _family, a in addrs}
+    if out & {"0.0.0.0", "::"}:
+        return None
+    return out or {host}
 
 
 _WORKER_KEYS = ("slots", "capacity", "node_shapes", "on_shard_lost", "drain_timeout",

@@ -1,5 +1,6 @@
 """Tests for the config file model and parser (engine/_config.py)."""
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -932,6 +933,39 @@ def test_endpoints_that_cannot_all_bind_are_refused(endpoints, fragment):
     # They passed the check; the second shard then failed "Address already in use" at its
     # start (and the supervisor restarted it), a port past 65535 failed every bind.
     config_error(BASE + f"[transport]\nendpoints = {endpoints}\n", fragment)
+
+
+@pytest.mark.parametrize("endpoints, metrics, message", [
+    (["tcp://127.0.0.1:7700", "tcp://localhost:7700"], False,
+     "transport.endpoints[1]: 'tcp://localhost:7700' is invalid; allowed: a port no other "
+     "endpoint binds on the same address (transport.endpoints[0] 'tcp://127.0.0.1:7700' binds "
+     "port 7700 on 127.0.0.1, this one on 127.0.0.1 too)"),
+    (["tcp://0.0.0.0:7700", "tcp://127.0.0.1:7701", "tcp://127.0.0.1:7700"], False,
+     "transport.endpoints[2]: 'tcp://127.0.0.1:7700' is invalid; allowed: a port no other "
+     "endpoint binds on the same address (transport.endpoints[0] 'tcp://0.0.0.0:7700' binds "
+     "port 7700 on every address, this one on 127.0.0.1)"),
+    (["tcp://127.0.0.1:7700", "tcp://*:7700"], False,
+     "transport.endpoints[1]: 'tcp://*:7700' is invalid; allowed: a port no other endpoint "
+     "binds on the same address (transport.endpoints[0] 'tcp://127.0.0.1:7700' binds port "
+     "7700 on 127.0.0.1, this one on every address)"),
+    (["tcp://127.0.0.1:7700"], "localhost:7700",
+     "status.metrics: 'localhost:7700' is invalid; allowed: a port no endpoint binds on the "
+     "same address (transport.endpoints[0] 'tcp://127.0.0.1:7700' binds port 7700 on "
+     "127.0.0.1, this one on 127.0.0.1 too)"),
+])
+def test_two_spellings_of_one_port_are_refused_naming_both_keys(endpoints, metrics, message):
+    # They passed the check (the strings differ), then the second bind failed "Address
+    # already in use": a shard restarted for ever by the supervisor, or the metrics.
+    metrics = "false" if metrics is False else f'"{metrics}"'
+    config_error(BASE + f"[transport]\nendpoints = {json.dumps(endpoints)}\n"
+                 f"[status]\nmetrics = {metrics}\n", f"test.toml: {message}")
+
+
+def test_one_port_on_two_addresses_is_accepted():
+    eps = ["tcp://127.0.0.1:7700", "tcp://127.0.0.2:7700", "tcp://no-such-host.invalid:7700"]
+    cfg = parse(BASE + f"[transport]\nendpoints = {json.dumps(eps)}\n"
+                f'[status]\nmetrics = "127.0.0.3:7700"\n')
+    assert cfg.transport.endpoints == tuple(eps)
 
 
 def test_endpoints_a_shard_may_bind_are_accepted():
