@@ -17,6 +17,7 @@ from engine._engine import Engine
 from engine._errors import LeaseholdError, SpecError
 from engine._model import ActionSpec, PodGroup, ReusePolicy
 from engine._sim import POLICIES, prepare, simulate
+from engine._state import check_fits_memory
 from engine._trace import SwfMapping, load_trace
 from engine._units import _ALIASES as _RESOURCE_ALIASES
 from engine._units import _kind_of as resource_kind
@@ -31,6 +32,7 @@ SIMULATE_CONFIG = Path(__file__).parent / "examples" / "simulate.toml"
 
 def _check_config(args):
     cfg = load_config(args.config)
+    check_fits_memory(cfg)      # as a shard's start refuses it (config check does too)
     res = cfg.resources
     print(f"{cfg.source}: ok")
     print(f"  resources: {', '.join(res.names)}")

@@ -108,8 +108,10 @@ def config_check(args):
     """Validate a config file and print its effective configuration (every key)."""
     from engine._config import load_config
     from engine._config_view import effective_config, render_toml
+    from engine._state import check_fits_memory
 
     cfg = load_config(args.file)
+    check_fits_memory(cfg)      # as a shard's start refuses it (on this machine's memory)
     if args.json:
         print(json.dumps({"source": cfg.source, "ok": True,
                           "config": effective_config(cfg)}, indent=2))

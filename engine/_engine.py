@@ -11,7 +11,6 @@ import time
 
 import msgpack
 import numpy as np
-import psutil
 
 from cext import RecordCodec, TickKernel
 from cext._bulk import decided_rows
@@ -41,7 +40,7 @@ from engine._rows import (
     ST_DONE,
     ST_FREE,
 )
-from engine._state import NEVER, State, start_bytes
+from engine._state import NEVER, State, check_fits_memory
 from engine._timers import TimersMixin
 from storage import (
     CorruptRecord,
@@ -64,21 +63,6 @@ def kernel_pass(kernel, now):
     return kernel.run(now)
 
 
-def _check_fits_memory(config):
-    """Refuse a config whose tables cannot be made on this machine (``engine.initial_capacity``,
-    ``dispatch_capacity``, ``max_node_pods``): a clear error instead of a process that grows
-    until the system kills it."""
-    need = start_bytes(config)
-    have = psutil.virtual_memory().total
-    if need > have:
-        raise ConfigError(
-            f"{config.source}: engine.initial_capacity {config.engine.initial_capacity} / "
-            f"dispatch_capacity {config.engine.dispatch_capacity}: the shard's tables would "
-            f"take {need / 2**30:.1f} GiB when made, more than this machine's "
-            f"memory ({have / 2**30:.1f} GiB); start smaller (the tables grow by "
-            f"doubling as work arrives)")
-
-
 class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixin,
              JournalMixin, ExplainMixin, ProjectionMixin, RetentionMixin):
     """One shard's scheduling engine.
@@ -98,7 +82,7 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
     def __init__(self, config, *, clock=None, secret=None, store=None, wall_clock=None):
         if not isinstance(config, Config):
             config = load_config(config)
-        _check_fits_memory(config)
+        check_fits_memory(config)
         self.config = config
         self.clock = clock or SystemClock()
         # Wall time for the partition claims, which other processes judge (``time_ns()``).

@@ -6,10 +6,12 @@ edge, in Python. Queue and cluster tables are sized by the config.
 """
 
 import numpy as np
+import psutil
 
+from engine._errors import ConfigError
 from engine._units import UNLIMITED
 
-__all__ = ["State", "grown"]
+__all__ = ["State", "grown", "start_bytes", "check_fits_memory"]
 
 I64, I32, U8, U64 = np.int64, np.int32, np.uint8, np.uint64
 # Expiry of a lease that is not live: the expiry sweep is then one compare per row.
@@ -346,6 +348,21 @@ def start_bytes(config):
             total += rows * int(np.prod(_shape(suffix, n_res, pods))) * np.dtype(dtype).itemsize
     slot = sum(np.dtype(dtype).itemsize for dtype, _fill, _suffix in DISPATCH_FIELDS.values())
     return total + config.engine.dispatch_capacity * slot
+
+
+def check_fits_memory(config):
+    """Refuse a config whose tables cannot be made on this machine (``engine.initial_capacity``,
+    ``dispatch_capacity``, ``max_node_pods``): a clear error instead of a process that grows
+    until the system kills it. A shard's start checks it, and ``leasehold config check``."""
+    need = start_bytes(config)
+    have = psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(
+            f"{config.source}: engine.initial_capacity {config.engine.initial_capacity} / "
+            f"dispatch_capacity {config.engine.dispatch_capacity}: the shard's tables would "
+            f"take {need / 2**30:.1f} GiB when made, more than this machine's "
+            f"memory ({have / 2**30:.1f} GiB); start smaller (the tables grow by "
+            f"doubling as work arrives)")
 
 
 def _filled(shape, fill, dtype):

@@ -26,6 +26,32 @@ def test_check_config_names_file_key_and_value_of_a_bad_config(tmp_path, capsys)
     assert "cannot read the config file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["config", "check"], ["config", "check", "--json"],
+                                     ["check-config"]], ids=" ".join)
+def test_config_check_refuses_tables_larger_than_this_machines_memory(tmp_path, capsys,
+                                                                     command):
+    # A shard's start refused it (the tables would not fit), but the check said "ok".
+    import psutil
+
+    from engine import load_config
+    from engine._state import start_bytes
+
+    cfg = tmp_path / "big.toml"
+    cfg.write_text('resources = ["cpu", "memory"]\n[clusters.east]\n'
+                   "[engine]\ninitial_capacity = 2147483647\n")
+    need = start_bytes(load_config(cfg))
+    if need <= psutil.virtual_memory().total:
+        pytest.skip(f"this machine has more than {need} bytes of memory")
+    assert main([*command, str(cfg)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"leasehold: INVALID_CONFIG: {cfg}: engine.initial_capacity "
+                          f"2147483647 / dispatch_capacity 65536: the shard's tables would "
+                          f"take {need / 2**30:.1f} GiB when made, more than this machine's "
+                          f"memory ("), err
+    assert err.count("\n") == 1
+
+
 def test_demo_runs_the_real_tick_and_explains_the_waits(capsys):
     assert main(["demo", "--ticks", "1"]) == 0
     out = capsys.readouterr().out
