@@ -15,6 +15,7 @@ import argparse
 import gc
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -124,41 +125,33 @@ def config_check(args):
 
 # ------------------------------------------------------------------------------ arguments
 
-def _seconds(text):
+def _number_of_seconds(text, positive, bounded):
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+        value = math.nan
+    if not ((value > 0 if positive else value >= 0) and value < math.inf
+            and (not bounded or value <= MAX_SECONDS)):
+        bound = f" and at most {MAX_SECONDS} (10 years)" if bounded else ""
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds {'>' if positive else '>='} 0{bound}")
     return value
+
+
+def _seconds(text):
+    # An action's durations: its spec's own checks bound them.
+    return _number_of_seconds(text, positive=False, bounded=False)
 
 
 def wait_seconds(text):
     """An argparse type: seconds >= 0 (0: do not wait), at most 10 years."""
-    # The config's rule for every duration: a longer wait is a typo, and 1e300 or inf
-    # waited for ever.
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0 and at "
-                                         f"most {MAX_SECONDS} (10 years)")
-    return value
+    # The config's rule for every duration: a longer wait is a typo (1e300 waited for ever).
+    return _number_of_seconds(text, positive=False, bounded=True)
 
 
 def positive_seconds(text):
     """An argparse type: seconds > 0, at most 10 years."""
-    # At most 10 years, as every duration of the config (a longer wait is a typo).
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 and at "
-                                         f"most {MAX_SECONDS} (10 years)")
-    return value
+    return _number_of_seconds(text, positive=True, bounded=True)
 
 
 def _count(text):
