@@ -164,7 +164,8 @@ cdef class EtaProjector:
         classes, the same answers, slower); an action of a demand met after K others is
         searched from scratch. Sizes are checked here (the caller sizes the arrays from the
         engine's tables): the timeline holds ``C + 2 x rows`` segments, the outputs one
-        entry per action row. Nothing here is O(queued) or O(rows)."""
+        entry per action row. Nothing here is O(queued) or O(rows): the walk, and the
+        timeline seeded from the live leases."""
         cdef Py_ssize_t n_rows = k.a_state.shape[0]
         cdef Py_ssize_t n_lanes = k.ln_head.shape[0]
         cdef Py_ssize_t n_cls, h

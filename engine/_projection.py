@@ -69,14 +69,14 @@ class ProjectionMixin:
         equal-length lists (for simulations and benches; ``explain`` gives one). Those it
         did not reach are not listed: past ``engine.eta_horizon``, or behind a STRICT_FIFO
         action with no ETA (``explain`` says which)."""
-        eta, _why, order, _ = self._project()
+        eta, order, _ = self._project()
         rows = order.tolist()
         e = np.where(eta[order] == NEVER, -1, eta[order]).tolist()
         qs = self._state.a_queue[order].tolist()
         return ([str(self._aid(r)) for r in rows], e, [self._queue_names[q] for q in qs])
 
     def _projected_row(self, row):
-        eta, _why, _order, _ = self._project()
+        eta, _order, _ = self._project()
         t = int(eta[row])
         return Projected(None if t == NEVER else t,
                          ETA_WHY[self._eta_projector.why_of(self._kernel, row)])
@@ -86,7 +86,7 @@ class ProjectionMixin:
         (ns) at the 50th and 90th percentiles of the queue's order and of its last action
         (None when that action has none): when the queue's backlog is predicted to have
         started."""
-        eta, _why, order, qcol = self._project()
+        eta, order, qcol = self._project()
         # The queue's actions the walk reached, in its order; those it did not (past the
         # horizon, or behind an action with no ETA) come after them and have no ETA.
         t = eta[order[qcol == q]]
@@ -101,7 +101,7 @@ class ProjectionMixin:
         return out
 
     def _project(self):
-        """``(eta, why, order, queue of each ordered row)`` from the projector, re-run only
+        """``(eta, order, queue of each ordered row)`` from the projector, re-run only
         when what it reads may have changed (the tick, the clock, queue depths, releases,
         workers and their reports, pauses)."""
         st, k = self._state, self._kernel
@@ -115,7 +115,7 @@ class ProjectionMixin:
             return cached[1]
         p = self._run_projector(now)
         order = np.array(p.order[:p.n_order], dtype=np.int32)
-        got = (np.asarray(p.eta), np.asarray(p.why), order, st.a_queue[order])
+        got = (np.asarray(p.eta), order, st.a_queue[order])
         self._eta_cache = (key, got)
         return got
 
