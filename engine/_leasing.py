@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from cext._bulk import drain_dispatch, push_finalize_many, release_many
+from cext._bulk import drain_dispatch, held_rows, move_holder, push_finalize_many, release_many
 from cext._lease import validate
 from engine._codes import (
     PHASE_CODE,
@@ -131,7 +131,7 @@ class LeasingMixin:
         self._adoptable.discard(old)
         n, nf = self._next_row, self._n_finalize
         held = int(st.w_adm[old] - st.w_rel[old])
-        st.a_worker[:n][st.a_worker[:n] == old] = row
+        move_holder(self._kernel, n, old, row)
         st.fz_worker[:nf][st.fz_worker[:nf] == old] = row
         st.fz_pref[:nf][st.fz_pref[:nf] == old] = row
         st.w_adm[row] += held
@@ -142,8 +142,8 @@ class LeasingMixin:
         # still presents are refused on heartbeat and report alike) and are reassigned.
         st = self._state
         n, nf = self._next_row, self._n_finalize
-        for r in np.flatnonzero((st.a_worker[:n] == old) & (st.a_expiry[:n] != NEVER)):
-            self._expire_lease((LeaseKind.RUN, int(r), int(st.a_gen[r]), old))
+        for r in held_rows(self._kernel, n, old, expiring=True).tolist():
+            self._expire_lease((LeaseKind.RUN, r, int(st.a_gen[r]), old))
         for f in np.flatnonzero((st.fz_worker[:nf] == old) & (st.fz_expiry[:nf] != NEVER)):
             self._expire_lease((LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), old))
 
@@ -153,9 +153,7 @@ class LeasingMixin:
         row = self._worker_row(worker_id)
         st = self._state
         st.w_connected[row] = 0
-        n = self._next_row
-        held = np.nonzero((st.a_worker[:n] == row) & np.isin(st.a_state[:n], LIVE_STATES))[0]
-        return [self._aid(int(a)) for a in held]
+        return [self._aid(a) for a in held_rows(self._kernel, self._next_row, row).tolist()]
 
     def drain_worker(self, worker_id):
         """Place nothing new on a worker, keeping its session: its heartbeats and reports
