@@ -25,6 +25,7 @@ from storage import (
     StoreError,
     StoreFailed,
     StoreFull,
+    StoreLost,
 )
 
 __all__ = ["JournalMixin", "HISTORY_FLUSH_NS"]
@@ -315,6 +316,11 @@ class JournalMixin:
             raise exc
         if isinstance(exc, OwnershipError):
             self._stopped = f"ownership lost: {exc}"
+            raise exc
+        if isinstance(exc, StoreLost):
+            # Written into a data file no longer at its path: nothing a restart reads, and
+            # every later write refused. Not acknowledged; this engine serves no more.
+            self._stopped = f"store lost: {exc}"
             raise exc
         if isinstance(exc, StoreFailed):
             # Unknown outcome: reopen (finishes or discards the group) and reload.

@@ -391,6 +391,7 @@ class LmdbStore(Store):
         self._readers = 0
         self._failed: StoreFailed | None = None
         self._lost: OwnershipError | None = None
+        self._gone: StoreLost | None = None    # a data file opened is no longer at its path
         self._fail_next: BaseException | None = None
         #: partitions whose data passed their map size when the store grew the map for one
         #: write of its own (_restore_map); they take no new group until resize grows them
@@ -490,18 +491,21 @@ class LmdbStore(Store):
             self._envs, self._dbh = [], []
             raise
 
-    def _check_same_files(self) -> None:
-        """``StoreLost`` when a data file opened is no longer the one at its path (checked at
-        each renewal: what was written since it went is lost)."""
-        for p, opened in enumerate(self._files):
-            f = data_file(self.path, p)
+    def _check_same_files(self, partitions=None) -> None:
+        """``StoreLost`` when a data file opened (of ``partitions``, default all) is no longer
+        the one at its path. Checked after each commit, for the partitions it wrote (so the
+        group that found its file gone is not acknowledged), and at each renewal; the store
+        refuses every later write."""
+        for p in range(len(self._files)) if partitions is None else partitions:
+            f = self._paths[p]
             now = _file_id(f)
-            if now != opened:
+            if now != self._files[p]:
                 what = "is gone" if now is None else "was replaced by another file"
-                raise StoreLost(f"store {self.path}: {f} {what} since this shard opened it: "
-                                f"its writes since then are in a file no restart reads; "
-                                f"stopped (restore the file from a backup, or restart on "
-                                f"what is there)")
+                self._gone = StoreLost(
+                    f"store {self.path}: {f} {what} since this shard opened it: its writes "
+                    f"since then are in a file no restart reads; stopped (restore the file "
+                    f"from a backup, or restart on what is there)")
+                raise self._gone
 
     def _check_files(self) -> None:
         """Before anything is opened (LMDB would create a missing file, and map a short one
@@ -600,7 +604,9 @@ class LmdbStore(Store):
             except lmdb.Error as e:
                 raise StoreError(f"store {self.path}: LMDB error while opening: {e}") from None
         self._envs = envs
-        self._files = [_file_id(data_file(self.path, p)) for p in range(P)]
+        # Each data file's path and (device, inode) as opened (_check_same_files).
+        self._paths = [data_file(self.path, p) for p in range(P)]
+        self._files = [_file_id(f) for f in self._paths]
         self._over = over
         # LMDB keeps the larger of the configured and the used size
         self._map_size = max(self._map_size, *(env.info()["map_size"] for env in envs))
@@ -609,7 +615,7 @@ class LmdbStore(Store):
         self._next_gid = last + 1
         self._carried_bytes = 0
         self._carriers = set()
-        self._failed = self._lost = None
+        self._failed = self._lost = self._gone = None
 
     def _open_attempt(self, envs, shard: str, now_ns: int):
         """One attempt of :meth:`_open_locked`: ``(claim, last group number)``;
@@ -731,6 +737,8 @@ class LmdbStore(Store):
                               self._failed.partition, self._failed.outcome)
         if self._lost is not None:
             raise self._lost
+        if self._gone is not None:
+            raise self._gone
 
     def _apply(self, p: int, txn, ops) -> None:
         """Apply ``ops`` to partition ``p`` inside its write transaction ``txn`` (a full map
@@ -913,6 +921,9 @@ class LmdbStore(Store):
                     p, "durable" if durable else "unknown")
                 raise self._failed from e
         self._next_gid = gid + 1
+        # Written (and synced) into the files this store has open: still the ones a
+        # restart reads? A stat each (~1 us): the group is refused rather than acknowledged.
+        self._check_same_files([p for p, _ops in parts])
 
     def _write_phase(self, parts, carrier: int | None, gkey: bytes):
         """Begin a write transaction per partition of ``parts``, check the claims, apply the

@@ -236,7 +236,9 @@ class CorruptRecord(StoreError):
 class StoreLost(StoreError):
     """A data file this process opened is no longer at its path (deleted, or replaced by
     another file) while the store is open: what it writes goes to a file no restart will
-    read. Raised by ``renew``; the process must stop at once (as for ``OwnershipError``)."""
+    read. Raised by ``renew``, and by a ``commit`` that wrote to such a file (written, but
+    into that file: not to be acknowledged); the store refuses every later write, and the
+    process must stop at once (as for ``OwnershipError``)."""
 
 
 class StoreFailed(StoreError):

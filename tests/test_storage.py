@@ -1446,6 +1446,31 @@ def test_a_damaged_page_met_by_the_reload_scan_names_the_file(tmp_path):
         scan_parallel(str(tmp_path / "s"), "actions", record_size=240, processes=1)
 
 
+def test_a_commit_into_a_deleted_data_file_is_refused_not_acknowledged(tmp_path):
+    # The commit wrote into the unlinked file: found by that commit (a stat of each file it
+    # wrote), not ~10 s later at the renewal, so the enqueue is refused, never acknowledged.
+    from engine import Engine, ManualClock, parse_config
+
+    cfg = parse_config({"resources": ["cpu"], "clusters": {"east": {}},
+                        "queues": {"q": {}}, "engine": {"default_queue": "q"},
+                        "storage": {"path": str(tmp_path / "s"), "partitions": 2}})
+    store = LmdbStore(str(tmp_path / "s"), partitions=2)
+    eng = Engine(cfg, clock=ManualClock(0.0), store=store)
+    try:
+        eng.enqueue({"id": "acme/p/d/r/a", "task": "t", "resources": {"cpu": 1}})
+        p = partition_of("acme", 2)
+        (tmp_path / "s" / f"p{p:02d}" / "data.mdb").unlink()
+        with pytest.raises(StoreLost, match=rf"p{p:02d}/data.mdb is gone since this shard "
+                                            r"opened it"):
+            eng.enqueue({"id": "acme/p/d/r/b", "task": "t", "resources": {"cpu": 1}})
+        assert eng.stopped.startswith("store lost: ")
+        # The store refuses every later write, the other partition's too.
+        with pytest.raises(StoreLost):
+            store.commit({1 - p: [("meta", b"k", b"v")]})
+    finally:
+        eng.close()
+
+
 def test_a_data_file_deleted_under_an_open_store_stops_it_at_the_next_renewal(tmp_path):
     # It wrote on into the unlinked file, acknowledging work no restart would read.
     from engine import Engine, ManualClock, parse_config
