@@ -307,17 +307,22 @@ class LeasingMixin:
             out[i] = str(self._aid(int(rows[i])))
         return out
 
-    def expired_leases(self, now=None):
-        """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``.
-        Apply each with :meth:`expire`, which refuses a lease that moved on since."""
+    def expired_leases(self, now=None, limit=None):
+        """Snapshot of leases past their expiry: ``(kind, row, generation, worker row)``, run
+        leases first, each kind by row; at most ``limit`` of them (None: all). Apply each
+        with :meth:`expire`, which refuses a lease that moved on since."""
         now = self.clock.now_ns() if now is None else now
         st = self._state
         # Rows that are not live carry expiry NEVER, so this is one compare per row.
         rows = np.flatnonzero(st.a_expiry[:self._next_row] < now)
         rows = rows[np.isin(st.a_state[rows], LIVE_STATES) & (st.a_end[rows] == END_LIVE)]
+        rows = rows[:limit]
         out = [(LeaseKind.RUN, int(r), int(st.a_gen[r]), int(st.a_worker[r])) for r in rows]
+        if limit is not None and len(out) >= limit:
+            return out
         frows = np.flatnonzero(st.fz_expiry[:self._n_finalize] < now)
         frows = frows[(st.fz_state[frows] == ST_SENT) & (st.fz_end[frows] == END_LIVE)]
+        frows = frows[:None if limit is None else limit - len(out)]
         out += [(LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), int(st.fz_worker[f]))
                 for f in frows]
         return out

@@ -188,6 +188,39 @@ def test_expiry_is_a_system_error_retried_under_the_system_budget_then_failed():
     assert eng.queue_metrics("q")["actions_in_flight"] == 0
 
 
+def test_a_mass_expiry_is_spread_over_bounded_ticks_in_lease_order():
+    # A worker dying with thousands of leases: one tick expired them all (~30 ms a 1,000
+    # here), holding the loop while every other worker's heartbeats went unread. Now each
+    # tick expires a bounded batch and says more wait, until none does.
+    n = 3000
+    eng, clock = make_engine({"resources": ["cpu"], "clusters": {"east": {}},
+                              "queues": {"q": {"scheduling": "GREEDY_CAPACITY",
+                                               "depth": n}},
+                              "engine": {"default_queue": "q", "heartbeat_interval": 10,
+                                         "max_candidates": n, "initial_capacity": 4096}},
+                             {"A": ("east", n)})
+    eng.enqueue_fanout(spec(name="map"), [f"a{i}" for i in range(n)])
+    placed = []
+    while len(placed) < n:
+        placed += eng.tick()
+    assert not eng.expiries_waiting
+    clock.advance(3600)                             # A stopped heartbeating long ago
+    batches, seen = [], []
+    while True:
+        eng.schedule()
+        ids = eng.decided_changes()[0]
+        batches.append(len(ids))
+        seen += ids
+        if not eng.expiries_waiting:
+            break
+        assert len(batches) < n, "the sweep never finished"
+    assert len(batches) > 1 and max(batches) < n, batches      # bounded, not all at once
+    assert all(b == batches[0] for b in batches[:-1]) and 0 < batches[-1] <= batches[0]
+    assert sorted(seen) == sorted(str(a.action) for a in placed)   # each expired once
+    assert eng.expired_leases() == []
+    assert {e.cause for a in placed for e in eng.attempts(a.action)[:1]} == {"EXPIRED"}
+
+
 def test_a_worker_that_let_a_lease_expire_gets_nothing_until_it_heartbeats():
     eng, clock = engine({"A": ("east", 10)})
     eng.enqueue(spec(retries=RetryPolicy(count=5)))

@@ -625,7 +625,8 @@ class _Loop(ClientsMixin, WorkersMixin, WatchesMixin):
         self.inflight.append(self.committer.submit(group, box))
 
     def plan_retick(self, placed):
-        """After a tick: tick again at once when it stopped a queue short of its work
+        """After a tick: tick again at once when its lease-expiry sweep left expired leases
+        to the next one (``Engine.expiries_waiting``), when it stopped a queue short of its work
         (``Engine.cut_short``), while ticks place something, and after one that placed
         nothing until the deepest such queue has been examined all the way round (its
         depth / (``max_candidates`` - 1) ticks). Unlike the simulator, a message does not
@@ -633,6 +634,11 @@ class _Loop(ClientsMixin, WorkersMixin, WatchesMixin):
         ``max_candidates``, a rotation a heartbeat kept the loop ticking thousands of times
         a second. Only a tick that places something, or one that cuts nothing short, ends
         the count; later ticks each examine the next ``max_candidates`` of the queue."""
+        if self.eng.expiries_waiting:
+            # The sweep left expired leases to the next tick (a bounded turn each).
+            self.idle_reticks = 0
+            self.retick = True
+            return
         depth = self.eng.cut_short()
         if not depth:
             self.idle_reticks = 0
