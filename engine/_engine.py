@@ -27,7 +27,7 @@ from engine._index import IndexMixin
 from engine._inspect import Inspection
 from engine._journal import Group, JournalMixin, _DeferredTurn
 from engine._leases import TokenCodec
-from engine._leasing import LeasingMixin, Refusal
+from engine._leasing import EXPIRY_BATCH, LeasingMixin, Refusal
 from engine._model import compile_spec
 from engine._projection import ProjectionMixin
 from engine._reclaimed import ReclaimedNames
@@ -52,12 +52,6 @@ from storage import (
 
 # decided_changes() when the last decide changed nothing on its own.
 _NO_CHANGES = ((), (), (), ())
-
-# Leases a tick's sweep expires at most (~30 ms of the loop here); the rest wait for the next
-# tick, which a caller that ticks on events runs at once (Engine.expiries_waiting). All at
-# once, a worker dying with 100,000 leases held the shard's loop ~3 s, in which every other
-# worker's heartbeats went unread.
-EXPIRY_BATCH = 1024
 
 __all__ = ["Engine", "Assignment", "DispatchBatch", "Explanation", "AlreadyExists", "Refusal",
            "Group", "kernel_pass"]

@@ -51,6 +51,12 @@ from engine._state import NEVER, W_DRAINING, W_SUSPECT
 __all__ = ["LeasingMixin"]
 
 _OK = int(Verdict.OK)   # (compared with a uint8 column: an int, not the enum)
+
+# Leases a tick's sweep expires at most (~30 ms of the loop here), and a new session of a
+# worker ends at once; the rest wait for the next tick, which a caller that ticks on events
+# runs at once (Engine.expiries_waiting). All at once, a worker dying with 100,000 leases
+# held the shard's loop ~3 s, in which every other worker's heartbeats went unread.
+EXPIRY_BATCH = 1024
 # The phases a lean row's report may apply in columns (report_many's fast path).
 _LEAN_CODES = frozenset((PH_INIT, PH_RUNNING, PH_SUCCEEDED))
 
@@ -140,10 +146,15 @@ class LeasingMixin:
     def _end_session(self, old):
         # A new session proves the old one is gone: its leases expire now (the tokens it
         # still presents are refused on heartbeat and report alike) and are reassigned.
+        # Past EXPIRY_BATCH, the rest are made due at once for the next ticks' sweeps.
         st = self._state
         n, nf = self._next_row, self._n_finalize
-        for r in held_rows(self._kernel, n, old, expiring=True).tolist():
+        rows = held_rows(self._kernel, n, old, expiring=True)
+        for r in rows[:EXPIRY_BATCH].tolist():
             self._expire_lease((LeaseKind.RUN, r, int(st.a_gen[r]), old))
+        if rows.size > EXPIRY_BATCH:
+            st.a_expiry[rows[EXPIRY_BATCH:]] = self.clock.now_ns() - 1
+            self._next_sweep_ns = 0
         for f in np.flatnonzero((st.fz_worker[:nf] == old) & (st.fz_expiry[:nf] != NEVER)):
             self._expire_lease((LeaseKind.FINALIZE, int(f), int(st.fz_gen[f]), old))
 

@@ -221,6 +221,34 @@ def test_a_mass_expiry_is_spread_over_bounded_ticks_in_lease_order():
     assert {e.cause for a in placed for e in eng.attempts(a.action)[:1]} == {"EXPIRED"}
 
 
+def test_a_new_session_of_a_worker_holding_many_leases_ends_them_over_bounded_ticks():
+    # Its leases expire at once when it registers again; past a batch, the rest are due at
+    # once for the next ticks' sweeps (one turn ending them all held the loop for seconds).
+    n = 3000
+    eng, clock = make_engine({"resources": ["cpu"], "clusters": {"east": {}},
+                              "queues": {"q": {"scheduling": "GREEDY_CAPACITY",
+                                               "depth": n}},
+                              "engine": {"default_queue": "q", "heartbeat_interval": 10,
+                                         "max_candidates": n, "initial_capacity": 4096}},
+                             {"A": ("east", n)})
+    eng.enqueue_fanout(spec(name="map"), [f"a{i}" for i in range(n)])
+    placed = []
+    while len(placed) < n:
+        placed += eng.tick()
+    eng.register_worker("A", "east", n)             # crashed and came back: a new session
+    ended = sum(eng.phase(a.action) == Phase.QUEUED for a in placed)
+    assert 0 < ended < n                            # a bounded batch at once
+    ticks = 0
+    while True:
+        eng.schedule()
+        ticks += 1
+        if not eng.expiries_waiting:
+            break
+        assert ticks < n, "the sweep never finished"
+    assert all(eng.attempts(a.action)[0].cause == "EXPIRED" for a in placed)
+    assert all(eng.phase(a.action) == Phase.QUEUED for a in placed)   # retries, backing off
+
+
 def test_a_worker_that_let_a_lease_expire_gets_nothing_until_it_heartbeats():
     eng, clock = engine({"A": ("east", 10)})
     eng.enqueue(spec(retries=RetryPolicy(count=5)))
