@@ -188,11 +188,8 @@ def test_expiry_is_a_system_error_retried_under_the_system_budget_then_failed():
     assert eng.queue_metrics("q")["actions_in_flight"] == 0
 
 
-def test_a_mass_expiry_is_spread_over_bounded_ticks_in_lease_order():
-    # A worker dying with thousands of leases: one tick expired them all (~30 ms a 1,000
-    # here), holding the loop while every other worker's heartbeats went unread. Now each
-    # tick expires a bounded batch and says more wait, until none does.
-    n = 3000
+def _holding(n):
+    """An engine whose worker A holds the leases of ``n`` actions: (engine, clock, leases)."""
     eng, clock = make_engine({"resources": ["cpu"], "clusters": {"east": {}},
                               "queues": {"q": {"scheduling": "GREEDY_CAPACITY",
                                                "depth": n}},
@@ -203,6 +200,15 @@ def test_a_mass_expiry_is_spread_over_bounded_ticks_in_lease_order():
     placed = []
     while len(placed) < n:
         placed += eng.tick()
+    return eng, clock, placed
+
+
+def test_a_mass_expiry_is_spread_over_bounded_ticks_in_lease_order():
+    # A worker dying with thousands of leases: one tick expired them all (~30 ms a 1,000
+    # here), holding the loop while every other worker's heartbeats went unread. Now each
+    # tick expires a bounded batch and says more wait, until none does.
+    n = 3000
+    eng, clock, placed = _holding(n)
     assert not eng.expiries_waiting
     clock.advance(3600)                             # A stopped heartbeating long ago
     batches, seen = [], []
@@ -225,16 +231,7 @@ def test_a_new_session_of_a_worker_holding_many_leases_ends_them_over_bounded_ti
     # Its leases expire at once when it registers again; past a batch, the rest are due at
     # once for the next ticks' sweeps (one turn ending them all held the loop for seconds).
     n = 3000
-    eng, clock = make_engine({"resources": ["cpu"], "clusters": {"east": {}},
-                              "queues": {"q": {"scheduling": "GREEDY_CAPACITY",
-                                               "depth": n}},
-                              "engine": {"default_queue": "q", "heartbeat_interval": 10,
-                                         "max_candidates": n, "initial_capacity": 4096}},
-                             {"A": ("east", n)})
-    eng.enqueue_fanout(spec(name="map"), [f"a{i}" for i in range(n)])
-    placed = []
-    while len(placed) < n:
-        placed += eng.tick()
+    eng, _clock, placed = _holding(n)
     eng.register_worker("A", "east", n)             # crashed and came back: a new session
     ended = sum(eng.phase(a.action) == Phase.QUEUED for a in placed)
     assert 0 < ended < n                            # a bounded batch at once
