@@ -19,6 +19,7 @@ import math
 import os
 import sys
 
+from engine import _sigint
 from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
@@ -88,6 +89,9 @@ def guard(fn):
             print(f"leasehold: UNAVAILABLE: {exc}", file=sys.stderr)
             return ERROR
         except Exception as exc:
+            if _sigint.is_interrupt(exc):      # a Ctrl-C Python 3.11 wrapped (RuntimeError)
+                print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
+                return INTERRUPTED
             if os.environ.get("LEASEHOLD_TRACEBACK"):
                 raise
             print(f"leasehold: INTERNAL: {type(exc).__name__}: {exc} (a bug: "

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-__all__ = ["install"]
+__all__ = ["install", "is_interrupt"]
 
 #: How long after a dropped ``KeyboardInterrupt`` the main thread is interrupted again (out
 #: of the callback that dropped it by then).
@@ -50,3 +50,17 @@ def _again():
         _dropped.clear()
         time.sleep(AGAIN_S)
         _thread.interrupt_main()    # SIGINT's handler, in the main thread
+
+
+def is_interrupt(exc):
+    """Whether ``exc`` is a Ctrl-C: a ``KeyboardInterrupt``, or an error Python made of one
+    (3.11 wraps an exception raised in ``__set_name__`` while a class is created, e.g.
+    ``functools.cached_property`` in numpy's ``finfo`` at import, in ``RuntimeError``
+    "Error calling __set_name__ ...", the KeyboardInterrupt its ``__cause__``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return False

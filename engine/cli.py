@@ -10,6 +10,8 @@ same reason: the package is imported before this module.)
 
 import sys
 
+from engine import _sigint  # (the standard library only, as this module)
+
 __all__ = ["main"]
 
 INTERRUPTED = 130   # engine._commands.INTERRUPTED, which cannot be imported yet
@@ -18,13 +20,14 @@ INTERRUPTED = 130   # engine._commands.INTERRUPTED, which cannot be imported yet
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     try:
-        from engine import _sigint  # (the standard library only)
-
         _sigint.install()
         from engine._cli import main as run
         return run(argv)
-    except KeyboardInterrupt:
-        # Raised while the commands were still importing, or before their guard ran.
+    except BaseException as exc:
+        # Raised while the commands were still importing, or before their guard ran; also
+        # a Ctrl-C Python 3.11 turned into RuntimeError (a class being made at import).
+        if not _sigint.is_interrupt(exc):
+            raise
         print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
 
