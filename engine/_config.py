@@ -23,6 +23,7 @@ from engine._execution import PLUGINS
 from engine._units import BYTES, DEVICE, MAX_SECONDS, UNLIMITED, ResourceSet, parse_quantity
 
 __all__ = [
+    "tcp_host_port",
     "Config",
     "ClusterConfig",
     "NodeShape",
@@ -673,6 +674,19 @@ _ENDPOINT = re.compile(r"^(tcp://([A-Za-z0-9_.*-]+|\[[0-9A-Za-z:.%_-]+\]):[0-9]+
                        r"|ipc://[^\s\0]+)$")
 
 
+def tcp_host_port(endpoint):
+    """``(host, port)`` of a ``tcp://[SOURCE;]HOST:PORT`` endpoint: the host dialled or bound
+    (an IPv6 address without its brackets, a connect's source address dropped) and the port
+    (int, None when it is not digits); None for another transport."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    host = host.rpartition(";")[2]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port) if port.isascii() and port.isdigit() else None
+
+
 def _parse_transport(source, table):
     minimums = {"max_frames": 2, "max_frame_bytes": 1024, "max_header_bytes": 1024,
                 "max_tokens": 1, "max_batch": 1, "max_fanout": 1, "max_name": 64,
@@ -701,11 +715,11 @@ def _parse_transport(source, table):
                 raise _invalid(source, "transport.endpoints", e,
                                f"an ipc path of at most {MAX_IPC_PATH} bytes (the system's "
                                f"limit for a socket's path)")
-            port = e.rpartition(":")[2] if e.startswith("tcp://") else None
-            if port is not None and int(port) > 65535:
+            port = tcp_host_port(e)[1] if e.startswith("tcp://") else None
+            if port is not None and port > 65535:
                 raise _invalid(source, "transport.endpoints", e, "a tcp port 0..65535")
             # Port 0 binds an ephemeral port: each shard gets its own.
-            if eps.index(e) < i and port not in ("0",):
+            if eps.index(e) < i and port != 0:
                 raise _invalid(source, "transport.endpoints", e,
                                f"each endpoint once (shards {eps.index(e)} and {i} would bind "
                                f"the same one)")
@@ -726,11 +740,10 @@ def _check_ports(source, transport, status):
     binds = []          # (key, value, host, port)
     for i, e in enumerate(transport.endpoints):
         if e.startswith("tcp://"):
-            host, _, port = e[len("tcp://"):].rpartition(":")
-            binds.append((f"transport.endpoints[{i}]", e, host, int(port)))
+            binds.append((f"transport.endpoints[{i}]", e, *tcp_host_port(e)))
     if status.metrics is not None:
-        host, _, port = status.metrics.rpartition(":")
-        binds.append(("status.metrics", status.metrics, host, int(port)))
+        binds.append(("status.metrics", status.metrics,
+                      *tcp_host_port(f"tcp://{status.metrics}")))
     addresses = {}
     for j, (key, value, host, port) in enumerate(binds):
         for okey, ovalue, ohost, oport in binds[:j]:
@@ -756,7 +769,6 @@ def _bind_addresses(host):
     """The addresses a bind to ``host`` takes, as ZeroMQ resolves it (an interface's name,
     else the name's addresses, IPv4 when it has any): None for every address; the host
     itself when it does not resolve here."""
-    host = host[1:-1] if host.startswith("[") else host
     if host in _EVERY_ADDRESS:
         return None
     import psutil

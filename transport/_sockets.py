@@ -25,7 +25,7 @@ import weakref
 
 import zmq
 
-from engine._config import TransportSettings
+from engine._config import TransportSettings, tcp_host_port
 from engine._errors import LeaseholdError
 from transport._auth import ZAP_DOMAIN
 
@@ -193,7 +193,7 @@ def server_socket(context, endpoint, keyring=None, authenticator=None, settings=
         except zmq.ZMQError as exc:
             if exc.errno in (errno.ENODEV, errno.EADDRNOTAVAIL):
                 # ZeroMQ's words for a host that is no address or interface of this machine.
-                host = endpoint[len("tcp://"):].rpartition(":")[0]
+                host = tcp_host_port(endpoint)[0]
                 raise zmq.ZMQError(exc.errno, f"{endpoint}: {host!r} is not an address or "
                                               f"interface of this machine (or does not "
                                               f"resolve)") from None
@@ -226,10 +226,7 @@ def _check_resolves(endpoint):
     its requests time out ("not connected within ..."), as if the shard were down."""
     if not endpoint.startswith("tcp://"):
         return
-    host = endpoint[len("tcp://"):].rpartition(":")[0]
-    host = host.rpartition(";")[2]          # "SOURCE;HOST": the host dialled is the last
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    host = tcp_host_port(endpoint)[0]
     if not host or host == "*":
         return                              # ZeroMQ's connect refuses these itself
     try:
