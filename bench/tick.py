@@ -312,6 +312,20 @@ def measure_allocations(w, ticks):
 # ------------------------------------------------------------------------------------ main
 
 
+def huge_pages_kb():
+    """This process's anonymous memory in transparent huge pages (kB; None where the kernel
+    does not say): a table's columns share one buffer, which numpy asks to be backed by
+    huge pages (engine/_state.py, _arena); with THP off, every column read misses the TLB."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=SEED)
@@ -335,6 +349,7 @@ def main(argv=None):
     w, result = measure_tick(args.seed, args.warmup, args.ticks, args.admission,
                              args.plain_pools or None, args.clock == "cpu")
     result["clock"] = args.clock
+    result["anon_huge_pages_kb"] = huge_pages_kb()
     if args.tick_only:
         result["admission"] = args.admission
         result["plain_pools"] = w.plain_pools
