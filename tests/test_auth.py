@@ -553,6 +553,8 @@ def test_authorize_and_owns_without_sockets():
     assert Peer(role=ADMIN, name="o").owns("anyone/p/d/r")
     with pytest.raises(PermissionDenied):
         authorize(worker, Status(rid=1, actions=["acme/p/d/r/a"]))
+    with pytest.raises(PermissionDenied, match="key 'o' is an admin key; only worker keys"):
+        authorize(Peer(role=ADMIN, name="o"), Bye(rid=1))
     authorize(client, Status(rid=1, actions=["acme/p/d/r/a"]))
     for peer in (client, worker, Peer(role=ADMIN, name="o"), INSECURE_PEER):
         authorize(peer, Ping(rid=1))

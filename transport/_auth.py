@@ -90,6 +90,11 @@ class Peer:
 INSECURE_PEER = Peer(role=INSECURE, name="insecure")
 
 
+def _a(role):
+    # "an admin key", "a worker key"
+    return f"an {role}" if role[:1] in "aeiou" else f"a {role}"
+
+
 class _Zap(ThreadAuthenticator):
     """pyzmq's ZAP thread, naming each connection by its key's name (the User-Id)."""
 
@@ -271,18 +276,18 @@ def authorize(peer, msg):
         return
     if t in _CLIENT_TYPES:
         if role not in (CLIENT, ADMIN, INSECURE):
-            raise PermissionDenied(f"{t.name}: key {peer.name!r} is a {role} key; only "
+            raise PermissionDenied(f"{t.name}: key {peer.name!r} is {_a(role)} key; only "
                                    f"client and admin keys may send it")
         check_tenants(peer, t.name, message_keys(msg))
         return
     if t in _ADMIN_TYPES:
         if role not in (ADMIN, INSECURE):
-            raise PermissionDenied(f"{t.name}: key {peer.name!r} is a {role} key; queue "
+            raise PermissionDenied(f"{t.name}: key {peer.name!r} is {_a(role)} key; queue "
                                    f"changes need an admin key")
         return
     if t in _WORKER_TYPES:
         if role not in (WORKER, INSECURE):
-            raise PermissionDenied(f"{t.name}: key {peer.name!r} is a {role} key; only "
+            raise PermissionDenied(f"{t.name}: key {peer.name!r} is {_a(role)} key; only "
                                    f"worker keys may send it")
         if t == p.MsgType.REGISTER and role == WORKER:
             if msg.cluster != peer.cluster:
