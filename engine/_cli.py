@@ -14,7 +14,7 @@ from engine._config import _NAME as _CLUSTER_NAME
 from engine._config import _TENANT as _TENANT_PREFIX
 from engine._config import load_config
 from engine._engine import Engine
-from engine._errors import LeaseholdError, SpecError
+from engine._errors import LeaseholdError, SpecError, empty_file
 from engine._model import ActionSpec, PodGroup, ReusePolicy
 from engine._sim import POLICIES, prepare, simulate
 from engine._state import check_fits_memory
@@ -332,7 +332,7 @@ def _flyte_decode(args):
         return 2
     if not raw:
         # (An empty message decodes, to "the request carries no task action".)
-        print(f"leasehold: INVALID_ARGUMENT: {args.file} is empty: no actions", file=sys.stderr)
+        print(f"leasehold: INVALID_ARGUMENT: {empty_file(args.file)}", file=sys.stderr)
         return 2
     kinds = ("queue", "actions") if args.kind == "auto" else (args.kind,)
     first = None

@@ -6,6 +6,7 @@ __all__ = [
     "SpecError",
     "ResourceExhausted",
     "NotFound",
+    "empty_file",
 ]
 
 
@@ -37,3 +38,9 @@ class NotFound(LeaseholdError):
     """The named action, queue or worker does not exist."""
 
     code = "NOT_FOUND"
+
+
+def empty_file(path):
+    """What every command that reads a file of actions (specs, Flyte requests, a trace) says
+    of an empty one."""
+    return f"{path} is empty: no actions"

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine._errors import LeaseholdError
+from engine._errors import LeaseholdError, empty_file
 
 __all__ = ["Job", "Trace", "TraceError", "SwfMapping", "load_trace", "parse_jsonl", "parse_swf"]
 
@@ -113,8 +113,7 @@ def load_trace(path, fmt=None, swf=None):
             raise TraceError(f"{source}: holds no jobs to simulate: all {trace.skipped} SWF "
                              f"jobs were skipped ({why})")
         if not text.strip():
-            # Worded as every command that reads a file of actions says it.
-            raise TraceError(f"{source} is empty: no actions")
+            raise TraceError(empty_file(source))
         what = "only ; comments and blank lines" if fmt == "swf" else \
             "only # comments and blank lines"
         raise TraceError(f"{source}: holds no jobs ({what})")

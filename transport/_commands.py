@@ -29,7 +29,7 @@ from rich.table import Table
 from engine._codes import TERMINAL_PHASES, Phase, WaitCode
 from engine._commands import NO, OK, CommandError
 from engine._config import load_config
-from engine._errors import SpecError
+from engine._errors import SpecError, empty_file
 from engine._model import ActionId, ActionSpec
 from engine._units import UNLIMITED, format_quantity
 from transport._client import Client, CrossShardBatch, WatchLost
@@ -386,7 +386,7 @@ def _load_file(path):
         raise CommandError("INVALID_ARGUMENT", f"{path}: not UTF-8 text ({exc.reason} at "
                            f"byte {exc.start})") from None
     if not text.strip():
-        raise CommandError("INVALID_ARGUMENT", f"{path} is empty: no actions")
+        raise CommandError("INVALID_ARGUMENT", empty_file(path))
     try:
         if kind == ".toml":
             data = tomllib.loads(text)
@@ -451,7 +451,7 @@ def _read_bytes(path):
         raise CommandError("INVALID_ARGUMENT", f"--flyte {path}: cannot read it: "
                            f"{exc.strerror or exc}") from None
     if not raw:
-        raise CommandError("INVALID_ARGUMENT", f"{path} is empty: no actions")
+        raise CommandError("INVALID_ARGUMENT", empty_file(path))
     return raw
 
 
