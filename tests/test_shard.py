@@ -1177,6 +1177,56 @@ class SlowFlakyStore(MemoryStore):
         return super().commit(batch)
 
 
+def test_a_commit_that_fails_while_the_shard_stops_makes_the_stop_unclean(tmp_path):
+    """A turn still in commit when the stop comes is settled before the store closes; when
+    that commit fails, the stop says so (``stop_error``: ``leasehold shard`` then exits
+    UNAVAILABLE, not 0 as if everything decided had been written)."""
+    class Store(SlowFlakyStore):
+        entered = threading.Event()     # a failing commit started
+
+        def commit(self, batch):
+            if self.failing:
+                self.entered.set()
+            return super().commit(batch)
+
+    store = Store()
+    h = Harness(pipelined_config(tmp_path), store=store)
+    shard = h.start()
+    c = h.client()
+    c.timeout = 5.0
+    assert c.enqueue(spec("a")) == f"{RUN}/a"
+    store.delay, store.failing = 1.0, True
+    errors = []
+
+    def enqueue():
+        try:
+            c.enqueue(spec("b"))
+        except ShardError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=enqueue)
+    t.start()
+    try:
+        assert store.entered.wait(5)        # b's turn is in commit (for 1 s)
+        shard.stop()
+    finally:
+        t.join(10)
+        h.close()
+    assert not t.is_alive()
+    assert [e.code for e in errors] == ["UNAVAILABLE"]
+    assert shard.stop_error is not None and "a commit failed while stopping" in shard.stop_error
+
+
+def test_a_clean_stop_has_no_stop_error(tmp_path):
+    h = Harness(pipelined_config(tmp_path), store=SlowFlakyStore())
+    shard = h.start()
+    try:
+        assert h.client().enqueue(spec("a")) == f"{RUN}/a"
+    finally:
+        h.close()
+    assert shard.stop_error is None
+
+
 def test_a_watch_resume_answered_unavailable_keeps_the_watch_going(tmp_path):
     """The WATCH a watcher re-sends after silence lands in a turn behind a commit that
     fails: it is answered UNAVAILABLE (retry). That is no reason to end the watch (nor

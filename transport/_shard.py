@@ -160,6 +160,7 @@ shard`` runs it).
         # the GIL.
         self._status = None         # the shared-memory status (transport/_status.py)
         self._loop = None           # the decision thread's state while it serves
+        self._stop_error = None
 
     # ------------------------------------------------------------------ running
 
@@ -187,6 +188,13 @@ shard`` runs it).
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    @property
+    def stop_error(self):
+        """None when the last stop was clean; else why not: the commit of a turn decided
+        before the stop failed (its requests were answered UNAVAILABLE, nothing of it was
+        acknowledged), or a turn was still in commit when the stop gave up waiting."""
+        return self._stop_error
 
     def install_signal_handlers(self):
         """SIGTERM and SIGINT stop the loop cleanly (call from the main thread)."""
@@ -402,9 +410,16 @@ class _Loop(ClientsMixin, WorkersMixin, WatchesMixin):
                 if status.due() and (not self.inflight or status.overdue()):
                     self.publish_status()
             # A last turn: whatever was decided is committed before the store closes.
+            failed = self.shard._counters["failed_commits"]
             self.room()
             self.turn([], False)
             self.settle_all()
+            if self.inflight:
+                self.shard._stop_error = (f"{len(self.inflight)} turn(s) still in commit "
+                                          f"when the stop gave up waiting")
+            elif self.shard._counters["failed_commits"] > failed:
+                self.shard._stop_error = ("a commit failed while stopping: its requests "
+                                          "were answered UNAVAILABLE (see the log)")
         finally:
             committer.close()
         self.publish_status()
@@ -898,7 +913,8 @@ class _Poison(Exception):
 
 
 def run_shard(config_path, shard_index):
-    """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0."""
+    """``leasehold shard``: serve until SIGTERM/SIGINT, then commit, close, return 0
+    (UNAVAILABLE when that last commit failed: :attr:`Shard.stop_error`)."""
     shard = Shard(config_path, shard_index, freeze_heap=True)
     try:
         # The store would let this process take a running shard's claim over (a restart
@@ -918,6 +934,10 @@ def run_shard(config_path, shard_index):
         raise CommandError("UNAVAILABLE", f"shard {shard.name}: {exc}") from None
     finally:
         os.close(lock)
+    if shard.stop_error is not None:
+        # Stopped, but not cleanly: an exit 0 would tell the supervisor (and whoever
+        # stopped it) that everything decided before the stop was written.
+        raise CommandError("UNAVAILABLE", f"shard {shard.name}: stopped, but {shard.stop_error}")
     return 0
 
 
