@@ -87,6 +87,17 @@ def test_importing_the_entry_point_loads_nothing_heavy():
     assert _python(code).stdout.splitlines() == ["[]", "True"]
 
 
+def test_a_client_command_does_not_import_the_metrics():
+    # prometheus_client builds functions from source at import (its vendored decorator
+    # module): a Ctrl-C landing there printed that source on stderr before the one line. No
+    # client command needs it; the supervisor and the metrics import it on first use.
+    code = ("import sys, transport, transport._commands\n"
+            "print('prometheus_client' in sys.modules)\n"
+            "print(all(getattr(transport, n) is not None for n in transport.__all__))\n"
+            "print('prometheus_client' in sys.modules)\n")
+    assert _python(code).stdout.splitlines() == ["False", "True", "True"]
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("module", ["engine._cli", "numpy", "engine._engine"])
 def test_ctrl_c_while_the_cli_imports_is_one_line_and_130(tmp_path, form, module):

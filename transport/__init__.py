@@ -33,7 +33,6 @@ from transport._keys import (
     load_public_key,
     load_secret_key,
 )
-from transport._metrics import MetricsServer, StatusCollector, serve_metrics
 from transport._plugins import (
     Attempt,
     Change,
@@ -107,13 +106,6 @@ from transport._status import (
     StatusWriter,
     snapshot_dict,
     status_path,
-)
-from transport._supervisor import (
-    MAX_FAILURES,
-    STABLE_S,
-    Supervisor,
-    SupervisorError,
-    run_supervisor,
 )
 from transport._watch import Logged, WatchLog
 from transport._worker import Lease, ShardError, ShardTimeout, WorkerConnection, leases_of
@@ -239,11 +231,18 @@ __all__ = [
     "tokens_array",
 ]
 
-# The devbox and its workload pull in rich's live display, which no shard or worker process
-# needs: they are imported on first use.
+# Imported on first use: the devbox and its workload pull in rich's live display, which no
+# shard or worker process needs, and the metrics (with the supervisor that serves them)
+# prometheus_client, which no client command needs (50 ms of each one's start, and a Ctrl-C
+# landing in its generated code printed that code).
 _LAZY = {"Devbox": "transport._devbox", "DevboxError": "transport._devbox",
          "run_devbox": "transport._devbox", "ExampleWorkload": "transport._workload",
-         "WorkloadFailed": "transport._workload"}
+         "WorkloadFailed": "transport._workload",
+         "MetricsServer": "transport._metrics", "StatusCollector": "transport._metrics",
+         "serve_metrics": "transport._metrics",
+         "MAX_FAILURES": "transport._supervisor", "STABLE_S": "transport._supervisor",
+         "Supervisor": "transport._supervisor", "SupervisorError": "transport._supervisor",
+         "run_supervisor": "transport._supervisor"}
 
 
 def __getattr__(name):
