@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+from engine import _sigint
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
 from engine._commands import CommandError, guard, positive_seconds
@@ -412,6 +413,7 @@ def _plot(results, path, title):
 def _keys_generate(args):
     """Write a CURVE key pair and print the config lines that go with it."""
     from transport import generate_keypair  # here: no ZeroMQ import for the other commands
+    _sigint.check()     # a Ctrl-C its imports swallowed
 
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
         raise SpecError(f"--name {args.name!r}: a name of letters, digits, '_', '.', '-'")
@@ -480,6 +482,7 @@ def _worker(args):
     import logging
 
     from transport._daemon import run_worker
+    _sigint.check()     # a Ctrl-C its imports swallowed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
@@ -495,6 +498,7 @@ def _shard(args):
     import logging
 
     from transport._shard import run_shard  # here: no ZeroMQ import for the other commands
+    _sigint.check()     # a Ctrl-C its imports swallowed
 
     cfg = load_config(args.config)
     eps = cfg.transport.endpoints
@@ -514,6 +518,7 @@ def _serve(args):
     import logging
 
     from transport._supervisor import run_supervisor
+    _sigint.check()     # a Ctrl-C its imports swallowed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
@@ -528,6 +533,7 @@ def _devbox(args):
     """A supervisor, its shards and a local worker, then the example workload
     (docs/devbox.md)."""
     from transport._devbox import run_devbox
+    _sigint.check()     # a Ctrl-C its imports swallowed
 
     return run_devbox(args.dir, workload=None if args.no_workload else args.workload,
                       keep=args.keep)

@@ -72,6 +72,7 @@ def guard(fn):
         try:
             return fn(args)
         except KeyboardInterrupt:
+            _sigint.stopping()
             print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
             return INTERRUPTED
         except BrokenPipeError:
@@ -90,6 +91,7 @@ def guard(fn):
             return ERROR
         except Exception as exc:
             if _sigint.is_interrupt(exc):      # a Ctrl-C Python 3.11 wrapped (RuntimeError)
+                _sigint.stopping()
                 print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
                 return INTERRUPTED
             if os.environ.get("LEASEHOLD_TRACEBACK"):
@@ -103,7 +105,9 @@ def guard(fn):
 def _lazy(module, name):
     """The command ``name`` of ``module``, imported when it runs (not when the CLI starts)."""
     def run(args):
-        return getattr(importlib.import_module(module), name)(args)
+        command = getattr(importlib.import_module(module), name)
+        _sigint.check()     # a Ctrl-C its imports swallowed
+        return command(args)
     return guard(run)
 
 

@@ -9,14 +9,23 @@ entry point calls it first) hooks the unraisable ones: a dropped ``KeyboardInter
 printed, and a helper thread interrupts the main thread again a moment later, outside the
 callback (again if that one is dropped too). Only the standard library: the entry point
 imports this before anything heavy.
+
+Some code catches it and goes on: Cython's module set-up registers its memoryview types in a
+bare ``try: ... except: pass``, which every extension module with a memoryview runs as it
+loads (ours, pyzmq's). :func:`install` counts each SIGINT, and :func:`check`, called by the
+command line once it has imported what a command needs, raises ``KeyboardInterrupt`` for one
+that arrived and was swallowed (a ``leasehold status`` interrupted so waited out its request
+timeout). :func:`stopping` ignores any later one: the command line has handled the Ctrl-C
+and is exiting.
 """
 
 import _thread
+import signal
 import sys
 import threading
 import time
 
-__all__ = ["install", "is_interrupt"]
+__all__ = ["install", "is_interrupt", "check", "stopping"]
 
 #: How long after a dropped ``KeyboardInterrupt`` the main thread is interrupted again (out
 #: of the callback that dropped it by then).
@@ -24,6 +33,7 @@ AGAIN_S = 0.01
 
 _dropped = threading.Event()
 _hook = sys.__unraisablehook__
+_received = 0       # SIGINTs received since install() (each raised KeyboardInterrupt)
 
 
 def install():
@@ -34,7 +44,31 @@ def install():
         return
     _hook = sys.unraisablehook
     sys.unraisablehook = _unraisable
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # (Not when SIGINT was ignored, as a job started in the background inherits it.)
+        signal.signal(signal.SIGINT, _on_sigint)
     threading.Thread(target=_again, name="leasehold-sigint", daemon=True).start()
+
+
+def _on_sigint(signum, frame):
+    global _received
+    _received += 1
+    raise KeyboardInterrupt
+
+
+def check():
+    """Raise ``KeyboardInterrupt`` if a Ctrl-C arrived since :func:`install` and the code it
+    interrupted swallowed it: call where none can have been handled yet (after imports)."""
+    if _received:
+        raise KeyboardInterrupt
+
+
+def stopping():
+    """The Ctrl-C was handled and the process exits: ignore SIGINT from now on (a second
+    Ctrl-C, or a swallowed one raised again, would interrupt the exit with a traceback).
+    Only where :func:`install` set the handler (the command line's own process)."""
+    if signal.getsignal(signal.SIGINT) is _on_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _unraisable(unraisable):

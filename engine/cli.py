@@ -20,14 +20,17 @@ INTERRUPTED = 130   # engine._commands.INTERRUPTED, which cannot be imported yet
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
     try:
-        _sigint.install()
+        if argv is None:    # the program itself, not a call from Python (a test's)
+            _sigint.install()
         from engine._cli import main as run
+        _sigint.check()     # a Ctrl-C the imports swallowed
         return run(argv)
     except BaseException as exc:
         # Raised while the commands were still importing, or before their guard ran; also
         # a Ctrl-C Python 3.11 turned into RuntimeError (a class being made at import).
         if not _sigint.is_interrupt(exc):
             raise
+        _sigint.stopping()
         print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
 

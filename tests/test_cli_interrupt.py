@@ -183,6 +183,64 @@ def test_ctrl_c_at_any_early_moment_is_never_a_traceback(tmp_path, form):
         assert (err, out) == (INTERRUPTED, ""), (delay, proc.returncode, err, out)
 
 
+# Sends a real SIGINT when module $LH_SWALLOW_AT starts importing, inside a bare
+# ``try: ... except: pass``, as Cython's module set-up registers its memoryview types (every
+# extension module with a memoryview runs it as it loads: ours, pyzmq's).
+SWALLOW = """\
+import os, signal, sys, time
+
+class _SwallowAt:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["LH_SWALLOW_AT"]:
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+            except BaseException:
+                pass
+        return None
+
+sys.meta_path.insert(0, _SwallowAt())
+"""
+
+
+@pytest.mark.parametrize("module", ["engine._records", "transport._client"])
+def test_a_ctrl_c_an_import_swallowed_still_stops_the_command(tmp_path, module):
+    # engine._records loads with the commands (the entry point checks after them);
+    # transport._client with the status command itself (checked after its imports). The
+    # command waited out its request timeout, a minute.
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'resources = ["cpu"]\n[clusters.a]\n[storage]\npath = "{tmp_path}/data"\n'
+                   f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
+                   f"[security]\ninsecure = true\n")
+    (tmp_path / "sitecustomize.py").write_text(SWALLOW)
+    argv = [*FORMS["python-m"], "status", "acme/p/d/r/a", "--config", str(cfg),
+            "--request-timeout", "60"]
+    with _started(argv, _env(tmp_path, LH_SWALLOW_AT=module)) as proc:
+        out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err, out) == (130, INTERRUPTED, "")
+
+
+def test_a_client_closes_after_a_ctrl_c_left_a_socket_half_made(tmp_path):
+    # A Ctrl-C landing as pyzmq hands a new socket back (made, never kept by the client):
+    # closing the client terminated its context, which waits for every socket, for ever
+    # (`leasehold status` hung after printing nothing).
+    code = ("import zmq, transport\n"
+            "made, held = zmq.Context.socket, []\n"
+            "def interrupted(self, *a, **k):\n"
+            "    held.append(made(self, *a, **k))   # (as the traceback's frames hold it)\n"
+            "    raise KeyboardInterrupt\n"
+            "zmq.Context.socket = interrupted\n"
+            f"c = transport.Client(endpoint='ipc://{tmp_path}/s0', timeout=1.0)\n"
+            "try:\n"
+            "    c.status(['acme/p/d/r/a'])\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted')\n"
+            "c.close()\n"
+            "print('closed')\n")
+    assert _python(code).stdout.splitlines() == ["interrupted", "closed"]
+
+
 def test_a_ctrl_c_a_weakref_callback_swallowed_is_raised_again_in_the_main_thread():
     # Python drops an exception raised in a weakref callback ("unraisable"): a Ctrl-C that
     # lands in one (the import system frees its module locks through them) was lost, and a

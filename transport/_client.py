@@ -228,7 +228,9 @@ class Client:
         for link in self._links:
             self._drop(link)
         if self._own_ctx:
-            self._ctx.term()
+            # destroy, not term: a socket a Ctrl-C left half made (created, never kept)
+            # would block term for ever.
+            self._ctx.destroy(linger=0)
             self._own_ctx = False
 
     def __enter__(self):

@@ -167,7 +167,7 @@ class WorkerConnection:
             send(self._sock, p.encode(p.Bye(rid=next(self._rids), reason=reason)))
         self._close_socket()
         if self._own_ctx:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)     # as Client.close: never blocked by a stray socket
             self._own_ctx = False
 
     def _close_socket(self):
