@@ -154,18 +154,24 @@ sys.meta_path.insert(0, _Started())
 """
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_ctrl_c_at_any_early_moment_is_never_a_traceback(tmp_path, form):
-    # A command that would wait for a minute (no shard listens on the endpoint), interrupted
-    # by a real SIGINT at a few moments of its first second.
+def _waiting_status(tmp_path, form):
+    """``leasehold status`` (as ``FORMS[form]``) of a shard nobody serves: it would wait out
+    its request timeout, a minute."""
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'resources = ["cpu"]\n[clusters.a]\n[storage]\npath = "{tmp_path}/data"\n'
                    f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
                    f"[security]\ninsecure = true\n")
+    return [*FORMS[form], "status", "acme/p/d/r/a", "--config", str(cfg),
+            "--request-timeout", "60"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_ctrl_c_at_any_early_moment_is_never_a_traceback(tmp_path, form):
+    # A command that would wait for a minute (no shard listens on the endpoint), interrupted
+    # by a real SIGINT at a few moments of its first second.
     (tmp_path / "sitecustomize.py").write_text(STARTED)
     started = tmp_path / "started"
-    argv = [*FORMS[form], "status", "acme/p/d/r/a", "--config", str(cfg),
-            "--request-timeout", "60"]
+    argv = _waiting_status(tmp_path, form)
     for delay in (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0):
         started.unlink(missing_ok=True)
         with _started(argv, _env(tmp_path, LH_STARTED=str(started))) as proc:
@@ -209,13 +215,8 @@ def test_a_ctrl_c_an_import_swallowed_still_stops_the_command(tmp_path, module):
     # engine._records loads with the commands (the entry point checks after them);
     # transport._client with the status command itself (checked after its imports). The
     # command waited out its request timeout, a minute.
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(f'resources = ["cpu"]\n[clusters.a]\n[storage]\npath = "{tmp_path}/data"\n'
-                   f'[transport]\nendpoints = ["ipc://{tmp_path}/s0"]\n'
-                   f"[security]\ninsecure = true\n")
     (tmp_path / "sitecustomize.py").write_text(SWALLOW)
-    argv = [*FORMS["python-m"], "status", "acme/p/d/r/a", "--config", str(cfg),
-            "--request-timeout", "60"]
+    argv = _waiting_status(tmp_path, "python-m")
     with _started(argv, _env(tmp_path, LH_SWALLOW_AT=module)) as proc:
         out, err = proc.communicate(timeout=30)
     assert (proc.returncode, err, out) == (130, INTERRUPTED, "")
