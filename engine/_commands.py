@@ -26,7 +26,8 @@ from engine._errors import LeaseholdError
 __all__ = ["register", "guard", "positive_seconds", "freeze_heap", "SERVER_GC_THRESHOLD",
            "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
 
-OK, NO, ERROR, INTERRUPTED = 0, 1, 2, 130
+OK, NO, ERROR = 0, 1, 2
+INTERRUPTED = _sigint.INTERRUPTED
 
 
 class CommandError(LeaseholdError):
@@ -72,9 +73,7 @@ def guard(fn):
         try:
             return fn(args)
         except KeyboardInterrupt:
-            _sigint.stopping()
-            print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
-            return INTERRUPTED
+            return _sigint.interrupted()
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly, and keep the interpreter's exit
             # flush from failing on the closed pipe.
@@ -91,9 +90,7 @@ def guard(fn):
             return ERROR
         except Exception as exc:
             if _sigint.is_interrupt(exc):      # a Ctrl-C Python 3.11 wrapped (RuntimeError)
-                _sigint.stopping()
-                print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
-                return INTERRUPTED
+                return _sigint.interrupted()
             if os.environ.get("LEASEHOLD_TRACEBACK"):
                 raise
             print(f"leasehold: INTERNAL: {type(exc).__name__}: {exc} (a bug: "

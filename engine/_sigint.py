@@ -25,7 +25,10 @@ import sys
 import threading
 import time
 
-__all__ = ["install", "is_interrupt", "check", "stopping"]
+__all__ = ["install", "is_interrupt", "check", "stopping", "interrupted", "INTERRUPTED"]
+
+#: The exit status of a command stopped by Ctrl-C (a shell's 128 + SIGINT).
+INTERRUPTED = 130
 
 #: How long after a dropped ``KeyboardInterrupt`` the main thread is interrupted again (out
 #: of the callback that dropped it by then).
@@ -69,6 +72,14 @@ def stopping():
     Only where :func:`install` set the handler (the command line's own process)."""
     if signal.getsignal(signal.SIGINT) is _on_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def interrupted():
+    """The command line caught a Ctrl-C: :func:`stopping`, its one line on stderr, and the
+    exit status to return (:data:`INTERRUPTED`)."""
+    stopping()
+    print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _unraisable(unraisable):

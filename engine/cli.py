@@ -14,8 +14,6 @@ from engine import _sigint  # (the standard library only, as this module)
 
 __all__ = ["main"]
 
-INTERRUPTED = 130   # engine._commands.INTERRUPTED, which cannot be imported yet
-
 
 def main(argv=None):
     """Entry point of the ``leasehold`` console script."""
@@ -30,9 +28,7 @@ def main(argv=None):
         # a Ctrl-C Python 3.11 turned into RuntimeError (a class being made at import).
         if not _sigint.is_interrupt(exc):
             raise
-        _sigint.stopping()
-        print("leasehold: INTERRUPTED: stopped (Ctrl-C)", file=sys.stderr)
-        return INTERRUPTED
+        return _sigint.interrupted()
 
 
 if __name__ == "__main__":
