@@ -6,10 +6,9 @@ import re
 import sys
 from pathlib import Path
 
-from engine import _sigint
 from engine._clock import ManualClock
 from engine._codes import LeaseKind, Phase
-from engine._commands import CommandError, guard, positive_seconds
+from engine._commands import CommandError, guard, load, positive_seconds
 from engine._commands import register as register_commands
 from engine._config import _NAME as _CLUSTER_NAME
 from engine._config import _TENANT as _TENANT_PREFIX
@@ -412,8 +411,7 @@ def _plot(results, path, title):
 
 def _keys_generate(args):
     """Write a CURVE key pair and print the config lines that go with it."""
-    from transport import generate_keypair  # here: no ZeroMQ import for the other commands
-    _sigint.check()     # a Ctrl-C its imports swallowed
+    generate_keypair = load("transport", "generate_keypair")  # no ZeroMQ for the others
 
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
         raise SpecError(f"--name {args.name!r}: a name of letters, digits, '_', '.', '-'")
@@ -481,8 +479,7 @@ def _worker(args):
     """Run a cluster worker until SIGTERM (drain) or SIGINT (docs/worker.md)."""
     import logging
 
-    from transport._daemon import run_worker
-    _sigint.check()     # a Ctrl-C its imports swallowed
+    run_worker = load("transport._daemon", "run_worker")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
@@ -497,8 +494,7 @@ def _shard(args):
     """Serve one shard until SIGTERM/SIGINT (docs/shard.md)."""
     import logging
 
-    from transport._shard import run_shard  # here: no ZeroMQ import for the other commands
-    _sigint.check()     # a Ctrl-C its imports swallowed
+    run_shard = load("transport._shard", "run_shard")  # no ZeroMQ for the other commands
 
     cfg = load_config(args.config)
     eps = cfg.transport.endpoints
@@ -517,8 +513,7 @@ def _serve(args):
     """Run the supervisor until SIGTERM/SIGINT (docs/operations.md)."""
     import logging
 
-    from transport._supervisor import run_supervisor
-    _sigint.check()     # a Ctrl-C its imports swallowed
+    run_supervisor = load("transport._supervisor", "run_supervisor")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
@@ -532,8 +527,7 @@ def _serve(args):
 def _devbox(args):
     """A supervisor, its shards and a local worker, then the example workload
     (docs/devbox.md)."""
-    from transport._devbox import run_devbox
-    _sigint.check()     # a Ctrl-C its imports swallowed
+    run_devbox = load("transport._devbox", "run_devbox")
 
     return run_devbox(args.dir, workload=None if args.no_workload else args.workload,
                       keep=args.keep)

@@ -23,7 +23,7 @@ from engine import _sigint
 from engine._config import MAX_SECONDS
 from engine._errors import LeaseholdError
 
-__all__ = ["register", "guard", "positive_seconds", "freeze_heap", "SERVER_GC_THRESHOLD",
+__all__ = ["register", "guard", "load", "positive_seconds", "freeze_heap", "SERVER_GC_THRESHOLD",
            "CommandError", "OK", "NO", "ERROR", "INTERRUPTED"]
 
 OK, NO, ERROR = 0, 1, 2
@@ -99,12 +99,18 @@ def guard(fn):
     return run
 
 
+def load(module, name):
+    """``name`` of ``module``, imported as a command starts (not when the CLI does), then a
+    Ctrl-C those imports swallowed raised again (engine/_sigint.py)."""
+    value = getattr(importlib.import_module(module), name)
+    _sigint.check()
+    return value
+
+
 def _lazy(module, name):
-    """The command ``name`` of ``module``, imported when it runs (not when the CLI starts)."""
+    """The command ``name`` of ``module``, imported when it runs (:func:`load`)."""
     def run(args):
-        command = getattr(importlib.import_module(module), name)
-        _sigint.check()     # a Ctrl-C its imports swallowed
-        return command(args)
+        return load(module, name)(args)
     return guard(run)
 
 
