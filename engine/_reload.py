@@ -9,9 +9,7 @@ lanes, timers as sorted arrays. The Python edges (spec, outcome, attempts) stay 
 are decoded on first use of a row.
 """
 
-import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgpack
@@ -37,6 +35,7 @@ from engine._codes import (
 )
 from engine._errors import ConfigError
 from engine._history import RuntimeHistory
+from engine._parallel import halves, in_threads
 from engine._records import FINALIZE_DTYPE, action_columns, action_dtype, finalize_columns
 from engine._state import NEVER, State
 from storage import CorruptRecord
@@ -327,9 +326,8 @@ def _fill_actions(ld, recs, rows, parts, n):
     holder = np.empty(n, dtype=np.int32)
     codec = RecordCodec()
     codec.bind(st)
-    halves = [(0, n // 2), (n // 2, n)] if n >= 100_000 and (os.cpu_count() or 1) > 1 \
-        else [(0, n)]
-    bad = _threads(lambda part: codec.decode_actions(raw, part[0], part[1], holder), halves)
+    bad = in_threads(lambda part: codec.decode_actions(raw, part[0], part[1], holder),
+                     halves(n))
     if any(b >= 0 for b in bad):     # (dense rows were checked: a codec/layout mismatch)
         i = min(b for b in bad if b >= 0)
         raise CorruptRecord(int(parts[i]), "actions", int(rows[i]).to_bytes(8, "big"),
@@ -396,14 +394,6 @@ def link_children(st, n, occupied):
     same = ~first[1:]
     sibling[:-1][same] = kids[1:][same]
     st.a_sibling[kids] = sibling
-
-
-def _threads(fn, items):
-    """``[fn(item) for item in items]``, one thread per item (``fn`` releases the GIL)."""
-    if len(items) == 1:
-        return [fn(items[0])]
-    with ThreadPoolExecutor(len(items)) as pool:
-        return list(pool.map(fn, items))
 
 
 def _load_finalize(ld, store, n):

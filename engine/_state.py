@@ -9,6 +9,7 @@ import numpy as np
 import psutil
 
 from engine._errors import ConfigError
+from engine._parallel import halves, in_threads
 from engine._units import UNLIMITED
 
 __all__ = ["State", "start_bytes", "check_fits_memory"]
@@ -590,19 +591,30 @@ class State:
                 out += getattr(self, name).nbytes
         return out
 
-    def pack(self):
+    def pack(self, parts=None):
         """Move the ACTION_PACKED columns into one packed record array (their values kept),
-        a slice of rows at a time; a no-op when they are packed already. The caller
-        rebinds the kernel (arrays were replaced)."""
+        a slice of rows at a time; a no-op when they are packed already. ``parts``: row
+        ranges ``(lo, hi)`` covering the table, each copied by a thread of its own (default:
+        two halves of a large table on a machine of several cores). The caller rebinds the
+        kernel (arrays were replaced)."""
         if self.packed:
             return
         rows = self.rows["actions"]
         rec = _packed_rows(rows)
         columns = [(name, getattr(self, name)) for name in ACTION_PACKED]
-        for lo in range(0, rows, _PACK_ROWS):
-            part = rec[lo:lo + _PACK_ROWS]
-            for name, column in columns:
-                part[name] = column[lo:lo + _PACK_ROWS]
+
+        def copy(part):
+            for lo in range(part[0], part[1], _PACK_ROWS):
+                hi = min(lo + _PACK_ROWS, part[1])
+                chunk = rec[lo:hi]
+                for name, column in columns:
+                    chunk[name] = column[lo:hi]
+
+        parts = halves(rows, _PACK_ROWS) if parts is None else list(parts)
+        if [lo for lo, _hi in parts] != [0] + [hi for _lo, hi in parts[:-1]] \
+                or parts[-1][1] != rows:
+            raise ValueError(f"pack: parts {parts} do not cover rows 0 .. {rows}")
+        in_threads(copy, parts)
         self.a_packed = rec
         self.__dict__.update(_packed_columns(rec))
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, parse_config
-from engine._state import ACTION_FIELDS, ACTION_PACKED, PACKED_BYTES
+from engine._state import ACTION_FIELDS, ACTION_PACKED, PACKED_BYTES, State
 from storage import LmdbStore
 from tests.test_durable import CONFIG, WORKERS, open_engine, restart, spec
 
@@ -71,3 +71,26 @@ def test_the_records_stay_packed_and_keep_their_values_when_the_table_grows(tmp_
 @pytest.mark.parametrize("name", ACTION_PACKED)
 def test_every_packed_column_is_a_declared_action_column(name):
     assert name in ACTION_FIELDS and ACTION_FIELDS[name][2] == ()
+
+
+def test_a_pack_split_over_threads_writes_what_one_thread_writes():
+    # Reload packs a large table in two halves on two threads (engine/_parallel.py); any
+    # cut of the rows must give the same records as one pass.
+    config = parse_config(CONFIG)
+    rng = np.random.default_rng(7)
+    one, split = (State.for_config(config, packed=False) for _ in range(2))
+    for name in ACTION_PACKED:
+        column = getattr(one, name)
+        info = np.iinfo(column.dtype)
+        values = rng.integers(info.min, info.max, size=column.shape, dtype=column.dtype,
+                              endpoint=True)
+        column[:] = values
+        getattr(split, name)[:] = values
+    rows = one.rows["actions"]
+    one.pack(parts=[(0, rows)])
+    split.pack(parts=[(0, 3), (3, rows - 5), (rows - 5, rows)])
+    for name in ACTION_PACKED:
+        assert (getattr(split, name) == getattr(one, name)).all(), name
+        assert (split.a_packed[name] == one.a_packed[name]).all(), name
+    with pytest.raises(ValueError, match="do not cover"):
+        State.for_config(config, packed=False).pack(parts=[(0, 3), (4, rows)])
