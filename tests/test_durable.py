@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cext._bulk import add_by
 from engine import (
     ActionId,
     ActionSpec,
@@ -904,3 +905,31 @@ def test_tables_larger_than_the_machine_are_refused_at_start():
                                           r"take [\d.]+ GiB when made, more than this "
                                           r"machine's memory"):
         Engine(parse_config(cfg), clock=ManualClock(), store=MemoryStore(4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 4), seed=st.integers(0, 2**32 - 1),
+       m=st.integers(0, 300), stride=st.integers(1, 3))
+def test_reload_recount_adds_each_row_where_its_index_says(rows, width, seed, m, stride):
+    # cext._bulk.add_by, reload's sums of demand by queue and cluster: what np.add.at gives,
+    # over a strided index (the columns are views of the packed record once packed).
+    rng = np.random.default_rng(seed)
+    index = rng.integers(0, rows, size=m * stride, dtype=np.int32)[::stride]
+    values = rng.integers(0, 2**62, size=(m, width), dtype=np.int64)
+    out = rng.integers(0, 2**62, size=(rows, width), dtype=np.uint64)
+    want = out.copy()
+    np.add.at(want, index, values.view(np.uint64))
+    add_by(out, index, values)
+    assert (out == want).all()
+
+
+def test_reload_recount_refuses_an_index_outside_and_adds_nothing():
+    out = np.zeros((2, 3), dtype=np.uint64)
+    values = np.ones((3, 3), dtype=np.int64)
+    with pytest.raises(IndexError, match=r"index\[2\]=2 is not a row of out"):
+        add_by(out, np.array([0, 1, 2], dtype=np.int32), values)
+    with pytest.raises(IndexError, match=r"index\[0\]=-1"):
+        add_by(out, np.array([-1, 1, 0], dtype=np.int32), values)
+    assert not out.any()
+    with pytest.raises(ValueError, match="values of shape"):
+        add_by(out, np.array([0, 1], dtype=np.int32), values)
