@@ -100,11 +100,11 @@ def guard(fn):
 
 
 def load(module, name):
-    """``name`` of ``module``, imported as a command starts (not when the CLI does), then a
-    Ctrl-C those imports swallowed raised again (engine/_sigint.py)."""
-    value = getattr(importlib.import_module(module), name)
-    _sigint.check()
-    return value
+    """``name`` of ``module``, imported as a command starts (not when the CLI does). A
+    Ctrl-C meanwhile is raised once the imports are done (engine/_sigint.py): an import
+    interrupted half-way may print or leave things half made."""
+    with _sigint.deferred():
+        return getattr(importlib.import_module(module), name)
 
 
 def _lazy(module, name):

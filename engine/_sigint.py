@@ -17,15 +17,23 @@ command line once it has imported what a command needs, raises ``KeyboardInterru
 that arrived and was swallowed (a ``leasehold status`` interrupted so waited out its request
 timeout). :func:`stopping` ignores any later one: the command line has handled the Ctrl-C
 and is exiting.
+
+Imports are also where a Ctrl-C does damage of its own: a module interrupted half-way can
+print (prometheus_client's generated code printed its source on stderr) or leave a lock or
+a socket half made. :func:`deferred` holds a Ctrl-C that arrives while a command's modules
+load until they have loaded (a fraction of a second), then raises it; a second one is raised
+at once.
 """
 
 import _thread
+import contextlib
 import signal
 import sys
 import threading
 import time
 
-__all__ = ["install", "is_interrupt", "check", "stopping", "interrupted", "INTERRUPTED"]
+__all__ = ["install", "is_interrupt", "check", "deferred", "stopping", "interrupted",
+           "INTERRUPTED"]
 
 #: The exit status of a command stopped by Ctrl-C (a shell's 128 + SIGINT).
 INTERRUPTED = 130
@@ -36,7 +44,8 @@ AGAIN_S = 0.01
 
 _dropped = threading.Event()
 _hook = sys.__unraisablehook__
-_received = 0       # SIGINTs received since install() (each raised KeyboardInterrupt)
+_received = 0       # SIGINTs received since install()
+_deferred_from = None   # _received as the outermost deferred() block began; None: none
 
 
 def install():
@@ -56,7 +65,25 @@ def install():
 def _on_sigint(signum, frame):
     global _received
     _received += 1
+    if _deferred_from is not None and _received == _deferred_from + 1:
+        return      # held: raised as the deferred() block ends (a second one: now)
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def deferred():
+    """Hold a Ctrl-C that arrives inside the block until the block ends, then raise it
+    (:func:`check`); a second one is raised at once. Only where :func:`install` set the
+    handler; elsewhere Python's own raises at once, as always."""
+    global _deferred_from
+    outer = _deferred_from
+    if outer is None:
+        _deferred_from = _received
+    try:
+        yield
+    finally:
+        _deferred_from = outer
+    check()
 
 
 def check():

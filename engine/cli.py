@@ -20,8 +20,8 @@ def main(argv=None):
     try:
         if argv is None:    # the program itself, not a call from Python (a test's)
             _sigint.install()
-        from engine._cli import main as run
-        _sigint.check()     # a Ctrl-C the imports swallowed
+        with _sigint.deferred():    # a Ctrl-C meanwhile: raised once they are imported
+            from engine._cli import main as run
         return run(argv)
     except BaseException as exc:
         # Raised while the commands were still importing, or before their guard ran; also

@@ -281,3 +281,56 @@ def test_a_wrapped_ctrl_c_inside_a_command_is_interrupted_not_a_bug(capsys):
 
     assert guard(command)(None) == CODE == 130
     assert capsys.readouterr().err == INTERRUPTED
+
+
+# Sends a real SIGINT right after prometheus_client's import compiles its generated function
+# (prometheus_client/decorator.py, inside a bare ``try: ... except:`` that prints the source
+# on stderr before raising again).
+GENERATED = """\
+import builtins, os, signal
+
+_compile = builtins.compile
+
+def compile(source, filename, *args, **kwargs):
+    code = _compile(source, filename, *args, **kwargs)
+    if isinstance(filename, str) and filename.startswith("<decorator-gen-"):
+        builtins.compile = _compile
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+builtins.compile = compile
+"""
+
+
+def test_a_ctrl_c_while_a_command_imports_is_raised_once_they_are_done(tmp_path):
+    # `leasehold serve` loads the metrics (prometheus_client): a Ctrl-C landing in their
+    # generated code printed that code on stderr before the command's line.
+    (tmp_path / "sitecustomize.py").write_text(GENERATED)
+    argv = [*FORMS["python-m"], "serve", "--config", str(ROOT / "engine/examples/leasehold.toml")]
+    with _started(argv, _env(tmp_path)) as proc:
+        out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err, out) == (130, INTERRUPTED, "")
+
+
+def test_a_deferred_ctrl_c_is_raised_as_its_block_ends_and_a_second_one_at_once():
+    code = ("import os, signal, time\n"
+            "from engine import _sigint\n"
+            "_sigint.install()\n"
+            "def ctrl_c():\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(0.05)\n"
+            "try:\n"
+            "    with _sigint.deferred():\n"
+            "        ctrl_c()\n"
+            "        print('held to the end of the block')\n"
+            "except KeyboardInterrupt:\n"
+            "    print('raised as it ended')\n"
+            "try:\n"
+            "    with _sigint.deferred():\n"
+            "        ctrl_c()\n"
+            "        ctrl_c()\n"
+            "        print('not reached')\n"
+            "except KeyboardInterrupt:\n"
+            "    print('the second raised at once')\n")
+    assert _python(code).stdout.splitlines() == [
+        "held to the end of the block", "raised as it ended", "the second raised at once"]
