@@ -132,7 +132,6 @@ def add_by(u64[:, ::1] out not None, const i32[:] index not None,
                     out[at, r] += <u64>values[i, r]
     if bad >= 0:
         check_index(index[bad], rows, f"index[{bad}]", "a row of out")
-    return None
 
 
 cdef int _check_rows_in_use(TickKernel k, i64 n) except -1:

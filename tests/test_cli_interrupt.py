@@ -304,9 +304,10 @@ builtins.compile = compile
 
 def test_a_ctrl_c_while_a_command_imports_is_raised_once_they_are_done(tmp_path):
     # `leasehold serve` loads the metrics (prometheus_client): a Ctrl-C landing in their
-    # generated code printed that code on stderr before the command's line.
+    # generated code printed that code on stderr before the command's line. (A config that
+    # does not exist: were the Ctrl-C lost, the command would refuse it, not serve.)
     (tmp_path / "sitecustomize.py").write_text(GENERATED)
-    argv = [*FORMS["python-m"], "serve", "--config", str(ROOT / "engine/examples/leasehold.toml")]
+    argv = [*FORMS["python-m"], "serve", "--config", str(tmp_path / "absent.toml")]
     with _started(argv, _env(tmp_path)) as proc:
         out, err = proc.communicate(timeout=30)
     assert (proc.returncode, err, out) == (130, INTERRUPTED, "")
