@@ -208,9 +208,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._free_fz = restored.fz_free        # freed finalize rows, ascending
         self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
-        # Sorted timer blocks [due, kind, row, ref, next position]: restored at load, or set
-        # for many rows at once (_timer_block).
-        self._timer_blocks = [[*restored.timers, 0]] if restored.timers[0].size else []
+        # A heap of sorted timer blocks [next due, seq, due, kind, row, ref, next position]:
+        # restored at load, set for many rows at once (_timer_block), or a compaction's.
+        self._timer_blocks = []
+        self._adopt_timers(restored.timers)
         self._next_sweep_ns = 0
         self._expiries_waiting = False  # the last sweep left expired leases to the next
         # Rows whose phase the current decide changed on its own (timers, expiry), and what
@@ -535,8 +536,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         if changed:
             changed.clear()
         self._decided = _NO_CHANGES
-        timers = self._timers
-        if (timers and timers[0][0] <= now) or self._timer_blocks:
+        if self._timer_entries > self._timer_compact_at:
+            self._compact_timers()      # (between calls: every row's columns are settled)
+        timers, blocks = self._timers, self._timer_blocks
+        if (timers and timers[0][0] <= now) or (blocks and blocks[0][0] <= now):
             # (Most ticks have no timer due: no pass over them.)
             self._fire_timers(now)      # (appends the rows it changes to ``changed``)
         swept = now >= self._next_sweep_ns

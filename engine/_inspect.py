@@ -233,7 +233,7 @@ class Inspection:
         """Every timer not fired yet, by due time: set since the load and restored."""
         e = self._engine
         items = [PendingTimer(t[0], t[2], t[3], t[4]) for t in e._timers]
-        for due, kind, row, ref, pos in e._timer_blocks:
+        for _next, _seq, due, kind, row, ref, pos in e._timer_blocks:
             items += [PendingTimer(int(due[i]), int(kind[i]), int(row[i]), int(ref[i]))
                       for i in range(pos, due.size)]
         items.sort(key=lambda t: (t.due_ns, t.kind, t.row, t.ref))

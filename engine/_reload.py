@@ -26,11 +26,6 @@ from engine._aborts import (
     rows_of,
 )
 from engine._codes import (
-    T_DEADLINE,
-    T_FINALIZE,
-    T_QUEUED,
-    T_RETRY,
-    T_RUNTIME,
     LeaseEnd,
     RowState,
 )
@@ -38,7 +33,8 @@ from engine._errors import ConfigError
 from engine._history import RuntimeHistory
 from engine._parallel import halves, in_threads
 from engine._records import FINALIZE_DTYPE, action_columns, action_dtype, finalize_columns
-from engine._state import NEVER, State
+from engine._state import State
+from engine._timers import armed_timers
 from storage import CorruptRecord
 
 __all__ = ["Restored", "load"]
@@ -173,7 +169,7 @@ def load(store, config, now):
     progress.step("lanes and counters")
     out = _rebuild(ld, n)
     progress.step("timers")
-    timers = _timers(ld.st, n, ld.n_fz)
+    timers = armed_timers(ld.st, n, ld.n_fz)
     ld.st.pack()        # the tick's layout, once every whole-column pass is done
     progress.step("ready")
     progress.close()
@@ -561,28 +557,3 @@ def _pairs(queue, run, n_queues, n_runs):
     inv = np.empty(pair.size, dtype=np.int64)
     inv[order] = np.cumsum(first) - 1
     return ordered[first], inv
-
-
-def _timers(st, n, nf):
-    """Every armed timer of the restored rows: (due, kind, row, ref), sorted by due."""
-    state = st.a_state[:n]
-    parts = []
-    active = np.flatnonzero((state != RowState.DONE) & (st.a_deadline_due[:n] != NEVER))
-    parts.append((st.a_deadline_due[active], T_DEADLINE, active, np.zeros(active.size, np.int64)))
-    # A retry's max_queued_time is armed when its backoff begins (due after the retry).
-    qd = np.flatnonzero(((state == RowState.QUEUED) | (state == RowState.BACKOFF))
-                        & (st.a_queued_due[:n] != NEVER))
-    parts.append((st.a_queued_due[qd], T_QUEUED, qd, st.a_attempt[qd].astype(np.int64)))
-    bo = np.flatnonzero(state == RowState.BACKOFF)
-    parts.append((st.a_retry_due[bo], T_RETRY, bo, st.a_attempt[bo].astype(np.int64)))
-    rt = np.flatnonzero((state == RowState.RUNNING) & (st.a_runtime_due[:n] != NEVER))
-    parts.append((st.a_runtime_due[rt], T_RUNTIME, rt, st.a_gen[rt].astype(np.int64)))
-    fz_state = st.fz_state[:nf]
-    fz = np.flatnonzero((fz_state != RowState.DONE) & (fz_state != RowState.FREE))
-    parts.append((st.fz_give_up[fz], T_FINALIZE, fz, np.zeros(fz.size, np.int64)))
-    due = np.concatenate([p[0] for p in parts]).astype(np.int64)
-    kind = np.concatenate([np.full(p[2].size, p[1], np.int8) for p in parts])
-    row = np.concatenate([p[2] for p in parts]).astype(np.int64)
-    ref = np.concatenate([p[3] for p in parts])
-    order = np.argsort(due, kind="stable")
-    return due[order], kind[order], row[order], ref[order]

@@ -636,3 +636,63 @@ def test_explain_of_a_lean_row_equals_explain_of_its_record_at_every_stage():
     phases = [e[1] for e in same()]
     assert phases[:3] == [Phase.RUNNING, Phase.SUCCEEDED, Phase.ABORTED]
     assert not a.inspect().arrays.a_edges[:a.inspect().action_rows].any()
+
+
+
+def _deadline_fanout(eng, n, run="r", batch=1_000):
+    """A root and ``n`` children in fan-out batches, each child with a deadline and a
+    max_queued_time (two timers); a failed child is retried after 60 s; returns the root."""
+    [root] = eng.enqueue_many([ActionSpec(id=f"acme/p/d/{run}/root", task="root",
+                                          resources={"cpu": "1m"})])
+    kids = ActionSpec(id=f"acme/p/d/{run}/k", task="k", parent=str(root),
+                      resources={"cpu": "1m"}, retries=RetryPolicy(count=1, backoff_base=60),
+                      timeouts=Timeouts(deadline=3600, max_queued_time=1800, max_runtime=600))
+    for start in range(0, n, batch):
+        eng.enqueue_fanout(kids, [f"k{i}" for i in range(start, min(n, start + batch))])
+    return root
+
+
+def _big_config():
+    return parse_config(dict(CONFIG, queues={"cpu": {"scheduling": "GREEDY_CAPACITY",
+                                                      "depth": 200_000}}))
+
+
+def test_the_timers_of_ended_actions_do_not_pile_up():
+    # A timer stays until due when its action ends: 70,000 ended actions with a deadline and
+    # a max_queued_time each kept 140,000 entries for an hour (memory bounded by history,
+    # not by live work). Once they outnumber the table's rows (and twice the armed ones), a
+    # tick rebuilds the timers from the due columns, as a reload derives them.
+    eng = Engine(_big_config(), clock=ManualClock(), store=MemoryStore(4))
+    root = _deadline_fanout(eng, 70_000)
+    assert len(eng.inspect().timers()) == 140_000
+    assert len(eng.abort(root)) == 70_001
+    eng.schedule()
+    assert eng.inspect().timers() == []
+
+
+def test_rebuilt_timers_are_the_armed_ones_of_before():
+    from tests.test_review import _pending_timers
+
+    clock = ManualClock()
+    eng = Engine(_big_config(), clock=clock, store=MemoryStore(4))
+    eng.register_worker("w", "east", 500)           # 500 leased, the rest wait for a slot
+    _deadline_fanout(eng, 20_000)
+    placed = eng.tick()
+    assert len(placed) == 500
+    for a in placed[:300]:                          # the max_runtime backstop armed
+        eng.mark_running(a.action, a.generation)
+    for a in placed[:100]:                          # a retry in backoff (retry timers)
+        eng.complete(a.action, a.generation, Phase.FAILED, error_kind="USER")
+    eng.abort(placed[300].action)                   # a finalize lease (its give-up bound)
+    assert eng.tick()                               # the slots they freed taken again
+    armed = _pending_timers(eng)
+    kinds = {t.kind for t in eng.inspect().timers()}
+    assert len(kinds) == 5, kinds                   # every kind of timer is pending
+    entries = len(eng.inspect().timers())
+    # 30,000 more timers, of actions that end at once: past the bound.
+    other = _deadline_fanout(eng, 15_000, run="r2")
+    assert len(eng.abort(other)) == 15_001
+    assert len(eng.inspect().timers()) == entries + 30_000 > 65_536
+    assert eng.schedule() == 0                      # nothing due, no slot free
+    assert _pending_timers(eng) == armed
+    assert len(eng.inspect().timers()) < entries
