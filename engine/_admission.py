@@ -129,6 +129,13 @@ class AdmissionMixin:
             self._kernel.push_many(rows.astype(np.int32))
         return ids
 
+    def content_of(self, spec):
+        """The content a spec (an ActionSpec or its dict) is kept under, as an enqueue
+        group's ``content`` holds it: equal for two specs of the same declaration but for
+        the action name; None when not plain data. ``SpecError`` if the spec is invalid.
+        Cheap for a spec enqueued lately (its compiled form is kept by content)."""
+        return self._compiled(spec)[2]
+
     def _compiled(self, spec):
         """``(spec, compiled, content)`` of ``spec`` (an ActionSpec or its dict): the spec as
         an ActionSpec, checked and compiled (``SpecError`` naming what is wrong), and its
@@ -361,7 +368,7 @@ class AdmissionMixin:
             heads[owner] = mine[-1]
             if c.spec.id != str(c.id):
                 c.spec = replace(c.spec, id=str(c.id))
-            self._groups[gid] = EnqueueGroup(gid, c, names, inputs)
+            self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
             self._group_rows[gid] = m
             self._op(part, "specs", group_key(gid), encode_group(content, names, inputs))
             t = c.spec.timeouts

@@ -36,15 +36,18 @@ def group_key(gid):
 
 class EnqueueGroup:
     """One group in memory: its compiled template (the first action's id), the names of its
-    actions by index, and their input references (None when the group has none)."""
+    actions by index, their input references (None when the group has none), and its spec's
+    content (``engine._records.spec_content``: what :meth:`Engine.content_of` gives for a
+    spec of the same declaration; None when not plain data)."""
 
-    __slots__ = ("gid", "compiled", "names", "inputs", "parts")
+    __slots__ = ("gid", "compiled", "names", "inputs", "parts", "content")
 
-    def __init__(self, gid, compiled, names, inputs):
+    def __init__(self, gid, compiled, names, inputs, content=None):
         self.gid = gid
         self.compiled = compiled
         self.names = names
         self.inputs = inputs
+        self.content = content
         aid = compiled.id
         self.parts = (aid.tenant, aid.project, aid.domain, aid.run)
 

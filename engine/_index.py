@@ -147,7 +147,7 @@ class IndexMixin:
         except Exception as exc:
             raise CorruptRecord(part, "specs", key, f"undecodable enqueue group: {exc}") \
                 from None
-        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs)
+        g = self._groups[gid] = EnqueueGroup(gid, c, names, inputs, content)
         return g
 
     def _compiled_of(self, row):

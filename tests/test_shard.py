@@ -214,6 +214,21 @@ def test_fanout_status_explain_and_metrics(insecure):
     assert {x.input_ref for x in leases} == {f"s3://in/{i}" for i in range(50)}
 
 
+def test_each_lease_carries_its_own_actions_spec_when_two_share_a_template_id(insecure):
+    # The shard sends a lease's spec as the client sent it (no rebuild from the compiled
+    # spec), found by the spec's id; two fan-outs of one template id queued together went
+    # out both with the second's spec (the worker ran the wrong image and task).
+    c = insecure.client()
+    assert c.enqueue_fanout(spec("map", image="img-one", task="train"), ["a1"]) == 1
+    assert c.enqueue_fanout(spec("map", image="img-two", task="eval"), ["b1"]) == 1
+    assert c.enqueue(spec("prep", image="img-one", task="prep")) == f"{RUN}/prep"
+    assert c.enqueue_fanout(spec("prep", image="img-two", task="shard"), ["s1"]) == 1
+    leases = insecure.worker().leases(timeout=5, want=4)
+    got = {x.action: (x.spec["task"], x.spec["image"]) for x in leases}
+    assert got == {f"{RUN}/a1": ("train", "img-one"), f"{RUN}/b1": ("eval", "img-two"),
+                   f"{RUN}/prep": ("prep", "img-one"), f"{RUN}/s1": ("shard", "img-two")}
+
+
 def test_client_arguments_of_the_wrong_kind_are_refused_before_anything_is_sent(insecure):
     from engine import SpecError
     from transport import Client, ClientClosed, ShardError

@@ -325,6 +325,11 @@ class WorkersMixin:
             if entry is None or entry[2] is not g:
                 aid = batch.action(first)
                 spec = self.wire_specs.pop(str(g.compiled.spec.id), None)
+                if spec is not None and (g.content is None
+                                         or self.eng.content_of(spec) != g.content):
+                    # Another declaration under that id (two fan-outs of one template id,
+                    # say): the group's own spec, never the last one sent.
+                    spec = None
                 if spec is None:
                     spec = _plain(dataclasses.asdict(g.compiled.spec))
                 entry = (aid.run_key, spec, g)
