@@ -569,6 +569,12 @@ class LeasingMixin:
         code = PHASE_CODE[checked[0][0]] if uniform and n else None
         codes = np.full(n, code, dtype=np.uint8) if code is not None else (
             np.fromiter((PHASE_CODE[p] for p, _k in checked), dtype=np.uint8, count=n))
+        timed_out = np.flatnonzero(~is_run & (codes == PHASE_CODE[Phase.TIMED_OUT]))
+        if timed_out.size:
+            # (Checked with the others, before anything is applied: _report would refuse
+            # it after the reports before it in the message were.)
+            raise SpecError(f"report {int(timed_out[0])}: a finalize lease ends SUCCEEDED "
+                            f"or FAILED")
         st = self._state
         ok = verdicts == _OK
         fast = ok & is_run

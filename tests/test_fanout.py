@@ -19,7 +19,7 @@ from engine import (
     WaitCode,
     parse_config,
 )
-from engine._codes import Verdict
+from engine._codes import LeaseKind, Verdict
 from storage import MemoryStore
 from tests.conftest import hash_names_with
 
@@ -523,6 +523,26 @@ def test_report_many_checks_every_argument_before_applying_any():
     refused = eng.report_many(twice, Phase.SUCCEEDED, worker="w")
     assert [(r.token, r.verdict) for r in refused] == [(out[0].token, Verdict.COMPLETED)]
     assert all(eng.phase(x.action) == Phase.SUCCEEDED for x in out)
+
+
+def test_a_finalize_lease_reported_timed_out_is_refused_before_any_report_applies():
+    # The refusal came from the report itself, after the reports before it in the message
+    # had been applied: an error answered, and part of the message committed.
+    eng = engine()
+    eng.enqueue_fanout(template(), ["a", "b"])
+    a, b = eng.tick()
+    eng.complete(a.action, a.generation, Phase.FAILED, error_kind="USER",
+                 recoverable=False, cleanup=True)
+    [fin] = eng.tick()
+    assert fin.kind == LeaseKind.FINALIZE
+    commits = eng.store.commits
+    with pytest.raises(SpecError, match="report 1: a finalize lease ends SUCCEEDED or FAILED"):
+        eng.report_many(b.token + fin.token, ["SUCCEEDED", "TIMED_OUT"],
+                        causes=[None, "deadline"])
+    assert eng.store.commits == commits
+    assert eng.phase(b.action) == Phase.INITIALIZING
+    assert eng.report_many(b.token + fin.token, ["SUCCEEDED", "SUCCEEDED"]) == []
+    assert eng.phase(b.action) == Phase.SUCCEEDED
 
 
 def test_an_abort_ends_queued_lean_rows_in_columns_and_what_runs_gets_cleanup():
