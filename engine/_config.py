@@ -868,6 +868,17 @@ def _parse_security(source, table, cluster_names):
     for key in keys:
         if keys.count(key) > 1:
             raise _invalid(source, "security.peers", key, "each public key under one name")
+    # A worker key NAME registers as worker NAME or NAME.<suffix>: a worker key named NAME.x
+    # would share its worker ids (the key NAME could end its sessions).
+    workers = {p.name for p in values["peers"] if p.role == "worker"}
+    for name in sorted(workers):
+        for at in (i for i, ch in enumerate(name) if ch == "."):
+            if name[:at] in workers:
+                raise ConfigError(
+                    f"{source}: security.peers.{name}: worker key {name[:at]!r} may register "
+                    f"as worker {name!r} (a worker key registers as its name or "
+                    f"NAME.<suffix>); name worker keys so that none is another's name and a "
+                    f"dot")
     return replace(SecuritySettings(), **values)
 
 

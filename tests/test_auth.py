@@ -277,6 +277,9 @@ def test_keyring_errors_name_the_key_or_file(keys):
     ({"insecure": True, "peers": {"o": {"role": "admin"}}},
      "security.insecure: True is invalid; allowed: false while security.peers are configured"),
     ({"keys": "x"}, "security.keys: unknown key"),
+    ({"peers": {"east": {"role": "worker", "cluster": "east"},
+                "east.1": {"role": "worker", "cluster": "east"}}},
+     "security.peers.east.1: worker key 'east' may register as worker 'east.1'"),
 ])
 def test_security_config_errors_name_the_key(security, text):
     data = {"resources": ["cpu"], "clusters": {"east": {}, "west": {}}, "security": security}
