@@ -60,7 +60,7 @@ MAX_INT32 = 2**31 - 1
 MAX_NODE_PODS = 1024
 RESOURCE_GATES = ("enforce", "off")
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 _NAME_RULE = "a non-empty name of letters, digits, '_', '.', '-'"
 _ALL_CLUSTERS = "*"
 
@@ -107,7 +107,7 @@ _QUEUE_KEYS = (
 _DEFAULT_DEPTH = 10000
 _TENANT_KEYS = ("run_concurrency", "action_concurrency")
 # A tenant is the first segment of an action id (engine/_model.py's segment rule).
-_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
 @dataclass(frozen=True, eq=False)
@@ -610,7 +610,7 @@ def _parse_storage(source, table):
 
 
 _STATUS_KEYS = ("dir", "interval", "metrics")
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})\Z")
 
 
 def _parse_status(source, table):
@@ -671,7 +671,7 @@ MAX_IPC_PATH = 107
 # Other processes must reach a shard: tcp (a host name, an IPv4 address, an interface, "*",
 # or a bracketed IPv6 address) or ipc, not inproc.
 _ENDPOINT = re.compile(r"^(tcp://([A-Za-z0-9_.*-]+|\[[0-9A-Za-z:.%_-]+\]):[0-9]+"
-                       r"|ipc://[^\s\0]+)$")
+                       r"|ipc://[^\s\0]+)\Z")
 
 
 def tcp_host_port(endpoint):
@@ -841,8 +841,8 @@ def _parse_worker(source, resources, table):
 
 
 # A tenant prefix: org, org/project or org/project/domain (engine/_model.py's segment rule).
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*){0,2}$")
-_Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*){0,2}\Z")
+_Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 _SECURITY_KEYS = ("insecure", "keys_dir", "server_key", "peers")
 _PEER_KEYS = ("role", "cluster", "tenants", "public_key")
 

@@ -24,7 +24,7 @@ __all__ = ["effective_config", "render_toml"]
 
 _KNOWN = ("source", "resources", "engine", "storage", "transport", "security", "worker",
           "status", "supervisor", "clusters", "queues", "tenants", "tenant_defaults")
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+\Z")
 
 
 def _quantity(name, value):

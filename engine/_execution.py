@@ -30,9 +30,9 @@ PLUGINS = {
 }
 
 _FUNCTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:"
-                       r"[A-Za-z_][A-Za-z0-9_]*$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CAUSE = re.compile(r"^[A-Z][A-Z_]{0,39}$")
+                       r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_CAUSE = re.compile(r"^[A-Z][A-Z_]{0,39}\Z")
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ _K8S_NAMES = {
     "aws.amazon.com/neuroncore": "gpu",
     "habana.ai/gaudi": "gpu",
 }
-_MIG = re.compile(r"^nvidia\.com/mig-([0-9A-Za-z.]+)$")
+_MIG = re.compile(r"^nvidia\.com/mig-([0-9A-Za-z.]+)\Z")
 _KIND = {"cpu": CPU, "memory": BYTES, "ephemeral_storage": BYTES}
 
 # The SDK's device names on the wire (flyte/_internal/runtime/resources_serde.py,
@@ -949,7 +949,7 @@ def _cache_for(resources):
     return entry[1]
 
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
 def decode_request(request, kind=None):
@@ -980,7 +980,7 @@ def decode_request(request, kind=None):
                         f"({len(request)} bytes; the wire format is corrupt)") from None
 
 
-_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/){4}[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/){4}[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _FROM_QUEUE = EnqueueActionRequest.FromString
 _FROM_ACTIONS = EnqueueRequest.FromString
 

@@ -31,11 +31,11 @@ __all__ = [
     "fit_problem",
 ]
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 # The whole id in one match (fast path); a mismatch is explained segment by segment.
 _ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)/([A-Za-z0-9][A-Za-z0-9_.-]*)/"
                  r"([A-Za-z0-9][A-Za-z0-9_.-]*)/([A-Za-z0-9][A-Za-z0-9_.-]*)/"
-                 r"([A-Za-z0-9][A-Za-z0-9_.-]*)$")
+                 r"([A-Za-z0-9][A-Za-z0-9_.-]*)\Z")
 
 
 @dataclass(frozen=True, order=True)

@@ -28,7 +28,7 @@ from engine._errors import LeaseholdError, empty_file
 
 __all__ = ["Job", "Trace", "TraceError", "SwfMapping", "load_trace", "parse_jsonl", "parse_swf"]
 
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _JSONL_KEYS = ("id", "submit", "runtime", "queue", "task", "pods", "resources", "estimate")
 _POD_KEYS = ("count", "resources")
 _MAX_POD_COUNT = 1_000_000

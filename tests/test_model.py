@@ -36,6 +36,8 @@ def test_action_id_parses_and_names_the_bad_part():
         ActionId.parse("acme/proj/dev/r1")
     with pytest.raises(SpecError, match="domain '' is invalid"):
         ActionId.parse("acme/proj//r1/a1")
+    with pytest.raises(SpecError, match=r"action 'a1\\n' is invalid"):
+        ActionId.parse("acme/proj/dev/r1/a1\n")     # ("$" matched before a final newline)
 
 
 @pytest.mark.parametrize(("name", "value", "expected"), [

@@ -297,6 +297,11 @@ def test_keys_are_checked_by_name():
             "is not a run key tenant/project/domain/run")
     refused(with_header(Abort(rid=1, action="a/b/c/d/e"), {"action": "a/b"}), "BAD_MESSAGE",
             "is not an action id")
+    # A final newline is not part of any name ("$" would have matched before it).
+    refused(with_header(Watch(rid=1, run="a/b/c/d"), {"run": "a/b/c/d\n"}), "BAD_MESSAGE",
+            "is not a run key tenant/project/domain/run")
+    refused(with_header(Abort(rid=1, action="a/b/c/d/e"), {"action": "a/b/c/d/e\n"}),
+            "BAD_MESSAGE", "is not an action id")
     refused(with_header(Registered(rid=1, worker="w", session=1, heartbeat_interval=1.0,
                                    lease_ttl=3.0, max_tokens=10), {"lease_ttl": float("nan")}),
             "BAD_MESSAGE", "'lease_ttl' must be a finite number > 0")

@@ -424,12 +424,12 @@ class Refused(Message):
 # ---------------------------------------------------------------------------------------------
 # Schemas
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 _NAME_RULE = "a name of letters, digits, '_', '.', '-'"
 # engine/_model.py's segment rule, for whole ids and run keys.
 _SEG = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
-_ACTION_ID = re.compile(rf"^{_SEG}/{_SEG}/{_SEG}/{_SEG}/{_SEG}$")
-_RUN_KEY = re.compile(rf"^{_SEG}/{_SEG}/{_SEG}/{_SEG}$")
+_ACTION_ID = re.compile(rf"^{_SEG}/{_SEG}/{_SEG}/{_SEG}/{_SEG}\Z")
+_RUN_KEY = re.compile(rf"^{_SEG}/{_SEG}/{_SEG}/{_SEG}\Z")
 _ID_RULE = "an action id tenant/project/domain/run/action"
 _RUN_RULE = "a run key tenant/project/domain/run"
 _PHASE_NAMES = tuple(p.value for p in Phase)

@@ -364,4 +364,4 @@ def spec_names(spec):
 
 #: Error codes: upper-case words joined by '_' (any such code decodes: newer shards may send
 #: codes this side does not know).
-CODE = re.compile(r"^[A-Z][A-Z_]{0,39}$")
+CODE = re.compile(r"^[A-Z][A-Z_]{0,39}\Z")
