@@ -76,7 +76,7 @@ def check_execution(ex, gang, strict=True):
     ``compile_spec``), without the checks added since (NUL bytes, the 10-year bound)."""
     if not isinstance(ex, Execution):
         raise SpecError(f"execute: {ex!r} is not an Execution")
-    if ex.plugin not in PLUGINS:
+    if not isinstance(ex.plugin, str) or ex.plugin not in PLUGINS:
         raise SpecError(f"execute.plugin {ex.plugin!r} is not one of {', '.join(PLUGINS)}")
     used = PLUGINS[ex.plugin]
     for f in fields(Execution):

@@ -286,7 +286,7 @@ def _compile(spec, aid, resources, queue_names, default_queue, strict):
     for level in ("environment_queue", "task_queue", "run_queue"):
         name = getattr(spec, level)
         if name is not None:
-            if name not in queue_names:
+            if not isinstance(name, str) or name not in queue_names:
                 raise SpecError(f"{level} {name!r} does not exist "
                                 f"(queues: {', '.join(sorted(queue_names))})")
             queue = queue or name

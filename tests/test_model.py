@@ -90,6 +90,8 @@ def test_queue_resolves_environment_then_task_then_run_then_default():
                     environment_queue="env-q").queue == "env-q"
     with pytest.raises(SpecError, match="task_queue 'nope' does not exist"):
         compile_(task_queue="nope", environment_queue="env-q")
+    with pytest.raises(SpecError, match=r"run_queue \['q'\] does not exist"):
+        compile_(run_queue=["q"])            # (a TypeError, "unhashable type", naming nothing)
 
 
 def test_environment_identity_is_stable_and_changes_with_what_defines_the_pool():
@@ -183,6 +185,7 @@ def test_an_execute_declaration_round_trips_and_is_kept_on_the_spec():
 @pytest.mark.parametrize("execute, message", [
     ({"duration": 1}, "execute needs a plugin"),
     ({"plugin": "k8s"}, "execute.plugin 'k8s' is not one of process, python, sim"),
+    ({"plugin": {"a": 1}}, "execute.plugin {'a': 1} is not one of process, python, sim"),
     ({"plugin": "sim", "colour": 1}, "execute: unknown key(s) colour"),
     ({"plugin": "sim", "command": ["x"]}, "execute.command does not apply to the sim plugin"),
     ({"plugin": "process"}, "execute.command must be a non-empty list of strings"),
