@@ -249,11 +249,13 @@ class ExplainMixin:
             phases[i] = self.phase(ids[i])
         return ids, phases, st.a_attempt[rows].tolist()
 
-    def explain(self, action):
+    def explain(self, action, *, reveal=None):
         """The action's phase and, while it waits, the reason (code and message), its
         position in its queue (by enqueue time) and, for a blocked head, its estimated start
         (``eta_ns``: its shadow time from the predicted ends of what runs, docs/predictions.md;
-        None unknown)."""
+        None unknown). ``reveal`` (a function of an ActionId, for a caller that may not see
+        every tenant): whether the head an action waits behind may be named by its run and
+        task; when it says no, the reason says "another tenant's action" instead."""
         row, ret = self._row_or_retained(action)
         if ret is not None:
             return Explanation(ActionId.parse(ret.id), ret.record.phase, None,
@@ -288,7 +290,7 @@ class ExplainMixin:
             return self._placed(aid, row, rec.compiled.queue)
         if st.a_state[row] != ST_QUEUED:
             return Explanation(aid, rec.phase, None, rec.message)
-        code, reason, eta = self._queued_wait(row)
+        code, reason, eta = self._queued_wait(row, reveal)
         phase = Phase.WAITING_FOR_RESOURCES if code in RESOURCE_WAITS else Phase.QUEUED
         position = self._position(row)
         if code in (WaitCode.HEAD_OF_LINE, WaitCode.HEAD_BUDGET) and eta is None:
@@ -350,13 +352,13 @@ class ExplainMixin:
             code[i] = self._kernel.resolve_wait(int(rows[i]))[0]
         return code
 
-    def _queued_wait(self, row):
+    def _queued_wait(self, row, reveal=None):
         """``(code, reason, eta_ns)`` of queued ``row``: its explanation but for the position
-        (a scan of the action table), from its columns alone."""
+        (a scan of the action table), from its columns alone (``reveal`` as in explain)."""
         st = self._state
         q = int(st.a_queue[row])
         code, cluster, dim, blocker = self._wait_code(row)
-        reason = self._reason(row, code, cluster, dim, blocker)
+        reason = self._reason(row, code, cluster, dim, blocker, reveal)
         # Backfill (issue 5): a blocked head gets its shadow time as an estimated start;
         # every queued action its position in the queue (explain).
         eta = None
@@ -380,7 +382,7 @@ class ExplainMixin:
         rec = ret.record if ret is not None else self._rec(row)
         return [replace(a) for a in rec.attempts]
 
-    def _reason(self, row, code, cluster, dim, blocker):
+    def _reason(self, row, code, cluster, dim, blocker, reveal=None):
         st = self._state
         res = self._resources
         q = int(st.a_queue[row])
@@ -420,17 +422,18 @@ class ExplainMixin:
             if blocker < 0:
                 return f"queue {qname}: head-of-line blocked"
             b = self._aid(blocker)
-            btask = self._compiled_of(blocker).spec.task
+            head = (f"{b.run}/{self._compiled_of(blocker).spec.task}"
+                    if reveal is None or reveal(b) else "another tenant's action")
             if code == WaitCode.HEAD_BUDGET:
                 # The budget dimension this row is short of, when the tick recorded it (the
                 # head's share is reserved); else the one the head itself waits for.
                 bdim = dim if dim >= 0 else int(st.a_wait_dim[blocker])
                 name = res.names[bdim]
                 need = f"{name}={format_quantity(name, int(st.a_demand[blocker, bdim]))}"
-                return (f"queue {qname}: head-of-line blocked by {b.run}/{btask} "
+                return (f"queue {qname}: head-of-line blocked by {head} "
                         f"(needs {need} of the queue budget)")
             bdim = self._short_dim(blocker, cluster)
-            return (f"queue {qname}: head-of-line blocked by {b.run}/{btask} "
+            return (f"queue {qname}: head-of-line blocked by {head} "
                     f"({self._need(blocker, cluster, bdim)})")
         if code == WaitCode.NO_WORKER:
             names = ", ".join(self._queues[qname].clusters)

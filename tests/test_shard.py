@@ -44,11 +44,11 @@ RUN = "acme/ml/prod/r1"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def base_config(tmp_path, security=None, **engine):
+def base_config(tmp_path, security=None, scheduling="GREEDY_CAPACITY", **engine):
     data = {
         "resources": ["cpu"],
         "clusters": {"east": {"capacity": {"cpu": 64}}, "west": {"capacity": {"cpu": 64}}},
-        "queues": {"q": {"scheduling": "GREEDY_CAPACITY", "depth": 100000}},
+        "queues": {"q": {"scheduling": scheduling, "depth": 100000}},
         "engine": {"default_queue": "q", "heartbeat_interval": 1.0, **engine},
         "storage": {"path": str(tmp_path / "data"), "partitions": 2},
         "transport": {"endpoints": ["tcp://127.0.0.1:0"], "max_outstanding": 64},
@@ -66,7 +66,7 @@ def keys(tmp_path):
     return d
 
 
-def secure_config(tmp_path, keys, **engine):
+def secure_config(tmp_path, keys, scheduling="GREEDY_CAPACITY", **engine):
     peers = {
         "east-1": {"role": "worker", "cluster": "east"},
         "east-2": {"role": "worker", "cluster": "east"},
@@ -76,7 +76,7 @@ def secure_config(tmp_path, keys, **engine):
         "ops": {"role": "admin"},
     }
     return base_config(tmp_path, {"keys_dir": str(keys), "server_key": "shard",
-                                  "peers": peers}, **engine)
+                                  "peers": peers}, scheduling, **engine)
 
 
 class Harness:
@@ -560,6 +560,34 @@ def test_authorisation_refusals(secure):
     west = secure.client("west-1")
     with pytest.raises(ShardError, match="PERMISSION_DENIED"):
         west.enqueue(spec("b"))
+
+
+def test_explain_does_not_name_a_head_of_another_tenant(tmp_path, keys):
+    # QUEUE_METRICS blanks a blocked head outside the client's tenants; EXPLAIN of the
+    # client's own action queued behind it named the head's run and task.
+    h = Harness(secure_config(tmp_path, keys, scheduling="STRICT_FIFO"), keys_dir=keys,
+                store=MemoryStore())
+    h.start()
+    try:
+        acme, globex = h.client("acme-app"), h.client("globex-app")
+        h.worker("east-1")
+        acme.enqueue(spec("big", resources={"cpu": 60}))
+        globex.enqueue(spec("head", run="globex/ml/prod/secret-merger", task="acquire",
+                            resources={"cpu": 10}))
+        acme.enqueue(spec("small"))
+        deadline = time.monotonic() + 10
+        while "head-of-line" not in acme.explain(f"{RUN}/small")["reason"]:
+            assert time.monotonic() < deadline, acme.explain(f"{RUN}/small")
+            time.sleep(0.02)
+        reason = acme.explain(f"{RUN}/small")["reason"]
+        assert "blocked by another tenant's action (needs cpu=10" in reason, reason
+        assert "secret-merger" not in reason and "acquire" not in reason
+        # An admin sees who holds the line.
+        assert "secret-merger/acquire" in h.client("ops").explain(f"{RUN}/small")["reason"]
+        assert globex.explain("globex/ml/prod/secret-merger/head")["phase"] in (
+            "QUEUED", "WAITING_FOR_RESOURCES")
+    finally:
+        h.close()
 
 
 def test_unknown_key_and_no_key_get_nothing(secure, tmp_path):

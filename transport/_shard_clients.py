@@ -255,7 +255,8 @@ class ClientsMixin:
                                       _wire_attempts(ph, [attempts[i] for i in idx]))
 
     def on_explain(self, conn, c, peer, msg):
-        e = self.eng.explain(msg.action)
+        # A head of another tenant's is not named (as visible_metrics blanks it).
+        e = self.eng.explain(msg.action, reveal=lambda aid: peer.owns(str(aid)))
         body = {f.name: _plain(getattr(e, f.name)) for f in dataclasses.fields(e)} \
             if dataclasses.is_dataclass(e) else _plain(e._asdict())
         self.reply(conn, msg.rid, body)
