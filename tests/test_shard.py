@@ -1127,10 +1127,11 @@ def test_a_watch_replay_that_cannot_go_is_counted_and_ends_that_watch(tmp_path):
 
 
 def test_a_watch_of_an_evicted_log_is_lost_not_resumed_into_the_new_log(tmp_path):
-    """More runs watched than ``watch_runs`` evicts the least recently watched log; a later
-    WATCH of that run makes a new one. The first log's watcher, resuming from its last seq,
-    is told its events are gone (WatchLost) instead of being handed the new log's events
-    after that seq (the new log numbered from the same start: it missed the ones before)."""
+    """More runs watched than ``watch_runs`` evicts the least recently watched log (of the
+    connection asking for a new one: its own); a later WATCH of that run makes a new one.
+    The first log's watcher, resuming from its last seq, is told its events are gone
+    (WatchLost) instead of being handed the new log's events after that seq (the new log
+    numbered from the same start: it missed the ones before)."""
     h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
     h.start(watch_runs=1)
     try:
@@ -1138,7 +1139,8 @@ def test_a_watch_of_an_evicted_log_is_lost_not_resumed_into_the_new_log(tmp_path
         old.subscribe(RUN)
         old.enqueue(spec("a"))
         assert old.next_event(timeout=3, refresh=10).action == f"{RUN}/a"
-        h.client().subscribe("acme/ml/prod/other")      # evicts RUN's log
+        old.subscribe("acme/ml/prod/other")             # evicts RUN's log (its own)
+        old.unsubscribe("acme/ml/prod/other")           # (room for another connection's)
         new = h.client()
         new.subscribe(RUN)                              # a new log of RUN
         new.enqueue_many([spec("b"), spec("c")])
@@ -1448,6 +1450,26 @@ def test_a_refused_first_watch_does_not_stop_the_next_from_following_live_action
         h.close()
 
 
+def test_one_client_watching_many_runs_does_not_stop_another_clients_watch(tmp_path):
+    # Every log watched: a WATCH of one more run evicted the least recently watched log,
+    # whoever watched it; a client watching many runs (they need not exist) stopped another
+    # tenant's watch. Now it may evict only its own logs, or is refused.
+    h = Harness(base_config(tmp_path, heartbeat_interval=240.0), store=MemoryStore())
+    h.start(watch_runs=2)
+    try:
+        watcher, greedy = h.client(), h.client()
+        watcher.subscribe(RUN)
+        greedy.subscribe("acme/ml/prod/g0")
+        greedy.subscribe("acme/ml/prod/g1")            # evicts its own g0, not RUN
+        with pytest.raises(ShardError, match="RESOURCE_EXHAUSTED.*2 runs are watched"):
+            h.client().subscribe("acme/ml/prod/g2")    # every log another connection's
+        aid = greedy.enqueue(spec("x"))
+        e = watcher.next_event(timeout=3, refresh=0.3, runs=(RUN,))
+        assert (e.action, e.phase) == (aid, "QUEUED")
+    finally:
+        h.close()
+
+
 def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path):
     """A client watching two runs waits for events of one (``next_event(runs=...)``, which
     ``watch`` and ``wait`` use): a silence resumes that run, not the other. It resumed every
@@ -1460,7 +1482,7 @@ def test_a_lost_watch_of_another_run_does_not_end_the_wait_for_this_one(tmp_path
         c = h.client()
         c.subscribe(other)
         c.subscribe(RUN)
-        h.client().subscribe("acme/ml/prod/third")      # evicts the other run's log
+        c.subscribe("acme/ml/prod/third")               # evicts the other run's log
         with pytest.raises(ShardTimeout):
             c.next_event(timeout=1.0, refresh=0.3, runs=(RUN,))    # silence: resumes
         aid = c.enqueue(spec("x"))

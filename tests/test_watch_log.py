@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import Phase
+from engine import Phase, ResourceExhausted
 from transport import WatchLog
 from transport._watch import WatchGap
 
@@ -162,8 +162,10 @@ def test_a_resume_into_a_log_made_again_after_its_eviction_is_refused():
     first, _ = log.record_changes(RUN, [f"{RUN}/a", f"{RUN}/b"], [Phase.QUEUED] * 2,
                                   [0, 0], 5)
     last_seen = first.last
+    log.unwatch(RUN, "old")                     # (its watcher went away)
     log.watch(other, "x", 0)                    # evicts RUN's log
     assert RUN not in log
+    log.unwatch(other, "x")
     log.watch(RUN, "new", 0)                    # a new log of the same run
     log.record_changes(RUN, [f"{RUN}/c", f"{RUN}/d", f"{RUN}/e"], [Phase.QUEUED] * 3,
                        [0, 0, 0], 6)
@@ -190,9 +192,13 @@ def test_eviction_takes_a_log_nobody_watches_before_a_watched_one():
     assert busy in log and new in log and idle not in log
     events, watchers = log.record_changes(busy, [f"{busy}/x"], [Phase.QUEUED], [0], 5)
     assert len(events) == 1 and watchers == {"a"}
-    # Every log watched: the least recently watched goes.
-    log.watch("acme/p/d/fourth", "d", 0)
-    assert busy not in log and new in log and log.evicted == 2
+    # Every log watched by another connection: the new one is refused, and none stops.
+    with pytest.raises(ResourceExhausted, match="2 runs are watched, each by another"):
+        log.watch("acme/p/d/fourth", "d", 0)
+    assert busy in log and new in log and "acme/p/d/fourth" not in log and log.evicted == 1
+    # A connection's own logs make room for its next: the least recently watched of them.
+    log.watch("acme/p/d/fourth", "a", 0)
+    assert busy not in log and new in log and "acme/p/d/fourth" in log and log.evicted == 2
 
 
 def test_sweep_reads_every_tracked_action_once_a_round_a_bounded_number_a_call():

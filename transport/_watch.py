@@ -7,7 +7,9 @@ re-check finds: expiry, retry, timeout) is appended with the next sequence numbe
 to the connections watching it. The log stays after its watchers leave (a watcher that
 reconnects resumes from the last ``seq`` it saw) until the run is evicted when more than
 ``max_runs`` runs have logs: the least recently watched of those nobody watches now, else the
-least recently watched.
+least recently watched of those only the connection asking for a new one watches. When every
+log is watched by another connection, the new WATCH is refused (RESOURCE_EXHAUSTED): one
+client watching many runs must not stop another's watch.
 
 Bounds: ``ring`` events a run (the oldest are dropped), ``max_runs`` runs, ``max_live``
 actions tracked a run for the backstop re-check. A resume from a ``seq`` the ring no longer
@@ -30,6 +32,7 @@ import time
 import numpy as np
 
 from engine._codes import PHASE_CODE, PHASES, TERMINAL_PHASES, Phase
+from engine._errors import ResourceExhausted
 
 # A phase or its name -> the Phase: a dict lookup (Phase(x) costs an enum call, and every
 # recorded change of a watched run takes one).
@@ -224,23 +227,41 @@ class WatchLog:
         if since and since + 1 < first:
             raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
                            f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
-        r.watchers.add(conn)        # (first: a new log is watched, so never the victim)
+        victims = []
+        if new:
+            while len(self._runs) - len(victims) >= self.max_runs:
+                victim = self._victim(conn, victims)
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"watch {run}: {self.max_runs} runs are watched, each by another "
+                        f"connection (a shard keeps that many logs); unwatch a run this "
+                        f"connection watches, or try again")
+                victims.append(victim)
+        r.watchers.add(conn)
+        for victim in victims:
+            self.forget(victim)
         if new:
             self._runs[run] = r
-            while len(self._runs) > self.max_runs:
-                self.forget(self._victim())
         return r.seq, [c if c.seq > since else c.part(since + 1 - c.seq, len(c))
                        for c in r.ring if c.last > since]
 
-    def _victim(self):
-        """The log to evict: the least recently watched of those nobody watches now, else
-        the least recently watched (until 2026-12-03 always that one: a run watched by a
-        client taking its events, which sends no WATCH while they come, went before runs
-        nobody watched any more, and its watcher learnt it only at its next resume)."""
+    def _victim(self, conn, taken=()):
+        """The log to evict for a new one ``conn`` asks for (not one of ``taken``): the least
+        recently watched of those nobody watches now, else of those only ``conn`` watches;
+        None when every other log has another watcher. (Until 2026-12-03 the least recently
+        watched of all: a run watched by a client taking its events, which sends no WATCH
+        while they come, went before runs nobody watched any more; until 2026-12-05 also
+        when another connection watched it: one client's WATCHes of many runs stopped
+        another's watch.)"""
+        mine = None
         for run, r in self._runs.items():
+            if run in taken:
+                continue
             if not r.watchers:
                 return run
-        return next(iter(self._runs))
+            if mine is None and r.watchers <= {conn}:
+                mine = run
+        return mine
 
     def forget(self, run):
         """Drop ``run``'s log as an eviction does (its watchers stop; one resuming is
