@@ -19,9 +19,11 @@
   memory should be bounded by live work, not by history. The churn's store keeps outcomes
   for ``CHURN_RETENTION`` (1 s) of its clock, which advances ``CHURN_BATCH_S`` (10 ms) a
   batch, so about 100,000 outcomes are retained at any time and ``schedule()``'s sweep
-  deletes the expired ones, as a shard does. The steady state: a warm-up runs until the
-  store's LMDB data files (16 partitions; LMDB extends a file when it first
-  writes a page past its end, and reuses freed pages) grew less than ``WARM_TOL`` (0.5%)
+  deletes the expired ones, as a shard does. Each action has a deadline of an hour
+  (``CHURN_TIMEOUTS``): a timer that outlives it, as most actions' do, and must not pile
+  up. The steady state: a warm-up runs until the store's LMDB data files (16 partitions;
+  LMDB extends a file when it first writes a page past its end, and reuses freed pages)
+  grew less than ``WARM_TOL`` (0.5%)
   over the last ``WARM_WINDOW`` x ``WARM_STEP`` (500,000) actions (``churn_warm_actions``
   is where; ``churn_steady`` false if ``WARM_MAX`` came first), then ``CHURN`` more actions
   are measured (``churn_actions_in_all`` in all). Before that point RSS counts the filling of
@@ -69,6 +71,7 @@ from engine import (  # noqa: E402
     Engine,
     ManualClock,
     Phase,
+    Timeouts,
     is_content_key,
     parse_config,
 )
@@ -82,6 +85,8 @@ LIVE_CHURN = 10_000
 # CHURN_BATCH_S a batch: about 100 batches (100,000 outcomes) retained at any time.
 CHURN_RETENTION = 1.0
 CHURN_BATCH_S = 0.01
+# Each churned action has a deadline (a timer each, due long after the action ended).
+CHURN_TIMEOUTS = Timeouts(deadline=3600)
 # The churn measures from a steady state: the store's data files (LMDB extends a file the
 # first time a page past its end is written; freed pages are reused) grew less than WARM_TOL
 # over the last WARM_WINDOW checks, one every WARM_STEP actions; at most WARM_MAX actions.
@@ -104,9 +109,10 @@ def config(path, capacity=1 << 17, retention="7d"):
     }
 
 
-def template(run, task="work"):
+def template(run, task="work", timeouts=None):
     return ActionSpec(id=f"tenant{run % 64}/p/d/run{run}/map", task=task,
-                      resources={"cpu": "250m", "memory": "512Mi"})
+                      resources={"cpu": "250m", "memory": "512Mi"},
+                      timeouts=timeouts or Timeouts())
 
 
 def lifecycle(path, n):
@@ -222,7 +228,7 @@ def churn(path, total, live):
     end = None                  # set once warm: the warm point + total
     t_warm = time.perf_counter()
     while end is None or done < end:
-        eng.enqueue_fanout(template(b), names)
+        eng.enqueue_fanout(template(b, timeouts=CHURN_TIMEOUTS), names)
         b += 1
         with eng.turn():
             eng.schedule()
