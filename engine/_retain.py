@@ -673,6 +673,12 @@ class RetentionMixin:
                     if held is None or held <= key[:8]:
                         self._op(part, "retained", target, None)
                     continue
+                found, raw = self._unwritten_retained(part, target)
+                if found and raw is not None:
+                    # Reclaimed again since (the entry found is the store's, and an earlier
+                    # sweep's delete of it is not committed yet): the new outcome keeps its
+                    # own entry and retention.
+                    continue
                 self._op(part, "retained", target, None)
                 deleted += 1
             full = full or len(expired) == limit

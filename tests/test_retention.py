@@ -854,3 +854,29 @@ def test_an_ended_parent_starts_no_children_before_or_after_its_row_is_reclaimed
         assert eng.inspect().find("acme/p/d/r/k") is None
         if in_table:
             assert eng.reclaim() == 2
+
+
+def test_a_sweep_keeps_an_outcome_reclaimed_again_since_an_earlier_sweep_not_committed():
+    # The sweep lists expired entries from the store; one whose deletion an earlier sweep
+    # of the same turn (or of a group still in commit) made is listed again, and its
+    # outcome, retained anew by a later reclaim in between, was deleted with it: an
+    # acknowledged outcome lost, and its id enqueued afresh.
+    eng, clock = make_engine(config(retention=10))
+    x = replace(template("r1"), id="acme/p/d/r1/a0")
+    eng.enqueue(x)
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    clock.advance(11)                               # its retention passed
+    with eng.turn():
+        assert eng.sweep_retention() == 1
+        assert eng.enqueue_many([x]).added.tolist() == [True]    # (swept: a new action)
+        run_to_success(eng)
+        assert eng.reclaim() == 1                   # retained again, for 10 s from now
+        assert eng.sweep_retention() == 0
+    assert eng.phase(x.id) == Phase.SUCCEEDED
+    assert eng.enqueue_many([x]).added.tolist() == [False]
+    clock.advance(9)
+    assert eng.sweep_retention() == 0
+    assert eng.phase(x.id) == Phase.SUCCEEDED
+    clock.advance(2)
+    assert eng.sweep_retention() == 1               # its own retention, in full
