@@ -309,7 +309,11 @@ class AdmissionMixin:
                 prow = self._lookup(g[0].parent)
                 if prow is not None:
                     keep.add(prow)
-        rows = self._alloc_rows(n, keep)
+        # ... and so do their runs: a run retired by that reclaim would come back with the
+        # first group's declared cap, which the batch was not checked against.
+        keep_runs = {u for u in (self._runs.get(g[0].id.run_key) for g in groups)
+                     if u is not None}
+        rows = self._alloc_rows(n, keep, keep_runs)
         cols = {k: [] for k in _GROUP_COLUMNS}     # per group: lists (numpy takes them whole)
         fits = np.empty(len(groups), dtype=np.uint64)
         demand = np.empty((len(groups), st.n_res), dtype=np.int64)

@@ -214,7 +214,7 @@ class RetentionMixin:
             rows = rows[~np.isin(rows, np.fromiter(keep, dtype=np.int64))]
         return rows
 
-    def _reclaim(self, limit=RECLAIM_BATCH, keep=()):
+    def _reclaim(self, limit=RECLAIM_BATCH, keep=(), keep_runs=()):
         rows = self._reclaimable(keep)[:limit]
         if not rows.size:
             return 0
@@ -291,7 +291,7 @@ class RetentionMixin:
         # the row is reused in this turn by another partition's action.
         self._action_blocks([rows], self._ops)
         self._free_rows = np.union1d(self._free_rows, rows)
-        self._retire_runs(runs, run_parts)
+        self._retire_runs(runs, run_parts, keep_runs)
         return int(rows.size)
 
     def _retain_outcomes(self, rows, expire, now):
@@ -384,12 +384,13 @@ class RetentionMixin:
                 if until == after:
                     self._op(part, "expiry", after + ckey, b"")
 
-    def _retire_runs(self, runs, parts):
+    def _retire_runs(self, runs, parts, keep_runs=()):
         """Runs among ``runs`` (run rows of just reclaimed actions, their records in
-        ``parts``) with no action left in the table leave memory: the run row, its (queue,
-        run) pairs and their lanes go back to free lists, the run record is deleted. A later
-        action of the run starts it afresh (its ``max_action_concurrency`` with it); its
-        retained outcomes are found in the store (``_run_may_have_retained``)."""
+        ``parts``) with no action left in the table leave memory, but those in ``keep_runs``
+        (an enqueue's own runs): the run row, its (queue, run) pairs and their lanes go back
+        to free lists, the run record is deleted. A later action of the run starts it afresh
+        (its ``max_action_concurrency`` with it); its retained outcomes are found in the
+        store (``_run_may_have_retained``)."""
         st = self._state
         # A run with an action in the table has a parentless one in its list (a parent is
         # reclaimed only after its children).
@@ -401,6 +402,8 @@ class RetentionMixin:
             if (gone != ~alive[runs]).any():
                 raise AssertionError(f"run lists disagree with the table for runs "
                                      f"{runs[gone != ~alive[runs]].tolist()}")
+        if keep_runs:
+            gone &= ~np.isin(runs, np.fromiter(keep_runs, dtype=np.int64))
         if not gone.any():
             return
         runs, parts = runs[gone], parts[gone]
@@ -494,14 +497,15 @@ class RetentionMixin:
             take = np.concatenate([take, np.arange(first, first + fresh, dtype=np.int64)])
         return take
 
-    def _alloc_rows(self, n, keep=()):
+    def _alloc_rows(self, n, keep=(), keep_runs=()):
         """``n`` rows for new actions, ascending: reclaimed rows first, then new ones (the
-        table grows by doubling only when reclaiming cannot make room)."""
+        table grows by doubling only when reclaiming cannot make room). A reclaim it makes
+        leaves rows ``keep`` and the runs ``keep_runs`` (run rows) in memory."""
         st = self._state
         free = self._free_rows
         fresh = n - free.size
         if fresh > 0 and self._next_row + fresh > st.rows["actions"]:
-            got = self._reclaim(keep=keep)
+            got = self._reclaim(keep=keep, keep_runs=keep_runs)
             free = self._free_rows
             fresh = n - free.size
             if got < st.rows["actions"] // 8 and st.ensure("actions", st.rows["actions"] + 1):

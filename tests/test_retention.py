@@ -880,3 +880,24 @@ def test_a_sweep_keeps_an_outcome_reclaimed_again_since_an_earlier_sweep_not_com
     assert eng.phase(x.id) == Phase.SUCCEEDED
     clock.advance(2)
     assert eng.sweep_retention() == 1               # its own retention, in full
+
+
+def test_a_run_an_enqueue_was_checked_against_is_not_retired_by_its_own_reclaim():
+    # The batch is checked against the run's cap (3), then makes room by reclaiming: the
+    # run's one action had ended, so the run was retired and made again with the batch's
+    # first declared cap (none): 7 of its actions in flight.
+    eng, _clock = make_engine(config(capacity=16))
+    run = "acme/p/d/r1"
+
+    def act(name, cap):
+        return ActionSpec(id=f"{run}/{name}", task="t", resources={"cpu": 1},
+                          run_max_action_concurrency=cap)
+
+    eng.enqueue(act("first", 3))
+    run_to_success(eng)
+    eng.enqueue_fanout(template("other"), [f"o{i}" for i in range(15)])   # the table full
+    eng.enqueue_many([act("a0", 0)] + [act(f"b{i}", 3) for i in range(6)])
+    view = eng.inspect()
+    assert int(view.arrays.u_cap[view.runs()[run]]) == 3
+    placed = [a for a in eng.tick() if str(a.action).startswith(run + "/")]
+    assert len(placed) == 3
