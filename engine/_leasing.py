@@ -822,6 +822,10 @@ class LeasingMixin:
         st = self._state
         if st.fz_state[f] == ST_DONE:
             return
+        end = END_ABORTED
         if st.fz_state[f] == ST_QUEUED:
             self._kernel.remove_finalize(f)
-        self._end_finalize(f, END_ABORTED, "ABANDONED")
+            # Never granted: no lease of its generation to end. The row's end stays its
+            # last lease's (a reused row's: the previous action's), as its records say.
+            end = int(st.fz_end[f])
+        self._end_finalize(f, end, "ABANDONED")

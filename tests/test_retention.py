@@ -6,6 +6,7 @@ idempotent against the retained outcome; a token of the row's old action is refu
 memory (the action table) is bounded by live work; a reload keeps all of it.
 """
 
+import copy
 from dataclasses import replace
 
 import lmdb
@@ -29,7 +30,7 @@ from engine import (
 )
 from engine._codes import PHASES, LeaseKind, RowState, Verdict
 from engine._retain import RETENTION_BATCH
-from storage import SCHEMA_VERSION, CorruptRecord, LmdbStore, MemoryStore
+from storage import SCHEMA_VERSION, CorruptRecord, LmdbStore, MemoryStore, partition_of
 from tests.conftest import hash_names_with, make_engine
 
 
@@ -901,3 +902,34 @@ def test_a_run_an_enqueue_was_checked_against_is_not_retired_by_its_own_reclaim(
     assert int(view.arrays.u_cap[view.runs()[run]]) == 3
     placed = [a for a in eng.tick() if str(a.action).startswith(run + "/")]
     assert len(placed) == 3
+
+
+def test_giving_up_a_cleanup_never_granted_keeps_its_reused_rows_last_verdict():
+    # A finalize row freed and reused by a lease that is given up before any worker took it
+    # had its end overwritten (ABORTED) without a generation of its own: the previous
+    # action's token was then refused ABORTED in memory but COMPLETED after a reload, which
+    # read the older of two FREE records of one generation.
+    cfg = config()
+    cfg["engine"]["finalize_timeout"] = 60
+    eng, clock = make_engine(cfg, store=MemoryStore(4))
+    tenants = sorted(("echo", "beta", "corp", "delta", "zulu"),
+                     key=lambda t: partition_of(t, 4))
+    first, second = tenants[-1], tenants[0]     # two partitions, the second's scanned first
+    assert partition_of(first, 4) != partition_of(second, 4)
+    eng.enqueue(template("r1", tenant=first))
+    (a,) = eng.tick()
+    eng.report(a.token, Phase.SUCCEEDED, cleanup=True)
+    (f,) = eng.tick()                           # its cleanup lease
+    assert eng.report(f.token, Phase.SUCCEEDED) == Verdict.OK
+    assert eng.reclaim() == 1
+    eng.enqueue(template("r2", tenant=second))
+    (b,) = eng.tick()
+    eng.unregister_worker("w-east")             # nobody to take its cleanup
+    eng.report(b.token, Phase.SUCCEEDED, cleanup=True)      # the freed finalize row, QUEUED
+    clock.advance(61)
+    eng.schedule()                              # given up, never granted
+    assert eng.reclaim() == 1
+    again = Engine(eng.config, clock=clock,
+                   store=MemoryStore(4, backing=copy.deepcopy(eng.store.backing)))
+    assert eng.report(f.token, Phase.SUCCEEDED) == Verdict.COMPLETED
+    assert again.report(f.token, Phase.SUCCEEDED) == Verdict.COMPLETED
