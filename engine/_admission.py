@@ -93,8 +93,9 @@ class AdmissionMixin:
                 continue
             ret = self._retained(c.id)
             if ret is not None:
-                # Ended and reclaimed, its outcome retained: the same idempotency.
-                if not self._same_retained(ret, spec):
+                # Ended and reclaimed, its outcome retained: the same idempotency (the
+                # input reference a fan-out gave it is not compared, as in the table).
+                if not self._same_retained(ret, spec, any_input=True):
                     raise AlreadyExists(f"action {c.id} exists with a different spec "
                                         f"(ended {ret.record.phase.value})")
                 ids.append(c.id)

@@ -645,8 +645,8 @@ class RetentionMixin:
         value = self._content_entry(part, ckey)
         return None if value is None else value[:8]
 
-    def _same_retained(self, ret, spec, input_ref=None):
-        if ret.input_ref != input_ref:
+    def _same_retained(self, ret, spec, input_ref=None, any_input=False):
+        if not any_input and ret.input_ref != input_ref:
             return False
         return same_spec(ret.spec(), spec)
 

@@ -933,3 +933,21 @@ def test_giving_up_a_cleanup_never_granted_keeps_its_reused_rows_last_verdict():
                    store=MemoryStore(4, backing=copy.deepcopy(eng.store.backing)))
     assert eng.report(f.token, Phase.SUCCEEDED) == Verdict.COMPLETED
     assert again.report(f.token, Phase.SUCCEEDED) == Verdict.COMPLETED
+
+
+
+def test_enqueue_many_of_a_fanout_action_is_a_no_op_in_the_table_and_retained_alike():
+    # Whether the same enqueue was a no-op depended on whether the row had been reclaimed:
+    # in the table enqueue_many does not compare the input reference a fan-out gave (it
+    # gives none), retained it did (AlreadyExists).
+    eng, _clock = make_engine(config())
+    [a0] = eng.enqueue_fanout(template("r1"), ["a0"], inputs=["s3://in/0"])
+    plain = replace(template("r1"), id="acme/p/d/r1/a0")
+    assert eng.enqueue_many([plain]).added.tolist() == [False]
+    run_to_success(eng)
+    assert eng.reclaim() == 1
+    assert eng.enqueue_many([plain]).added.tolist() == [False]
+    assert eng.phase(a0) == Phase.SUCCEEDED
+    # A fan-out compares its input references, in the table and retained alike.
+    with pytest.raises(AlreadyExists, match="exists with a different spec"):
+        eng.enqueue_fanout(template("r1"), ["a0"], inputs=["s3://in/other"])
