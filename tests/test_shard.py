@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 
@@ -227,6 +228,19 @@ def test_each_lease_carries_its_own_actions_spec_when_two_share_a_template_id(in
     got = {x.action: (x.spec["task"], x.spec["image"]) for x in leases}
     assert got == {f"{RUN}/a1": ("train", "img-one"), f"{RUN}/b1": ("eval", "img-two"),
                    f"{RUN}/prep": ("prep", "img-one"), f"{RUN}/s1": ("shard", "img-two")}
+
+
+def test_a_heartbeat_before_register_is_refused_naming_its_type_once(insecure):
+    # ("HEARTBEAT: HEARTBEAT: this connection ...": the handler and the loop both named it.)
+    from transport._protocol import Heartbeat
+
+    raw = insecure.silent_peer()
+    raw.send_multipart(encode(Heartbeat(rid=7, tokens=np.zeros((0, 3), np.uint64))))
+    assert raw.poll(5000, zmq.POLLIN)
+    err = decode(raw.recv_multipart())
+    assert (err.rid, err.code) == (7, "NOT_FOUND")
+    assert err.message == ("HEARTBEAT: this connection has not registered a worker (send "
+                           "REGISTER first)")
 
 
 def test_client_arguments_of_the_wrong_kind_are_refused_before_anything_is_sent(insecure):

@@ -82,11 +82,12 @@ class WorkersMixin:
         self.want_tick = True
 
     def _worker(self, conn, c, msg):
+        # (The loop prefixes the message type to what is raised here.)
         if c.worker is None and c.displaced is not None:
-            raise _Displaced(f"{msg.TYPE.name}: {_displaced_text(c.displaced)}")
+            raise _Displaced(_displaced_text(c.displaced))
         if c.worker is None or self.worker_conn.get(c.worker) != conn:
-            raise _NotRegistered(f"{msg.TYPE.name}: this connection has not registered a "
-                                 f"worker (send REGISTER first)")
+            raise _NotRegistered("this connection has not registered a worker (send "
+                                 "REGISTER first)")
         return c.worker
 
     def on_heartbeat(self, conn, c, peer, msg):
