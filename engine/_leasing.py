@@ -80,7 +80,8 @@ class LeasingMixin:
 
         After a restart, a worker that held leases adopts them when it registers again
         (same id): its next heartbeat validates them. A worker registering again within a
-        running shard starts a new session, and its old session's leases expire."""
+        running shard starts a new session, and its old session's leases expire (an old
+        session that holds nothing lends the new one its session row)."""
         if not isinstance(worker_id, str) or not worker_id:
             raise SpecError(f"worker id must be a non-empty string, not {worker_id!r}")
         if capacity is not None:
@@ -105,8 +106,18 @@ class LeasingMixin:
         st = self._state
         c = self._cluster_index[cluster]
         old = self._workers.get(worker_id)
-        # Every connection is a new session row: leases of an earlier session are refused
-        # as stale when the worker presents them again, and expire.
+        if old is not None and st.w_adm[old] == st.w_rel[old]:
+            # Its last session holds nothing (no lease of it can be presented): that row
+            # serves the new one. A row per registration made a worker that reconnects
+            # again and again grow the tables the tick walks for every placement.
+            self._adoptable.discard(old)
+            st.w_cluster[old] = c
+            st.w_slots[old] = slots
+            st.w_paused[old] = 0
+            st.w_connected[old] = 1
+            return
+        # Otherwise a new session row: leases of the earlier session are refused as stale
+        # when the worker presents them again, and expire.
         row = len(self._worker_names)
         if st.ensure("workers", row + 1):
             self._bind()

@@ -66,6 +66,29 @@ def test_worker_reconnecting_within_the_expiry_window_is_refused_and_its_lease_r
     assert eng.report(a1.token, Phase.SUCCEEDED) == Verdict.STALE
 
 
+def test_a_worker_registering_again_while_it_holds_nothing_adds_no_session_row():
+    # Every registration was a session row for the life of the process, and the tick walks
+    # them all for each placement: a worker that reconnected (or registered) in a loop made
+    # placing ~200 times slower after 200,000 of them.
+    eng, clock = engine({"A": ("east", 10)})
+    rows = eng.inspect().worker_sessions
+    for _ in range(1000):
+        eng.register_worker("A", "east", 10)
+    assert eng.inspect().worker_sessions == rows
+    eng.enqueue(spec(name="a"))
+    a = only(eng.tick())
+    assert eng.heartbeat("A", [a.token]) == []
+    # Holding a lease, a registration is a new session and the old one's lease expires.
+    eng.register_worker("A", "east", 10)
+    assert eng.inspect().worker_sessions == rows + 1
+    assert [r.verdict for r in eng.heartbeat("A", [a.token])] == [Verdict.EXPIRED]
+    # The reused row starts afresh: the new session gets leases and slots as a new row.
+    clock.advance(1)
+    placed = eng.tick()
+    assert only(placed).action == a.action and only(placed).worker == "A"
+    assert eng.heartbeat("A", [only(placed).token]) == []
+
+
 def test_a_child_of_an_aborted_parent_is_refused():
     eng, _ = engine()
     eng.enqueue(spec("r", "parent"))

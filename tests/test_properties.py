@@ -426,6 +426,13 @@ class EngineMachine(RuleBasedStateMachine):
         new = len(self.rows)
         if wid not in self.idents:
             self.idents.append(wid)
+        if old is not None and self._row_load(old) == 0:
+            # Its last session holds nothing: the new session takes its row.
+            event("an idle session's row reused")
+            self.adoptable.discard(old)
+            self.rows[old] = [wid, cluster, slots, True]
+            assert self.ins.worker_sessions_by_id()[wid] == old
+            return
         if old is not None and old in self.adoptable:
             # Back after a reload: the new session adopts what its identity held.
             event("restored leases adopted")
