@@ -206,11 +206,10 @@ class Engine(AdmissionMixin, IndexMixin, LeasingMixin, AttemptsMixin, TimersMixi
         self._next_retention_ns = 0  # next sweep of expired retained outcomes
         self._n_finalize = restored.finalize_rows  # high-water finalize row
         self._free_fz = restored.fz_free        # freed finalize rows, ascending
-        self._timers = []           # heap of (due_ns, seq, kind, row, ref) set since load
         self._seq = itertools.count()
-        # A heap of sorted timer blocks [next due, seq, due, kind, row, ref, next position]:
-        # restored at load, set for many rows at once (_timer_block), or a compaction's.
-        self._timer_blocks = []
+        # The timers (engine/_timers.py): a heap of (due_ns, seq, kind, row, ref) set one at
+        # a time, and a heap of sorted blocks [next due, seq, due, kind, row, ref, next
+        # position]: restored at load, set for many rows at once, or a rebuild's.
         self._adopt_timers(restored.timers)
         self._next_sweep_ns = 0
         self._expiries_waiting = False  # the last sweep left expired leases to the next

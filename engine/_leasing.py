@@ -59,6 +59,8 @@ _OK = int(Verdict.OK)   # (compared with a uint8 column: an int, not the enum)
 EXPIRY_BATCH = 1024
 # The phases a lean row's report may apply in columns (report_many's fast path).
 _LEAN_CODES = frozenset((PH_INIT, PH_RUNNING, PH_SUCCEEDED))
+# Why a finalize lease's report of another phase is refused (report and report_many).
+_FINALIZE_ENDS = "a finalize lease ends SUCCEEDED or FAILED"
 
 
 @dataclass(frozen=True)
@@ -584,8 +586,7 @@ class LeasingMixin:
         if timed_out.size:
             # (Checked with the others, before anything is applied: _report would refuse
             # it after the reports before it in the message were.)
-            raise SpecError(f"report {int(timed_out[0])}: a finalize lease ends SUCCEEDED "
-                            f"or FAILED")
+            raise SpecError(f"report {int(timed_out[0])}: {_FINALIZE_ENDS}")
         st = self._state
         ok = verdicts == _OK
         fast = ok & is_run
@@ -691,7 +692,7 @@ class LeasingMixin:
             if phase in (Phase.SUCCEEDED, Phase.FAILED):
                 self._end_finalize(row, END_COMPLETED, phase.value)
             elif phase == Phase.TIMED_OUT:
-                raise SpecError("a finalize lease ends SUCCEEDED or FAILED")
+                raise SpecError(_FINALIZE_ENDS)
             return verdict
         st = self._state
         if not st.a_edges[row] and (phase in (Phase.INITIALIZING, Phase.RUNNING) or (

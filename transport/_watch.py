@@ -227,27 +227,25 @@ class WatchLog:
         if since and since + 1 < first:
             raise WatchGap(f"watch {run}: events after seq {since} are no longer kept (the "
                            f"ring holds {first}..{r.seq}, {self.ring} a run); re-read status")
-        victims = []
-        if new:
-            while len(self._runs) - len(victims) >= self.max_runs:
-                victim = self._victim(conn, victims)
-                if victim is None:
-                    raise ResourceExhausted(
-                        f"watch {run}: {self.max_runs} runs are watched, each by another "
-                        f"connection (a shard keeps that many logs); unwatch a run this "
-                        f"connection watches, or try again")
-                victims.append(victim)
+        victim = None
+        if new and len(self._runs) >= self.max_runs:   # (never more: one out for one in)
+            victim = self._victim(conn)
+            if victim is None:
+                raise ResourceExhausted(
+                    f"watch {run}: {self.max_runs} runs are watched, each by another "
+                    f"connection (a shard keeps that many logs); unwatch a run this "
+                    f"connection watches, or try again")
         r.watchers.add(conn)
-        for victim in victims:
+        if victim is not None:
             self.forget(victim)
         if new:
             self._runs[run] = r
         return r.seq, [c if c.seq > since else c.part(since + 1 - c.seq, len(c))
                        for c in r.ring if c.last > since]
 
-    def _victim(self, conn, taken=()):
-        """The log to evict for a new one ``conn`` asks for (not one of ``taken``): the least
-        recently watched of those nobody watches now, else of those only ``conn`` watches;
+    def _victim(self, conn):
+        """The log to evict for a new one ``conn`` asks for: the least recently watched of
+        those nobody watches now, else of those only ``conn`` watches;
         None when every other log has another watcher. (Until 2026-12-03 the least recently
         watched of all: a run watched by a client taking its events, which sends no WATCH
         while they come, went before runs nobody watched any more; until 2026-12-05 also
@@ -255,8 +253,6 @@ class WatchLog:
         another's watch.)"""
         mine = None
         for run, r in self._runs.items():
-            if run in taken:
-                continue
             if not r.watchers:
                 return run
             if mine is None and r.watchers <= {conn}:
